@@ -1,0 +1,47 @@
+# sdnpu: every target sets up ./.venv itself (pinned packages, torch 2.13.0 CPU) before doing its job.
+#   make convert MODEL=unet [SOURCE=sdxl-base|tiny-sdxl|path] [OUT=dir] [RES=px] [EXPORTER=dynamo|torchscript]
+#   make test | make bench [FULL=1] | make clean
+
+PYTHON ?= python3
+VENV   := .venv
+BIN    := $(VENV)/bin
+STAMP  := $(VENV)/.installed
+
+MODEL    ?= all
+SOURCE   ?= sdxl-base
+OUT      ?=
+RES      ?=
+EXPORTER ?=
+FULL     ?=
+
+export HF_HUB_OFFLINE := 1
+export TRANSFORMERS_OFFLINE := 1
+export HF_HUB_DISABLE_TELEMETRY := 1
+
+.PHONY: venv convert test bench clean
+
+venv: $(STAMP)
+
+$(STAMP): requirements.lock pyproject.toml
+	@test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
+	$(BIN)/python -m pip install --quiet --upgrade pip
+	# torch first and alone: an unpinned resolve would pull a multi-GB CUDA build
+	$(BIN)/python -m pip install --quiet torch==2.13.0
+	$(BIN)/python -m pip install --quiet -r requirements.lock
+	# only its BPE merges file is used (CLIP tokenizer); its deps (torchvision) do not import beside torch 2.13
+	$(BIN)/python -m pip install --quiet --no-deps open-clip-torch==3.3.0
+	$(BIN)/python -m pip install --quiet --no-deps --no-build-isolation -e .
+	@touch $@
+
+convert: $(STAMP)
+	$(BIN)/sdnpu convert --model $(MODEL) --source $(SOURCE) \
+		$(if $(OUT),--out $(OUT)) $(if $(RES),--res $(RES)) $(if $(EXPORTER),--exporter $(EXPORTER))
+
+test: $(STAMP)
+	$(BIN)/python -m pytest -q
+
+bench: $(STAMP)
+	$(BIN)/python bench/bench_export.py $(if $(FULL),--full)
+
+clean:
+	rm -rf $(VENV) build *.egg-info .pytest_cache

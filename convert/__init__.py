@@ -1,0 +1,18 @@
+"""Export stage: diffusers modules (from a preset or a local folder) to validated ONNX graphs.
+
+``convert/`` is the one place in sdnpu that builds torch modules.
+"""
+
+from sdnpu.convert.driver import ComponentResult, ConvertResult, convert, parse_components
+from sdnpu.convert.sources import COMPONENTS, Source, preset_names, resolve_source
+
+__all__ = [
+    "COMPONENTS",
+    "ComponentResult",
+    "ConvertResult",
+    "Source",
+    "convert",
+    "parse_components",
+    "preset_names",
+    "resolve_source",
+]

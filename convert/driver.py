@@ -1,0 +1,257 @@
+"""``convert()``: resolve the source, then export and check each component into ``OUT/<component>/``.
+
+Each component folder is built complete in a staging folder and swapped into place only when export and
+check both succeeded (``sdnpu.fileio.staged_dir``), so a failed or interrupted run leaves the previous
+output as it was. One module is in memory at a time (the VAE once for encoder and decoder), and the torch
+module is dropped before onnxruntime loads the graph: at full SDXL size the two would not fit together.
+"""
+
+from __future__ import annotations
+
+import gc
+import logging
+import platform
+from collections.abc import Sequence
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+from sdnpu import __version__
+from sdnpu.convert.components import (
+    Signature,
+    build_wrapper,
+    resolution_step,
+    sample_inputs,
+    signature,
+    vae_scale_factor,
+)
+from sdnpu.convert.export import (
+    CHECK_RTOL,
+    DEFAULT_OPSET,
+    compare,
+    export_module,
+    onnx_outputs,
+    torch_outputs,
+)
+from sdnpu.convert.sources import COMPONENT_MODULES, COMPONENTS, Source, resolve_source
+from sdnpu.errors import SdnpuError
+from sdnpu.fileio import atomic_write_json, recover_staging, staged_dir
+from sdnpu.progress import peak_rss_bytes, step
+
+log = logging.getLogger(__name__)
+
+MODEL_FILE = "model.onnx"
+
+
+@dataclass
+class ComponentResult:
+    component: str
+    path: Path
+    nodes: int
+    parameters: int
+    seconds: dict[str, float] = field(default_factory=dict)
+    peak_rss_bytes: int = 0
+    check: dict[str, Any] | None = None  # worst errors and per-output errors vs PyTorch
+
+    def to_json(self) -> dict[str, Any]:
+        data = asdict(self)
+        data["path"] = str(self.path)
+        return data
+
+
+@dataclass
+class ConvertResult:
+    source: Source
+    out: Path
+    resolution: int
+    components: list[ComponentResult]
+    pipeline_files: list[str]
+
+
+def parse_components(spec: str | Sequence[str], source: Source) -> list[str]:
+    """``"all"``, one name, a comma-separated list or a sequence -> components in canonical order."""
+    names = [s.strip() for s in (spec.split(",") if isinstance(spec, str) else spec) if s.strip()]
+    if not names:
+        raise SdnpuError("no component given", hint=f"choose from: {', '.join(COMPONENTS)}, all")
+    if "all" in names:
+        if not source.components:
+            raise SdnpuError(f"{source.root} provides no component that sdnpu can export")
+        return source.components
+    unknown = [n for n in names if n not in COMPONENTS]
+    if unknown:
+        raise SdnpuError(f"unknown component {unknown[0]!r}", hint=f"valid components: {', '.join(COMPONENTS)}, all")
+    for name in names:
+        source.module_dir(name)  # names a component that this source lacks
+    return [c for c in COMPONENTS if c in names]
+
+
+def default_resolution(source: Source) -> int:
+    """The resolution the source was trained at: the UNet's sample size in pixels (1024 for SDXL)."""
+    vae_cfg = source.module_config("vae_decoder") if "vae" in source.modules else None
+    factor = vae_scale_factor(vae_cfg)
+    if "unet" in source.modules:
+        return int(source.module_config("unet")["sample_size"]) * factor
+    if vae_cfg is not None:
+        return int(vae_cfg["sample_size"])
+    return 1024
+
+
+def _check_resolution(source: Source, components: list[str], res: int, factor: int) -> None:
+    for comp in components:
+        if comp.startswith("text_encoder"):
+            continue
+        multiple = resolution_step(comp, source.module_config(comp), factor)
+        if res <= 0 or res % multiple:
+            raise SdnpuError(f"resolution {res} does not fit the {comp}",
+                             hint=f"RES must be a positive multiple of {multiple} for this model")
+
+
+def convert(
+    source: str | Path,
+    components: str | Sequence[str] = "all",
+    out: str | Path | None = None,
+    res: int | None = None,
+    exporter: str = "dynamo",
+    opset: int = DEFAULT_OPSET,
+    check: bool = True,
+) -> ConvertResult:
+    """Export ``components`` of ``source`` to ``out`` (default ``models/<source name>``)."""
+    src = resolve_source(source)
+    comps = parse_components(components, src)
+    vae_cfg = src.module_config("vae_decoder") if "vae" in src.modules else None
+    factor = vae_scale_factor(vae_cfg)
+    res = default_resolution(src) if res is None else int(res)
+    _check_resolution(src, comps, res, factor)
+    out_dir = Path(out) if out is not None else Path("models") / src.name
+    out_dir.mkdir(parents=True, exist_ok=True)
+    recover_staging(out_dir)
+    log.info("converting %s (%s: %s) -> %s at %d px: %s", src.name, src.kind, src.root, out_dir, res,
+             ", ".join(comps))
+
+    fingerprint = src.fingerprint()
+    results: list[ComponentResult] = []
+    cached: tuple[str, Any] | None = None
+    for i, comp in enumerate(comps):
+        key = COMPONENT_MODULES[comp]
+        if cached is None or cached[0] != key:
+            cached = None
+            gc.collect()
+            what = "drawing seeded weights for" if src.kind == "preset" else "loading"
+            with step(log, f"[{comp}] {what} {src.classes[key]} ({src.name})") as t_load:
+                cached = (key, src.load_module(key))
+            load_s = t_load.seconds
+        else:
+            load_s = 0.0
+        keep = i + 1 < len(comps) and COMPONENT_MODULES[comps[i + 1]] == key
+        holder = [cached[1]]  # the callee takes the module out, so it holds the last reference
+        if not keep:
+            cached = None
+        with staged_dir(out_dir / comp) as stage:
+            result = _export_component(src, comp, holder, stage, res, factor, exporter, opset, check,
+                                       fingerprint, load_s)
+        result.path = out_dir / comp / MODEL_FILE
+        results.append(result)
+    written = src.write_pipeline_files(out_dir)
+    return ConvertResult(source=src, out=out_dir, resolution=res, components=results, pipeline_files=written)
+
+
+def _export_component(src: Source, comp: str, holder: list[Any], stage: Path, res: int, factor: int, exporter: str,
+                      opset: int, check: bool, fingerprint: str, load_s: float) -> ComponentResult:
+    import onnx
+
+    config = src.module_config(comp)
+    sig: Signature = signature(comp, config, res, factor)
+    wrapper = build_wrapper(comp, holder.pop(), config)
+    n_params = sum(p.numel() for p in wrapper.parameters())
+    path = stage / MODEL_FILE
+    seconds: dict[str, float] = {"load": round(load_s, 2)}
+
+    reference = None
+    feeds = sample_inputs(sig, config, res)
+    if check:
+        with step(log, f"[{comp}] running PyTorch on seeded inputs") as t:
+            reference = torch_outputs(wrapper, feeds)
+        seconds["torch_run"] = round(t.seconds, 2)
+    with step(log, f"[{comp}] exporting with torch's {exporter} exporter (opset {opset})") as t:
+        try:
+            export_module(wrapper, tuple(_as_torch(feeds)), [s.name for s in sig.inputs], list(sig.outputs),
+                          path, exporter=exporter, opset=opset)
+        except SdnpuError:
+            raise
+        except Exception as e:  # the exporters raise many types; name the component and the exporter
+            raise SdnpuError(f"torch's {exporter} exporter failed on {comp}: {type(e).__name__}: {e}",
+                             hint="try --exporter torchscript" if exporter == "dynamo" else None) from e
+    seconds["export"] = round(t.seconds, 2)
+    del wrapper
+    gc.collect()  # the torch weights go before onnxruntime loads the graph's copy
+
+    with step(log, f"[{comp}] validating the graph (onnx.checker, full check)") as t:
+        onnx.checker.check_model(str(path), full_check=True)
+    seconds["onnx_check"] = round(t.seconds, 2)
+
+    graph = onnx.load(str(path), load_external_data=False)
+    check_data = None
+    if check and reference is not None:
+        with step(log, f"[{comp}] running the graph in onnxruntime") as t:
+            actual = onnx_outputs(path, feeds, list(sig.outputs))
+        seconds["onnx_run"] = round(t.seconds, 2)
+        check_data = _check_outputs(comp, sig, reference, actual)
+
+    result = ComponentResult(component=comp, path=path, nodes=len(graph.graph.node), parameters=n_params,
+                             seconds=seconds, peak_rss_bytes=peak_rss_bytes(), check=check_data)
+    src_config = src.module_dir(comp) / "config.json"
+    (stage / "config.json").write_bytes(src_config.read_bytes())
+    atomic_write_json(stage / "export.json", {
+        "component": comp,
+        "source": {"name": src.name, "kind": src.kind, "path": str(src.root), "fingerprint": fingerprint},
+        "module_class": src.classes[COMPONENT_MODULES[comp]],
+        "exporter": exporter,
+        "opset": opset,
+        "resolution": res,
+        "inputs": [s.to_json() for s in sig.inputs],
+        "outputs": list(sig.outputs),
+        "nodes": result.nodes,
+        "parameters": n_params,
+        "check": check_data,
+        "seconds": seconds,
+        "peak_rss_bytes": result.peak_rss_bytes,
+        "tool": {"sdnpu": __version__, "python": platform.python_version(), **_versions()},
+    })
+    return result
+
+
+def _check_outputs(comp: str, sig: Signature, reference: list[Any], actual: list[Any]) -> dict[str, Any]:
+    per_output = {name: compare(r, a) for name, r, a in zip(sig.outputs, reference, actual, strict=True)}
+    worst_name = max(per_output, key=lambda n: per_output[n].max_rel)
+    worst = per_output[worst_name]
+    log.info("[%s] ONNX vs PyTorch: max abs error %.3g, max rel error %.3g (%s), min cosine %.9f", comp,
+             max(e.max_abs for e in per_output.values()), worst.max_rel, worst_name,
+             min(e.cosine for e in per_output.values()))
+    data = {
+        "max_abs_error": max(e.max_abs for e in per_output.values()),
+        "max_rel_error": worst.max_rel,
+        "min_cosine": min(e.cosine for e in per_output.values()),
+        "rel_tolerance": CHECK_RTOL,
+        "outputs": {n: asdict(e) for n, e in per_output.items()},
+    }
+    if not worst.max_rel <= CHECK_RTOL:
+        raise SdnpuError(
+            f"the exported {comp} does not match PyTorch: output {worst_name!r} is off by {worst.max_rel:.3g} "
+            f"of its range (tolerance {CHECK_RTOL:g})",
+            hint="try the other exporter (--exporter), or --no-check to keep the graph anyway",
+        )
+    return data
+
+
+def _as_torch(feeds: dict[str, Any]) -> list[Any]:
+    import torch
+
+    return [torch.from_numpy(v) for v in feeds.values()]
+
+
+def _versions() -> dict[str, str]:
+    import onnx
+    import onnxruntime
+    import torch
+
+    return {"torch": torch.__version__, "onnx": onnx.__version__, "onnxruntime": onnxruntime.__version__}

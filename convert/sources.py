@@ -1,0 +1,254 @@
+"""Where modules come from: a built-in preset or a local diffusers folder.
+
+A *preset* is a diffusers pipeline config shipped in ``convert/presets/<name>/`` whose weights are drawn
+from a fixed seed (no model hub here). A *pipeline folder* has ``model_index.json`` (as
+``save_pretrained`` or a hub snapshot writes it). A *component folder* is one module's folder
+(``config.json`` plus weights), for example ``sdxl/unet``. All three take the same export path.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import os
+import shutil
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Literal
+
+from sdnpu.errors import SdnpuError
+from sdnpu.fileio import atomic_write_bytes, staged_dir
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")  # no model hub is reachable; never try one
+
+log = logging.getLogger(__name__)
+
+PRESETS_DIR = Path(__file__).parent / "presets"
+PRESET_SEED = 0
+
+# Exported component -> the pipeline module it comes from.
+COMPONENT_MODULES: dict[str, str] = {
+    "text_encoder": "text_encoder",
+    "text_encoder_2": "text_encoder_2",
+    "vae_encoder": "vae",
+    "vae_decoder": "vae",
+    "unet": "unet",
+}
+COMPONENTS: tuple[str, ...] = tuple(COMPONENT_MODULES)
+
+# Module classes we know how to export, by the name that model_index.json / config.json gives.
+_CLASSES: dict[str, tuple[str, str]] = {
+    "UNet2DConditionModel": ("diffusers", "UNet2DConditionModel"),
+    "AutoencoderKL": ("diffusers", "AutoencoderKL"),
+    "CLIPTextModel": ("transformers", "CLIPTextModel"),
+    "CLIPTextModelWithProjection": ("transformers", "CLIPTextModelWithProjection"),
+}
+_CLASS_MODULES: dict[str, tuple[str, ...]] = {
+    "UNet2DConditionModel": ("unet",),
+    "AutoencoderKL": ("vae",),
+    "CLIPTextModel": ("text_encoder",),
+    "CLIPTextModelWithProjection": ("text_encoder_2",),
+}
+_WEIGHT_SUFFIXES = (".safetensors", ".bin")
+_PIPELINE_FOLDERS = ("scheduler", "tokenizer", "tokenizer_2")
+
+
+def preset_names() -> list[str]:
+    return sorted(p.name for p in PRESETS_DIR.iterdir() if (p / "model_index.json").is_file())
+
+
+def _read_json(path: Path) -> dict[str, Any]:
+    try:
+        data = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise SdnpuError(f"cannot read {path}: {e}", hint="the file must be valid JSON") from e
+    if not isinstance(data, dict):
+        raise SdnpuError(f"{path} does not hold a JSON object")
+    return data
+
+
+def _module_class(config: dict[str, Any]) -> str | None:
+    if "_class_name" in config:
+        return str(config["_class_name"])
+    arch = config.get("architectures")
+    return str(arch[0]) if isinstance(arch, list) and arch else None
+
+
+@dataclass(frozen=True)
+class Source:
+    """A resolved SOURCE: its name, kind, folder and the modules it provides (module key -> folder)."""
+
+    name: str
+    kind: Literal["preset", "pipeline", "component"]
+    root: Path
+    modules: dict[str, Path]
+    classes: dict[str, str] = field(default_factory=dict)
+
+    @property
+    def components(self) -> list[str]:
+        """The exportable components this source provides, in the canonical order."""
+        return [c for c in COMPONENTS if COMPONENT_MODULES[c] in self.modules]
+
+    def module_dir(self, component: str) -> Path:
+        key = COMPONENT_MODULES[component]
+        if key not in self.modules:
+            if self.kind == "component":
+                raise SdnpuError(
+                    f"{self.root} is a single {self.classes.get(next(iter(self.modules)), '')} folder: "
+                    f"it has no {key!r} module for component {component!r}",
+                    hint=f"this folder provides: {', '.join(self.components)}",
+                )
+            raise SdnpuError(
+                f"pipeline {self.root} has no {key!r} module, needed for component {component!r}",
+                hint=f"model_index.json must list {key!r} and the folder must hold {key}/config.json; "
+                f"this pipeline provides: {', '.join(self.components) or 'nothing exportable'}",
+            )
+        return self.modules[key]
+
+    def module_config(self, component: str) -> dict[str, Any]:
+        return _read_json(self.module_dir(component) / "config.json")
+
+    def fingerprint(self) -> str:
+        """A content hash of what defines the weights: the configs, and for folders each weight
+        file's name and size (hashing 10 GB of weights would take minutes); for presets the seed."""
+        h = hashlib.sha256()
+        h.update(f"{self.kind}:{PRESET_SEED if self.kind == 'preset' else ''}".encode())
+        for key in sorted(self.modules):
+            folder = self.modules[key]
+            for f in sorted(folder.iterdir()):
+                if f.name == "config.json":
+                    h.update(f"{key}/{f.name}".encode() + f.read_bytes())
+                elif f.suffix in _WEIGHT_SUFFIXES:
+                    h.update(f"{key}/{f.name}:{f.stat().st_size}".encode())
+        return h.hexdigest()[:16]
+
+    def load_module(self, key: str) -> Any:
+        """The torch module for pipeline module ``key`` in fp32 eval mode (seeded weights for presets)."""
+        import torch
+
+        folder = self.modules[key]
+        config = _read_json(folder / "config.json")
+        cls_name = self.classes[key]
+        library, attr = _CLASSES[cls_name]
+        cls = getattr(__import__(library, fromlist=[attr]), attr)
+        if self.kind == "preset":
+            torch.manual_seed(PRESET_SEED)
+            try:
+                if library == "diffusers":
+                    module = cls.from_config(config)
+                else:
+                    from transformers import CLIPTextConfig
+
+                    module = cls(CLIPTextConfig(**{k: v for k, v in config.items() if k != "architectures"}))
+            except (ValueError, KeyError, TypeError, AttributeError) as e:
+                raise SdnpuError(f"cannot build {cls_name} from {folder / 'config.json'}: {e}") from e
+        else:
+            module = _load_pretrained(cls, library, folder)
+        if any(p.dtype != torch.float32 for p in module.parameters()):
+            module = module.float()  # a config's torch_dtype (SDXL's text encoders say float16) is not ours
+        return module.eval()
+
+    def write_pipeline_files(self, out: Path) -> list[str]:
+        """Copy what a runtime needs beside the graphs: model_index.json, scheduler/, tokenizer/,
+        tokenizer_2/ (for presets the tokenizers are built from CLIP's BPE merges). Returns what it wrote."""
+        if self.kind == "component":
+            return []
+        written = []
+        atomic_write_bytes(out / "model_index.json", (self.root / "model_index.json").read_bytes())
+        written.append("model_index.json")
+        for name in _PIPELINE_FOLDERS:
+            src = self.root / name
+            if self.kind == "preset" and name.startswith("tokenizer"):
+                from sdnpu.convert.tokenizer import tokenizer_files
+
+                pad = "<|endoftext|>" if name == "tokenizer" else "!"
+                with staged_dir(out / name) as stage:
+                    for fname, data in tokenizer_files(pad).items():
+                        (stage / fname).write_bytes(data)
+                written.append(name)
+            elif src.is_dir():
+                with staged_dir(out / name) as stage:
+                    shutil.copytree(src, stage, dirs_exist_ok=True)
+                written.append(name)
+        return written
+
+
+def _load_pretrained(cls: Any, library: str, folder: Path) -> Any:
+    import torch
+
+    names = [f.name for f in folder.iterdir() if f.suffix in _WEIGHT_SUFFIXES or f.name.endswith(".index.json")]
+    if not names:
+        raise SdnpuError(
+            f"no weights in {folder}",
+            hint="expected diffusion_pytorch_model.safetensors / model.safetensors (or .bin, or an fp16 variant)",
+        )
+    plain = [n for n in names if ".fp16." not in n]
+    variant = None if plain else "fp16"
+    kwargs: dict[str, Any] = {"local_files_only": True, "variant": variant}
+    kwargs["torch_dtype"] = torch.float32
+    try:
+        return cls.from_pretrained(folder, **kwargs)
+    except (OSError, ValueError, RuntimeError, KeyError, EnvironmentError) as e:
+        raise SdnpuError(f"cannot load {cls.__name__} weights from {folder}: {e}") from e
+
+
+def resolve_source(source: str | os.PathLike[str]) -> Source:
+    """A preset name or a folder path -> Source, or an SdnpuError saying what was expected."""
+    text = str(source)
+    if text in preset_names():
+        return _pipeline_source(text, "preset", PRESETS_DIR / text)
+    path = Path(text).expanduser()
+    if not path.exists():
+        raise SdnpuError(
+            f"source {text!r} is neither a preset nor an existing folder",
+            hint=f"presets: {', '.join(preset_names())}; or a diffusers pipeline folder with model_index.json",
+        )
+    if not path.is_dir():
+        raise SdnpuError(
+            f"source {text!r} is a file, not a diffusers folder",
+            hint="give the folder that holds model_index.json (a pipeline) or config.json (one module); "
+            "to compile a single ONNX file use `sdnpu compile`",
+        )
+    path = path.resolve()
+    if (path / "model_index.json").is_file():
+        return _pipeline_source(path.name, "pipeline", path)
+    if (path / "config.json").is_file():
+        cls = _module_class(_read_json(path / "config.json"))
+        if cls not in _CLASS_MODULES:
+            raise SdnpuError(
+                f"{path} holds a {cls or 'unknown'} module, which sdnpu cannot export",
+                hint=f"supported module classes: {', '.join(_CLASSES)}",
+            )
+        (key,) = _CLASS_MODULES[cls]
+        return Source(name=path.name, kind="component", root=path, modules={key: path}, classes={key: cls})
+    raise SdnpuError(
+        f"{path} is not a diffusers folder: it has neither model_index.json nor config.json",
+        hint="give a pipeline folder as `save_pretrained` or a hub snapshot writes it "
+        "(model_index.json, unet/, vae/, text_encoder/, ...) or one module's folder",
+    )
+
+
+def _pipeline_source(name: str, kind: Literal["preset", "pipeline"], root: Path) -> Source:
+    index = _read_json(root / "model_index.json")
+    modules: dict[str, Path] = {}
+    classes: dict[str, str] = {}
+    for key in sorted(set(COMPONENT_MODULES.values())):
+        entry = index.get(key)
+        if not (isinstance(entry, list) and len(entry) == 2 and entry[1]):
+            continue  # not part of this pipeline (e.g. SD 1.5 has no text_encoder_2)
+        cls = str(entry[1])
+        folder = root / key
+        if not (folder / "config.json").is_file():
+            raise SdnpuError(
+                f"model_index.json in {root} lists {key!r} ({cls}) but {folder}/config.json is missing",
+                hint="the pipeline folder is incomplete; copy the whole snapshot",
+            )
+        if cls not in _CLASSES:
+            raise SdnpuError(
+                f"{key!r} in {root} is a {cls}, which sdnpu cannot export",
+                hint=f"supported module classes: {', '.join(_CLASSES)}",
+            )
+        modules[key] = folder
+        classes[key] = cls
+    return Source(name=name, kind=kind, root=root, modules=modules, classes=classes)

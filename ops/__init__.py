@@ -1,0 +1,1 @@
+"""The dispatch op set (domain ``sdnpu``): contracts, capability table, reference bodies."""

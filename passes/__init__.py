@@ -1,0 +1,1 @@
+"""Offload compiler passes: canonicalize -> fuse -> layout -> precision -> cleanup -> partition."""

@@ -1,0 +1,1 @@
+"""The offload report: dd/onnx_report.txt and report.json."""

@@ -1,0 +1,5 @@
+import sys
+
+from sdnpu.cli import main
+
+sys.exit(main())

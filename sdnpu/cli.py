@@ -1,0 +1,87 @@
+"""The ``sdnpu`` command line. The library only logs; this module prints and sets up logging."""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import sys
+import warnings
+from collections.abc import Sequence
+
+from sdnpu import __version__
+from sdnpu.errors import SdnpuError
+
+log = logging.getLogger("sdnpu")
+
+
+def _human_bytes(n: float) -> str:
+    for unit in ("B", "KB", "MB", "GB"):
+        if n < 1024 or unit == "GB":
+            return f"{n:.1f} {unit}" if unit != "B" else f"{int(n)} B"
+        n /= 1024
+    return f"{n:.1f} GB"
+
+
+def _cmd_convert(args: argparse.Namespace) -> int:
+    from sdnpu.convert import convert
+
+    result = convert(args.source, components=args.model, out=args.out, res=args.res, exporter=args.exporter,
+                     opset=args.opset, check=not args.no_check)
+    print(f"\n{result.source.name} -> {result.out} ({result.resolution} px)")
+    print(f"{'component':<16}{'nodes':>8}{'params':>15}{'export s':>10}{'peak RSS':>11}  max abs / rel error")
+    for c in result.components:
+        err = (f"{c.check['max_abs_error']:.2e} / {c.check['max_rel_error']:.2e}" if c.check else "not checked")
+        print(f"{c.component:<16}{c.nodes:>8}{c.parameters:>15,}{c.seconds.get('export', 0):>10.1f}"
+              f"{_human_bytes(c.peak_rss_bytes):>11}  {err}")
+    if result.pipeline_files:
+        print(f"pipeline files: {', '.join(result.pipeline_files)}")
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    from sdnpu.convert.export import DEFAULT_OPSET, EXPORTERS
+    from sdnpu.convert.sources import COMPONENTS
+
+    parser = argparse.ArgumentParser(prog="sdnpu", description="Stable Diffusion to NPU dispatch models.")
+    parser.add_argument("--version", action="version", version=f"sdnpu {__version__}")
+    parser.add_argument("-q", "--quiet", action="store_true", help="only warnings and errors")
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    conv = sub.add_parser("convert", help="export a pipeline's modules to ONNX and check them against PyTorch")
+    conv.add_argument("--model", "-m", default="all",
+                      help=f"component(s), comma-separated: {', '.join(COMPONENTS)} or all (default)")
+    conv.add_argument("--source", "-s", default="sdxl-base",
+                      help="a preset (sdxl-base, tiny-sdxl) or a local diffusers folder (default: sdxl-base)")
+    conv.add_argument("--out", "-o", default=None, help="output folder (default: models/<source name>)")
+    conv.add_argument("--res", type=int, default=None,
+                      help="image resolution in pixels (default: the model's own, 1024 for SDXL)")
+    conv.add_argument("--exporter", choices=EXPORTERS, default="dynamo", help="torch exporter (default: dynamo)")
+    conv.add_argument("--opset", type=int, default=DEFAULT_OPSET, help=f"ONNX opset (default {DEFAULT_OPSET})")
+    conv.add_argument("--no-check", action="store_true", help="skip the onnxruntime-vs-PyTorch check")
+    conv.set_defaults(func=_cmd_convert)
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    args = build_parser().parse_args(argv)
+    logging.basicConfig(level=logging.WARNING, format="%(message)s", stream=sys.stderr)
+    log.setLevel(logging.WARNING if args.quiet else logging.INFO)
+    # Third-party chatter that says nothing to a user of sdnpu (the exporter's optional torchvision ops,
+    # deprecation notices inside torch/diffusers); real errors still surface as exceptions.
+    logging.getLogger("torch.onnx").setLevel(logging.ERROR)
+    warnings.filterwarnings("ignore", category=FutureWarning)
+    warnings.filterwarnings("ignore", category=DeprecationWarning)
+    try:
+        return int(args.func(args))
+    except SdnpuError as e:
+        print(f"sdnpu: error: {e}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        print("sdnpu: interrupted; previous outputs are unchanged", file=sys.stderr)
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())
