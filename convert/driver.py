@@ -8,7 +8,6 @@ module is dropped before onnxruntime loads the graph: at full SDXL size the two 
 
 from __future__ import annotations
 
-import gc
 import logging
 import platform
 from collections.abc import Sequence
@@ -36,7 +35,7 @@ from sdnpu.convert.export import (
 from sdnpu.convert.sources import COMPONENT_MODULES, COMPONENTS, Source, resolve_source
 from sdnpu.errors import SdnpuError
 from sdnpu.fileio import atomic_write_json, recover_staging, staged_dir
-from sdnpu.progress import peak_rss_bytes, step
+from sdnpu.progress import peak_rss_bytes, release_memory, step
 
 log = logging.getLogger(__name__)
 
@@ -52,6 +51,7 @@ class ComponentResult:
     seconds: dict[str, float] = field(default_factory=dict)
     peak_rss_bytes: int = 0
     check: dict[str, Any] | None = None  # worst errors and per-output errors vs PyTorch
+    report: dict[str, Any] | None = None  # the offload report's summary, when compiled
 
     def to_json(self) -> dict[str, Any]:
         data = asdict(self)
@@ -114,8 +114,10 @@ def convert(
     exporter: str = "dynamo",
     opset: int = DEFAULT_OPSET,
     check: bool = True,
+    compile: bool = True,
 ) -> ConvertResult:
-    """Export ``components`` of ``source`` to ``out`` (default ``models/<source name>``)."""
+    """Export ``components`` of ``source`` to ``out`` (default ``models/<source name>``) and, unless
+    ``compile=False``, compile each into ``<component>/dd/`` (dispatch model and offload report)."""
     src = resolve_source(source)
     comps = parse_components(components, src)
     vae_cfg = src.module_config("vae_decoder") if "vae" in src.modules else None
@@ -135,7 +137,7 @@ def convert(
         key = COMPONENT_MODULES[comp]
         if cached is None or cached[0] != key:
             cached = None
-            gc.collect()
+            release_memory()
             what = "drawing seeded weights for" if src.kind == "preset" else "loading"
             with step(log, f"[{comp}] {what} {src.classes[key]} ({src.name})") as t_load:
                 cached = (key, src.load_module(key))
@@ -148,7 +150,7 @@ def convert(
             cached = None
         with staged_dir(out_dir / comp) as stage:
             result = _export_component(src, comp, holder, stage, res, factor, exporter, opset, check,
-                                       fingerprint, load_s)
+                                       fingerprint, load_s, compile)
         result.path = out_dir / comp / MODEL_FILE
         results.append(result)
     written = src.write_pipeline_files(out_dir)
@@ -156,7 +158,8 @@ def convert(
 
 
 def _export_component(src: Source, comp: str, holder: list[Any], stage: Path, res: int, factor: int, exporter: str,
-                      opset: int, check: bool, fingerprint: str, load_s: float) -> ComponentResult:
+                      opset: int, check: bool, fingerprint: str, load_s: float,
+                      compile: bool) -> ComponentResult:
     import onnx
 
     config = src.module_config(comp)
@@ -183,7 +186,7 @@ def _export_component(src: Source, comp: str, holder: list[Any], stage: Path, re
                              hint="try --exporter torchscript" if exporter == "dynamo" else None) from e
     seconds["export"] = round(t.seconds, 2)
     del wrapper
-    gc.collect()  # the torch weights go before onnxruntime loads the graph's copy
+    release_memory()  # the torch weights go before onnxruntime loads the graph's copy
 
     with step(log, f"[{comp}] validating the graph (onnx.checker, full check)") as t:
         onnx.checker.check_model(str(path), full_check=True)
@@ -191,14 +194,25 @@ def _export_component(src: Source, comp: str, holder: list[Any], stage: Path, re
 
     graph = onnx.load(str(path), load_external_data=False)
     check_data = None
+    actual = None
     if check and reference is not None:
         with step(log, f"[{comp}] running the graph in onnxruntime") as t:
             actual = onnx_outputs(path, feeds, list(sig.outputs))
         seconds["onnx_run"] = round(t.seconds, 2)
         check_data = _check_outputs(comp, sig, reference, actual)
+    summary = None
+    if compile:
+        from sdnpu.convert.compile import compile_into
+
+        info = {"component": comp, "source": {"name": src.name, "kind": src.kind, "fingerprint": fingerprint},
+                "resolution": res}
+        fp32 = dict(zip(sig.outputs, actual, strict=True)) if actual is not None else None
+        with step(log, f"[{comp}] compile stage") as t:
+            summary = compile_into(path, stage / "dd", info, feeds, fp32, verify=check)["summary"]
+        seconds["compile"] = round(t.seconds, 2)
 
     result = ComponentResult(component=comp, path=path, nodes=len(graph.graph.node), parameters=n_params,
-                             seconds=seconds, peak_rss_bytes=peak_rss_bytes(), check=check_data)
+                             seconds=seconds, peak_rss_bytes=peak_rss_bytes(), check=check_data, report=summary)
     src_config = src.module_dir(comp) / "config.json"
     (stage / "config.json").write_bytes(src_config.read_bytes())
     atomic_write_json(stage / "export.json", {

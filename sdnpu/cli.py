@@ -27,15 +27,29 @@ def _cmd_convert(args: argparse.Namespace) -> int:
     from sdnpu.convert import convert
 
     result = convert(args.source, components=args.model, out=args.out, res=args.res, exporter=args.exporter,
-                     opset=args.opset, check=not args.no_check)
+                     opset=args.opset, check=not args.no_check, compile=not args.no_compile)
     print(f"\n{result.source.name} -> {result.out} ({result.resolution} px)")
-    print(f"{'component':<16}{'nodes':>8}{'params':>15}{'export s':>10}{'peak RSS':>11}  max abs / rel error")
+    print(f"{'component':<16}{'nodes':>7}{'params':>15}{'export s':>9}{'peak RSS':>10}  {'max abs / rel error':<20}"
+          f"{'offload':>8}{'CPU':>5}")
     for c in result.components:
         err = (f"{c.check['max_abs_error']:.2e} / {c.check['max_rel_error']:.2e}" if c.check else "not checked")
-        print(f"{c.component:<16}{c.nodes:>8}{c.parameters:>15,}{c.seconds.get('export', 0):>10.1f}"
-              f"{_human_bytes(c.peak_rss_bytes):>11}  {err}")
+        rate = f"{100 * c.report['offload_rate']:.2f}%" if c.report else "-"
+        cpu = str(c.report["cpu_nodes"]) if c.report else "-"
+        print(f"{c.component:<16}{c.nodes:>7}{c.parameters:>15,}{c.seconds.get('export', 0):>9.1f}"
+              f"{_human_bytes(c.peak_rss_bytes):>10}  {err:<20}{rate:>8}{cpu:>5}")
     if result.pipeline_files:
         print(f"pipeline files: {', '.join(result.pipeline_files)}")
+    return 0
+
+
+def _cmd_compile(args: argparse.Namespace) -> int:
+    from pathlib import Path
+
+    from sdnpu.convert.compile import compile_file
+    from sdnpu.reports.report import render_text
+
+    report = compile_file(Path(args.model), Path(args.out) if args.out else None, verify=not args.no_verify)
+    print(render_text(report), end="")
     return 0
 
 
@@ -59,7 +73,14 @@ def build_parser() -> argparse.ArgumentParser:
     conv.add_argument("--exporter", choices=EXPORTERS, default="dynamo", help="torch exporter (default: dynamo)")
     conv.add_argument("--opset", type=int, default=DEFAULT_OPSET, help=f"ONNX opset (default {DEFAULT_OPSET})")
     conv.add_argument("--no-check", action="store_true", help="skip the onnxruntime-vs-PyTorch check")
+    conv.add_argument("--no-compile", action="store_true", help="export only (no dd/ dispatch model)")
     conv.set_defaults(func=_cmd_convert)
+
+    comp = sub.add_parser("compile", help="compile an ONNX graph into a dispatch model + offload report")
+    comp.add_argument("model", help="an .onnx file (from `sdnpu convert`, optimum-cli, or elsewhere)")
+    comp.add_argument("--out", "-o", default=None, help="output folder (default: dd/ beside the model)")
+    comp.add_argument("--no-verify", action="store_true", help="skip the fidelity run against the fp32 graph")
+    comp.set_defaults(func=_cmd_compile)
     return parser
 
 

@@ -1,0 +1,131 @@
+"""Compile stage: an ONNX graph -> ``dd/replaced.onnx`` + ``dd/onnx_report.txt`` + ``dd/report.json``.
+
+Used by ``sdnpu convert`` (after export, inside the component's staging folder) and by ``sdnpu compile``
+(any ONNX file, e.g. what ``optimum-cli export onnx`` writes). Needs no torch.
+"""
+
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from sdnpu.errors import SdnpuError
+from sdnpu.fileio import staged_dir
+from sdnpu.progress import peak_rss_bytes, release_memory, step
+
+log = logging.getLogger(__name__)
+
+REPLACED = "replaced.onnx"
+
+
+def generic_inputs(path: Path, seed: int = 0) -> dict[str, np.ndarray]:
+    """Seeded inputs from a graph's signature when the caller has no better ones: Gaussian floats, a
+    mid-schedule scalar timestep, token ids below 1000 (valid for any CLIP vocabulary)."""
+    import onnx
+
+    model = onnx.load(str(path), load_external_data=False)
+    inits = {i.name for i in model.graph.initializer}
+    rng = np.random.default_rng(seed)
+    feeds: dict[str, np.ndarray] = {}
+    for vi in model.graph.input:
+        if vi.name in inits:
+            continue
+        t = vi.type.tensor_type
+        shape = [d.dim_value if d.HasField("dim_value") and d.dim_value > 0 else 1 for d in t.shape.dim]
+        dtype = onnx.helper.tensor_dtype_to_np_dtype(t.elem_type)
+        if np.issubdtype(dtype, np.integer):
+            feeds[vi.name] = rng.integers(0, 1000, size=shape).astype(dtype)
+        elif not shape:
+            feeds[vi.name] = np.array(500.0, dtype=dtype)
+        else:
+            feeds[vi.name] = rng.standard_normal(shape).astype(dtype)
+    return feeds
+
+
+def run_onnx(path: Path, feeds: dict[str, np.ndarray], optimize: bool = False) -> dict[str, np.ndarray]:
+    """Run a graph on onnxruntime's CPU provider; dispatch ops run through their reference bodies.
+    Graph optimizations are off by default: they would fold every weight's bf16->fp32 cast into an fp32
+    copy (twice the memory) and can reorder float math."""
+    import onnxruntime as ort
+
+    opts = ort.SessionOptions()
+    opts.graph_optimization_level = (ort.GraphOptimizationLevel.ORT_ENABLE_BASIC if optimize
+                                     else ort.GraphOptimizationLevel.ORT_DISABLE_ALL)
+    opts.log_severity_level = 3
+    sess = ort.InferenceSession(str(path), opts, providers=["CPUExecutionProvider"])
+    names = [o.name for o in sess.get_outputs()]
+    return dict(zip(names, sess.run(names, feeds), strict=True))
+
+
+def fidelity(reference: dict[str, np.ndarray], actual: dict[str, np.ndarray]) -> dict[str, Any]:
+    outputs = {}
+    for name, ref in reference.items():
+        a, r = actual[name].astype(np.float64).ravel(), ref.astype(np.float64).ravel()
+        denom = float(np.linalg.norm(a) * np.linalg.norm(r))
+        outputs[name] = {
+            "max_abs": float(np.max(np.abs(a - r))) if r.size else 0.0,
+            "ref_max_abs": float(np.max(np.abs(r))) if r.size else 0.0,
+            "cosine": float(a @ r / denom) if denom else 1.0,
+        }
+    return {"reference": "fp32 graph (onnxruntime CPU)", "outputs": outputs,
+            "min_cosine": min(o["cosine"] for o in outputs.values()),
+            "max_abs": max(o["max_abs"] for o in outputs.values())}
+
+
+def compile_into(source: Path, dd_dir: Path, info: dict[str, Any], feeds: dict[str, np.ndarray] | None = None,
+                 reference: dict[str, np.ndarray] | None = None, verify: bool = True) -> dict[str, Any]:
+    """Compile ``source`` into the folder ``dd_dir`` (which the caller stages). Returns the report."""
+    import onnx
+
+    from sdnpu.passes.pipeline import compile_model, load, records_json, save
+    from sdnpu.reports import report as reports
+
+    name = info.get("component", source.parent.name)
+    with step(log, f"[{name}] compiling (canonicalize, fuse, layout, glue, precision, cleanup, partition)"):
+        model = load(source)
+        records = compile_model(model)
+    dd_dir.mkdir(parents=True, exist_ok=True)
+    out = dd_dir / REPLACED
+    with step(log, f"[{name}] writing {REPLACED} (bf16 weights)"):
+        save(model, out)
+    del model
+    release_memory()
+    with step(log, f"[{name}] validating {REPLACED} (onnx.checker, full check)"):
+        try:
+            onnx.checker.check_model(str(out), full_check=True)
+        except (onnx.checker.ValidationError, onnx.shape_inference.InferenceError) as e:
+            raise SdnpuError(f"the dispatch model compiled from {source} is not valid ONNX: {str(e)[:600]}",
+                             hint="this is a compiler bug worth reporting with the model; meanwhile "
+                             "`--no-compile` keeps the exported graph") from e
+    fid = None
+    if verify:
+        feeds = feeds if feeds is not None else generic_inputs(source)
+        if reference is None:
+            with step(log, f"[{name}] running the fp32 graph for the fidelity check"):
+                reference = run_onnx(source, feeds, optimize=True)
+        with step(log, f"[{name}] running {REPLACED} (reference bodies) for the fidelity check"):
+            actual = run_onnx(out, feeds)
+        fid = fidelity(reference, actual)
+        log.info("[%s] dispatch vs fp32: min cosine %.6f, max abs error %.3g", name, fid["min_cosine"],
+                 fid["max_abs"])
+    report = reports.build(out, source, records_json(records), {**info, "precision": "bf16",
+                                                                "peak_rss_bytes": peak_rss_bytes()}, fid)
+    reports.write(dd_dir, report)
+    s = report["summary"]
+    log.info("[%s] offload rate %.2f%% (%d dispatch ops, %d CPU nodes, %d NPU regions)", name,
+             100 * s["offload_rate"], s["offloaded_nodes"], s["cpu_nodes"], s["npu_regions"])
+    return report
+
+
+def compile_file(source: Path, out: Path | None = None, verify: bool = True) -> dict[str, Any]:
+    """``sdnpu compile``: ``source`` -> ``out`` (default: ``dd/`` beside the source), replaced atomically."""
+    source = Path(source)
+    if not source.is_file():
+        raise SdnpuError(f"{source} is not a file", hint="give the path of an .onnx model")
+    dd_dir = Path(out) if out is not None else source.parent / "dd"
+    with staged_dir(dd_dir) as stage:
+        return compile_into(source, stage, {"component": source.parent.name,
+                                            "source": {"name": str(source), "kind": "onnx"}}, verify=verify)

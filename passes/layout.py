@@ -1,0 +1,252 @@
+"""Layout pass: 4-D activations between dispatch ops go NHWC.
+
+The fusions wrap each NHWC op in ``Transpose(NCHW->NHWC) -> op -> Transpose(NHWC->NCHW)``. This pass
+removes those boundaries wherever two NHWC ops meet, by three rewrites run to a fixed point:
+
+1. *chains*: a run of data-movement nodes (Reshape/Transpose/Squeeze/Unsqueeze/Flatten) is replaced by its
+   simplest equivalent, found by running it on an index tensor: nothing, one Reshape, or a Reshape and a
+   Transpose that exposes an NHWC<->NCHW boundary (the VAE's ``Reshape [B,C,HW] -> Transpose`` becomes
+   ``Transpose -> Reshape``, which then cancels);
+2. *cancel*: Transpose(Transpose(x)) composes; an identity composition disappears; a Transpose of a
+   constant is folded (lazily) into the constant;
+3. *push*: ``op(T(a), T(b), const)`` for a layout-agnostic ``op`` (element-wise, Concat, Split, Slice)
+   becomes ``T(op'(a, b, const'))`` with the axes remapped and constants permuted offline, so the NHWC->NCHW
+   Transpose after one dispatch op travels down until it meets the NCHW->NHWC Transpose of the next.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections import Counter
+
+import numpy as np
+import onnx_ir as ir
+
+from sdnpu.passes import movement
+from sdnpu.passes.irutil import Builder, attr, const, remove_dead_nodes, replace, static_shape
+from sdnpu.passes.manager import PassResult
+
+log = logging.getLogger(__name__)
+
+TO_NCHW = (0, 3, 1, 2)
+TO_NHWC = (0, 2, 3, 1)
+RULE = "LayoutPass"
+
+ELEMENTWISE = frozenset({"Add", "Sub", "Mul", "Div", "Sigmoid", "Cast", "Identity", "Relu", "Tanh", "Erf", "Sqrt",
+                         "Neg", "Sin", "Cos", "Exp"})
+SD_ELEMENTWISE = frozenset({"SDSilu", "SDGelu", "SDQuickGelu", "SDAdd", "SDSub", "SDMul", "SDDiv", "SDSigmoid",
+                            "SDSin", "SDCos"})
+AXIS_OPS = frozenset({"Concat", "Split", "Slice"})
+
+
+def _perm(node: ir.Node) -> tuple[int, ...] | None:
+    p = attr(node, "perm")
+    return tuple(int(i) for i in p) if p is not None else None
+
+
+def _is_transpose(node: ir.Node | None, perm: tuple[int, ...] | None = None) -> bool:
+    return (node is not None and node.op_type == "Transpose" and node.domain in ("", "ai.onnx")
+            and (perm is None or _perm(node) == perm))
+
+
+def _permute(shape: tuple[int, ...], perm: tuple[int, ...]) -> list[int]:
+    return [shape[i] for i in perm]
+
+
+# --- 1. movement chains -----------------------------------------------------------------------------
+
+def _chain_from(head: ir.Node) -> list[ir.Node]:
+    chain = [head]
+    while True:
+        out = chain[-1].outputs[0]
+        uses = list(out.uses())
+        if out.is_graph_output() or len(uses) != 1 or not movement.is_movement(uses[0].node):
+            return chain
+        chain.append(uses[0].node)
+
+
+def _simplify_chain(graph: ir.Graph, chain: list[ir.Node]) -> bool:
+    src, dst = chain[0].inputs[0], chain[-1].outputs[0]
+    s_shape, d_shape = static_shape(src), static_shape(dst)
+    assert src is not None and s_shape is not None and d_shape is not None
+    idx = movement.index_tensor(s_shape)
+    if idx is None:
+        return False
+    got = movement.run_chain(chain, idx).reshape(-1)
+    flat = idx.reshape(-1)
+    b = Builder(graph, RULE)
+    if np.array_equal(got, flat):
+        if s_shape == d_shape and not dst.is_graph_output():
+            dst.replace_all_uses_with(src)
+            return True
+        if len(chain) == 1 and chain[0].op_type == "Reshape":
+            return False
+        new = [_reshape(b, src, d_shape)]
+    elif len(d_shape) == 4 and np.array_equal(
+            got, np.transpose(idx.reshape(_permute(d_shape, TO_NHWC)), TO_NCHW).reshape(-1)):
+        nhwc = _permute(d_shape, TO_NHWC)
+        if len(chain) == 1 and _is_transpose(chain[0], TO_NCHW):
+            return False
+        if len(chain) == 2 and chain[0].op_type == "Reshape" and _is_transpose(chain[1], TO_NCHW):
+            return False
+        mid = src if tuple(nhwc) == s_shape else _reshape(b, src, nhwc)
+        new = [b.op("Transpose", [mid], {"perm": list(TO_NCHW)}, domain="", dtype=src.dtype,
+                    shape=d_shape).outputs[0]]
+    elif len(s_shape) == 4 and np.array_equal(got, np.transpose(idx, TO_NHWC).reshape(-1)):
+        if len(chain) <= 2 and _is_transpose(chain[0], TO_NHWC):
+            return False
+        t = b.op("Transpose", [src], {"perm": list(TO_NHWC)}, domain="", dtype=src.dtype,
+                 shape=_permute(s_shape, TO_NHWC)).outputs[0]
+        new = [t if tuple(_permute(s_shape, TO_NHWC)) == d_shape else _reshape(b, t, d_shape)]
+    else:
+        return False
+    replace(graph, chain[-1], chain, b.nodes, [dst], new)
+    return True
+
+
+def _reshape(b: Builder, x: ir.Value, shape: tuple[int, ...] | list[int]) -> ir.Value:
+    target = b.const(np.asarray(shape, np.int64), "shape")
+    return b.op("Reshape", [x, target], domain="", dtype=x.dtype, shape=list(shape)).outputs[0]
+
+
+def simplify_chains(graph: ir.Graph) -> int:
+    done = 0
+    for node in list(graph):
+        if node.graph is None or not movement.is_movement(node):
+            continue
+        if movement.is_movement(node.inputs[0].producer() if node.inputs[0] is not None else None):
+            continue  # not the head of its chain
+        if _simplify_chain(graph, _chain_from(node)):
+            done += 1
+    return done
+
+
+# --- 2. cancel and fold transposes --------------------------------------------------------------------
+
+def cancel_transposes(graph: ir.Graph) -> int:
+    done = 0
+    for node in list(graph):
+        if node.graph is None or not _is_transpose(node):
+            continue
+        x = node.inputs[0]
+        assert x is not None
+        perm = _perm(node)
+        rank = len(static_shape(x) or ())
+        if perm is None or not rank:
+            continue
+        inner = x.producer()
+        out = node.outputs[0]
+        if _is_transpose(inner):
+            inner_perm = _perm(inner)  # type: ignore[arg-type]
+            if inner_perm is None:
+                continue
+            composed = tuple(inner_perm[i] for i in perm)
+            base = inner.inputs[0]  # type: ignore[union-attr]
+            assert base is not None
+            b = Builder(graph, RULE)
+            if composed == tuple(range(rank)) and not out.is_graph_output():
+                out.replace_all_uses_with(base)
+            else:
+                new = b.op("Transpose", [base], {"perm": list(composed)}, domain="", dtype=out.dtype,
+                           shape=static_shape(out))
+                replace(graph, node, [node], b.nodes, [out], [new.outputs[0]])
+            done += 1
+        elif x.const_value is not None and not out.is_graph_output():
+            b = Builder(graph, RULE)
+            folded = b.derived(x, lambda a, p=perm: np.ascontiguousarray(np.transpose(a, p)),
+                               _permute(static_shape(x), perm), f"{x.name}_t")  # type: ignore[arg-type]
+            out.replace_all_uses_with(folded)
+            done += 1
+        elif perm == tuple(range(rank)) and not out.is_graph_output():
+            out.replace_all_uses_with(x)
+            done += 1
+    return done
+
+
+# --- 3. push NHWC->NCHW transposes down -----------------------------------------------------------------
+
+def _reshape_equivalent(shape: tuple[int, ...], perm: tuple[int, ...]) -> bool:
+    """True when transposing ``shape`` by ``perm`` moves no data (only size-1 axes change place)."""
+    kept = [i for i in perm if shape[i] != 1]
+    return kept == sorted(kept)
+
+
+def _push_one(graph: ir.Graph, t: ir.Node, node: ir.Node) -> bool:
+    op = node.op_type
+    sd = node.domain == "sdnpu"
+    if not ((not sd and (op in ELEMENTWISE or op in AXIS_OPS)) or (sd and op in SD_ELEMENTWISE)):
+        return False
+    if op in ("Split", "Slice") and node.inputs[0] is not t.outputs[0]:
+        return False
+    if any(static_shape(o) is None or len(static_shape(o) or ()) != 4 for o in node.outputs):
+        return False
+    b = Builder(graph, RULE)
+    new_inputs: list[ir.Value | None] = []
+    data_inputs = node.inputs[:1] if op in ("Split", "Slice") else node.inputs
+    for v in data_inputs:
+        if v is None:
+            new_inputs.append(None)
+            continue
+        p = v.producer()
+        shape = static_shape(v)
+        if _is_transpose(p, TO_NCHW):
+            new_inputs.append(p.inputs[0])  # type: ignore[union-attr]
+        elif v.const_value is not None and shape is not None and len(shape) <= 4:
+            full = (1,) * (4 - len(shape)) + shape
+            new_inputs.append(b.derived(v, lambda a, f=full: np.ascontiguousarray(
+                np.transpose(a.reshape(f), TO_NHWC)), _permute(full, TO_NHWC), f"{v.name}_nhwc"))
+        elif shape is not None and len(shape) == 4 and _reshape_equivalent(shape, TO_NHWC):
+            new_inputs.append(_reshape(b, v, _permute(shape, TO_NHWC)))
+        else:
+            return False
+    attrs = {k: a.value for k, a in node.attributes.items()}
+    extra: list[ir.Value | None] = []
+    if op in ("Concat", "Split"):
+        axis = attrs.get("axis", 0) % 4
+        attrs["axis"] = TO_NCHW[axis]
+        if op == "Split":
+            extra = list(node.inputs[1:])
+    elif op == "Slice":
+        axes_v = node.inputs[3] if len(node.inputs) > 3 else None
+        axes = const(axes_v) if axes_v is not None else np.arange(len(const(node.inputs[1])))  # type: ignore
+        if axes is None or any(const(v) is None for v in node.inputs[1:] if v is not None):
+            return False
+        new_axes = b.const(np.asarray([TO_NCHW[int(a) % 4] for a in axes], np.int64), "axes")
+        rest = list(node.inputs[1:])
+        while len(rest) < 3:
+            rest.append(None)
+        rest[2] = new_axes
+        extra = rest
+    moved = b.op(op, [*new_inputs, *extra], attrs, domain=node.domain, n_out=len(node.outputs))
+    news = []
+    for old, new in zip(node.outputs, moved.outputs, strict=True):
+        new.dtype = old.dtype
+        new.shape = ir.Shape(_permute(static_shape(old), TO_NHWC))  # type: ignore[arg-type]
+        news.append(b.op("Transpose", [new], {"perm": list(TO_NCHW)}, domain="", dtype=old.dtype,
+                         shape=static_shape(old)).outputs[0])
+    replace(graph, node, [node], b.nodes, list(node.outputs), news)
+    return True
+
+
+def push_transposes(graph: ir.Graph) -> int:
+    done = 0
+    for t in list(graph):
+        if t.graph is None or not _is_transpose(t, TO_NCHW):
+            continue
+        for use in list(t.outputs[0].uses()):
+            if use.node.graph is not None and _push_one(graph, t, use.node):
+                done += 1
+    return done
+
+
+def layout(model: ir.Model) -> PassResult:
+    graph = model.graph
+    counts: Counter[str] = Counter()
+    for _ in range(100):
+        step = Counter({"chains simplified": simplify_chains(graph), "transposes cancelled": cancel_transposes(graph),
+                        "transposes pushed": push_transposes(graph)})
+        remove_dead_nodes(graph)
+        counts += step
+        if not sum(step.values()):
+            break
+    return PassResult(modified=bool(sum(counts.values())), counts=dict(counts))

@@ -1,0 +1,54 @@
+"""What a pass returns and how the declared pipeline is run."""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+
+import onnx_ir as ir
+
+from sdnpu.errors import SdnpuError
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class PassResult:
+    modified: bool
+    counts: dict[str, int] = field(default_factory=dict)
+    details: dict[str, object] = field(default_factory=dict)
+
+
+PassFn = Callable[[ir.Model], PassResult]
+
+
+@dataclass
+class PassRecord:
+    name: str
+    result: PassResult
+    seconds: float
+
+
+def run_passes(model: ir.Model, passes: Sequence[tuple[str, PassFn]],
+               after_each: Callable[[str, ir.Model], None] | None = None) -> list[PassRecord]:
+    """Run ``passes`` in order. A failing pass is named together with the passes that ran before it;
+    ``after_each`` (tests: checker + onnxruntime comparison) runs after every pass."""
+    records: list[PassRecord] = []
+    for name, fn in passes:
+        start = time.perf_counter()
+        try:
+            result = fn(model)
+        except SdnpuError:
+            raise
+        except Exception as e:
+            before = ", ".join(r.name for r in records) or "none"
+            raise RuntimeError(f"pass {name!r} failed (after: {before}): {type(e).__name__}: {e}") from e
+        seconds = time.perf_counter() - start
+        records.append(PassRecord(name, result, seconds))
+        log.info("pass %-12s %5.1f s  %s", name, seconds,
+                 ", ".join(f"{k} {v}" for k, v in result.counts.items() if v) or "no change")
+        if after_each is not None:
+            after_each(name, model)
+    return records

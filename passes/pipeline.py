@@ -1,0 +1,118 @@
+"""The offload compiler: one declared pipeline, read top to bottom.
+
+    canonicalize  one spelling of every pattern, whatever the exporter wrote
+    fuse          op families -> dispatch ops (passes/fuse.py orders the rules)
+    layout        NHWC between dispatch ops; needs the fused ops (it cancels their boundary Transposes)
+    glue          remaining element-wise / data-movement ops -> dispatch ops; after layout, which pushes
+                  Transposes through the plain ONNX forms
+    precision     bf16 weights and activations, CastAvx at CPU<->NPU edges; needs the final set of
+                  dispatch ops (it decides where the edges are)
+    cleanup       cast pairs, dead nodes, unused weights, AMD attributes, reference functions
+    partition     NPU regions and the reason for every CPU node; last, it describes the final graph
+
+``compile_file`` loads an ONNX file with its weights left on disk (onnx_ir reads external data lazily),
+runs the pipeline, and writes ``dd/replaced.onnx``. Derived weights (transposed, bf16) are computed one at a
+time while saving, so the compile holds no full second copy of the weights.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+from pathlib import Path
+
+import onnx
+import onnx_ir as ir
+
+from sdnpu.errors import SdnpuError
+from sdnpu.passes.canonicalize import canonicalize
+from sdnpu.passes.cleanup import cleanup
+from sdnpu.passes.fuse import fuse
+from sdnpu.passes.glue import lower_glue
+from sdnpu.passes.layout import layout
+from sdnpu.passes.manager import PassFn, PassRecord, PassResult, run_passes
+from sdnpu.passes.partition import partition
+from sdnpu.passes.precision import precision
+
+log = logging.getLogger(__name__)
+
+PROTOBUF_LIMIT = 2**31 - 2**26
+
+
+def pipeline() -> list[tuple[str, PassFn]]:
+    declined: dict[str, tuple[str, str]] = {}
+
+    def fuse_pass(model: ir.Model) -> PassResult:
+        result = fuse(model)
+        declined.update(result.details.get("declined", {}))  # type: ignore[arg-type]
+        return result
+
+    def glue_pass(model: ir.Model) -> PassResult:
+        result = lower_glue(model)
+        declined.update(result.details.get("declined", {}))  # type: ignore[arg-type]
+        return result
+
+    return [
+        ("canonicalize", canonicalize),
+        ("fuse", fuse_pass),
+        ("layout", layout),
+        ("glue", glue_pass),
+        ("precision", precision),
+        ("cleanup", cleanup),
+        ("partition", lambda m: partition(m, declined)),
+    ]
+
+
+@dataclass
+class CompileResult:
+    source: Path
+    output: Path
+    records: list[PassRecord]
+
+
+def load(path: Path) -> ir.Model:
+    try:
+        return ir.load(path)
+    except FileNotFoundError as e:
+        raise SdnpuError(f"{path} not found") from e
+    except Exception as e:  # protobuf's DecodeError and friends
+        raise SdnpuError(f"{path} is not a readable ONNX model: {type(e).__name__}: {e}",
+                         hint="re-export it; a truncated file or missing external data gives this") from e
+
+
+def save(model: ir.Model, path: Path) -> None:
+    total = sum(v.const_value.nbytes for v in model.graph.initializers.values() if v.const_value is not None)
+    if total > PROTOBUF_LIMIT:
+        ir.save(model, path, external_data=path.name + ".data", size_threshold_bytes=1024)
+    else:
+        ir.save(model, path)
+
+
+def compile_model(model: ir.Model, after_each=None) -> list[PassRecord]:  # type: ignore[no-untyped-def]
+    return run_passes(model, pipeline(), after_each)
+
+
+def compile_file(source: Path, out_dir: Path) -> CompileResult:
+    """Compile ``source`` into ``out_dir/replaced.onnx`` (out_dir is written complete or not at all)."""
+    from sdnpu.fileio import staged_dir
+
+    model = load(source)
+    records = compile_model(model)
+    with staged_dir(out_dir) as stage:
+        out = stage / "replaced.onnx"
+        save(model, out)
+        onnx.checker.check_model(str(out), full_check=True)
+    return CompileResult(source, out_dir / "replaced.onnx", records)
+
+
+def records_json(records: list[PassRecord]) -> list[dict[str, object]]:
+    """The pass records as plain data (the report stores them)."""
+    from dataclasses import asdict
+
+    out: list[dict[str, object]] = []
+    for r in records:
+        item: dict[str, object] = {"name": r.name, "seconds": round(r.seconds, 3), "counts": dict(r.result.counts)}
+        if "regions" in r.result.details:
+            item["regions"] = [asdict(reg) for reg in r.result.details["regions"]]  # type: ignore[union-attr]
+        out.append(item)
+    return out

@@ -1,0 +1,168 @@
+"""Precision: dispatch ops take and give bf16; weights are stored bf16; CastAvx at every CPU<->NPU edge.
+
+- every float initializer read by a dispatch op is converted to bf16 offline (lazily, once per tensor, even
+  when several ops share it);
+- an fp32 activation entering a dispatch op gets one ``CastAvx(to=bf16)``, shared by all its NPU readers;
+- a bf16 value read by the CPU or leaving the graph gets one ``CastAvx(to=fp32)``;
+- a CastAvx next to an SDTranspose at the boundary absorbs it (``perm``): NCHW<->NHWC happens in the cast;
+- the sinusoidal embeddings' arguments and their Sin/Cos stay fp32 (an fp32 island on the NPU); an SDCast
+  hands their results to the bf16 ops.
+
+bf16 -> fp32 -> bf16 is exact, so dispatch ops feeding dispatch ops need no casts at all.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+
+import ml_dtypes
+import numpy as np
+import onnx_ir as ir
+
+from sdnpu.ops.opset import BOUNDARY_OP, DISPATCH_OPS, DOMAIN
+from sdnpu.passes.irutil import Builder, attr, static_shape
+from sdnpu.passes.manager import PassResult
+
+RULE = "PrecisionPass"
+BF16 = ir.DataType.BFLOAT16
+_FLOATS = (ir.DataType.FLOAT, ir.DataType.FLOAT16)
+
+
+def is_dispatch(node: ir.Node) -> bool:
+    return node.domain == DOMAIN and node.op_type in DISPATCH_OPS
+
+
+def to_bf16(a: np.ndarray) -> np.ndarray:
+    return a.astype(ml_dtypes.bfloat16)
+
+
+def _cast_avx(b: Builder, x: ir.Value, to: ir.DataType, perm: list[int] | None = None) -> ir.Value:
+    shape = static_shape(x) or ()
+    perm = perm if perm is not None else list(range(len(shape)))
+    out_shape = [shape[i] for i in perm] if shape else None
+    return b.op(BOUNDARY_OP, [x], {"to": int(to), "perm": ir.AttrInt64s("perm", perm)}, dtype=to,
+                shape=out_shape).outputs[0]
+
+
+FP32_OPS = frozenset({"SDSin", "SDCos"})
+_SMALL = 1 << 16  # elements: an fp32 island holds only embedding-sized tensors
+
+
+def fp32_islands(graph: ir.Graph) -> set[ir.Node]:
+    """Dispatch nodes that compute in fp32: the trig functions and the small chain computing their
+    arguments (timestep x frequency reaches ~1000 rad, where bf16's step is 4 rad)."""
+    keep: set[ir.Node] = set()
+    todo = [n for n in graph if is_dispatch(n) and n.op_type in FP32_OPS]
+    while todo:
+        node = todo.pop()
+        if node in keep:
+            continue
+        keep.add(node)
+        for v in node.inputs:
+            p = v.producer() if v is not None else None
+            shape = static_shape(v)
+            if p is not None and is_dispatch(p) and shape is not None and int(np.prod(shape)) <= _SMALL:
+                todo.append(p)
+    return keep
+
+
+def precision(model: ir.Model) -> PassResult:
+    graph = model.graph
+    counts: Counter[str] = Counter()
+    weights: dict[int, ir.Value] = {}
+    entries: dict[int, ir.Value] = {}
+    islands = fp32_islands(graph)
+    counts["fp32 ops (sinusoid arguments)"] = len(islands)
+    handovers: dict[int, ir.Value] = {}
+    for node in list(graph):
+        if not is_dispatch(node):
+            continue
+        if node in islands:
+            continue  # fp32 in, fp32 out; inputs from the CPU need no cast
+        for i, v in enumerate(node.inputs):
+            p = v.producer() if v is not None else None
+            if v is not None and p in islands:
+                if id(v) not in handovers:
+                    b = Builder(graph, RULE)
+                    handovers[id(v)] = b.op("SDCast", [v], {"to": int(BF16)}, dtype=BF16,
+                                            shape=static_shape(v)).outputs[0]
+                    graph.insert_after(p, b.nodes)  # type: ignore[arg-type]
+                    counts["SDCast fp32 -> bf16"] += 1
+                node.replace_input_with(i, handovers[id(v)])
+        for i, v in enumerate(node.inputs):
+            if v is None or v.dtype not in _FLOATS:
+                continue
+            b = Builder(graph, RULE)
+            if v.const_value is not None:
+                if id(v) not in weights:
+                    weights[id(v)] = b.derived(v, to_bf16, static_shape(v) or [], f"{v.name}_bf16", dtype=BF16)
+                    counts["weights -> bf16"] += 1
+                node.replace_input_with(i, weights[id(v)])
+            else:
+                if id(v) not in entries:
+                    entries[id(v)] = _cast_avx(b, v, BF16)
+                    graph.insert_before(node, b.nodes)
+                    counts["CastAvx in"] += 1
+                node.replace_input_with(i, entries[id(v)])
+        for out in node.outputs:
+            out.dtype = BF16
+    # Exits: bf16 values read by the CPU or leaving the graph.
+    for node in list(graph):
+        if not is_dispatch(node) or node in islands:
+            continue
+        for out in node.outputs:
+            cpu_uses = [u for u in out.uses() if not is_dispatch(u.node) and u.node.op_type != BOUNDARY_OP]
+            if not cpu_uses and not out.is_graph_output():
+                continue
+            b = Builder(graph, RULE)
+            back = _cast_avx(b, out, ir.DataType.FLOAT)
+            graph.insert_after(node, b.nodes)
+            for use in cpu_uses:
+                use.node.replace_input_with(use.idx, back)
+            if out.is_graph_output():
+                name = out.name
+                graph.outputs[graph.outputs.index(out)] = back
+                out.name = f"{name}_bf16"
+                back.name = name
+            counts["CastAvx out"] += 1
+    counts["transposes merged into CastAvx"] = _merge_boundary_transposes(graph)
+    return PassResult(modified=True, counts=dict(counts))
+
+
+def _merge_boundary_transposes(graph: ir.Graph) -> int:
+    merged = 0
+    for node in list(graph):
+        if node.graph is None or node.op_type != BOUNDARY_OP or node.domain != DOMAIN:
+            continue
+        perm = list(attr(node, "perm"))
+        x, y = node.inputs[0], node.outputs[0]
+        assert x is not None
+        # entry: CastAvx -> SDTranspose (its only reader)
+        uses = list(y.uses())
+        if len(uses) == 1 and uses[0].node.op_type == "SDTranspose" and not y.is_graph_output() \
+                and perm == list(range(len(perm))):
+            t = uses[0].node
+            b = Builder(graph, RULE)
+            new = _cast_avx(b, x, ir.DataType(attr(node, "to")), list(attr(t, "perm")))
+            graph.insert_before(node, b.nodes)
+            t.outputs[0].replace_all_uses_with(new)
+            graph.remove([t, node], safe=True)
+            merged += 1
+            continue
+        # exit: SDTranspose (read only here) -> CastAvx
+        t = x.producer()
+        if t is not None and t.op_type == "SDTranspose" and len(x.uses()) == 1 and not x.is_graph_output() \
+                and perm == list(range(len(perm))):
+            b = Builder(graph, RULE)
+            new = _cast_avx(b, t.inputs[0], ir.DataType(attr(node, "to")), list(attr(t, "perm")))  # type: ignore
+            graph.insert_before(node, b.nodes)
+            name = y.name
+            if y.is_graph_output():
+                graph.outputs[graph.outputs.index(y)] = new
+                y.name = f"{name}_unmerged"
+                new.name = name
+            else:
+                y.replace_all_uses_with(new)
+            graph.remove([node, t], safe=True)
+            merged += 1
+    return merged

@@ -1,0 +1,151 @@
+"""SDMHA: scaled dot-product attention with its head split and merge, from any exporter.
+
+    Q: [B, M, C] -> heads [B, H, M, D]     (Reshape/Transpose chain, any spelling; maybe a scalar Mul)
+    K: [B, N, C] -> heads [B, H, D, N]
+    V: [B, N, C] -> heads [B, H, N, D]
+    O = Softmax(Q·K * scale) · V : [B, H, M, D] -> merge heads -> [B, M, C]
+
+Pattern: ``MatMul(Softmax(MatMul(q, k) [* s]), v)``. Check: walking up from q, k, v through movement and
+scalar-scale nodes reaches rank-3 sources whose chains *are* head splits, run on an index tensor (so the
+TorchScript spelling with its Sqrt(Sqrt(d)) scales on q and kᵀ and the dynamo one match alike), and walking
+down from the output reaches [B, M, C] through a head merge. ``scale`` is the product of every scalar met.
+The VAE's single-head attention becomes ``SDMHA_VAE`` (AMD's name).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+import onnx_ir as ir
+
+from sdnpu.ops.capability import check_attention
+from sdnpu.passes import movement
+from sdnpu.passes.irutil import Builder, attr, const, producer, scalar, static_shape
+from sdnpu.passes.rules.base import Match, Rule
+
+
+@dataclass(frozen=True)
+class MHAParams:
+    q: ir.Value
+    k: ir.Value
+    v: ir.Value
+    heads: int
+    scale: float
+    causal: bool
+
+
+def _head_split(src: tuple[int, ...], heads: int, kind: str) -> np.ndarray | None:
+    idx = movement.index_tensor(src)
+    if idx is None:
+        return None
+    b, s, c = src
+    split = idx.reshape(b, s, heads, c // heads)
+    return split.transpose(0, 2, 3, 1) if kind == "k" else split.transpose(0, 2, 1, 3)
+
+
+def _check_split(src: ir.Value, chain: list[ir.Node], target: ir.Value, heads: int, kind: str) -> bool:
+    shape = static_shape(src)
+    t_shape = static_shape(target)
+    if shape is None or t_shape is None or len(shape) != 3 or shape[2] % heads:
+        return False
+    expected = _head_split(shape, heads, kind)
+    idx = movement.index_tensor(shape)
+    if expected is None or idx is None:
+        return False
+    got = movement.run_chain_ignoring_scale(chain, idx)
+    return got.shape == t_shape and np.array_equal(got.reshape(-1), expected.reshape(-1))
+
+
+def _trace_down(v: ir.Value, want: tuple[int, ...], heads: int) -> tuple[list[ir.Node], ir.Value] | None:
+    """From the attention output [.., M, D] down to [B, M, C] through a head merge."""
+    nodes: list[ir.Node] = []
+    shape = static_shape(v)
+    if shape is None:
+        return None
+    idx = movement.index_tensor(shape)
+    if idx is None:
+        return None
+    b, m, c = want
+    expected = idx.reshape(b, heads, m, c // heads).transpose(0, 2, 1, 3).reshape(b, m, c)
+    cur = v
+    while True:
+        if static_shape(cur) == want:
+            got = movement.run_chain(nodes, idx)
+            if np.array_equal(got.reshape(-1), expected.reshape(-1)):
+                return nodes, cur
+        uses = list(cur.uses())
+        if cur.is_graph_output() or len(uses) != 1 or not movement.is_movement(uses[0].node):
+            return None
+        nodes.append(uses[0].node)
+        cur = uses[0].node.outputs[0]
+
+
+def _is_causal(mask: np.ndarray) -> bool:
+    """0 on and below the diagonal, a huge negative number (or -inf) above it, for every batch/head."""
+    if mask.ndim < 2 or mask.shape[-1] != mask.shape[-2]:
+        return False
+    m = mask.reshape(-1, *mask.shape[-2:])
+    upper = np.triu(np.ones(m.shape[-2:], dtype=bool), k=1)
+    return bool(np.all(m[:, ~upper] == 0) and np.all(m[:, upper] <= -1e4))
+
+
+class SDMHAFusion(Rule):
+    name = "SDMHAFusion"
+    anchors = ("MatMul",)
+
+    def match(self, node: ir.Node) -> Match | str | None:
+        sm = producer(node.inputs[0], "Softmax")
+        if sm is None:
+            return None
+        qk = sm.inputs[0]
+        between: list[ir.Node] = []
+        scale = 1.0
+        p = qk.producer() if qk is not None else None
+        causal = False
+        if p is not None and p.op_type == "Add" and p.domain in ("", "ai.onnx"):
+            mask_side = [i for i, v in enumerate(p.inputs) if const(v) is not None]
+            if len(mask_side) != 1 or not _is_causal(const(p.inputs[mask_side[0]])):  # type: ignore[arg-type]
+                return "the attention mask is not CLIP's causal mask"
+            causal = True
+            between.append(p)
+            p = p.inputs[1 - mask_side[0]].producer()  # type: ignore[union-attr]
+        while p is not None and p.op_type in ("Mul", "Div") and scalar(p.inputs[1]) is not None:
+            s = scalar(p.inputs[1])
+            scale *= s if p.op_type == "Mul" else 1.0 / s  # type: ignore[operator]
+            between.append(p)
+            p = p.inputs[0].producer() if p.inputs[0] is not None else None
+        if p is None or p.op_type != "MatMul" or p.domain not in ("", "ai.onnx"):
+            return None
+        qk_mm = p
+        rank = len(static_shape(sm.outputs[0]) or ())
+        if attr(sm, "axis", -1) not in (-1, rank - 1):
+            return "softmax is not over the last axis"
+        q_src, q_chain, q_s = movement.trace_up(qk_mm.inputs[0])  # type: ignore[arg-type]
+        k_src, k_chain, k_s = movement.trace_up(qk_mm.inputs[1])  # type: ignore[arg-type]
+        v_src, v_chain, _ = movement.trace_up(node.inputs[1], allow_scale=False)  # type: ignore[arg-type]
+        q_shape, v_shape = static_shape(q_src), static_shape(v_src)
+        head_dim = (static_shape(qk_mm.inputs[0]) or (0,))[-1]
+        if q_shape is None or v_shape is None or len(q_shape) != 3 or not head_dim:
+            return "q, k, v are not rank-3 [B, S, C] tensors behind their reshapes"
+        heads = q_shape[2] // head_dim
+        for src, chain, target, kind in ((q_src, q_chain, qk_mm.inputs[0], "q"), (k_src, k_chain, qk_mm.inputs[1], "k"),
+                                         (v_src, v_chain, node.inputs[1], "v")):
+            if not _check_split(src, chain, target, heads, kind):  # type: ignore[arg-type]
+                return f"the {kind} reshapes are not a split into {heads} heads"
+        down = _trace_down(node.outputs[0], (q_shape[0], q_shape[1], v_shape[2]), heads)
+        if down is None:
+            return "the output is not merged back to [B, M, C]"
+        out_chain, out = down
+        reason = check_attention(q_shape, static_shape(k_src), heads)  # type: ignore[arg-type]
+        if reason:
+            return reason
+        nodes = [*q_chain, *k_chain, *v_chain, qk_mm, *reversed(between), sm, node, *out_chain]
+        uniq = list(dict.fromkeys(nodes))
+        return Match(uniq, [out], MHAParams(q_src, k_src, v_src, heads, scale * q_s * k_s, causal))
+
+    def rewrite(self, b: Builder, m: Match) -> list[ir.Value]:
+        p: MHAParams = m.params
+        op = "SDMHA_VAE" if p.heads == 1 else "SDMHA"
+        node = b.op(op, [p.q, p.k, p.v], {"num_heads": [p.heads], "scale": float(p.scale), "causal": int(p.causal)})
+        return [node.outputs[0]]

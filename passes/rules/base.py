@@ -1,0 +1,91 @@
+"""The rule shape every fusion follows: ``match`` (pattern + check, returning a ``Match`` or the reason it
+does not apply) and ``rewrite`` (new nodes for the matched ones). ``apply_rules`` drives them over a graph,
+refuses matches whose intermediate values are used outside the match, stamps provenance and counts.
+"""
+
+from __future__ import annotations
+
+import abc
+import logging
+from collections import Counter
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import onnx_ir as ir
+
+from sdnpu.passes.irutil import Builder, replace
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class Match:
+    """What a rule found: the nodes it replaces, the values whose users move to the new nodes, and the
+    parameters the rewrite needs (a small dataclass of the rule's, shared from check to rewrite)."""
+
+    nodes: list[ir.Node]
+    outputs: list[ir.Value]
+    params: Any = None
+
+
+@dataclass
+class RuleStats:
+    fired: Counter[str] = field(default_factory=Counter)
+    # Node name -> (rule, reason) for anchors a rule looked at and declined, for the report.
+    declined: dict[str, tuple[str, str]] = field(default_factory=dict)
+
+
+class Rule(abc.ABC):
+    """One op family. ``anchors``: op types where a match ends (its last node)."""
+
+    name: str = ""
+    anchors: tuple[str, ...] = ()
+
+    @abc.abstractmethod
+    def match(self, node: ir.Node) -> Match | str | None:
+        """A Match, a reason string (the pattern was there but the check failed), or None (no pattern)."""
+
+    @abc.abstractmethod
+    def rewrite(self, b: Builder, m: Match) -> Sequence[ir.Value]:
+        """New nodes through ``b``; returns the values replacing ``m.outputs``, in order."""
+
+
+def _escapes(m: Match) -> ir.Value | None:
+    """An intermediate value of the match that something outside it still reads (a shared intermediate)."""
+    inside = set(m.nodes)
+    kept = set(map(id, m.outputs))
+    for node in m.nodes:
+        for out in node.outputs:
+            if id(out) in kept:
+                continue
+            if out.is_graph_output() or any(u.node not in inside for u in out.uses()):
+                return out
+    return None
+
+
+def apply_rules(graph: ir.Graph, rules: Sequence[Rule], stats: RuleStats | None = None) -> RuleStats:
+    """Run each rule over the whole graph in order (rule-major, so earlier rules take precedence)."""
+    stats = stats or RuleStats()
+    for rule in rules:
+        for node in list(graph):
+            if node.graph is None or node.op_type not in rule.anchors or node.domain not in ("", "ai.onnx"):
+                continue
+            found = rule.match(node)
+            if found is None:
+                continue
+            if isinstance(found, str):
+                stats.declined[node.name or node.op_type] = (rule.name, found)
+                continue
+            shared = _escapes(found)
+            if shared is not None:
+                stats.declined[node.name or node.op_type] = (
+                    rule.name, f"intermediate {shared.name!r} is also used outside the pattern")
+                continue
+            b = Builder(graph, rule.name)
+            new_values = rule.rewrite(b, found)
+            last = found.outputs[-1].producer() or node  # new nodes go where the match ends
+            replace(graph, last, found.nodes, b.nodes, found.outputs, list(new_values))
+            stats.fired[rule.name] += 1
+            stats.declined.pop(node.name or node.op_type, None)
+    return stats

@@ -1,0 +1,87 @@
+"""SDConv: 2-D convolution with constant weights (+ bias, + a SiLU that follows), in NHWC.
+
+    Conv(x [B, C, H, W], w [OC, C/g, KH, KW], b [OC]) [-> SiLU]
+    ==> Transpose(x, NCHW->NHWC) -> SDConv(x', w' [OC, KH, KW, C/g], b, silu) -> Transpose(NHWC->NCHW)
+
+The weight is transposed offline (lazily, at save time). The Transposes around the op are the layout
+boundary; the layout pass cancels them between neighbouring NHWC ops.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+import onnx_ir as ir
+
+from sdnpu.ops.capability import check_conv
+from sdnpu.passes.irutil import Builder, attr, const, static_shape
+from sdnpu.passes.rules.activation import silu_after
+from sdnpu.passes.rules.base import Match, Rule
+
+NCHW_TO_NHWC = [0, 2, 3, 1]
+NHWC_TO_NCHW = [0, 3, 1, 2]
+
+
+@dataclass(frozen=True)
+class ConvParams:
+    x: ir.Value
+    w: ir.Value
+    b: ir.Value | None
+    strides: list[int]
+    pads: list[int]
+    dilations: list[int]
+    group: int
+    silu: bool
+
+
+def nhwc_shape(shape: tuple[int, ...]) -> list[int]:
+    return [shape[i] for i in NCHW_TO_NHWC]
+
+
+class SDConvFusion(Rule):
+    name = "SDConvFusion"
+    anchors = ("Conv",)
+
+    def match(self, node: ir.Node) -> Match | str | None:
+        x, w = node.inputs[0], node.inputs[1]
+        b = node.inputs[2] if len(node.inputs) > 2 else None
+        w_shape = static_shape(w)
+        if w is None or w.const_value is None or w_shape is None:
+            return "the weight is not a constant"
+        if len(w_shape) != 4 or static_shape(x) is None or static_shape(node.outputs[0]) is None:
+            return "only 2-D convolutions with static shapes are offloaded"
+        if b is not None and const(b) is None:
+            return "the bias is not a constant"
+        if attr(node, "auto_pad", "NOTSET") not in ("NOTSET", b"NOTSET"):
+            return "auto_pad is not supported (the exporters write explicit pads)"
+        strides = list(attr(node, "strides", [1, 1]))
+        dilations = list(attr(node, "dilations", [1, 1]))
+        reason = check_conv(w_shape, strides, dilations)
+        if reason:
+            return reason
+        nodes, out = [node], node.outputs[0]
+        silu = silu_after(out)
+        if silu is not None:
+            nodes += silu[0]
+            out = silu[1]
+        params = ConvParams(x, w, b, strides, list(attr(node, "pads", [0, 0, 0, 0])), dilations,  # type: ignore
+                            int(attr(node, "group", 1)), silu is not None)
+        return Match(nodes, [out], params)
+
+    def rewrite(self, b: Builder, m: Match) -> list[ir.Value]:
+        p: ConvParams = m.params
+        w_shape = static_shape(p.w)
+        assert w_shape is not None
+        w = b.derived(p.w, lambda a: np.ascontiguousarray(a.transpose(0, 2, 3, 1)), nhwc_shape(w_shape),
+                      f"{p.w.name}_ohwi")
+        bias = p.b if p.b is not None else b.const(np.zeros(w_shape[0], np.float32), f"{p.w.name}_zero_bias")
+        x_shape = static_shape(p.x)
+        out_shape = static_shape(m.outputs[0])
+        assert x_shape is not None and out_shape is not None
+        xt = b.op("Transpose", [p.x], {"perm": NCHW_TO_NHWC}, domain="", dtype=p.x.dtype, shape=nhwc_shape(x_shape))
+        conv = b.op("SDConv", [xt.outputs[0], w, bias],
+                    {"strides": p.strides, "pads": p.pads, "dilations": p.dilations, "group": p.group,
+                     "silu": int(p.silu)}, dtype=p.x.dtype, shape=nhwc_shape(out_shape))
+        back = b.op("Transpose", [conv.outputs[0]], {"perm": NHWC_TO_NCHW}, domain="")
+        return [back.outputs[0]]

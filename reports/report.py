@@ -1,0 +1,190 @@
+"""The offload report: ``dd/onnx_report.txt`` for people, ``dd/report.json`` for programs.
+
+Built from what the compiler recorded, never by counting op types afterwards: the partition's regions and
+CPU reasons (node metadata ``sdnpu.region`` / ``sdnpu.cpu_reason``), the rules' provenance tags
+(``sdnpu.rule``) and the passes' counts. The offload rate is AMD's: offloaded / (offloaded + CPU nodes).
+"""
+
+from __future__ import annotations
+
+import json
+from collections import Counter
+from pathlib import Path
+from typing import Any
+
+import onnx
+
+from sdnpu import __version__
+from sdnpu.fileio import atomic_write_text
+from sdnpu.ops.opset import BOUNDARY_OP, DOMAIN
+
+SCHEMA_VERSION = 1
+REGION_TAG = "sdnpu.region"
+REASON_TAG = "sdnpu.cpu_reason"
+RULE_TAG = "sdnpu.rule"
+_MAC_OPS = {"Conv", "Gemm", "MatMul", "SDConv", "SDGemm", "SDMatMul", "SDMHA", "SDMHA_VAE"}
+
+
+def _meta(node: onnx.NodeProto) -> dict[str, str]:
+    return {p.key: p.value for p in node.metadata_props}
+
+
+def _shapes(model: onnx.ModelProto) -> dict[str, list[int]]:
+    shapes = {}
+    for vi in [*model.graph.input, *model.graph.output, *model.graph.value_info]:
+        dims = vi.type.tensor_type.shape.dim
+        shapes[vi.name] = [d.dim_value for d in dims]
+    for init in model.graph.initializer:
+        shapes[init.name] = list(init.dims)
+    return shapes
+
+
+def _prod(xs: list[int]) -> int:
+    out = 1
+    for x in xs:
+        out *= x
+    return out
+
+
+def macs(node: onnx.NodeProto, shapes: dict[str, list[int]]) -> int:
+    """Multiply-accumulates of a compute node (0 for everything else)."""
+    op = node.op_type
+    if op not in _MAC_OPS:
+        return 0
+    ins = [shapes.get(n, []) for n in node.input]
+    out = shapes.get(node.output[0], [])
+    if not out or not ins or not ins[0]:
+        return 0
+    if op in ("Conv", "SDConv"):
+        w = ins[1]
+        per_out = _prod(w[1:])  # IC/g * KH * KW in either layout
+        return _prod(out) * per_out
+    if op in ("Gemm", "SDGemm", "MatMul", "SDMatMul"):
+        k = ins[0][-1]
+        return _prod(out) * k
+    q, kv = ins[0], ins[1]  # SDMHA: Q [B, M, C], K [B, N, C]: Q·Kᵀ and P·V
+    return 2 * q[0] * q[1] * kv[1] * q[2]
+
+
+def build(replaced: Path, source_model: Path | None, passes: list[dict[str, Any]],
+          info: dict[str, Any] | None = None, fidelity: dict[str, Any] | None = None) -> dict[str, Any]:
+    """The report's data, from the dispatch model and the passes that made it."""
+    model = onnx.load(str(replaced), load_external_data=False)
+    shapes = _shapes(model)
+    offloaded, cpu, rules = [], [], Counter()
+    mac_npu = mac_cpu = 0
+    for node in model.graph.node:
+        meta = _meta(node)
+        if RULE_TAG in meta and node.domain == DOMAIN and node.op_type != BOUNDARY_OP:
+            rules[meta[RULE_TAG]] += 1
+        m = macs(node, shapes)
+        if REGION_TAG in meta:
+            offloaded.append(node)
+            mac_npu += m
+        else:
+            cpu.append({"name": node.name, "op_type": node.op_type,
+                        "reason": meta.get(REASON_TAG, "not assigned by the partitioner")})
+            mac_cpu += m
+    by_type = Counter(n.op_type for n in offloaded)
+    regions: dict[int, int] = Counter(int(_meta(n)[REGION_TAG]) for n in offloaded)
+    partition = next((p for p in passes if p["name"] == "partition"), {})
+    total = len(offloaded) + len(cpu)
+    weight_after = sum(_tensor_bytes(t) for t in model.graph.initializer)
+    weight_before = None
+    if source_model is not None:
+        src = onnx.load(str(source_model), load_external_data=False)
+        weight_before = sum(_tensor_bytes(t) for t in src.graph.initializer)
+    return {
+        "schema_version": SCHEMA_VERSION,
+        "tool": {"name": "sdnpu", "version": __version__},
+        **(info or {}),
+        "model": replaced.name,
+        "inputs": {i.name: shapes.get(i.name, []) for i in model.graph.input},
+        "outputs": {o.name: shapes.get(o.name, []) for o in model.graph.output},
+        "summary": {
+            "total_nodes": total,
+            "offloaded_nodes": len(offloaded),
+            "cpu_nodes": len(cpu),
+            "offload_rate": len(offloaded) / total if total else 0.0,
+            "macs_total": mac_npu + mac_cpu,
+            "macs_offloaded_share": mac_npu / (mac_npu + mac_cpu) if mac_npu + mac_cpu else 1.0,
+            "npu_regions": len(regions),
+            "transitions": int(partition.get("counts", {}).get("transitions", 0)),
+            "weight_bytes_before": weight_before,
+            "weight_bytes_after": weight_after,
+        },
+        "offloaded_by_type": dict(sorted(by_type.items(), key=lambda kv: (-kv[1], kv[0]))),
+        "rules_fired": dict(sorted(rules.items(), key=lambda kv: (-kv[1], kv[0]))),
+        "cpu_nodes": cpu,
+        "regions": partition.get("regions", []),
+        "passes": passes,
+        "fidelity": fidelity,
+    }
+
+
+def _tensor_bytes(t: onnx.TensorProto) -> int:
+    for entry in t.external_data:
+        if entry.key == "length":
+            return int(entry.value)
+    if t.raw_data:
+        return len(t.raw_data)
+    itemsize = onnx.helper.tensor_dtype_to_np_dtype(t.data_type).itemsize
+    return _prod(list(t.dims)) * itemsize
+
+
+def _gb(n: int | None) -> str:
+    return "n/a" if n is None else f"{n / 1e9:.3f} GB" if n >= 1e8 else f"{n / 1e6:.2f} MB"
+
+
+def render_text(r: dict[str, Any]) -> str:
+    """The report for an 80-column terminal."""
+    s = r["summary"]
+    lines = [f"sdnpu offload report: {r.get('component', r['model'])}", "=" * 79]
+    src = r.get("source")
+    if src:
+        lines.append(f"source      {src.get('name')} ({src.get('kind')}, fingerprint {src.get('fingerprint')})")
+    lines.append(f"precision   {r.get('precision', 'bf16')}        tool  sdnpu {r['tool']['version']}")
+    for kind in ("inputs", "outputs"):
+        for name, shape in r[kind].items():
+            lines.append(f"{kind[:-1]:<11} {name} {shape}")
+    lines += ["", "Summary", "-" * 79,
+              f"total nodes            {s['total_nodes']}",
+              f"offloaded (dd fusion)  {s['offloaded_nodes']}",
+              f"CPU nodes              {s['cpu_nodes']}",
+              f"offload rate           {100 * s['offload_rate']:.2f}%  "
+              f"({s['offloaded_nodes']} / ({s['offloaded_nodes']} + {s['cpu_nodes']}))",
+              f"MACs offloaded         {100 * s['macs_offloaded_share']:.2f}% of {s['macs_total']:,}",
+              f"NPU regions            {s['npu_regions']}",
+              f"CPU<->NPU transitions  {s['transitions']}",
+              f"weights                {_gb(s['weight_bytes_before'])} -> {_gb(s['weight_bytes_after'])}",
+              "", "Offloaded ops by type", "-" * 79]
+    lines += [f"  {op:<24}{n:>6}" for op, n in r["offloaded_by_type"].items()]
+    lines += ["", "Rules that fired", "-" * 79]
+    lines += [f"  {rule:<24}{n:>6}" for rule, n in r["rules_fired"].items()]
+    lines += ["", f"CPU nodes ({len(r['cpu_nodes'])})", "-" * 79]
+    for c in r["cpu_nodes"]:
+        lines.append(f"  {c['op_type']:<14}{c['name'][:62]}")
+        lines.append(f"  {'':<14}{c['reason'][:62]}")
+    lines += ["", f"NPU regions ({len(r['regions'])})", "-" * 79]
+    for reg in r["regions"]:
+        lines.append(f"  region {reg['index']}: {len(reg['nodes'])} ops, {len(reg['inputs'])} inputs, "
+                     f"{len(reg['outputs'])} outputs")
+        lines.append(f"    in:  {', '.join(reg['inputs'])[:70]}")
+        lines.append(f"    out: {', '.join(reg['outputs'])[:70]}")
+    lines += ["", "Fidelity against the fp32 graph", "-" * 79]
+    fid = r.get("fidelity")
+    if not fid:
+        lines.append("  not measured")
+    else:
+        for name, e in fid["outputs"].items():
+            lines.append(f"  {name[:28]:<28} max abs {e['max_abs']:.3e}  cosine {e['cosine']:.6f}")
+    lines += ["", "Passes", "-" * 79]
+    for p in r["passes"]:
+        counts = ", ".join(f"{k} {v}" for k, v in p["counts"].items() if v)
+        lines.append(f"  {p['name']:<13}{p['seconds']:>6.1f} s  {counts[:55]}")
+    return "\n".join(lines) + "\n"
+
+
+def write(dd_dir: Path, report: dict[str, Any]) -> None:
+    atomic_write_text(dd_dir / "report.json", json.dumps(report, indent=2, default=str) + "\n")
+    atomic_write_text(dd_dir / "onnx_report.txt", render_text(report))

@@ -1,0 +1,121 @@
+"""The whole compiler on tiny-sdxl: the expected dispatch-op table per component, the CPU nodes and why,
+every pass keeping the numbers, and the bf16 fidelity against PyTorch's own bf16 run."""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import onnx
+import pytest
+import torch
+
+from sdnpu.convert import resolve_source
+from sdnpu.convert.compile import fidelity, run_onnx
+from sdnpu.convert.components import build_wrapper, sample_inputs, signature
+from sdnpu.passes.pipeline import compile_model, load
+
+from .graphs import run, to_proto
+
+# Dispatch ops per component for tiny-sdxl exported by dynamo (opset 20), and the CPU nodes left.
+EXPECTED = {
+    "unet": ({"SDGemm": 139, "SDAdd": 63, "SDConv": 36, "SDLayerNorm": 33, "SDGroupNorm": 30, "SDReshape": 29,
+              "SDMHA": 22, "SDConcat": 11, "SDGeGLU": 11, "SDCast": 4, "SDSlice": 4, "SDSilu": 3, "SDCos": 2,
+              "SDMul": 2, "SDResize": 2, "SDSin": 2, "SDExpand": 1}, {"CastAvx": 4}),
+    "vae_decoder": ({"SDConv": 27, "SDGroupNorm": 22, "SDAdd": 11, "SDGemm": 4, "SDReshape": 3, "SDResize": 3,
+                     "SDMHA_VAE": 1}, {"CastAvx": 2}),
+    "vae_encoder": ({"SDConv": 19, "SDGroupNorm": 14, "SDAdd": 7, "SDGemm": 4, "SDReshape": 3, "SDMHA_VAE": 1},
+                    {"CastAvx": 2}),
+    "text_encoder": ({"SDGemm": 12, "SDAdd": 5, "SDLayerNorm": 5, "SDMHA": 2, "SDQuickGelu": 2},
+                     {"CastAvx": 5, "Gather": 1, "Cast": 1, "ArgMax": 1, "Reshape": 1, "Concat": 1, "GatherND": 1}),
+    "text_encoder_2": ({"SDGemm": 19, "SDAdd": 7, "SDLayerNorm": 7, "SDGelu": 3, "SDMHA": 3},
+                       {"CastAvx": 8, "Gather": 1, "Cast": 1, "ArgMax": 1, "Reshape": 1, "Concat": 1, "GatherND": 1}),
+}
+# fp32 tier: passes before `precision` change no precision, only the order of float operations (the
+# GroupNorm body reduces in another order than InstanceNormalization). Measured max |diff| / max |ref| on
+# tiny-sdxl: 2.8e-5 (VAE decoder, fuse), below 1e-6 elsewhere. bf16 rounding alone would be ~4e-3.
+FP32_REL = 1e-4
+# bf16 tier: our error against the fp32 graph vs PyTorch's own bf16 run against fp32 (same inputs), the
+# compiler issue's target. Measured (mean over 5 seeds, ours / PyTorch's): max abs 0.87 (UNet) to 1.07
+# (text_encoder); 1 - cosine 0.83 (UNet) to 1.18 (text_encoder).
+BF16_RATIO = 1.2
+
+
+@pytest.mark.parametrize("component", list(EXPECTED))
+def test_dispatch_op_table(tiny_conversion, component):
+    dd = tiny_conversion.out / component / "dd"
+    report = json.loads((dd / "report.json").read_text())
+    npu, cpu = EXPECTED[component]
+    assert report["offloaded_by_type"] == npu
+    assert dict(__import__("collections").Counter(c["op_type"] for c in report["cpu_nodes"])) == cpu
+    # text_encoder_2's projection runs after the CPU's pooling (ArgMax/GatherND): a second region.
+    assert report["summary"]["npu_regions"] == (2 if component == "text_encoder_2" else 1)
+    assert report["summary"]["macs_offloaded_share"] == 1.0 or component.startswith("text_encoder")
+    assert all(c["reason"] for c in report["cpu_nodes"])
+    onnx.checker.check_model(str(dd / "replaced.onnx"), full_check=True)
+    assert (dd / "onnx_report.txt").read_text().count("offload rate") == 1
+
+
+def test_vae_decoder_keeps_only_the_boundary_casts(tiny_conversion):
+    report = json.loads((tiny_conversion.out / "vae_decoder" / "dd" / "report.json").read_text())
+    assert [c["reason"] for c in report["cpu_nodes"]] == ["CPU<->NPU boundary cast (CastAvx runs on the CPU)"] * 2
+    model = onnx.load(str(tiny_conversion.out / "vae_decoder" / "dd" / "replaced.onnx"))
+    casts = [n for n in model.graph.node if n.op_type == "CastAvx"]
+    perms = sorted(list(next(a.ints for a in n.attribute if a.name == "perm")) for n in casts)
+    assert perms == [[0, 2, 3, 1], [0, 3, 1, 2]]  # NCHW -> NHWC on the way in, back on the way out
+
+
+@pytest.mark.parametrize("component", ["unet", "vae_decoder"])
+def test_every_pass_keeps_the_numbers(tiny_conversion, component):
+    source = tiny_conversion.out / component / "model.onnx"
+    proto = onnx.load(str(source))
+    feeds = sample_inputs(signature(component, resolve_source("tiny-sdxl").module_config(component), 256),
+                          resolve_source("tiny-sdxl").module_config(component), 256)
+    reference = run(proto, feeds)
+    scale = max(float(np.abs(r).max()) for r in reference)
+    seen = []
+
+    def check(name, model):
+        from sdnpu.passes.cleanup import attach_functions
+
+        attach_functions(model)
+        m = to_proto(model)
+        onnx.checker.check_model(m, full_check=True)
+        out = run(m, feeds)
+        err = max(float(np.abs(a - b).max()) for a, b in zip(out, reference, strict=True))
+        bf16 = name in ("precision", "cleanup", "partition")
+        assert err <= (0.05 if bf16 else FP32_REL) * scale, (name, err / scale)
+        seen.append(name)
+
+    compile_model(load(source), after_each=check)
+    assert seen == ["canonicalize", "fuse", "layout", "glue", "precision", "cleanup", "partition"]
+
+
+@pytest.mark.parametrize("component", list(EXPECTED))
+def test_bf16_fidelity_matches_pytorch_bf16(tiny_conversion, component):
+    """Our bf16 error against the fp32 graph is no worse than 1.2x PyTorch's own bf16 run's, in max abs
+    error and in 1 - cosine, averaged over five seeded inputs (one input is too noisy for a 32-wide model:
+    per-seed ratios spread from 0.6 to 1.5)."""
+    src = resolve_source("tiny-sdxl")
+    config = src.module_config(component)
+    sig = signature(component, config, 256)
+    key = "vae" if component.startswith("vae") else component
+    fp32 = build_wrapper(component, src.load_module(key), config)
+    bf16 = build_wrapper(component, src.load_module(key), config).to(torch.bfloat16)
+    ours, theirs = [], []
+    for seed in range(5):
+        feeds = sample_inputs(sig, config, 256, seed=seed)
+        with torch.no_grad():
+            ref = [o.numpy() for o in fp32(*[torch.from_numpy(v) for v in feeds.values()])]
+            bf = [o.float().numpy() for o in bf16(*[torch.from_numpy(v).to(torch.bfloat16)
+                                                    if v.dtype == np.float32 else torch.from_numpy(v)
+                                                    for v in feeds.values()])]
+        reference = dict(zip(sig.outputs, ref, strict=True))
+        theirs.append(fidelity(reference, dict(zip(sig.outputs, bf, strict=True))))
+        ours.append(fidelity(reference, run_onnx(tiny_conversion.out / component / "dd" / "replaced.onnx", feeds)))
+
+    def mean(results, key):
+        return float(np.mean([r[key] if key == "max_abs" else 1 - r[key] for r in results]))
+
+    for key in ("max_abs", "min_cosine"):
+        assert mean(ours, key) <= BF16_RATIO * mean(theirs, key), (key, mean(ours, key), mean(theirs, key))
