@@ -42,6 +42,7 @@ test: $(STAMP)
 
 bench: $(STAMP)
 	$(BIN)/python bench/bench_export.py $(if $(FULL),--full)
+	$(BIN)/python bench/bench_compile.py $(if $(FULL),--sources tiny-sdxl,sdxl-base)
 
 clean:
 	rm -rf $(VENV) build *.egg-info .pytest_cache

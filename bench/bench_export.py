@@ -23,9 +23,9 @@ ROOT = Path(__file__).resolve().parent.parent
 COMPONENTS = ("text_encoder", "text_encoder_2", "vae_encoder", "vae_decoder", "unet")
 
 
-def run_component(source: str, component: str, out: Path, exporter: str) -> dict:
+def run_component(source: str, component: str, out: Path, exporter: str, compile: bool) -> dict:
     cmd = [sys.executable, "-m", "sdnpu", "-q", "convert", "--source", source, "--model", component,
-           "--out", str(out), "--exporter", exporter]
+           "--out", str(out), "--exporter", exporter] + ([] if compile else ["--no-compile"])
     start = time.perf_counter()
     proc = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
     _, status, usage = os.wait4(proc.pid, 0)
@@ -63,18 +63,23 @@ def table(rows: list[dict]) -> str:
     return "\n".join(lines)
 
 
+def write_section(title: str, command: str, body: str) -> None:
+    """Replace (or add) the section ``## title`` of bench/results.md."""
+    results = ROOT / "bench" / "results.md"
+    text = results.read_text() if results.exists() else "# sdnpu benchmarks\n"
+    marker = f"## {title}"
+    section = (f"{marker}\n\n`{command}` on {time.strftime('%Y-%m-%d')}, one process per component, "
+               f"{os.cpu_count()} cores.\n\n{body}\n")
+    parts = text.split("\n## ")
+    kept = [parts[0]] + [p for p in parts[1:] if not ("## " + p).startswith(marker + "\n")]
+    results.write_text("\n## ".join(kept).rstrip() + "\n\n" + section)
+
+
 def write_results(source: str, rows: list[dict]) -> None:
     out_dir = ROOT / "bench" / "out"
     out_dir.mkdir(parents=True, exist_ok=True)
     (out_dir / f"export-{source}.json").write_text(json.dumps(rows, indent=2) + "\n")
-    results = ROOT / "bench" / "results.md"
-    text = results.read_text() if results.exists() else "# sdnpu benchmarks\n"
-    marker = f"## Export: {source}"
-    section = (f"{marker}\n\n`python bench/bench_export.py` on {time.strftime('%Y-%m-%d')}, one process per "
-               f"component, {os.cpu_count()} cores.\n\n{table(rows)}\n")
-    parts = text.split("\n## ")
-    kept = [parts[0]] + [p for p in parts[1:] if not ("## " + p).startswith(marker)]
-    results.write_text("\n## ".join(kept).rstrip() + "\n\n" + section)
+    write_section(f"Export: {source}", "python bench/bench_export.py", table(rows))
 
 
 def main() -> None:
@@ -83,13 +88,14 @@ def main() -> None:
     parser.add_argument("--components", default=",".join(COMPONENTS))
     parser.add_argument("--exporter", default="dynamo")
     parser.add_argument("--sources", default=None, help="comma-separated (default: tiny-sdxl[,sdxl-base])")
+    parser.add_argument("--compile", action="store_true", help="time export + compile (default: export only)")
     args = parser.parse_args()
     sources = args.sources.split(",") if args.sources else ["tiny-sdxl"] + (["sdxl-base"] if args.full else [])
     for source in sources:
         rows = []
         with tempfile.TemporaryDirectory(prefix=f"sdnpu-bench-{source}-") as tmp:
             for comp in args.components.split(","):
-                row = run_component(source, comp, Path(tmp), args.exporter)
+                row = run_component(source, comp, Path(tmp), args.exporter, args.compile)
                 rows.append(row)
                 print(f"{source} {comp}: {row['wall_s']} s, peak {row['peak_rss_gb']} GB", flush=True)
                 write_results(source, rows)  # after each component: a long run keeps what it measured
