@@ -155,11 +155,14 @@ class Source:
         if self.kind == "component":
             return []
         written = []
+        index = _read_json(self.root / "model_index.json")
         atomic_write_bytes(out / "model_index.json", (self.root / "model_index.json").read_bytes())
         written.append("model_index.json")
         for name in _PIPELINE_FOLDERS:
             src = self.root / name
             if self.kind == "preset" and name.startswith("tokenizer"):
+                if name not in index:
+                    continue
                 from sdnpu.convert.tokenizer import tokenizer_files
 
                 pad = "<|endoftext|>" if name == "tokenizer" else "!"

@@ -5,7 +5,8 @@
 - Constant nodes become initializers; small constant subgraphs are folded (onnxscript's folder, with its
   size limits, so no large weight is ever materialized here); Identity nodes go;
 - shapes and types inferred for every value (the TorchScript exporter writes none for intermediates);
-- Squeeze/Unsqueeze/Flatten with static shapes become Reshape (the layout pass reasons about Reshape only).
+- Squeeze/Unsqueeze/Flatten with static shapes become Reshape (the layout pass reasons about Reshape only);
+- x*1, x/1, x+0 go; a zero Pad in front of a Conv becomes the Conv's pads (TorchScript's spellings).
 """
 
 from __future__ import annotations
@@ -43,6 +44,104 @@ def _to_reshape(graph: ir.Graph) -> int:
     return done
 
 
+_FOLD_LIMIT = 1 << 16  # elements: only shape-sized arithmetic is folded here, never a weight
+_NEVER_FOLD = frozenset({"RandomNormal", "RandomUniform", "RandomNormalLike", "RandomUniformLike", "Multinomial",
+                         "Bernoulli"})
+
+
+def _fold_small(graph: ir.Graph) -> int:
+    """Evaluate small nodes whose inputs are all constant (and Shape of a static value) with ONNX's
+    reference evaluator. onnxscript's folder leaves some on purpose (ConstantOfShape, to protect memory in
+    general); the TorchScript exporter's padding arithmetic is made of them."""
+    from onnx import helper
+    from onnx.reference import ReferenceEvaluator
+
+    folded = 0
+    for node in list(graph):
+        if node.domain not in ("", "ai.onnx") or node.op_type in _NEVER_FOLD or node.graph is None:
+            continue
+        outs = list(node.outputs)
+        if any(o.is_graph_output() for o in outs):
+            continue
+        if node.op_type == "Shape" and len(node.inputs) == 1 and static_shape(node.inputs[0]) is not None:
+            shape = np.asarray(static_shape(node.inputs[0]), np.int64)
+            start, end = node.attributes.get("start"), node.attributes.get("end")
+            values = [shape[(start.value if start else 0): (end.value if end else None)]]
+        elif node.inputs and all(v is None or v.const_value is not None for v in node.inputs):
+            sizes = [v.const_value.size for v in node.inputs if v is not None]  # type: ignore[union-attr]
+            if max(sizes, default=0) > _FOLD_LIMIT:
+                continue
+            names = [v.name if v is not None else "" for v in node.inputs]
+            proto = ir.serde.serialize_node(node)
+            feeds = {v.name: v.const_value.numpy() for v in node.inputs if v is not None}  # type: ignore
+            g = helper.make_graph([proto], "fold", [helper.make_tensor_value_info(n, ir.serde.serialize_type(  # type: ignore
+                v.type).tensor_type.elem_type, None) for n, v in zip(names, node.inputs) if v is not None], [
+                helper.make_tensor_value_info(o.name, 0, None) for o in outs])
+            try:
+                values = ReferenceEvaluator(helper.make_model(g, opset_imports=[helper.make_opsetid("", TARGET_OPSET)])
+                                            ).run(None, feeds)
+            except Exception:  # an op the reference evaluator lacks: leave it to the rules
+                continue
+            if any(np.asarray(v).size > _FOLD_LIMIT for v in values):
+                continue
+        else:
+            continue
+        b = Builder(graph, RULE)
+        for old, value in zip(outs, values, strict=True):
+            old.replace_all_uses_with(b.const(np.asarray(value), old.name or "folded"))
+        folded += 1
+    remove_dead_nodes(graph)
+    return folded
+
+
+def _drop_neutral(graph: ir.Graph) -> int:
+    """x * 1, x / 1 and x + 0 (a resnet's output_scale_factor of 1, as TorchScript writes it) are x."""
+    from sdnpu.passes.irutil import scalar
+
+    done = 0
+    for node in list(graph):
+        if node.op_type not in ("Mul", "Div", "Add") or node.domain not in ("", "ai.onnx") or len(node.inputs) != 2:
+            continue
+        x, c = node.inputs
+        neutral = 0.0 if node.op_type == "Add" else 1.0
+        if scalar(c) != neutral or x is None or static_shape(x) != static_shape(node.outputs[0]):
+            continue
+        out = node.outputs[0]
+        if out.is_graph_output() or x.dtype != out.dtype:
+            continue
+        out.replace_all_uses_with(x)
+        done += 1
+    return done
+
+
+def _pad_into_conv(graph: ir.Graph) -> int:
+    """Pad(x, zeros on H and W) -> Conv becomes one Conv with those pads (the VAE encoder's downsampler
+    pads right and bottom by one; dynamo already writes it this way)."""
+    from sdnpu.passes.irutil import attr, const
+
+    done = 0
+    for node in list(graph):
+        if node.op_type != "Pad" or node.domain not in ("", "ai.onnx"):
+            continue
+        uses = list(node.outputs[0].uses())
+        pads = const(node.inputs[1]) if len(node.inputs) > 1 else None
+        value = const(node.inputs[2]) if len(node.inputs) > 2 and node.inputs[2] is not None else np.zeros(1)
+        mode = attr(node, "mode", "constant")
+        if (len(uses) != 1 or uses[0].node.op_type != "Conv" or uses[0].idx != 0 or pads is None or pads.size != 8
+                or value is None or np.any(value != 0) or mode not in ("constant", b"constant")
+                or (len(node.inputs) > 3 and node.inputs[3] is not None) or node.outputs[0].is_graph_output()):
+            continue
+        conv = uses[0].node
+        if attr(conv, "auto_pad", "NOTSET") not in ("NOTSET", b"NOTSET") or np.any(pads[[0, 1, 4, 5]] != 0):
+            continue
+        old = list(attr(conv, "pads", [0, 0, 0, 0]))
+        new = [old[0] + int(pads[2]), old[1] + int(pads[3]), old[2] + int(pads[6]), old[3] + int(pads[7])]
+        conv.attributes["pads"] = ir.AttrInt64s("pads", new)
+        conv.replace_input_with(0, node.inputs[0])
+        done += 1
+    return done
+
+
 def canonicalize(model: ir.Model) -> PassResult:
     counts: Counter[str] = Counter()
     opset = model.opset_imports.get("", 0)
@@ -57,10 +156,18 @@ def canonicalize(model: ir.Model) -> PassResult:
     common.ShapeInferencePass(strict_mode=False)(model)
     onnxscript.optimizer.fold_constants(model)
     common.LiftConstantsToInitializersPass(lift_all_constants=True, size_limit=0)(model)
+    for _ in range(10):  # folding one node can make the next one's inputs constant
+        n = _fold_small(model.graph)
+        counts["small constants folded"] += n
+        if not n:
+            break
+        common.ShapeInferencePass(strict_mode=False)(model)
     common.IdentityEliminationPass()(model)
     common.NameFixPass()(model)  # every node named: CPU reasons and regions refer to nodes by name
     common.ShapeInferencePass(strict_mode=False)(model)
     counts["squeeze/unsqueeze/flatten -> reshape"] = _to_reshape(model.graph)
+    counts["x*1, x/1, x+0 removed"] = _drop_neutral(model.graph)
+    counts["Pad merged into Conv"] = _pad_into_conv(model.graph)
     remove_dead_nodes(model.graph)
     common.RemoveUnusedNodesPass()(model)
     counts["nodes removed"] = max(0, n_before - len(model.graph))

@@ -121,8 +121,6 @@ def test_two_runs_are_byte_identical(tmp_path, tiny_conversion):
 
 
 def test_torchscript_exporter_also_works(tmp_path):
-    # Export only: compiling TorchScript graphs (no intermediate shapes, unfolded pad arithmetic) is not
-    # done yet; see test_pipeline.py for what the compiler covers.
     result = convert("tiny-sdxl", "unet", out=tmp_path, exporter="torchscript", compile=False)
     info = json.loads((tmp_path / "unet" / "export.json").read_text())
     assert info["exporter"] == "torchscript"

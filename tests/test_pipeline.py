@@ -65,6 +65,22 @@ def test_vae_decoder_keeps_only_the_boundary_casts(tiny_conversion):
     assert perms == [[0, 2, 3, 1], [0, 3, 1, 2]]  # NCHW -> NHWC on the way in, back on the way out
 
 
+@pytest.mark.parametrize("component", ["unet", "vae_decoder", "vae_encoder"])
+def test_torchscript_graphs_compile_to_the_same_dispatch_ops(tmp_path_factory, component):
+    """The offload must not depend on who wrote the graph: TorchScript's spelling (no intermediate shapes,
+    shape arithmetic, Pad before Conv, x/1) reaches the same table as dynamo's."""
+    from sdnpu.convert import convert
+    from sdnpu.convert.compile import compile_file
+
+    out = tmp_path_factory.mktemp("ts")
+    convert("tiny-sdxl", component, out=out, exporter="torchscript", compile=False, check=False)
+    report = compile_file(out / component / "model.onnx")
+    npu, cpu = EXPECTED[component]
+    assert report["offloaded_by_type"] == npu
+    assert report["summary"]["cpu_nodes"] == sum(cpu.values())
+    assert report["fidelity"]["min_cosine"] > 0.999
+
+
 @pytest.mark.parametrize("component", ["unet", "vae_decoder"])
 def test_every_pass_keeps_the_numbers(tiny_conversion, component):
     source = tiny_conversion.out / component / "model.onnx"
@@ -119,3 +135,21 @@ def test_bf16_fidelity_matches_pytorch_bf16(tiny_conversion, component):
 
     for key in ("max_abs", "min_cosine"):
         assert mean(ours, key) <= BF16_RATIO * mean(theirs, key), (key, mean(ours, key), mean(theirs, key))
+
+
+@pytest.mark.parametrize("preset", ["tiny-sd15", "tiny-sd21"])
+def test_other_sd_versions_convert_with_the_same_quality(tmp_path, preset):
+    """SD 1.5 (conv proj_in, one text encoder, no added conditioning) and SD 2.1 (linear proj_in, per-block
+    head counts): the UNet keeps only its boundary casts on the CPU (sample, encoder_hidden_states in;
+    out_sample out; the timestep enters the fp32 sinusoid island directly)."""
+    from sdnpu.convert import convert
+
+    result = convert(preset, "unet,vae_decoder", out=tmp_path)
+    unet, vae = (json.loads((tmp_path / c / "dd" / "report.json").read_text()) for c in ("unet", "vae_decoder"))
+    assert [c["op_type"] for c in unet["cpu_nodes"]] == ["CastAvx"] * 3
+    assert [c["op_type"] for c in vae["cpu_nodes"]] == ["CastAvx"] * 2
+    for r in (unet, vae):
+        assert r["summary"]["npu_regions"] == 1 and r["summary"]["macs_offloaded_share"] == 1.0
+        assert r["fidelity"]["min_cosine"] > 0.9999
+    assert unet["offloaded_by_type"]["SDMHA"] == 8 and "SDTranspose" not in unet["offloaded_by_type"]
+    assert [c.component for c in result.components] == ["vae_decoder", "unet"]
