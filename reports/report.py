@@ -181,7 +181,7 @@ def render_text(r: dict[str, Any]) -> str:
     lines += ["", "Passes", "-" * 79]
     for p in r["passes"]:
         counts = ", ".join(f"{k} {v}" for k, v in p["counts"].items() if v)
-        lines.append(f"  {p['name']:<13}{p['seconds']:>6.1f} s  {counts[:55]}")
+        lines.append(f"  {p['name']:<13}{p['seconds']:>6.1f} s  {counts[:55]}".rstrip())
     return "\n".join(lines) + "\n"
 
 

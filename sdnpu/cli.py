@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import json
 import logging
 import os
 import sys
@@ -53,6 +54,41 @@ def _cmd_compile(args: argparse.Namespace) -> int:
     return 0
 
 
+def _cmd_report(args: argparse.Namespace) -> int:
+    from pathlib import Path
+
+    from sdnpu.reports import show
+    from sdnpu.reports.report import render_text
+
+    paths = [Path(p) for p in args.paths]
+    if args.paths and args.paths[0] == "diff":
+        if len(paths) != 3:
+            raise SdnpuError("`sdnpu report diff` compares two reports", hint="sdnpu report diff A B")
+        print(show.diff(show.find(paths[1]), show.find(paths[2])), end="")
+        return 0
+    if len(paths) != 1:
+        raise SdnpuError("give one path to report on", hint="sdnpu report models/sdxl-base [--json]")
+    found = show.find_with_models(paths[0])
+    reports = [(name, report) for name, report, _ in found]
+    if args.json:
+        print(json.dumps(dict(reports) if len(reports) > 1 else reports[0][1], indent=2))
+    elif len(reports) == 1:
+        print(render_text(reports[0][1]), end="")
+    else:
+        print(show.summary_lines(reports), end="")
+    if args.plot:
+        from sdnpu.reports.plot import plot
+
+        plot(found, Path(args.plot))
+        print(f"wrote {args.plot}", file=sys.stderr)
+    if args.fail_under is not None:
+        failing = show.below(reports, args.fail_under)
+        for line in failing:
+            print(f"sdnpu: offload below the gate: {line}", file=sys.stderr)
+        return 1 if failing else 0
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     from sdnpu.convert.export import DEFAULT_OPSET, EXPORTERS
     from sdnpu.convert.sources import COMPONENTS
@@ -81,6 +117,16 @@ def build_parser() -> argparse.ArgumentParser:
     comp.add_argument("--out", "-o", default=None, help="output folder (default: dd/ beside the model)")
     comp.add_argument("--no-verify", action="store_true", help="skip the fidelity run against the fp32 graph")
     comp.set_defaults(func=_cmd_compile)
+
+    rep = sub.add_parser("report", help="show offload reports; `sdnpu report diff A B` compares two",
+                         description="PATH: an output folder (one line per component), a component folder, a "
+                         "report.json or a replaced.onnx. `sdnpu report diff A B` shows what changed.")
+    rep.add_argument("paths", nargs="+", metavar="PATH")
+    rep.add_argument("--json", action="store_true", help="print the JSON report(s)")
+    rep.add_argument("--fail-under", type=float, default=None, metavar="RATE",
+                     help="exit 1 when a component's offload rate is below RATE (99.5 or 0.995)")
+    rep.add_argument("--plot", default=None, metavar="FILE", help="draw the offload strip to FILE (.svg or .png)")
+    rep.set_defaults(func=_cmd_report)
     return parser
 
 

@@ -1,0 +1,138 @@
+"""``sdnpu report``: find reports under a path, print them, compare two, gate on a rate, and draw one."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+from sdnpu.errors import SdnpuError
+
+SCHEMA = Path(__file__).with_name("report.schema.json")
+COMPONENT_ORDER = ("text_encoder", "text_encoder_2", "vae_encoder", "vae_decoder", "unet")
+
+
+def validate(report: dict[str, Any], where: Path) -> None:
+    import jsonschema
+
+    try:
+        jsonschema.validate(report, json.loads(SCHEMA.read_text()))
+    except jsonschema.ValidationError as e:
+        raise SdnpuError(f"{where} does not follow the report schema: {e.message}",
+                         hint="regenerate it with `sdnpu compile` / `sdnpu convert`") from e
+
+
+def _read(path: Path) -> dict[str, Any]:
+    try:
+        report = json.loads(path.read_text())
+    except (OSError, json.JSONDecodeError) as e:
+        raise SdnpuError(f"cannot read the report {path}: {e}") from e
+    validate(report, path)
+    return report
+
+
+def _from_onnx(path: Path) -> dict[str, Any]:
+    """A report for a dispatch model that has none beside it (rebuilt from the model's own tags)."""
+    import onnx
+
+    from sdnpu.reports.report import build
+
+    try:
+        model = onnx.load(str(path), load_external_data=False)
+    except Exception as e:  # protobuf's DecodeError and friends
+        raise SdnpuError(f"{path} is not a readable ONNX model: {type(e).__name__}: {e}") from e
+    if not any(n.domain == "sdnpu" for n in model.graph.node):
+        raise SdnpuError(f"{path} is not a dispatch model: it has no sdnpu ops",
+                         hint="compile it first: `sdnpu compile MODEL.onnx`")
+    return build(path, None, [], {"component": path.parent.parent.name})
+
+
+def find(path: Path) -> list[tuple[str, dict[str, Any]]]:
+    """(component, report) pairs under ``path``: an output folder, a component folder, a dd/ folder, a
+    report.json or a replaced.onnx."""
+    return [(name, report) for name, report, _ in find_with_models(path)]
+
+
+def _named(found: list[tuple[str, dict[str, Any], Path]]) -> list[tuple[str, dict[str, Any], Path]]:
+    """Each report is named by the component it records, the folder name only where it has none."""
+    return [(str(r.get("component") or name), r, m) for name, r, m in found]
+
+
+def find_with_models(path: Path) -> list[tuple[str, dict[str, Any], Path]]:
+    """Like ``find``, with the dispatch model each report describes."""
+    return _named(_find(Path(path)))
+
+
+def _find(path: Path) -> list[tuple[str, dict[str, Any], Path]]:
+    path = Path(path)
+    if not path.exists():
+        raise SdnpuError(f"{path} does not exist", hint="give an output folder, a component folder or a report")
+    if path.is_file():
+        if path.suffix == ".json":
+            return [(path.parent.parent.name, _read(path), path.with_name("replaced.onnx"))]
+        if path.suffix == ".onnx":
+            beside = path.with_name("report.json")
+            return [(path.parent.parent.name, _read(beside) if beside.exists() else _from_onnx(path), path)]
+        raise SdnpuError(f"{path} is neither a report.json nor an .onnx file")
+    for candidate in (path / "report.json", path / "dd" / "report.json"):
+        if candidate.is_file():
+            name = path.name if candidate.parent != path else path.parent.name
+            return [(name, _read(candidate), candidate.with_name("replaced.onnx"))]
+    found = sorted((p.parent.parent.name, p) for p in path.glob("*/dd/report.json"))
+    if not found:
+        raise SdnpuError(f"no offload report under {path}",
+                         hint="reports are written by `sdnpu convert` (OUT/<component>/dd/report.json)")
+    order = {c: i for i, c in enumerate(COMPONENT_ORDER)}
+    found.sort(key=lambda item: (order.get(item[0], len(order)), item[0]))
+    return [(name, _read(p), p.with_name("replaced.onnx")) for name, p in found]
+
+
+def summary_lines(reports: list[tuple[str, dict[str, Any]]]) -> str:
+    head = f"{'component':<16}{'offload':>9}{'dispatch':>10}{'CPU':>6}{'regions':>9}{'MACs on NPU':>13}{'min cosine':>12}"
+    lines = [head, "-" * len(head)]
+    tot_npu = tot_cpu = 0
+    for name, r in reports:
+        s = r["summary"]
+        fid = r.get("fidelity")
+        cos = f"{fid['min_cosine']:.6f}" if fid else "-"
+        lines.append(f"{name:<16}{100 * s['offload_rate']:>8.2f}%{s['offloaded_nodes']:>10}{s['cpu_nodes']:>6}"
+                     f"{s['npu_regions']:>9}{100 * s['macs_offloaded_share']:>12.2f}%{cos:>12}")
+        tot_npu += s["offloaded_nodes"]
+        tot_cpu += s["cpu_nodes"]
+    total = tot_npu + tot_cpu
+    lines.append(f"{'total':<16}{100 * tot_npu / total if total else 0:>8.2f}%{tot_npu:>10}{tot_cpu:>6}")
+    return "\n".join(lines) + "\n"
+
+
+def diff(a: list[tuple[str, dict[str, Any]]], b: list[tuple[str, dict[str, Any]]]) -> str:
+    """What changed from A to B, per component present in either."""
+    da, db = dict(a), dict(b)
+    lines: list[str] = []
+    for name in sorted(set(da) | set(db), key=lambda n: (COMPONENT_ORDER.index(n) if n in COMPONENT_ORDER else 9, n)):
+        if name not in da or name not in db:
+            lines.append(f"{name}: only in {'B' if name in db else 'A'}")
+            continue
+        ra, rb = da[name], db[name]
+        sa, sb = ra["summary"], rb["summary"]
+        lines.append(f"{name}: offload {100 * sa['offload_rate']:.2f}% -> {100 * sb['offload_rate']:.2f}% "
+                     f"({100 * (sb['offload_rate'] - sa['offload_rate']):+.2f} pts), CPU nodes {sa['cpu_nodes']} -> "
+                     f"{sb['cpu_nodes']}, regions {sa['npu_regions']} -> {sb['npu_regions']}")
+        for op in sorted(set(ra["offloaded_by_type"]) | set(rb["offloaded_by_type"])):
+            na, nb = ra["offloaded_by_type"].get(op, 0), rb["offloaded_by_type"].get(op, 0)
+            if na != nb:
+                lines.append(f"  {op:<20}{na:>6} -> {nb:<6}({nb - na:+d})")
+        key = lambda c: (c["op_type"], c["reason"])  # noqa: E731 - names differ between runs; kind and reason do not
+        ca = sorted(map(key, ra["cpu_nodes"]))
+        cb = sorted(map(key, rb["cpu_nodes"]))
+        for op, reason in sorted(set(cb) - set(ca)):
+            lines.append(f"  + CPU {op} ({cb.count((op, reason))}x): {reason}")
+        for op, reason in sorted(set(ca) - set(cb)):
+            lines.append(f"  - CPU {op} ({ca.count((op, reason))}x): {reason}")
+    return "\n".join(lines) + "\n"
+
+
+def below(reports: list[tuple[str, dict[str, Any]]], rate: float) -> list[str]:
+    """Components whose offload rate is under ``rate`` (a fraction; 99.5 and 0.995 both mean 99.5%)."""
+    threshold = rate / 100 if rate > 1 else rate
+    return [f"{name}: {100 * r['summary']['offload_rate']:.2f}% < {100 * threshold:.2f}%"
+            for name, r in reports if r["summary"]["offload_rate"] < threshold]

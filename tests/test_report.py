@@ -1,0 +1,122 @@
+"""The offload report: schema, agreement with an independent recount of the ONNX file, the text layout,
+`sdnpu report` (show, diff, --fail-under, --json, --plot) and its errors."""
+
+from __future__ import annotations
+
+import copy
+import json
+import os
+import re
+from collections import Counter
+from pathlib import Path
+
+import onnx
+import pytest
+
+from sdnpu.cli import main
+from sdnpu.errors import SdnpuError
+from sdnpu.reports import show
+
+SNAPSHOT = Path(__file__).parent / "snapshots" / "vae_decoder_report.txt"
+
+
+def _recount(model_path: Path) -> tuple[Counter[str], int]:
+    """Walk the ONNX file itself: dispatch ops by type, and everything else."""
+    model = onnx.load(str(model_path), load_external_data=False)
+    npu = Counter(n.op_type for n in model.graph.node if n.domain == "sdnpu" and n.op_type != "CastAvx")
+    return npu, len(model.graph.node) - sum(npu.values())
+
+
+def test_reports_follow_the_schema_and_agree_with_a_recount(tiny_conversion):
+    for comp in ("text_encoder", "text_encoder_2", "vae_encoder", "vae_decoder", "unet"):
+        dd = tiny_conversion.out / comp / "dd"
+        report = json.loads((dd / "report.json").read_text())
+        show.validate(report, dd / "report.json")
+        npu, cpu = _recount(dd / "replaced.onnx")
+        s = report["summary"]
+        assert report["offloaded_by_type"] == dict(npu) and s["cpu_nodes"] == cpu
+        assert s["offload_rate"] == pytest.approx(sum(npu.values()) / (sum(npu.values()) + cpu))
+        text = (dd / "onnx_report.txt").read_text()
+        assert f"offload rate           {100 * s['offload_rate']:.2f}%" in text
+        assert f"CPU nodes ({cpu})" in text
+        assert all(c["name"] in text for c in report["cpu_nodes"])
+
+
+def _mask(text: str) -> str:
+    """Times, fingerprints and float noise vary between machines; the layout must not."""
+    text = re.sub(r"fingerprint [0-9a-f]+", "fingerprint X", text)
+    text = re.sub(r"\d+\.\d+ s\b", "T s", text)
+    text = re.sub(r"max abs \S+  cosine \S+", "max abs E  cosine C", text)
+    text = re.sub(r"val_\d+", "val_N", text)
+    return re.sub(r"node_[A-Za-z]+_\d+", "node_N", text)
+
+
+def test_text_layout_snapshot(tiny_conversion):
+    text = _mask((tiny_conversion.out / "vae_decoder" / "dd" / "onnx_report.txt").read_text())
+    assert max(len(line) for line in text.splitlines()) <= 80
+    if os.environ.get("SDNPU_UPDATE_SNAPSHOTS"):  # after an intended layout change: review the diff, commit
+        SNAPSHOT.parent.mkdir(exist_ok=True)
+        SNAPSHOT.write_text(text)
+    assert text == SNAPSHOT.read_text()
+
+
+def _pair(tiny_conversion, tmp_path) -> tuple[Path, Path]:
+    a = json.loads((tiny_conversion.out / "unet" / "dd" / "report.json").read_text())
+    b = copy.deepcopy(a)
+    b["offloaded_by_type"]["SDAdd"] -= 1
+    b["summary"]["offloaded_nodes"] -= 1
+    b["summary"]["cpu_nodes"] += 1
+    b["summary"]["offload_rate"] = b["summary"]["offloaded_nodes"] / b["summary"]["total_nodes"]
+    b["cpu_nodes"].append({"name": "add_7", "op_type": "Add", "reason": "no rule offloads Add"})
+    pa, pb = tmp_path / "a" / "unet" / "dd" / "report.json", tmp_path / "b" / "unet" / "dd" / "report.json"
+    for p, r in ((pa, a), (pb, b)):
+        p.parent.mkdir(parents=True)
+        p.write_text(json.dumps(r))
+    return pa.parent.parent.parent, pb.parent.parent.parent
+
+
+def test_diff_names_what_changed(tiny_conversion, tmp_path, capsys):
+    a, b = _pair(tiny_conversion, tmp_path)
+    assert main(["report", "diff", str(a), str(b)]) == 0
+    out = capsys.readouterr().out
+    assert "unet: offload 98.99% -> 98.74% (-0.25 pts), CPU nodes 4 -> 5" in out
+    assert "SDAdd                   63 -> 62    (-1)" in out
+    assert "+ CPU Add (1x): no rule offloads Add" in out
+
+
+@pytest.mark.parametrize(("rate", "code"), [("98.9", 0), ("0.989", 0), ("99", 1)])
+def test_fail_under_gates(tiny_conversion, rate, code, capsys):
+    assert main(["report", str(tiny_conversion.out / "unet"), "--fail-under", rate]) == code
+    if code:
+        assert "unet: 98.99% < 99.00%" in capsys.readouterr().err
+
+
+def test_whole_folder_summary_json_and_plot(tiny_conversion, tmp_path, capsys):
+    assert main(["report", str(tiny_conversion.out)]) == 0
+    out = capsys.readouterr().out
+    assert [line.split()[0] for line in out.splitlines()[2:]] == [
+        "text_encoder", "text_encoder_2", "vae_encoder", "vae_decoder", "unet", "total"]
+    assert main(["report", str(tiny_conversion.out / "vae_decoder"), "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["summary"]["cpu_nodes"] == 2
+    svg = tmp_path / "offload.svg"
+    assert main(["report", str(tiny_conversion.out), "--plot", str(svg)]) == 0
+    text = svg.read_text()
+    unet = json.loads((tiny_conversion.out / "unet" / "dd" / "report.json").read_text())["summary"]
+    assert f"unet: {100 * unet['offload_rate']:.2f}% offloaded, {unet['cpu_nodes']} CPU nodes" in text
+    assert text.count(">CastAvx<") >= 4  # the CPU nodes are labelled
+
+
+def test_report_errors_are_clear(tmp_path, tiny_conversion):
+    bad = tmp_path / "replaced.onnx"
+    bad.write_bytes(b"\x08\x07garbage")
+    with pytest.raises(SdnpuError, match="not a readable ONNX model"):
+        show.find(bad)
+    with pytest.raises(SdnpuError, match="not a dispatch model"):
+        show.find(tiny_conversion.out / "unet" / "model.onnx")
+    with pytest.raises(SdnpuError, match="no offload report under"):
+        show.find(tmp_path)
+    broken = tmp_path / "dd" / "report.json"
+    broken.parent.mkdir()
+    broken.write_text(json.dumps({"schema_version": 1}))
+    with pytest.raises(SdnpuError, match="does not follow the report schema"):
+        show.find(tmp_path / "dd")
