@@ -210,6 +210,19 @@ _OPS: list[OpDef] = [
           "Element-wise sine: the sinusoidal timestep and micro-conditioning embeddings (vector unit, LUT)."),
     OpDef("SDCos", ("X",), (), _unary("Cos"), "Element-wise cosine; see SDSin."),
     OpDef("SDSigmoid", ("X",), (), _unary("Sigmoid"), "Element-wise sigmoid where it is not part of a SiLU."),
+    OpDef("SDEmbedding", ("W", "I"), (), lambda b, x: b.op("Gather", x[0], x[1], axis=0),  # type: ignore
+          "Token embedding lookup: rows of the table W [V, C] at the integer ids I [B, S] -> [B, S, C]. The "
+          "NPU's DMA gathers rows; the ids are the one integer input a dispatch op takes.",
+          cast_inputs=(True, False)),
+    OpDef("SDTokenPool", ("X", "I"), (), lambda b, x: b.op("Reshape", b.op(
+        "GatherElements", x[0], b.op("Expand", b.op("Unsqueeze", b.op("ArgMax", x[1], axis=-1, keepdims=1),
+                                                     b.const_ints([2])),
+                                     b.op("Concat", b.op("Shape", x[0], end=1), b.const_ints([1]),
+                                          b.op("Shape", x[0], start=2), axis=0)), axis=1),
+        b.const_ints([0, -1])),  # type: ignore
+          "CLIP's pooling: the hidden state at each sequence's highest token id (its end-of-text token). "
+          "X: [B, S, C], I: [B, S] integer ids -> [B, C]. An argmax over 77 ids and a row copy.",
+          cast_inputs=(True, False)),
     OpDef("SDCast", ("X",), ("to",),
           lambda b, x: b.op("Cast", x[0], refs={"to": ("to", A.INT)}),  # type: ignore
           "fp32 -> bf16 conversion inside an NPU region, where a small fp32 computation (the sinusoidal "

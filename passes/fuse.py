@@ -20,6 +20,7 @@ from sdnpu.passes.rules.conv import SDConvFusion
 from sdnpu.passes.rules.gemm import SDGemmFusion, SDMatMulFusion
 from sdnpu.passes.rules.norm import SDGroupNormFusion, SDLayerNormFusion
 from sdnpu.passes.rules.resize import SDResizeFusion
+from sdnpu.passes.rules.text import SDEmbeddingFusion, SDTokenPoolFusion
 
 FUSION_RULES: tuple[Rule, ...] = (
     SDMHAFusion(),
@@ -33,6 +34,8 @@ FUSION_RULES: tuple[Rule, ...] = (
     SDGemmFusion(),
     SDMatMulFusion(),
     SDResizeFusion(),
+    SDEmbeddingFusion(),
+    SDTokenPoolFusion(),
 )
 
 

@@ -208,3 +208,27 @@ def test_near_miss_does_not_fuse_and_says_why(build, rule, anchor_op, reason):
     assert any(reason in why for _, why in stats.declined.values()), stats.declined
     assert ops(irm)[anchor_op] >= 1
     assert_same(m, irm)
+
+
+def text_embedding_and_pooling():
+    """CLIP's token lookup and end-of-text pooling, as dynamo writes them."""
+    from onnx import TensorProto as T
+
+    nodes = [n("Gather", ["table", "ids"], ["e"], axis=0), n("Cast", ["ids"], ["ids32"], to=T.INT32),
+             n("ArgMax", ["ids32"], ["am"], axis=-1, keepdims=0), n("Reshape", ["am", "col"], ["am2"]),
+             n("Concat", ["rows", "am2"], ["idx"], axis=-1), n("GatherND", ["e", "idx"], ["pooled"])]
+    g = helper.make_graph(nodes, "g", [helper.make_tensor_value_info("ids", T.INT64, [2, 7])],
+                          [helper.make_tensor_value_info("pooled", T.FLOAT, [2, 4])],
+                          [__import__("onnx").numpy_helper.from_array(a, k) for k, a in
+                           {"table": w(50, 4), "col": np.array([2, 1]), "rows": np.array([[0], [1]])}.items()])
+    m = helper.make_model(g, opset_imports=[helper.make_opsetid("", 20)])
+    return __import__("onnx").shape_inference.infer_shapes(m, strict_mode=True)
+
+
+def test_text_encoder_lookup_and_pooling_fuse():
+    m = text_embedding_and_pooling()
+    irm, _ = _fused(m)
+    assert ops(irm) == {"SDEmbedding": 1, "SDTokenPool": 1}
+    ids = {"ids": np.array([[49406 % 50, 3, 49, 7, 1, 1, 1], [0, 49, 2, 2, 2, 2, 2]], np.int64)}
+    for a, b in zip(run(m, ids), run(with_functions(irm), ids), strict=True):
+        np.testing.assert_array_equal(a, b)
