@@ -22,8 +22,8 @@ The UNet runs at batch 2 (classifier-free guidance: unconditional and conditiona
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from dataclasses import dataclass
+from functools import lru_cache
 from typing import Any
 
 import numpy as np
@@ -130,25 +130,29 @@ def sample_inputs(sig: Signature, config: dict[str, Any], res: int, seed: int = 
     return feeds
 
 
-def build_wrapper(component: str, module: Any, config: dict[str, Any]) -> Any:
-    """A torch module whose forward takes the signature's inputs in order and returns a tuple."""
+@lru_cache(maxsize=1)
+def _wrapper_classes() -> dict[str, Any]:
+    """The wrapper classes, made once. They take the module as an argument and close over nothing: a
+    class that captured the module would keep its weights alive as long as anything (torch's export
+    caches) holds the class."""
     import torch
 
     class TextEncoder(torch.nn.Module):
-        def __init__(self) -> None:
+        def __init__(self, model: Any, projection: bool) -> None:
             super().__init__()
-            self.model = module
+            self.model = model
+            self.projection = projection
 
         def forward(self, input_ids: torch.Tensor) -> tuple[torch.Tensor, ...]:
             out = self.model(input_ids=input_ids, output_hidden_states=True, return_dict=True)
-            first = (out.text_embeds, out.last_hidden_state) if component == "text_encoder_2" else (
+            first = (out.text_embeds, out.last_hidden_state) if self.projection else (
                 out.last_hidden_state, out.pooler_output)
             return first + tuple(out.hidden_states)
 
     class UNet(torch.nn.Module):
-        def __init__(self) -> None:
+        def __init__(self, unet: Any) -> None:
             super().__init__()
-            self.unet = module
+            self.unet = unet
 
         def forward(self, sample: torch.Tensor, timestep: torch.Tensor,
                     encoder_hidden_states: torch.Tensor) -> tuple[torch.Tensor]:
@@ -162,26 +166,32 @@ def build_wrapper(component: str, module: Any, config: dict[str, Any]) -> Any:
                               return_dict=False)[0],)
 
     class VaeEncoder(torch.nn.Module):
-        def __init__(self) -> None:
+        def __init__(self, vae: Any) -> None:
             super().__init__()
-            self.vae = module
+            self.vae = vae
 
         def forward(self, sample: torch.Tensor) -> tuple[torch.Tensor]:
             return (self.vae.encode(sample, return_dict=False)[0].parameters,)
 
-    class VaeDecoder(torch.nn.Module):
-        def __init__(self) -> None:
-            super().__init__()
-            self.vae = module
-
-        def forward(self, latent_sample: torch.Tensor) -> tuple[torch.Tensor]:
+    class VaeDecoder(VaeEncoder):
+        def forward(self, latent_sample: torch.Tensor) -> tuple[torch.Tensor]:  # type: ignore[override]
             return (self.vae.decode(latent_sample, return_dict=False)[0],)
 
-    wrappers: dict[str, Callable[[], torch.nn.Module]] = {
-        "text_encoder": TextEncoder,
-        "text_encoder_2": TextEncoder,
-        "unet": UNetTextTime if _unet_text_time(config) else UNet,
-        "vae_encoder": VaeEncoder,
-        "vae_decoder": VaeDecoder,
-    }
-    return wrappers[component]().eval()
+    return {"TextEncoder": TextEncoder, "UNet": UNet, "UNetTextTime": UNetTextTime, "VaeEncoder": VaeEncoder,
+            "VaeDecoder": VaeDecoder}
+
+
+def build_wrapper(component: str, module: Any, config: dict[str, Any]) -> Any:
+    """A torch module whose forward takes the signature's inputs in order and returns a tuple."""
+    classes = _wrapper_classes()
+    if component in ("text_encoder", "text_encoder_2"):
+        wrapper = classes["TextEncoder"](module, projection=component == "text_encoder_2")
+    elif component == "unet":
+        wrapper = classes["UNetTextTime" if _unet_text_time(config) else "UNet"](module)
+    elif component == "vae_encoder":
+        wrapper = classes["VaeEncoder"](module)
+    elif component == "vae_decoder":
+        wrapper = classes["VaeDecoder"](module)
+    else:
+        raise KeyError(component)
+    return wrapper.eval()

@@ -27,6 +27,8 @@ from sdnpu.convert.components import (
 from sdnpu.convert.export import (
     CHECK_RTOL,
     DEFAULT_OPSET,
+    EXPORTERS,
+    MIN_OPSET,
     compare,
     export_module,
     onnx_outputs,
@@ -118,6 +120,10 @@ def convert(
 ) -> ConvertResult:
     """Export ``components`` of ``source`` to ``out`` (default ``models/<source name>``) and, unless
     ``compile=False``, compile each into ``<component>/dd/`` (dispatch model and offload report)."""
+    if exporter not in EXPORTERS:
+        raise SdnpuError(f"unknown exporter {exporter!r}", hint=f"choose one of: {', '.join(EXPORTERS)}")
+    if opset < MIN_OPSET:
+        raise SdnpuError(f"opset {opset} is too old", hint=f"use opset {MIN_OPSET} or newer")
     src = resolve_source(source)
     comps = parse_components(components, src)
     vae_cfg = src.module_config("vae_decoder") if "vae" in src.modules else None
@@ -135,58 +141,176 @@ def convert(
     cached: tuple[str, Any] | None = None
     for i, comp in enumerate(comps):
         key = COMPONENT_MODULES[comp]
-        if cached is None or cached[0] != key:
-            cached = None
-            release_memory()
-            what = "drawing seeded weights for" if src.kind == "preset" else "loading"
-            with step(log, f"[{comp}] {what} {src.classes[key]} ({src.name})") as t_load:
-                cached = (key, src.load_module(key))
-            load_s = t_load.seconds
-        else:
-            load_s = 0.0
-        keep = i + 1 < len(comps) and COMPONENT_MODULES[comps[i + 1]] == key
-        holder = [cached[1]]  # the callee takes the module out, so it holds the last reference
-        if not keep:
-            cached = None
+        isolate = module_bytes(src, key) > ISOLATE_BYTES
+        holder: list[Any] = []
+        if not isolate:
+            if cached is None or cached[0] != key:
+                cached = None
+                release_memory()
+                cached = (key, _load(src, comp, key))
+            holder.append(cached[1])  # the torch stage takes it out, so it holds the last reference
+            cached = (key, (cached[1][0], 0.0))  # a second component of the same module loaded nothing
+            if not (i + 1 < len(comps) and COMPONENT_MODULES[comps[i + 1]] == key):
+                cached = None
         with staged_dir(out_dir / comp) as stage:
-            result = _export_component(src, comp, holder, stage, res, factor, exporter, opset, check,
-                                       fingerprint, load_s, compile)
+            job = _TorchJob(comp, key, str(stage / MODEL_FILE), res, factor, exporter, opset, check)
+            torch_stage = _torch_stage_in_child(src, job) if isolate else _torch_stage(src, job, holder)
+            release_memory()  # the torch weights go before onnxruntime loads the graph's copy
+            result = _export_component(src, comp, torch_stage, stage, res, factor, exporter, opset, check,
+                                       fingerprint, compile)
         result.path = out_dir / comp / MODEL_FILE
         results.append(result)
     written = src.write_pipeline_files(out_dir)
     return ConvertResult(source=src, out=out_dir, resolution=res, components=results, pipeline_files=written)
 
 
-def _export_component(src: Source, comp: str, holder: list[Any], stage: Path, res: int, factor: int, exporter: str,
-                      opset: int, check: bool, fingerprint: str, load_s: float,
-                      compile: bool) -> ComponentResult:
+# Modules above this many bytes of fp32 weights are exported in a child process: torch 2.13's exporter
+# keeps tensors alive after it returns (held outside Python's reach), and at full SDXL size that is 10 GB
+# sitting beside onnxruntime's copy during the check. A process that exits gives everything back.
+ISOLATE_BYTES = 1 << 30
+
+
+def module_bytes(src: Source, key: str) -> int:
+    """fp32 weight bytes of module ``key``: counted on the meta device for presets, from the weight files'
+    sizes for folders (fp16 files count twice)."""
+    if src.kind == "preset":
+        import torch
+
+        with torch.device("meta"):
+            module = src.load_module(key)
+        return 4 * sum(p.numel() for p in module.parameters())
+    total = 0
+    for f in src.modules[key].iterdir():
+        if f.suffix in (".safetensors", ".bin"):
+            total += f.stat().st_size * (2 if ".fp16." in f.name else 1)
+    return total
+
+
+def _load(src: Source, comp: str, key: str) -> tuple[Any, float]:
+    """The module and the seconds it took to load (for export.json)."""
+    what = "drawing seeded weights for" if src.kind == "preset" else "loading"
+    with step(log, f"[{comp}] {what} {src.classes[key]} ({src.name})") as t:
+        module = src.load_module(key)
+    return module, t.seconds
+
+
+@dataclass(frozen=True)
+class _TorchJob:
+    component: str
+    key: str
+    path: str
+    res: int
+    factor: int
+    exporter: str
+    opset: int
+    check: bool
+
+
+@dataclass
+class _TorchStage:
+    """What the torch side hands over: PyTorch's outputs on the seeded inputs, the size, the times."""
+
+    reference: list[Any] | None
+    parameters: int
+    seconds: dict[str, float]
+    peak_rss_bytes: int  # of the process that ran it
+
+
+def _torch_stage(src: Source, job: _TorchJob, holder: list[Any]) -> _TorchStage:
+    """Load (unless ``holder`` has the module), run PyTorch on the seeded inputs, export. Every torch
+    object lives and dies in here."""
+    comp = job.component
+    module, load_s = holder.pop() if holder else _load(src, comp, job.key)
+    seconds = {"load": round(load_s, 2)}
+    config = src.module_config(comp)
+    sig = signature(comp, config, job.res, job.factor)
+    wrapper = build_wrapper(comp, module, config)
+    del module
+    n_params = sum(p.numel() for p in wrapper.parameters())
+    feeds = sample_inputs(sig, config, job.res)
+    reference = None
+    if job.check:
+        with step(log, f"[{comp}] running PyTorch on seeded inputs") as t:
+            reference = torch_outputs(wrapper, feeds)
+        seconds["torch_run"] = round(t.seconds, 2)
+    with step(log, f"[{comp}] exporting with torch's {job.exporter} exporter (opset {job.opset})") as t:
+        try:
+            export_module(wrapper, tuple(_as_torch(feeds)), [s.name for s in sig.inputs], list(sig.outputs),
+                          Path(job.path), exporter=job.exporter, opset=job.opset)
+        except SdnpuError:
+            raise
+        except Exception as e:  # the exporters raise many types; name the component and the exporter
+            raise SdnpuError(f"torch's {job.exporter} exporter failed on {comp}: {type(e).__name__}: {e}",
+                             hint="try --exporter torchscript" if job.exporter == "dynamo" else None) from e
+    seconds["export"] = round(t.seconds, 2)
+    return _TorchStage(reference, n_params, seconds, peak_rss_bytes())
+
+
+def _torch_stage_in_child(src: Source, job: _TorchJob) -> _TorchStage:
+    """``_torch_stage`` in a spawned process; its result (small: PyTorch's outputs) comes back by pipe."""
+    import multiprocessing
+
+    ctx = multiprocessing.get_context("spawn")
+    receiver, sender = ctx.Pipe(duplex=False)
+    source = src.name if src.kind == "preset" else str(src.root)
+    proc = ctx.Process(target=_child_main, args=(sender, source, job, logging.getLogger("sdnpu").getEffectiveLevel()),
+                       name=f"sdnpu-export-{job.component}")
+    log.info("[%s] exporting in a worker process (%s)", job.component, "weights above 1 GiB")
+    proc.start()
+    sender.close()
+    try:
+        kind, payload = receiver.recv()
+    except EOFError:
+        kind, payload = "died", None
+    finally:
+        proc.join()
+    if kind == "ok":
+        return payload  # type: ignore[no-any-return]
+    if kind == "error":
+        raise SdnpuError(*payload)
+    if kind == "crash":
+        raise SdnpuError(f"exporting {job.component} failed: {payload}")
+    raise SdnpuError(f"the export worker for {job.component} died (exit code {proc.exitcode})",
+                     hint="a negative code is the signal that killed it; -9 is often the kernel's "
+                     "out-of-memory killer: close other large jobs and retry")
+
+
+def _child_main(conn: Any, source: str, job: _TorchJob, level: int) -> None:
+    import ctypes
+    import signal
+    import traceback
+    import warnings
+
+    try:  # die with the parent (Ctrl-C, SIGKILL): no orphan keeps exporting into a staging folder
+        ctypes.CDLL("libc.so.6").prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
+    except (OSError, AttributeError):
+        pass
+    logging.basicConfig(level=logging.WARNING, format="%(message)s")
+    logging.getLogger("sdnpu").setLevel(level)
+    logging.getLogger("torch.onnx").setLevel(logging.ERROR)
+    warnings.filterwarnings("ignore", category=FutureWarning)
+    warnings.filterwarnings("ignore", category=DeprecationWarning)
+    try:
+        conn.send(("ok", _torch_stage(resolve_source(source), job, [])))
+    except SdnpuError as e:
+        conn.send(("error", (e.message, e.hint)))
+    except BaseException as e:  # a bug: send the traceback, the parent names the component
+        conn.send(("crash", f"{type(e).__name__}: {e}\n{traceback.format_exc()}"))
+    finally:
+        conn.close()
+
+
+def _export_component(src: Source, comp: str, torch_stage: _TorchStage, stage: Path, res: int, factor: int,
+                      exporter: str, opset: int, check: bool, fingerprint: str, compile: bool) -> ComponentResult:
     import onnx
 
     config = src.module_config(comp)
     sig: Signature = signature(comp, config, res, factor)
-    wrapper = build_wrapper(comp, holder.pop(), config)
-    n_params = sum(p.numel() for p in wrapper.parameters())
-    path = stage / MODEL_FILE
-    seconds: dict[str, float] = {"load": round(load_s, 2)}
-
-    reference = None
     feeds = sample_inputs(sig, config, res)
-    if check:
-        with step(log, f"[{comp}] running PyTorch on seeded inputs") as t:
-            reference = torch_outputs(wrapper, feeds)
-        seconds["torch_run"] = round(t.seconds, 2)
-    with step(log, f"[{comp}] exporting with torch's {exporter} exporter (opset {opset})") as t:
-        try:
-            export_module(wrapper, tuple(_as_torch(feeds)), [s.name for s in sig.inputs], list(sig.outputs),
-                          path, exporter=exporter, opset=opset)
-        except SdnpuError:
-            raise
-        except Exception as e:  # the exporters raise many types; name the component and the exporter
-            raise SdnpuError(f"torch's {exporter} exporter failed on {comp}: {type(e).__name__}: {e}",
-                             hint="try --exporter torchscript" if exporter == "dynamo" else None) from e
-    seconds["export"] = round(t.seconds, 2)
-    del wrapper
-    release_memory()  # the torch weights go before onnxruntime loads the graph's copy
+    path = stage / MODEL_FILE
+    seconds = dict(torch_stage.seconds)
+    reference = torch_stage.reference
+    n_params = torch_stage.parameters
 
     with step(log, f"[{comp}] validating the graph (onnx.checker, full check)") as t:
         onnx.checker.check_model(str(path), full_check=True)
@@ -212,7 +336,8 @@ def _export_component(src: Source, comp: str, holder: list[Any], stage: Path, re
         seconds["compile"] = round(t.seconds, 2)
 
     result = ComponentResult(component=comp, path=path, nodes=len(graph.graph.node), parameters=n_params,
-                             seconds=seconds, peak_rss_bytes=peak_rss_bytes(), check=check_data, report=summary)
+                             seconds=seconds, peak_rss_bytes=max(peak_rss_bytes(), torch_stage.peak_rss_bytes),
+                             check=check_data, report=summary)
     src_config = src.module_dir(comp) / "config.json"
     (stage / "config.json").write_bytes(src_config.read_bytes())
     atomic_write_json(stage / "export.json", {

@@ -120,6 +120,35 @@ def test_two_runs_are_byte_identical(tmp_path, tiny_conversion):
     assert data == (tiny_conversion.out / "vae_decoder" / "model.onnx").read_bytes()
 
 
+def test_large_modules_export_in_a_worker_process(tmp_path, tiny_conversion, monkeypatch):
+    """Above ISOLATE_BYTES the torch side runs in a spawned process (torch's exporter holds on to tensors);
+    the result is the same graph, byte for byte."""
+    monkeypatch.setattr(driver_mod, "ISOLATE_BYTES", 0)
+    result = convert("tiny-sdxl", "vae_decoder", out=tmp_path, compile=False)
+    assert result.components[0].check["max_rel_error"] <= FP32_REL_TOL
+    assert result.components[0].path.read_bytes() == (tiny_conversion.out / "vae_decoder" / "model.onnx").read_bytes()
+
+
+def test_worker_errors_come_back_as_clear_errors(tmp_path, monkeypatch):
+    import shutil
+
+    from sdnpu.convert.sources import PRESETS_DIR
+
+    monkeypatch.setattr(driver_mod, "ISOLATE_BYTES", 0)
+    vae = tmp_path / "vae"
+    shutil.copytree(PRESETS_DIR / "tiny-sdxl" / "vae", vae)
+    (vae / "diffusion_pytorch_model.safetensors").write_bytes(b"not safetensors")
+    with pytest.raises(SdnpuError, match=f"cannot load AutoencoderKL weights from {vae}"):
+        convert(vae, "vae_decoder", out=tmp_path / "out")
+    assert not any((tmp_path / "out").iterdir())
+
+
+def test_unknown_exporter_is_refused_before_any_work(tmp_path):
+    with pytest.raises(SdnpuError, match="unknown exporter 'tracer'"):
+        convert("tiny-sdxl", "vae_decoder", out=tmp_path / "out", exporter="tracer")
+    assert not (tmp_path / "out").exists()
+
+
 def test_torchscript_exporter_also_works(tmp_path):
     result = convert("tiny-sdxl", "unet", out=tmp_path, exporter="torchscript", compile=False)
     info = json.loads((tmp_path / "unet" / "export.json").read_text())
