@@ -60,7 +60,13 @@ def run_onnx(path: Path, feeds: dict[str, np.ndarray], optimize: bool = False) -
     return dict(zip(names, sess.run(names, feeds), strict=True))
 
 
+def is_image(shape: tuple[int, ...]) -> bool:
+    """An RGB image tensor [B, 3, H, W] (the VAE decoder's output, the encoder's input)."""
+    return len(shape) == 4 and shape[1] == 3 and shape[2] >= 8 and shape[3] >= 8
+
+
 def fidelity(reference: dict[str, np.ndarray], actual: dict[str, np.ndarray]) -> dict[str, Any]:
+    """max abs error and cosine per output; PSNR for images, over their [-1, 1] range (peak-to-peak 2)."""
     outputs = {}
     for name, ref in reference.items():
         a, r = actual[name].astype(np.float64).ravel(), ref.astype(np.float64).ravel()
@@ -70,6 +76,10 @@ def fidelity(reference: dict[str, np.ndarray], actual: dict[str, np.ndarray]) ->
             "ref_max_abs": float(np.max(np.abs(r))) if r.size else 0.0,
             "cosine": float(a @ r / denom) if denom else 1.0,
         }
+        if is_image(ref.shape):
+            clipped = np.clip(a, -1, 1) - np.clip(r, -1, 1)
+            mse = float(np.mean(clipped**2))
+            outputs[name]["psnr_db"] = float(10 * np.log10(4.0 / mse)) if mse > 0 else float("inf")
     return {"reference": "fp32 graph (onnxruntime CPU)", "outputs": outputs,
             "min_cosine": min(o["cosine"] for o in outputs.values()),
             "max_abs": max(o["max_abs"] for o in outputs.values())}

@@ -177,7 +177,8 @@ def render_text(r: dict[str, Any]) -> str:
         lines.append("  not measured")
     else:
         for name, e in fid["outputs"].items():
-            lines.append(f"  {name[:28]:<28} max abs {e['max_abs']:.3e}  cosine {e['cosine']:.6f}")
+            psnr = f"  PSNR {e['psnr_db']:.1f} dB" if "psnr_db" in e else ""
+            lines.append(f"  {name[:28]:<28} max abs {e['max_abs']:.3e}  cosine {e['cosine']:.6f}{psnr}")
     lines += ["", "Passes", "-" * 79]
     for p in r["passes"]:
         counts = ", ".join(f"{k} {v}" for k, v in p["counts"].items() if v)

@@ -47,6 +47,7 @@ def _mask(text: str) -> str:
     text = re.sub(r"fingerprint [0-9a-f]+", "fingerprint X", text)
     text = re.sub(r"\d+\.\d+ s\b", "T s", text)
     text = re.sub(r"max abs \S+  cosine \S+", "max abs E  cosine C", text)
+    text = re.sub(r"PSNR \S+ dB", "PSNR P dB", text)
     text = re.sub(r"val_\d+", "val_N", text)
     return re.sub(r"node_[A-Za-z]+_\d+", "node_N", text)
 
@@ -120,3 +121,10 @@ def test_report_errors_are_clear(tmp_path, tiny_conversion):
     broken.write_text(json.dumps({"schema_version": 1}))
     with pytest.raises(SdnpuError, match="does not follow the report schema"):
         show.find(tmp_path / "dd")
+
+
+def test_image_outputs_get_a_psnr(tiny_conversion):
+    fid = json.loads((tiny_conversion.out / "vae_decoder" / "dd" / "report.json").read_text())["fidelity"]
+    assert 30 < fid["outputs"]["sample"]["psnr_db"] < 120  # bf16 against fp32: measured 47.8 dB (tiny-sdxl)
+    unet = json.loads((tiny_conversion.out / "unet" / "dd" / "report.json").read_text())["fidelity"]
+    assert "psnr_db" not in unet["outputs"]["out_sample"]  # latents are not images
