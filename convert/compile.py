@@ -21,7 +21,44 @@ log = logging.getLogger(__name__)
 REPLACED = "replaced.onnx"
 
 
-def generic_inputs(path: Path, seed: int = 0) -> dict[str, np.ndarray]:
+def static_shapes(path: Path, overrides: dict[str, list[int]] | None = None, res: int | None = None
+                  ) -> dict[str, list[int]]:
+    """Static shapes for a graph's inputs where it has dynamic axes (optimum exports them). A component
+    folder of an SD pipeline (``unet/model.onnx`` with its ``config.json``, as optimum writes it) gets the
+    same shapes ``sdnpu convert`` uses at resolution ``res`` (default: the model's own); ``overrides``
+    (``--shape``) win. Inputs that stay dynamic are an error naming them."""
+    import json
+
+    import onnx
+
+    from sdnpu.convert.components import signature
+    from sdnpu.convert.sources import COMPONENTS
+
+    model = onnx.load(str(path), load_external_data=False)
+    inits = {i.name for i in model.graph.initializer}
+    dynamic = {vi.name: [d.dim_value if d.HasField("dim_value") else (d.dim_param or "?")
+                         for d in vi.type.tensor_type.shape.dim]
+               for vi in model.graph.input if vi.name not in inits}
+    dynamic = {k: v for k, v in dynamic.items() if any(not isinstance(d, int) or d <= 0 for d in v)}
+    shapes: dict[str, list[int]] = {}
+    component, config_path = path.parent.name, path.parent / "config.json"
+    if dynamic and component in COMPONENTS and config_path.is_file():
+        config = json.loads(config_path.read_text())
+        if res is None:
+            res = int(config.get("sample_size", 128)) * (8 if component == "unet" else 1)
+        sig = signature(component, config, res)
+        shapes = {spec.name: list(spec.shape) for spec in sig.inputs if spec.name in dynamic}
+    shapes.update(overrides or {})
+    missing = {k: v for k, v in dynamic.items() if k not in shapes}
+    if missing:
+        raise SdnpuError(
+            "the model has dynamic input axes, and an NPU needs static shapes: "
+            + ", ".join(f"{k} {v}" for k, v in missing.items()),
+            hint="pass them, e.g. --shape " + " --shape ".join(f"{k}=" + ",".join("N" for _ in v) for k, v in missing.items()))
+    return shapes
+
+
+def generic_inputs(path: Path, seed: int = 0, shapes: dict[str, list[int]] | None = None) -> dict[str, np.ndarray]:
     """Seeded inputs from a graph's signature when the caller has no better ones: Gaussian floats, a
     mid-schedule scalar timestep, token ids below 1000 (valid for any CLIP vocabulary)."""
     import onnx
@@ -34,7 +71,8 @@ def generic_inputs(path: Path, seed: int = 0) -> dict[str, np.ndarray]:
         if vi.name in inits:
             continue
         t = vi.type.tensor_type
-        shape = [d.dim_value if d.HasField("dim_value") and d.dim_value > 0 else 1 for d in t.shape.dim]
+        shape = (shapes or {}).get(vi.name) or [d.dim_value if d.HasField("dim_value") and d.dim_value > 0 else 1
+                                                for d in t.shape.dim]
         dtype = onnx.helper.tensor_dtype_to_np_dtype(t.elem_type)
         if np.issubdtype(dtype, np.integer):
             feeds[vi.name] = rng.integers(0, 1000, size=shape).astype(dtype)
@@ -86,16 +124,21 @@ def fidelity(reference: dict[str, np.ndarray], actual: dict[str, np.ndarray]) ->
 
 
 def compile_into(source: Path, dd_dir: Path, info: dict[str, Any], feeds: dict[str, np.ndarray] | None = None,
-                 reference: dict[str, np.ndarray] | None = None, verify: bool = True) -> dict[str, Any]:
-    """Compile ``source`` into the folder ``dd_dir`` (which the caller stages). Returns the report."""
+                 reference: dict[str, np.ndarray] | None = None, verify: bool = True,
+                 shapes: dict[str, list[int]] | None = None) -> dict[str, Any]:
+    """Compile ``source`` into the folder ``dd_dir`` (which the caller stages). Returns the report.
+    ``shapes`` fixes dynamic input axes (see ``static_shapes``)."""
     import onnx
 
+    from sdnpu.passes.canonicalize import bind_input_shapes
     from sdnpu.passes.pipeline import compile_model, load, records_json, save
     from sdnpu.reports import report as reports
 
     name = info.get("component", source.parent.name)
     with step(log, f"[{name}] compiling (canonicalize, fuse, layout, glue, precision, cleanup, partition)"):
         model = load(source)
+        if shapes:
+            bind_input_shapes(model, shapes)
         records = compile_model(model)
     dd_dir.mkdir(parents=True, exist_ok=True)
     out = dd_dir / REPLACED
@@ -112,7 +155,7 @@ def compile_into(source: Path, dd_dir: Path, info: dict[str, Any], feeds: dict[s
                              "`--no-compile` keeps the exported graph") from e
     fid = None
     if verify:
-        feeds = feeds if feeds is not None else generic_inputs(source)
+        feeds = feeds if feeds is not None else generic_inputs(source, shapes=shapes)
         if reference is None:
             with step(log, f"[{name}] running the fp32 graph for the fidelity check"):
                 reference = run_onnx(source, feeds, optimize=True)
@@ -130,12 +173,15 @@ def compile_into(source: Path, dd_dir: Path, info: dict[str, Any], feeds: dict[s
     return report
 
 
-def compile_file(source: Path, out: Path | None = None, verify: bool = True) -> dict[str, Any]:
+def compile_file(source: Path, out: Path | None = None, verify: bool = True,
+                 shapes: dict[str, list[int]] | None = None, res: int | None = None) -> dict[str, Any]:
     """``sdnpu compile``: ``source`` -> ``out`` (default: ``dd/`` beside the source), replaced atomically."""
     source = Path(source)
     if not source.is_file():
         raise SdnpuError(f"{source} is not a file", hint="give the path of an .onnx model")
+    bound = static_shapes(source, shapes, res)
     dd_dir = Path(out) if out is not None else source.parent / "dd"
     with staged_dir(dd_dir) as stage:
         return compile_into(source, stage, {"component": source.parent.name,
-                                            "source": {"name": str(source), "kind": "onnx"}}, verify=verify)
+                                            "source": {"name": str(source), "kind": "onnx"}}, verify=verify,
+                            shapes=bound)

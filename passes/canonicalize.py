@@ -6,7 +6,8 @@
   size limits, so no large weight is ever materialized here); Identity nodes go;
 - shapes and types inferred for every value (the TorchScript exporter writes none for intermediates);
 - Squeeze/Unsqueeze/Flatten with static shapes become Reshape (the layout pass reasons about Reshape only);
-- x*1, x/1, x+0 go; a zero Pad in front of a Conv becomes the Conv's pads (TorchScript's spellings).
+- x*1, x/1, x+0 go; a zero Pad in front of a Conv becomes the Conv's pads; the Erf form of GELU becomes
+  one Gelu (TorchScript's and optimum's spellings).
 """
 
 from __future__ import annotations
@@ -142,6 +143,75 @@ def _pad_into_conv(graph: ir.Graph) -> int:
     return done
 
 
+def _erf_gelu(graph: ir.Graph) -> int:
+    """x * (erf(x / sqrt 2) + 1) * 0.5, as TorchScript writes GELU below opset 20 (optimum: opset 18) -> Gelu."""
+    from sdnpu.passes.irutil import producer, scalar
+
+    def other(node: ir.Node, v: ir.Value | None) -> ir.Value | None:
+        return node.inputs[1] if node.inputs[0] is v else node.inputs[0]
+
+    done = 0
+    for half in list(graph):
+        if half.op_type != "Mul" or half.domain not in ("", "ai.onnx") or half.graph is None:
+            continue
+        for y in half.inputs:
+            if scalar(other(half, y)) != 0.5:
+                continue
+            outer = producer(y, "Mul")
+            if outer is None:
+                continue
+            for x in outer.inputs:
+                add = producer(other(outer, x), "Add")
+                erf = next((producer(v, "Erf") for v in (add.inputs if add else []) if producer(v, "Erf")), None)
+                if add is None or erf is None or scalar(other(add, erf.outputs[0])) != 1.0:
+                    continue
+                div = producer(erf.inputs[0], "Div") or producer(erf.inputs[0], "Mul")
+                if div is None or div.inputs[0] is not x:
+                    continue
+                c = scalar(div.inputs[1])
+                root2 = c if div.op_type == "Div" else (1 / c if c else None)
+                if root2 is None or abs(root2 - 2**0.5) > 1e-4:
+                    continue
+                chain = [div, erf, add, outer]
+                if any(len(n.outputs[0].uses()) != 1 or n.outputs[0].is_graph_output() for n in chain):
+                    continue
+                b = Builder(graph, RULE)
+                gelu = b.op("Gelu", [x], {"approximate": "none"}, domain="", dtype=x.dtype, shape=static_shape(x))
+                replace(graph, half, [*chain, half], b.nodes, [half.outputs[0]], [gelu.outputs[0]])
+                done += 1
+                break
+            else:
+                continue
+            break
+    return done
+
+
+def bind_input_shapes(model: ir.Model, shapes: dict[str, list[int]]) -> None:
+    """Give graph inputs static shapes (an NPU needs them; optimum exports dynamic axes). Shape inference
+    in ``canonicalize`` then carries them through the graph."""
+    from sdnpu.errors import SdnpuError
+
+    inputs = {v.name: v for v in model.graph.inputs}
+    for name, dims in shapes.items():
+        if name not in inputs:
+            raise SdnpuError(f"the model has no input {name!r}", hint=f"its inputs: {', '.join(inputs)}")
+        old = inputs[name].shape
+        if old is not None and len(old) != len(dims):
+            raise SdnpuError(f"input {name!r} has rank {len(old)}, not {len(dims)}")
+        for have, want in zip(old or [], dims):
+            if isinstance(have, int) and have != want:
+                raise SdnpuError(f"input {name!r} is fixed at {list(old)}; cannot make it {dims}")  # type: ignore
+        inputs[name].shape = ir.Shape(list(dims))
+    # Shapes the exporter wrote in terms of the dynamic axes would otherwise survive inference: drop them.
+    for node in model.graph:
+        for out in node.outputs:
+            if out.shape is not None and not out.shape.is_static():
+                out.shape = None
+    for out in model.graph.outputs:
+        if out.shape is not None and not out.shape.is_static():
+            out.shape = None
+
+
 def canonicalize(model: ir.Model) -> PassResult:
     counts: Counter[str] = Counter()
     opset = model.opset_imports.get("", 0)
@@ -156,17 +226,18 @@ def canonicalize(model: ir.Model) -> PassResult:
     common.ShapeInferencePass(strict_mode=False)(model)
     onnxscript.optimizer.fold_constants(model)
     common.LiftConstantsToInitializersPass(lift_all_constants=True, size_limit=0)(model)
-    for _ in range(10):  # folding one node can make the next one's inputs constant
+    for _ in range(10):  # folding one node can make the next one's inputs constant, or shapes known
+        common.ShapeInferencePass(strict_mode=False)(model)
         n = _fold_small(model.graph)
         counts["small constants folded"] += n
         if not n:
             break
-        common.ShapeInferencePass(strict_mode=False)(model)
     common.IdentityEliminationPass()(model)
     common.NameFixPass()(model)  # every node named: CPU reasons and regions refer to nodes by name
     common.ShapeInferencePass(strict_mode=False)(model)
     counts["squeeze/unsqueeze/flatten -> reshape"] = _to_reshape(model.graph)
     counts["x*1, x/1, x+0 removed"] = _drop_neutral(model.graph)
+    counts["Erf GELU -> Gelu"] = _erf_gelu(model.graph)
     counts["Pad merged into Conv"] = _pad_into_conv(model.graph)
     remove_dead_nodes(model.graph)
     common.RemoveUnusedNodesPass()(model)

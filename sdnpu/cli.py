@@ -49,7 +49,15 @@ def _cmd_compile(args: argparse.Namespace) -> int:
     from sdnpu.convert.compile import compile_file
     from sdnpu.reports.report import render_text
 
-    report = compile_file(Path(args.model), Path(args.out) if args.out else None, verify=not args.no_verify)
+    shapes = {}
+    for item in args.shape or []:
+        name, _, dims = item.partition("=")
+        try:
+            shapes[name] = [int(d) for d in dims.split(",") if d] if dims else []
+        except ValueError as e:
+            raise SdnpuError(f"cannot read --shape {item!r}", hint="write NAME=D,D,... e.g. sample=2,4,128,128") from e
+    report = compile_file(Path(args.model), Path(args.out) if args.out else None, verify=not args.no_verify,
+                          shapes=shapes, res=args.res)
     print(render_text(report), end="")
     return 0
 
@@ -116,6 +124,10 @@ def build_parser() -> argparse.ArgumentParser:
     comp.add_argument("model", help="an .onnx file (from `sdnpu convert`, optimum-cli, or elsewhere)")
     comp.add_argument("--out", "-o", default=None, help="output folder (default: dd/ beside the model)")
     comp.add_argument("--no-verify", action="store_true", help="skip the fidelity run against the fp32 graph")
+    comp.add_argument("--shape", action="append", metavar="NAME=D,D,...",
+                      help="static shape for a dynamic input (repeatable); an SD component folder with its "
+                      "config.json (as optimum writes it) gets sdnpu's shapes by default")
+    comp.add_argument("--res", type=int, default=None, help="image resolution for those default shapes")
     comp.set_defaults(func=_cmd_compile)
 
     rep = sub.add_parser("report", help="show offload reports; `sdnpu report diff A B` compares two",

@@ -154,3 +154,26 @@ def test_other_sd_versions_convert_with_the_same_quality(tmp_path, preset):
     assert unet["fidelity"]["min_cosine"] > 0.9999 and vae["fidelity"]["min_cosine"] > 0.999
     assert unet["offloaded_by_type"]["SDMHA"] == 8 and "SDTranspose" not in unet["offloaded_by_type"]
     assert [c.component for c in result.components] == ["vae_decoder", "unet"]
+
+
+def test_optimum_exports_compile_to_the_same_dispatch_ops(tiny_pipeline_folder, tmp_path):
+    """What `optimum-cli export onnx` writes (TorchScript, opset 18, Erf GELU, dynamic axes) compiles to the
+    same dispatch ops as our own export: the static shapes come from each folder's config.json."""
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    from sdnpu.convert.compile import compile_file
+
+    cli = Path(sys.executable).parent / "optimum-cli"
+    subprocess.run([str(cli), "export", "onnx", "--model", str(tiny_pipeline_folder), "--task", "text-to-image",
+                    str(tmp_path)], check=True, capture_output=True, env={**os.environ, "HF_HUB_OFFLINE": "1"})
+    for component in ("unet", "vae_decoder", "vae_encoder"):
+        model = onnx.load(str(tmp_path / component / "model.onnx"), load_external_data=False)
+        assert any(d.dim_param for d in model.graph.input[0].type.tensor_type.shape.dim)  # dynamic axes
+        report = compile_file(tmp_path / component / "model.onnx", res=256)
+        npu, cpu = EXPECTED[component]
+        assert report["offloaded_by_type"] == npu, component
+        assert report["summary"]["cpu_nodes"] == sum(cpu.values())
+        assert report["fidelity"]["min_cosine"] > 0.999
