@@ -63,20 +63,6 @@ def save_ir(model: Any, path: Path) -> None:
         ir.save(model, path)
 
 
-def _drop_export_caches() -> None:
-    """torch 2.13's export keeps every traced FX node (and through its metadata, the module's weights)
-    in a module-level map after it returns; for the full UNet that is 10 GB held while onnxruntime loads
-    its own copy. The map only serves a running export, so we empty it."""
-    from torch.fx.experimental import proxy_tensor
-
-    import torch
-
-    leaked = getattr(proxy_tensor, "_FAKE_TENSOR_ID_TO_PROXY_MAP_FOR_EXPORT", None)
-    if isinstance(leaked, dict):
-        leaked.clear()
-    torch._dynamo.reset()
-
-
 def export_module(wrapper: Any, args: tuple[Any, ...], input_names: list[str], output_names: list[str],
                   path: Path, exporter: str = "dynamo", opset: int = DEFAULT_OPSET) -> None:
     """Export ``wrapper(*args)`` to ``path`` (and ``path.data`` past 2 GB)."""
@@ -94,8 +80,6 @@ def export_module(wrapper: Any, args: tuple[Any, ...], input_names: list[str], o
         model = program.model
         _strip_metadata(model)
         save_ir(model, path)
-        del program, model
-        _drop_export_caches()
         return
     # TorchScript writes one file per tensor past 2 GB: export beside, then re-save as one data file.
     with tempfile.TemporaryDirectory(dir=path.parent, prefix=".torchscript-") as tmp:

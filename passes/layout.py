@@ -207,10 +207,10 @@ def _push_one(graph: ir.Graph, t: ir.Node, node: ir.Node) -> bool:
         if op == "Split":
             extra = list(node.inputs[1:])
     elif op == "Slice":
-        axes_v = node.inputs[3] if len(node.inputs) > 3 else None
-        axes = const(axes_v) if axes_v is not None else np.arange(len(const(node.inputs[1])))  # type: ignore
-        if axes is None or any(const(v) is None for v in node.inputs[1:] if v is not None):
+        if any(const(v) is None for v in node.inputs[1:] if v is not None):
             return False
+        axes_v = node.inputs[3] if len(node.inputs) > 3 else None
+        axes = const(axes_v) if axes_v is not None else np.arange(const(node.inputs[1]).size)  # type: ignore
         new_axes = b.const(np.asarray([TO_NCHW[int(a) % 4] for a in axes], np.int64), "axes")
         rest = list(node.inputs[1:])
         while len(rest) < 3:

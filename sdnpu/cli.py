@@ -17,10 +17,11 @@ log = logging.getLogger("sdnpu")
 
 
 def _human_bytes(n: float) -> str:
+    """Decimal units, as the progress lines and the benchmarks print them."""
     for unit in ("B", "KB", "MB", "GB"):
-        if n < 1024 or unit == "GB":
+        if n < 1000 or unit == "GB":
             return f"{n:.1f} {unit}" if unit != "B" else f"{int(n)} B"
-        n /= 1024
+        n /= 1000
     return f"{n:.1f} GB"
 
 
