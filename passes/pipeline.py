@@ -10,18 +10,16 @@
     cleanup       cast pairs, dead nodes, unused weights, AMD attributes, reference functions
     partition     NPU regions and the reason for every CPU node; last, it describes the final graph
 
-``compile_file`` loads an ONNX file with its weights left on disk (onnx_ir reads external data lazily),
-runs the pipeline, and writes ``dd/replaced.onnx``. Derived weights (transposed, bf16) are computed one at a
-time while saving, so the compile holds no full second copy of the weights.
+``load`` leaves an ONNX file's weights on disk (onnx_ir reads external data lazily); the pipeline runs on
+it; ``save`` writes the dispatch model. Derived weights (transposed, bf16) are computed one at a time while
+saving, so a compile holds no full second copy of the weights (sdnpu.convert.compile drives this).
 """
 
 from __future__ import annotations
 
 import logging
-from dataclasses import dataclass
 from pathlib import Path
 
-import onnx
 import onnx_ir as ir
 
 from sdnpu.errors import SdnpuError
@@ -63,13 +61,6 @@ def pipeline() -> list[tuple[str, PassFn]]:
     ]
 
 
-@dataclass
-class CompileResult:
-    source: Path
-    output: Path
-    records: list[PassRecord]
-
-
 def load(path: Path) -> ir.Model:
     try:
         return ir.load(path)
@@ -90,19 +81,6 @@ def save(model: ir.Model, path: Path) -> None:
 
 def compile_model(model: ir.Model, after_each=None) -> list[PassRecord]:  # type: ignore[no-untyped-def]
     return run_passes(model, pipeline(), after_each)
-
-
-def compile_file(source: Path, out_dir: Path) -> CompileResult:
-    """Compile ``source`` into ``out_dir/replaced.onnx`` (out_dir is written complete or not at all)."""
-    from sdnpu.fileio import staged_dir
-
-    model = load(source)
-    records = compile_model(model)
-    with staged_dir(out_dir) as stage:
-        out = stage / "replaced.onnx"
-        save(model, out)
-        onnx.checker.check_model(str(out), full_check=True)
-    return CompileResult(source, out_dir / "replaced.onnx", records)
 
 
 def records_json(records: list[PassRecord]) -> list[dict[str, object]]:

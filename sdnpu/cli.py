@@ -31,7 +31,7 @@ def _cmd_convert(args: argparse.Namespace) -> int:
     result = convert(args.source, components=args.model, out=args.out, res=args.res, exporter=args.exporter,
                      opset=args.opset, check=not args.no_check, compile=not args.no_compile)
     print(f"\n{result.source.name} -> {result.out} ({result.resolution} px)")
-    print(f"{'component':<16}{'nodes':>7}{'params':>15}{'export s':>9}{'peak RSS':>10}  {'max abs / rel error':<20}"
+    print(f"{'component':<16}{'nodes':>7}{'params':>15}{'export s':>9}{'peak mem':>10}  {'max abs / rel error':<20}"
           f"{'offload':>8}{'CPU':>5}")
     for c in result.components:
         err = (f"{c.check['max_abs_error']:.2e} / {c.check['max_rel_error']:.2e}" if c.check else "not checked")
@@ -39,6 +39,7 @@ def _cmd_convert(args: argparse.Namespace) -> int:
         cpu = str(c.report["cpu_nodes"]) if c.report else "-"
         print(f"{c.component:<16}{c.nodes:>7}{c.parameters:>15,}{c.seconds.get('export', 0):>9.1f}"
               f"{_human_bytes(c.peak_rss_bytes):>10}  {err:<20}{rate:>8}{cpu:>5}")
+    print("peak mem: the process's peak resident memory up to that component (a worker's, where larger)")
     if result.pipeline_files:
         print(f"pipeline files: {', '.join(result.pipeline_files)}")
     return 0

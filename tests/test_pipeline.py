@@ -4,6 +4,7 @@ every pass keeping the numbers, and the bf16 fidelity against PyTorch's own bf16
 from __future__ import annotations
 
 import json
+from collections import Counter
 
 import numpy as np
 import onnx
@@ -48,7 +49,7 @@ def test_dispatch_op_table(tiny_conversion, component):
     report = json.loads((dd / "report.json").read_text())
     npu, cpu = EXPECTED[component]
     assert report["offloaded_by_type"] == npu
-    assert dict(__import__("collections").Counter(c["op_type"] for c in report["cpu_nodes"])) == cpu
+    assert dict(Counter(c["op_type"] for c in report["cpu_nodes"])) == cpu
     assert report["summary"]["npu_regions"] == 1
     assert report["summary"]["macs_offloaded_share"] == 1.0
     assert all(c["reason"] for c in report["cpu_nodes"])

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import numpy as np
+import onnx
 import pytest
 from onnx import helper
 
@@ -169,7 +170,7 @@ def group_norm_learned_instance_scale():
     m = group_norm(False)
     for init in m.graph.initializer:
         if init.name == "ones":
-            init.CopyFrom(__import__("onnx").numpy_helper.from_array(np.full(4, 2.0, np.float32), "ones"))
+            init.CopyFrom(onnx.numpy_helper.from_array(np.full(4, 2.0, np.float32), "ones"))
     return m
 
 
@@ -219,10 +220,10 @@ def text_embedding_and_pooling():
              n("Concat", ["rows", "am2"], ["idx"], axis=-1), n("GatherND", ["e", "idx"], ["pooled"])]
     g = helper.make_graph(nodes, "g", [helper.make_tensor_value_info("ids", T.INT64, [2, 7])],
                           [helper.make_tensor_value_info("pooled", T.FLOAT, [2, 4])],
-                          [__import__("onnx").numpy_helper.from_array(a, k) for k, a in
+                          [onnx.numpy_helper.from_array(a, k) for k, a in
                            {"table": w(50, 4), "col": np.array([2, 1]), "rows": np.array([[0], [1]])}.items()])
     m = helper.make_model(g, opset_imports=[helper.make_opsetid("", 20)])
-    return __import__("onnx").shape_inference.infer_shapes(m, strict_mode=True)
+    return onnx.shape_inference.infer_shapes(m, strict_mode=True)
 
 
 def test_text_encoder_lookup_and_pooling_fuse():
