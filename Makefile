@@ -1,5 +1,6 @@
 # sdnpu: every target sets up ./.venv itself (pinned packages, torch 2.13.0 CPU) before doing its job.
 #   make convert MODEL=unet [SOURCE=sdxl-base|tiny-sdxl|path] [OUT=dir] [RES=px] [EXPORTER=dynamo|torchscript]
+#                [PRECISION=bf16|bfp16]
 #   make test | make bench [FULL=1] | make clean
 
 PYTHON ?= python3
@@ -12,6 +13,7 @@ SOURCE   ?= sdxl-base
 OUT      ?=
 RES      ?=
 EXPORTER ?=
+PRECISION ?=
 FULL     ?=
 
 export HF_HUB_OFFLINE := 1
@@ -35,7 +37,8 @@ $(STAMP): requirements.lock pyproject.toml
 
 convert: $(STAMP)
 	$(BIN)/sdnpu convert --model $(MODEL) --source $(SOURCE) \
-		$(if $(OUT),--out $(OUT)) $(if $(RES),--res $(RES)) $(if $(EXPORTER),--exporter $(EXPORTER))
+		$(if $(OUT),--out $(OUT)) $(if $(RES),--res $(RES)) $(if $(EXPORTER),--exporter $(EXPORTER)) \
+		$(if $(PRECISION),--precision $(PRECISION))
 
 test: $(STAMP)
 	$(BIN)/python -m pytest -q

@@ -125,9 +125,9 @@ def fidelity(reference: dict[str, np.ndarray], actual: dict[str, np.ndarray]) ->
 
 def compile_into(source: Path, dd_dir: Path, info: dict[str, Any], feeds: dict[str, np.ndarray] | None = None,
                  reference: dict[str, np.ndarray] | None = None, verify: bool = True,
-                 shapes: dict[str, list[int]] | None = None) -> dict[str, Any]:
+                 shapes: dict[str, list[int]] | None = None, precision: str = "bf16") -> dict[str, Any]:
     """Compile ``source`` into the folder ``dd_dir`` (which the caller stages). Returns the report.
-    ``shapes`` fixes dynamic input axes (see ``static_shapes``)."""
+    ``shapes`` fixes dynamic input axes (see ``static_shapes``); ``precision``: bf16 or bfp16."""
     import onnx
 
     from sdnpu.passes.canonicalize import bind_input_shapes
@@ -139,7 +139,7 @@ def compile_into(source: Path, dd_dir: Path, info: dict[str, Any], feeds: dict[s
         model = load(source)
         if shapes:
             bind_input_shapes(model, shapes)
-        records = compile_model(model)
+        records = compile_model(model, precision=precision)
     dd_dir.mkdir(parents=True, exist_ok=True)
     out = dd_dir / REPLACED
     with step(log, f"[{name}] writing {REPLACED} (bf16 weights)"):
@@ -164,7 +164,7 @@ def compile_into(source: Path, dd_dir: Path, info: dict[str, Any], feeds: dict[s
         fid = fidelity(reference, actual)
         log.info("[%s] dispatch vs fp32: min cosine %.6f, max abs error %.3g", name, fid["min_cosine"],
                  fid["max_abs"])
-    report = reports.build(out, source, records_json(records), {**info, "precision": "bf16",
+    report = reports.build(out, source, records_json(records), {**info, "precision": precision,
                                                                 "peak_rss_bytes": peak_rss_bytes()}, fid)
     reports.write(dd_dir, report)
     s = report["summary"]
@@ -174,7 +174,8 @@ def compile_into(source: Path, dd_dir: Path, info: dict[str, Any], feeds: dict[s
 
 
 def compile_file(source: Path, out: Path | None = None, verify: bool = True,
-                 shapes: dict[str, list[int]] | None = None, res: int | None = None) -> dict[str, Any]:
+                 shapes: dict[str, list[int]] | None = None, res: int | None = None,
+                 precision: str = "bf16") -> dict[str, Any]:
     """``sdnpu compile``: ``source`` -> ``out`` (default: ``dd/`` beside the source), replaced atomically."""
     source = Path(source)
     if not source.is_file():
@@ -184,4 +185,4 @@ def compile_file(source: Path, out: Path | None = None, verify: bool = True,
     with staged_dir(dd_dir) as stage:
         return compile_into(source, stage, {"component": source.parent.name,
                                             "source": {"name": str(source), "kind": "onnx"}}, verify=verify,
-                            shapes=bound)
+                            shapes=bound, precision=precision)

@@ -36,6 +36,7 @@ from sdnpu.convert.export import (
 )
 from sdnpu.convert.sources import COMPONENT_MODULES, COMPONENTS, Source, resolve_source
 from sdnpu.errors import SdnpuError
+from sdnpu.passes.precision import PRECISIONS
 from sdnpu.fileio import atomic_write_json, recover_staging, staged_dir
 from sdnpu.progress import peak_rss_bytes, release_memory, step
 
@@ -117,6 +118,7 @@ def convert(
     opset: int = DEFAULT_OPSET,
     check: bool = True,
     compile: bool = True,
+    precision: str = "bf16",
 ) -> ConvertResult:
     """Export ``components`` of ``source`` to ``out`` (default ``models/<source name>``) and, unless
     ``compile=False``, compile each into ``<component>/dd/`` (dispatch model and offload report)."""
@@ -124,6 +126,8 @@ def convert(
         raise SdnpuError(f"unknown exporter {exporter!r}", hint=f"choose one of: {', '.join(EXPORTERS)}")
     if opset < MIN_OPSET:
         raise SdnpuError(f"opset {opset} is too old", hint=f"use opset {MIN_OPSET} or newer")
+    if precision not in PRECISIONS:
+        raise SdnpuError(f"unknown precision {precision!r}", hint=f"choose one of: {', '.join(PRECISIONS)}")
     src = resolve_source(source)
     comps = parse_components(components, src)
     vae_cfg = src.module_config("vae_decoder") if "vae" in src.modules else None
@@ -157,7 +161,7 @@ def convert(
             torch_stage = _torch_stage_in_child(src, job) if isolate else _torch_stage(src, job, holder)
             release_memory()  # the torch weights go before onnxruntime loads the graph's copy
             result = _export_component(src, comp, torch_stage, stage, res, factor, exporter, opset, check,
-                                       fingerprint, compile)
+                                       fingerprint, compile, precision)
         result.path = out_dir / comp / MODEL_FILE
         results.append(result)
     written = src.write_pipeline_files(out_dir)
@@ -301,7 +305,8 @@ def _child_main(conn: Any, source: str, job: _TorchJob, level: int) -> None:
 
 
 def _export_component(src: Source, comp: str, torch_stage: _TorchStage, stage: Path, res: int, factor: int,
-                      exporter: str, opset: int, check: bool, fingerprint: str, compile: bool) -> ComponentResult:
+                      exporter: str, opset: int, check: bool, fingerprint: str, compile: bool,
+                      precision: str) -> ComponentResult:
     import onnx
 
     config = src.module_config(comp)
@@ -332,7 +337,8 @@ def _export_component(src: Source, comp: str, torch_stage: _TorchStage, stage: P
                 "resolution": res}
         fp32 = dict(zip(sig.outputs, actual, strict=True)) if actual is not None else None
         with step(log, f"[{comp}] compile stage") as t:
-            summary = compile_into(path, stage / "dd", info, feeds, fp32, verify=check)["summary"]
+            summary = compile_into(path, stage / "dd", info, feeds, fp32, verify=check,
+                                   precision=precision)["summary"]
         seconds["compile"] = round(t.seconds, 2)
 
     result = ComponentResult(component=comp, path=path, nodes=len(graph.graph.node), parameters=n_params,

@@ -85,19 +85,25 @@ class OpDef:
     outputs: tuple[str, ...] = ("Y",)
     cast_output: bool = True  # the result takes the first input's type (CastLike); SDCast sets its own
 
-    def function(self) -> onnx.FunctionProto:
+    def function(self, bfp: tuple[int, ...] = ()) -> onnx.FunctionProto:
+        """The reference body; ``bfp``: inputs first rounded to BFP16 (the op's ``_bfp`` variant)."""
+        from sdnpu.ops import bfp as bfp16
+
         b = _Body()
         cast = self.cast_inputs or (True,) * len(self.inputs)
         xs = [b.f32(name) if c else name for name, c in zip(self.inputs, cast, strict=True)]
+        xs = [bfp16.body(b, x) if i in bfp else x for i, x in enumerate(xs)]
         y = self.build(b, xs)
         if self.cast_output:
             b.nodes.append(helper.make_node("CastLike", [y, self.inputs[0]], list(self.outputs)))
         else:
             b.nodes.append(helper.make_node("Identity", [y], list(self.outputs)))
+        name = f"{self.name}_bfp" if bfp else self.name
+        doc = self.doc + (" BFP16 variant: the activations are rounded to bfp16ebs8 first, the weights are "
+                          "stored BFP16-rounded." if bfp else "")
         return helper.make_function(
-            DOMAIN, self.name, list(self.inputs), list(self.outputs), b.nodes,
-            [helper.make_opsetid("", ONNX_OPSET)], attributes=list(self.attrs + METADATA_ATTRS),
-            doc_string=self.doc)
+            DOMAIN, name, list(self.inputs), list(self.outputs), b.nodes,
+            [helper.make_opsetid("", ONNX_OPSET)], attributes=list(self.attrs + METADATA_ATTRS), doc_string=doc)
 
 
 def _conv(b: _Body, x: list[str]) -> str:
@@ -234,7 +240,16 @@ _OPS: list[OpDef] = [
 ]
 
 OPS: dict[str, OpDef] = {op.name: op for op in _OPS}
-DISPATCH_OPS: frozenset[str] = frozenset(OPS)
+BFP_SUFFIX = "_bfp"
+
+
+def _bfp_names() -> frozenset[str]:
+    from sdnpu.ops.bfp import BFP_OPS
+
+    return frozenset(f"{name}{BFP_SUFFIX}" for name in BFP_OPS)
+
+
+DISPATCH_OPS: frozenset[str] = frozenset(OPS) | _bfp_names()
 
 
 def cast_avx_function() -> onnx.FunctionProto:
@@ -259,6 +274,11 @@ def functions_for(op_types: set[str]) -> list[onnx.FunctionProto]:
             out.append(cast_avx_function())
         elif name in OPS:
             out.append(OPS[name].function())
+        elif name.endswith(BFP_SUFFIX) and name[: -len(BFP_SUFFIX)] in OPS:
+            from sdnpu.ops.bfp import BFP_OPS
+
+            base = name[: -len(BFP_SUFFIX)]
+            out.append(OPS[base].function(bfp=BFP_OPS[base][0]))
         else:
             raise KeyError(f"no reference body for sdnpu op {name!r}")
     return out

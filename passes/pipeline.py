@@ -37,7 +37,7 @@ log = logging.getLogger(__name__)
 PROTOBUF_LIMIT = 2**31 - 2**26
 
 
-def pipeline() -> list[tuple[str, PassFn]]:
+def pipeline(precision_mode: str = "bf16") -> list[tuple[str, PassFn]]:
     declined: dict[str, tuple[str, str]] = {}
 
     def fuse_pass(model: ir.Model) -> PassResult:
@@ -55,7 +55,7 @@ def pipeline() -> list[tuple[str, PassFn]]:
         ("fuse", fuse_pass),
         ("layout", layout),
         ("glue", glue_pass),
-        ("precision", precision),
+        ("precision", lambda m: precision(m, precision_mode)),
         ("cleanup", cleanup),
         ("partition", lambda m: partition(m, declined)),
     ]
@@ -79,8 +79,8 @@ def save(model: ir.Model, path: Path) -> None:
         ir.save(model, path)
 
 
-def compile_model(model: ir.Model, after_each=None) -> list[PassRecord]:  # type: ignore[no-untyped-def]
-    return run_passes(model, pipeline(), after_each)
+def compile_model(model: ir.Model, after_each=None, precision: str = "bf16") -> list[PassRecord]:  # type: ignore
+    return run_passes(model, pipeline(precision), after_each)
 
 
 def records_json(records: list[PassRecord]) -> list[dict[str, object]]:

@@ -66,10 +66,41 @@ def fp32_islands(graph: ir.Graph) -> set[ir.Node]:
     return keep
 
 
-def precision(model: ir.Model) -> PassResult:
+PRECISIONS = ("bf16", "bfp16")
+
+
+def _bfp_plan(node: ir.Node) -> tuple[int | None, int | None] | None:
+    """For an op with a ``_bfp`` variant whose blocked axes hold whole 8-value blocks: (weight input, its
+    block axis). None when the op stays bf16."""
+    from sdnpu.ops.bfp import BFP_OPS, BLOCK
+
+    if node.op_type not in BFP_OPS:
+        return None
+    acts, w_idx, w_axis = BFP_OPS[node.op_type]
+    for i in acts:
+        shape = static_shape(node.inputs[i])
+        if not shape or shape[-1] % BLOCK:
+            return None
+    if w_idx is not None:
+        w_shape = static_shape(node.inputs[w_idx])
+        if not w_shape or w_shape[w_axis] % BLOCK:  # type: ignore[index]
+            return None
+    return w_idx, w_axis
+
+
+def precision(model: ir.Model, mode: str = "bf16") -> PassResult:
+    """``mode``: "bf16", or "bfp16" (the MAC ops become their ``_bfp`` variants where their blocked axes
+    hold whole 8-value blocks; the rest stays bf16)."""
+    from sdnpu.ops.bfp import round_bfp16
+    from sdnpu.ops.opset import BFP_SUFFIX
+
+    if mode not in PRECISIONS:
+        from sdnpu.errors import SdnpuError
+
+        raise SdnpuError(f"unknown precision {mode!r}", hint=f"choose one of: {', '.join(PRECISIONS)}")
     graph = model.graph
     counts: Counter[str] = Counter()
-    weights: dict[int, ir.Value] = {}
+    weights: dict[tuple[int, int | None], ir.Value] = {}
     entries: dict[int, ir.Value] = {}
     islands = fp32_islands(graph)
     counts["fp32 ops (sinusoid arguments)"] = len(islands)
@@ -79,6 +110,12 @@ def precision(model: ir.Model) -> PassResult:
             continue
         if node in islands:
             continue  # fp32 in, fp32 out; inputs from the CPU need no cast
+        plan = _bfp_plan(node) if mode == "bfp16" else None
+        if plan is not None:
+            node.op_type += BFP_SUFFIX
+            counts["ops -> _bfp"] += 1
+        elif mode == "bfp16" and node.op_type in ("SDConv", "SDGemm", "SDMHA", "SDMHA_VAE"):
+            counts["kept bf16 (axis not a multiple of 8)"] += 1
         for i, v in enumerate(node.inputs):
             p = v.producer() if v is not None else None
             if v is not None and p in islands:
@@ -94,10 +131,17 @@ def precision(model: ir.Model) -> PassResult:
                 continue
             b = Builder(graph, RULE)
             if v.const_value is not None:
-                if id(v) not in weights:
-                    weights[id(v)] = b.derived(v, to_bf16, static_shape(v) or [], f"{v.name}_bf16", dtype=BF16)
-                    counts["weights -> bf16"] += 1
-                node.replace_input_with(i, weights[id(v)])
+                axis = plan[1] if plan is not None and plan[0] == i else None
+                if (id(v), axis) not in weights:
+                    if axis is None:
+                        weights[(id(v), axis)] = b.derived(v, to_bf16, static_shape(v) or [], f"{v.name}_bf16",
+                                                           dtype=BF16)
+                        counts["weights -> bf16"] += 1
+                    else:
+                        weights[(id(v), axis)] = b.derived(v, lambda a, ax=axis: to_bf16(round_bfp16(a, ax)),
+                                                           static_shape(v) or [], f"{v.name}_bfp16", dtype=BF16)
+                        counts["weights -> bfp16 (stored bf16)"] += 1
+                node.replace_input_with(i, weights[(id(v), axis)])
             else:
                 if id(v) not in entries:
                     entries[id(v)] = _cast_avx(b, v, BF16)

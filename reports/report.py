@@ -48,7 +48,7 @@ def _prod(xs: list[int]) -> int:
 
 def macs(node: onnx.NodeProto, shapes: dict[str, list[int]]) -> int:
     """Multiply-accumulates of a compute node (0 for everything else)."""
-    op = node.op_type
+    op = node.op_type.removesuffix("_bfp")
     if op not in _MAC_OPS:
         return 0
     ins = [shapes.get(n, []) for n in node.input]

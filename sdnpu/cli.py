@@ -29,7 +29,8 @@ def _cmd_convert(args: argparse.Namespace) -> int:
     from sdnpu.convert import convert
 
     result = convert(args.source, components=args.model, out=args.out, res=args.res, exporter=args.exporter,
-                     opset=args.opset, check=not args.no_check, compile=not args.no_compile)
+                     opset=args.opset, check=not args.no_check, compile=not args.no_compile,
+                     precision=args.precision)
     print(f"\n{result.source.name} -> {result.out} ({result.resolution} px)")
     print(f"{'component':<16}{'nodes':>7}{'params':>15}{'export s':>9}{'peak mem':>10}  {'max abs / rel error':<20}"
           f"{'offload':>8}{'CPU':>5}")
@@ -59,7 +60,7 @@ def _cmd_compile(args: argparse.Namespace) -> int:
         except ValueError as e:
             raise SdnpuError(f"cannot read --shape {item!r}", hint="write NAME=D,D,... e.g. sample=2,4,128,128") from e
     report = compile_file(Path(args.model), Path(args.out) if args.out else None, verify=not args.no_verify,
-                          shapes=shapes, res=args.res)
+                          shapes=shapes, res=args.res, precision=args.precision)
     print(render_text(report), end="")
     return 0
 
@@ -120,6 +121,8 @@ def build_parser() -> argparse.ArgumentParser:
     conv.add_argument("--opset", type=int, default=DEFAULT_OPSET, help=f"ONNX opset (default {DEFAULT_OPSET})")
     conv.add_argument("--no-check", action="store_true", help="skip the onnxruntime-vs-PyTorch check")
     conv.add_argument("--no-compile", action="store_true", help="export only (no dd/ dispatch model)")
+    conv.add_argument("--precision", choices=("bf16", "bfp16"), default="bf16",
+                      help="dispatch ops in bf16 (default) or their BFP16 `_bfp` variants")
     conv.set_defaults(func=_cmd_convert)
 
     comp = sub.add_parser("compile", help="compile an ONNX graph into a dispatch model + offload report")
@@ -130,6 +133,8 @@ def build_parser() -> argparse.ArgumentParser:
                       help="static shape for a dynamic input (repeatable); an SD component folder with its "
                       "config.json (as optimum writes it) gets sdnpu's shapes by default")
     comp.add_argument("--res", type=int, default=None, help="image resolution for those default shapes")
+    comp.add_argument("--precision", choices=("bf16", "bfp16"), default="bf16",
+                      help="dispatch ops in bf16 (default) or their BFP16 `_bfp` variants")
     comp.set_defaults(func=_cmd_compile)
 
     rep = sub.add_parser("report", help="show offload reports; `sdnpu report diff A B` compares two",

@@ -110,3 +110,34 @@ def test_sdxl_shapes_fit_the_capability_table():
     assert check_gemm(1280, 10240) is None
     assert check_attention((2, 4096, 640), (2, 77, 2048), 10) is None  # cross attention at 1024 px
     assert check_attention((1, 16384, 512), (1, 16384, 512), 1) is None  # VAE attention at 1024 px
+
+
+def test_bfp16_rounding_is_a_shared_exponent_block_format():
+    from sdnpu.ops.bfp import round_bfp16
+
+    rng = np.random.default_rng(5)
+    a = (rng.standard_normal((6, 32)) * np.exp2(rng.integers(-8, 8, size=(6, 1)))).astype(np.float32)
+    r = round_bfp16(a)
+    blocks, rb = a.reshape(-1, 8), r.reshape(-1, 8)
+    for x, y in zip(blocks, rb, strict=True):
+        e = np.floor(np.log2(np.abs(x).max()))
+        scale = 2.0 ** (e - 6)
+        mant = y / scale
+        assert np.array_equal(mant, np.round(mant)) and np.abs(mant).max() <= 127  # sign + 7-bit mantissas
+        assert np.abs(x - y).max() <= scale  # nearest on the shared grid (the clip at 127 costs up to one step)
+    assert np.array_equal(round_bfp16(r), r)  # idempotent
+    assert np.array_equal(torch.from_numpy(r).bfloat16().float().numpy(), r)  # exact in bf16
+    assert np.array_equal(round_bfp16(np.full((1, 8), 2.0**-3, np.float32)), np.full((1, 8), 2.0**-3))  # power of 2
+    with pytest.raises(ValueError, match="not a multiple"):
+        round_bfp16(np.ones((2, 12), np.float32))
+
+
+def test_bfp_gemm_body_rounds_its_activation_like_the_offline_weights():
+    from sdnpu.ops.bfp import round_bfp16
+
+    rng = np.random.default_rng(6)
+    x = rng.standard_normal((2, 5, 16), dtype=np.float32)
+    w = round_bfp16(rng.standard_normal((16, 8), dtype=np.float32), axis=0)
+    b = rng.standard_normal(8, dtype=np.float32)
+    y = _call("SDGemm_bfp", {"x": x}, {}, {"w": w, "b": b})
+    np.testing.assert_allclose(y, round_bfp16(x) @ w + b, rtol=1e-5, atol=1e-5)
