@@ -54,7 +54,7 @@ def static_shapes(path: Path, overrides: dict[str, list[int]] | None = None, res
         raise SdnpuError(
             "the model has dynamic input axes, and an NPU needs static shapes: "
             + ", ".join(f"{k} {v}" for k, v in missing.items()),
-            hint="pass them, e.g. --shape " + " --shape ".join(f"{k}=" + ",".join("N" for _ in v) for k, v in missing.items()))
+            hint="pass them, e.g. " + " ".join(f"--shape {k}=" + ",".join("N" for _ in v) for k, v in missing.items()))
     return shapes
 
 

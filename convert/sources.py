@@ -192,7 +192,7 @@ def _load_pretrained(cls: Any, library: str, folder: Path) -> Any:
     kwargs["torch_dtype"] = torch.float32
     try:
         return cls.from_pretrained(folder, **kwargs)
-    except (OSError, ValueError, RuntimeError, KeyError, EnvironmentError) as e:
+    except (OSError, ValueError, RuntimeError, KeyError) as e:
         raise SdnpuError(f"cannot load {cls.__name__} weights from {folder}: {e}") from e
 
 

@@ -88,7 +88,8 @@ def partition(model: ir.Model, declined: dict[str, tuple[str, str]] | None = Non
         for n in grp:
             n.metadata_props[REGION_TAG] = str(i)
             for v in n.inputs:
-                if v is not None and v.const_value is None and v.producer() not in members and v.name not in region.inputs:
+                outside = v is not None and v.const_value is None and v.producer() not in members
+                if outside and v.name not in region.inputs:
                     region.inputs.append(v.name or "")
             for v in n.outputs:
                 if v.is_graph_output() or any(u.node not in members for u in v.uses()):

@@ -45,7 +45,7 @@ def plot(reports: list[tuple[str, dict[str, Any], Path]], out: Path) -> None:
     for (name, report, model_path), (ax_strip, ax_bar) in zip(reports, axes, strict=True):
         strip = node_strip(model_path)
         n = len(strip)
-        for i, (op, region) in enumerate(strip):
+        for i, (_op, region) in enumerate(strip):
             color = _CPU_COLOR if region is None else _NPU_COLORS[region % len(_NPU_COLORS)]
             ax_strip.add_patch(plt.Rectangle((i, 0), 1, 1, color=color, linewidth=0))
         cpu = [(i, op) for i, (op, region) in enumerate(strip) if region is None]

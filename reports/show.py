@@ -88,7 +88,8 @@ def _find(path: Path) -> list[tuple[str, dict[str, Any], Path]]:
 
 
 def summary_lines(reports: list[tuple[str, dict[str, Any]]]) -> str:
-    head = f"{'component':<16}{'offload':>9}{'dispatch':>10}{'CPU':>6}{'regions':>9}{'MACs on NPU':>13}{'min cosine':>12}"
+    head = (f"{'component':<16}{'offload':>9}{'dispatch':>10}{'CPU':>6}{'regions':>9}{'MACs on NPU':>13}"
+            f"{'min cosine':>12}")
     lines = [head, "-" * len(head)]
     tot_npu = tot_cpu = 0
     for name, r in reports:

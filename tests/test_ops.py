@@ -40,7 +40,8 @@ def test_every_function_is_valid():
 
 
 @pytest.mark.parametrize("silu", [0, 1])
-@pytest.mark.parametrize(("stride", "pads", "group"), [(1, [1, 1, 1, 1], 1), (2, [0, 0, 1, 1], 1), (1, [0, 0, 0, 0], 2)])
+@pytest.mark.parametrize(("stride", "pads", "group"),
+                         [(1, [1, 1, 1, 1], 1), (2, [0, 0, 1, 1], 1), (1, [0, 0, 0, 0], 2)])
 def test_sdconv_is_nhwc_conv(silu, stride, pads, group):
     rng = np.random.default_rng(0)
     x = rng.standard_normal((2, 8, 9, 9), dtype=np.float32)
