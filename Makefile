@@ -1,6 +1,7 @@
 # sdnpu: every target sets up ./.venv itself (pinned packages, torch 2.13.0 CPU) before doing its job.
 #   make convert MODEL=unet [SOURCE=sdxl-base|tiny-sdxl|path] [OUT=dir] [RES=px] [EXPORTER=dynamo|torchscript]
 #                [PRECISION=bf16|bfp16]
+#   make generate PROMPT="a cat" [MODELS=models/sdxl-base] [STEPS=30] [IMAGE=image.png]
 #   make test | make bench [FULL=1] | make clean
 
 PYTHON ?= python3
@@ -20,7 +21,12 @@ export HF_HUB_OFFLINE := 1
 export TRANSFORMERS_OFFLINE := 1
 export HF_HUB_DISABLE_TELEMETRY := 1
 
-.PHONY: venv convert test bench clean
+PROMPT   ?=
+MODELS   ?= models/$(notdir $(SOURCE))
+STEPS    ?= 30
+IMAGE    ?= image.png
+
+.PHONY: venv convert generate test bench clean
 
 venv: $(STAMP)
 
@@ -39,6 +45,10 @@ convert: $(STAMP)
 	$(BIN)/sdnpu convert --model $(MODEL) --source $(SOURCE) \
 		$(if $(OUT),--out $(OUT)) $(if $(RES),--res $(RES)) $(if $(EXPORTER),--exporter $(EXPORTER)) \
 		$(if $(PRECISION),--precision $(PRECISION))
+
+generate: $(STAMP)
+	@test -n "$(PROMPT)" || { echo 'make generate PROMPT="a cat" [MODELS=models/sdxl-base] [STEPS=30] [IMAGE=image.png]'; exit 2; }
+	$(BIN)/sdnpu generate --models $(MODELS) --prompt "$(PROMPT)" --steps $(STEPS) --out $(IMAGE)
 
 test: $(STAMP)
 	$(BIN)/python -m pytest -q

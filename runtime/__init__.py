@@ -1,1 +1,6 @@
 """Running converted folders on onnxruntime, up to the full text-to-image pipeline."""
+
+from sdnpu.runtime.pipeline import GenerateOptions, Pipeline, save_png
+from sdnpu.runtime.session import Component, open_component, providers
+
+__all__ = ["Component", "GenerateOptions", "Pipeline", "open_component", "providers", "save_png"]

@@ -100,6 +100,22 @@ def _cmd_report(args: argparse.Namespace) -> int:
     return 0
 
 
+def _cmd_generate(args: argparse.Namespace) -> int:
+    from pathlib import Path
+
+    from tqdm import tqdm
+
+    from sdnpu.runtime import GenerateOptions, Pipeline, save_png
+
+    pipe = Pipeline(Path(args.models), reference=args.reference, threads=args.threads)
+    opts = GenerateOptions(args.prompt, args.negative_prompt, args.steps, args.guidance, args.seed, args.scheduler)
+    with tqdm(total=args.steps, desc="denoising", unit="step", disable=args.quiet) as bar:
+        image = pipe(opts, progress=lambda i, n: bar.update(1))
+    save_png(image, Path(args.out))
+    print(f"wrote {args.out} ({image.shape[1]}x{image.shape[0]}, {'fp32 graphs' if args.reference else 'dispatch models'})")
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     from sdnpu.convert.export import DEFAULT_OPSET, EXPORTERS
     from sdnpu.convert.sources import COMPONENTS
@@ -146,6 +162,19 @@ def build_parser() -> argparse.ArgumentParser:
                      help="exit 1 when a component's offload rate is below RATE (99.5 or 0.995)")
     rep.add_argument("--plot", default=None, metavar="FILE", help="draw the offload strip to FILE (.svg or .png)")
     rep.set_defaults(func=_cmd_report)
+
+    gen = sub.add_parser("generate", help="text to image on a converted folder, every graph in onnxruntime")
+    gen.add_argument("--models", default="models/sdxl-base", help="a converted folder (default: models/sdxl-base)")
+    gen.add_argument("--prompt", required=True)
+    gen.add_argument("--negative-prompt", default="")
+    gen.add_argument("--steps", type=int, default=30)
+    gen.add_argument("--guidance", type=float, default=5.0)
+    gen.add_argument("--seed", type=int, default=0)
+    gen.add_argument("--scheduler", default=None, help="a diffusers scheduler class (default: the folder's)")
+    gen.add_argument("--reference", action="store_true", help="run the fp32 graphs instead of the dispatch models")
+    gen.add_argument("--threads", type=int, default=None, help="onnxruntime intra-op threads")
+    gen.add_argument("--out", default="image.png")
+    gen.set_defaults(func=_cmd_generate)
     return parser
 
 

@@ -1,0 +1,146 @@
+"""Text-to-image on a converted folder, every graph in onnxruntime (SDXL; SD 1.x/2.x folders too).
+
+    prompt -> tokenizer(s) -> text encoder(s): penultimate hidden states (concatenated for SDXL's two) and
+    text_encoder_2's pooled text_embeds -> UNet at batch 2 (negative, positive) with SDXL's time_ids ->
+    classifier-free guidance -> scheduler step -> ... -> latents / scaling_factor -> VAE decoder -> PNG
+
+The scheduler is the folder's (``scheduler/``) through diffusers, or any other diffusers scheduler by name.
+Seeds give the same image twice: the initial noise is drawn with numpy from the seed.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from sdnpu.errors import SdnpuError
+from sdnpu.runtime.session import Component, open_component
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class GenerateOptions:
+    prompt: str
+    negative_prompt: str = ""
+    steps: int = 30
+    guidance: float = 5.0
+    seed: int = 0
+    scheduler: str | None = None  # a diffusers scheduler class name; default: the folder's
+
+
+class Pipeline:
+    """A converted folder's components in sessions, and the loop that runs them."""
+
+    def __init__(self, folder: str | Path, reference: bool = False, threads: int | None = None) -> None:
+        self.folder = Path(folder)
+        if not (self.folder / "model_index.json").is_file():
+            raise SdnpuError(f"{self.folder} is not a converted pipeline folder (no model_index.json)",
+                             hint="make convert MODEL=all writes one: models/<source name>/")
+        self.index = json.loads((self.folder / "model_index.json").read_text())
+        self.sdxl = "text_encoder_2" in self.index and self.index["text_encoder_2"][1] is not None
+        opened = ["text_encoder", "unet", "vae_decoder"] + (["text_encoder_2"] if self.sdxl else [])
+        self.parts: dict[str, Component] = {c: open_component(self.folder, c, reference, threads) for c in opened}
+        self.vae_config = json.loads((self.folder / "vae_decoder" / "config.json").read_text())
+        self.unet = self.parts["unet"]
+        shape = self.unet.inputs["sample"]
+        if shape[0] != 2:
+            raise SdnpuError(f"the UNet in {self.folder} runs at batch {shape[0]}; guidance needs batch 2")
+        self.latent_shape = (1, *shape[1:])
+
+    def _tokenize(self, text: str) -> tuple[np.ndarray, np.ndarray | None]:
+        from transformers import CLIPTokenizer
+
+        ids = []
+        for name in ("tokenizer", "tokenizer_2") if self.sdxl else ("tokenizer",):
+            tok = CLIPTokenizer.from_pretrained(self.folder / name)
+            ids.append(np.asarray(tok(text, padding="max_length", max_length=tok.model_max_length,
+                                      truncation=True).input_ids, dtype=np.int64)[None])
+        return ids[0], ids[1] if self.sdxl else None
+
+    def encode(self, text: str) -> tuple[np.ndarray, np.ndarray | None]:
+        """(prompt embeddings [1, 77, C], pooled text_embeds [1, P] for SDXL)."""
+        ids1, ids2 = self._tokenize(text)
+        te1 = self.parts["text_encoder"]
+        if not self.sdxl:
+            return te1.run({"input_ids": ids1}, ["last_hidden_state"])["last_hidden_state"], None
+        penultimate = [_penultimate(te1.outputs)]
+        h1 = te1.run({"input_ids": ids1}, penultimate)[penultimate[0]]
+        te2 = self.parts["text_encoder_2"]
+        names = [_penultimate(te2.outputs), "text_embeds"]
+        out2 = te2.run({"input_ids": ids2}, names)  # type: ignore[dict-item]
+        return np.concatenate([h1, out2[names[0]]], axis=-1), out2["text_embeds"]
+
+    def __call__(self, opts: GenerateOptions, progress: Callable[[int, int], None] | None = None) -> np.ndarray:
+        """The image, [H, W, 3] uint8."""
+        import torch
+
+        if not opts.prompt.strip():
+            raise SdnpuError("the prompt is empty", hint='say what to draw: --prompt "a cat"')
+        if opts.steps < 1:
+            raise SdnpuError(f"steps must be at least 1, not {opts.steps}")
+        pos, pooled = self.encode(opts.prompt)
+        if self.sdxl and not opts.negative_prompt and self.index.get("force_zeros_for_empty_prompt", True):
+            neg, neg_pooled = np.zeros_like(pos), np.zeros_like(pooled)
+        else:
+            neg, neg_pooled = self.encode(opts.negative_prompt)
+        feeds: dict[str, np.ndarray] = {"encoder_hidden_states": np.concatenate([neg, pos]).astype(np.float32)}
+        if "text_embeds" in self.unet.inputs:
+            h, w = (8 * d for d in self.latent_shape[2:])
+            feeds["text_embeds"] = np.concatenate([neg_pooled, pooled]).astype(np.float32)  # type: ignore[list-item]
+            feeds["time_ids"] = np.tile(np.asarray([h, w, 0, 0, h, w], np.float32), (2, 1))
+        scheduler = self._scheduler(opts.scheduler)
+        scheduler.set_timesteps(opts.steps)
+        rng = np.random.default_rng(opts.seed)
+        latents = torch.from_numpy(rng.standard_normal(self.latent_shape).astype(np.float32))
+        latents = latents * scheduler.init_noise_sigma
+        for i, t in enumerate(scheduler.timesteps):
+            model_in = scheduler.scale_model_input(torch.cat([latents, latents]), t)
+            noise = self.unet.run({**feeds, "sample": model_in.numpy().astype(np.float32),
+                                   "timestep": np.asarray(float(t), np.float32)}, ["out_sample"])["out_sample"]
+            uncond, cond = noise[:1], noise[1:]
+            guided = torch.from_numpy(uncond + opts.guidance * (cond - uncond))
+            latents = scheduler.step(guided, t, latents, return_dict=False)[0]
+            if progress is not None:
+                progress(i + 1, len(scheduler.timesteps))
+        z = latents.numpy().astype(np.float32) / float(self.vae_config["scaling_factor"])
+        image = self.parts["vae_decoder"].run({"latent_sample": z}, ["sample"])["sample"][0]
+        return (np.clip(image.transpose(1, 2, 0) / 2 + 0.5, 0, 1) * 255).round().astype(np.uint8)
+
+    def _scheduler(self, name: str | None) -> Any:
+        import diffusers
+
+        config = json.loads((self.folder / "scheduler" / "scheduler_config.json").read_text())
+        cls_name = name or config["_class_name"]
+        cls = getattr(diffusers, cls_name, None)
+        if cls is None or not hasattr(cls, "from_config"):
+            raise SdnpuError(f"unknown scheduler {cls_name!r}",
+                             hint="a diffusers scheduler class, e.g. EulerDiscreteScheduler, DDIMScheduler")
+        return cls.from_config(config)
+
+
+def _penultimate(outputs: list[str]) -> str:
+    """SDXL reads the hidden states before the last layer: hidden_states.(N-1) of hidden_states.0..N."""
+    layers = sorted(int(n.split(".")[1]) for n in outputs if n.startswith("hidden_states."))
+    if len(layers) < 2:
+        raise SdnpuError("the text encoder exposes no hidden_states.N outputs; SDXL needs the penultimate one")
+    return f"hidden_states.{layers[-2]}"
+
+
+def save_png(image: np.ndarray, path: Path) -> None:
+    """Write ``image`` ([H, W, 3] uint8) as a PNG, atomically."""
+    import io
+
+    from PIL import Image
+
+    from sdnpu.fileio import atomic_write_bytes
+
+    buf = io.BytesIO()
+    Image.fromarray(image).save(buf, format="PNG")
+    atomic_write_bytes(Path(path), buf.getvalue())
