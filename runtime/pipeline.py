@@ -3,6 +3,7 @@
     prompt -> tokenizer(s) -> text encoder(s): penultimate hidden states (concatenated for SDXL's two) and
     text_encoder_2's pooled text_embeds -> UNet at batch 2 (negative, positive) with SDXL's time_ids ->
     classifier-free guidance -> scheduler step -> ... -> latents / scaling_factor -> VAE decoder -> PNG
+    (image-to-image: the picture through the VAE encoder, noised to where ``strength`` of the schedule is left)
 
 The scheduler is the folder's (``scheduler/``) through diffusers, or any other diffusers scheduler by name.
 Seeds give the same image twice: the initial noise is drawn with numpy from the seed.
@@ -33,6 +34,8 @@ class GenerateOptions:
     guidance: float = 5.0
     seed: int = 0
     scheduler: str | None = None  # a diffusers scheduler class name; default: the folder's
+    image: str | Path | None = None  # image-to-image: the starting picture
+    strength: float = 0.3  # how much of the schedule runs over it (1.0: all of it, as text-to-image)
 
 
 class Pipeline:
@@ -40,6 +43,7 @@ class Pipeline:
 
     def __init__(self, folder: str | Path, reference: bool = False, threads: int | None = None) -> None:
         self.folder = Path(folder)
+        self.reference, self.threads = reference, threads
         if not (self.folder / "model_index.json").is_file():
             raise SdnpuError(f"{self.folder} is not a converted pipeline folder (no model_index.json)",
                              hint="make convert MODEL=all writes one: models/<source name>/")
@@ -98,9 +102,13 @@ class Pipeline:
         scheduler = self._scheduler(opts.scheduler)
         scheduler.set_timesteps(opts.steps)
         rng = np.random.default_rng(opts.seed)
-        latents = torch.from_numpy(rng.standard_normal(self.latent_shape).astype(np.float32))
-        latents = latents * scheduler.init_noise_sigma
-        for i, t in enumerate(scheduler.timesteps):
+        noise = torch.from_numpy(rng.standard_normal(self.latent_shape).astype(np.float32))
+        timesteps = scheduler.timesteps
+        if opts.image is None:
+            latents = noise * scheduler.init_noise_sigma
+        else:
+            latents, timesteps = self._start_from_image(opts, scheduler, noise)
+        for i, t in enumerate(timesteps):
             model_in = scheduler.scale_model_input(torch.cat([latents, latents]), t)
             noise = self.unet.run({**feeds, "sample": model_in.numpy().astype(np.float32),
                                    "timestep": np.asarray(float(t), np.float32)}, ["out_sample"])["out_sample"]
@@ -108,10 +116,39 @@ class Pipeline:
             guided = torch.from_numpy(uncond + opts.guidance * (cond - uncond))
             latents = scheduler.step(guided, t, latents, return_dict=False)[0]
             if progress is not None:
-                progress(i + 1, len(scheduler.timesteps))
+                progress(i + 1, len(timesteps))
         z = latents.numpy().astype(np.float32) / float(self.vae_config["scaling_factor"])
         image = self.parts["vae_decoder"].run({"latent_sample": z}, ["sample"])["sample"][0]
         return (np.clip(image.transpose(1, 2, 0) / 2 + 0.5, 0, 1) * 255).round().astype(np.uint8)
+
+    def _start_from_image(self, opts: GenerateOptions, scheduler: Any, noise: Any) -> tuple[Any, Any]:
+        """Image-to-image: the picture's latents (the VAE encoder's mean, scaled), noised to the step where
+        ``strength`` of the schedule remains, and the timesteps left to run."""
+        import torch
+        from PIL import Image, UnidentifiedImageError
+
+        if not 0 < opts.strength <= 1:
+            raise SdnpuError(f"strength must be in (0, 1], not {opts.strength}")
+        h, w = (8 * d for d in self.latent_shape[2:])
+        try:
+            picture = Image.open(opts.image).convert("RGB").resize((w, h), Image.Resampling.LANCZOS)
+        except (OSError, UnidentifiedImageError) as e:
+            raise SdnpuError(f"cannot read {opts.image} as an image: {e}", hint="give a PNG or JPEG file") from e
+        pixels = np.asarray(picture, np.float32).transpose(2, 0, 1)[None] / 127.5 - 1.0
+        if "vae_encoder" not in self.parts:
+            self.parts["vae_encoder"] = open_component(self.folder, "vae_encoder", self.reference, self.threads)
+        moments = self.parts["vae_encoder"].run({"sample": pixels}, ["latent_parameters"])["latent_parameters"]
+        mean = moments[:, : self.latent_shape[1]]
+        init = torch.from_numpy(mean * float(self.vae_config["scaling_factor"]))
+        keep = min(int(opts.steps * opts.strength), opts.steps)
+        if keep == 0:
+            raise SdnpuError(f"strength {opts.strength} leaves no step of {opts.steps} to run",
+                             hint="raise --strength or --steps")
+        start = (opts.steps - keep) * scheduler.order
+        timesteps = scheduler.timesteps[start:]
+        if hasattr(scheduler, "set_begin_index"):
+            scheduler.set_begin_index(start)
+        return scheduler.add_noise(init, noise, timesteps[:1]), timesteps
 
     def _scheduler(self, name: str | None) -> Any:
         import diffusers

@@ -108,9 +108,15 @@ def _cmd_generate(args: argparse.Namespace) -> int:
     from sdnpu.runtime import GenerateOptions, Pipeline, save_png
 
     pipe = Pipeline(Path(args.models), reference=args.reference, threads=args.threads)
-    opts = GenerateOptions(args.prompt, args.negative_prompt, args.steps, args.guidance, args.seed, args.scheduler)
+    opts = GenerateOptions(args.prompt, args.negative_prompt, args.steps, args.guidance, args.seed, args.scheduler,
+                           args.image, args.strength)
+
     with tqdm(total=args.steps, desc="denoising", unit="step", disable=args.quiet) as bar:
-        image = pipe(opts, progress=lambda i, n: bar.update(1))
+        def advance(i: int, n: int) -> None:
+            bar.total = n
+            bar.update(1)
+
+        image = pipe(opts, progress=advance)
     save_png(image, Path(args.out))
     print(f"wrote {args.out} ({image.shape[1]}x{image.shape[0]}, {'fp32 graphs' if args.reference else 'dispatch models'})")
     return 0
@@ -171,6 +177,8 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--guidance", type=float, default=5.0)
     gen.add_argument("--seed", type=int, default=0)
     gen.add_argument("--scheduler", default=None, help="a diffusers scheduler class (default: the folder's)")
+    gen.add_argument("--image", default=None, help="image-to-image: start from this picture")
+    gen.add_argument("--strength", type=float, default=0.3, help="image-to-image: share of the schedule to run")
     gen.add_argument("--reference", action="store_true", help="run the fp32 graphs instead of the dispatch models")
     gen.add_argument("--threads", type=int, default=None, help="onnxruntime intra-op threads")
     gen.add_argument("--out", default="image.png")

@@ -73,3 +73,18 @@ def test_not_a_converted_folder(tmp_path):
     (tmp_path / "model_index.json").write_text(json.dumps({"unet": ["diffusers", "UNet2DConditionModel"]}))
     with pytest.raises(SdnpuError, match="not found"):
         Pipeline(tmp_path)
+
+
+def test_image_to_image(tiny_conversion, tmp_path):
+    start = tmp_path / "start.png"
+    Image.fromarray(np.linspace(0, 255, 300 * 200 * 3).reshape(300, 200, 3).astype(np.uint8)).save(start)
+    pipe = Pipeline(tiny_conversion.out)
+    seen = []
+    image = pipe(GenerateOptions("a cat", steps=4, image=start, strength=0.5), progress=lambda i, n: seen.append(n))
+    assert image.shape == (256, 256, 3) and seen == [2, 2]  # half of 4 steps
+    bad = tmp_path / "not.png"
+    bad.write_text("not an image")
+    with pytest.raises(SdnpuError, match="cannot read .* as an image"):
+        pipe(GenerateOptions("a cat", steps=4, image=bad))
+    with pytest.raises(SdnpuError, match="leaves no step"):
+        pipe(GenerateOptions("a cat", steps=2, image=start, strength=0.1))
