@@ -15,6 +15,7 @@ import json
 import logging
 from collections.abc import Callable
 from dataclasses import dataclass
+from functools import cached_property
 from pathlib import Path
 from typing import Any
 
@@ -58,12 +59,16 @@ class Pipeline:
             raise SdnpuError(f"the UNet in {self.folder} runs at batch {shape[0]}; guidance needs batch 2")
         self.latent_shape = (1, *shape[1:])
 
-    def _tokenize(self, text: str) -> tuple[np.ndarray, np.ndarray | None]:
+    @cached_property
+    def tokenizers(self) -> list[Any]:
         from transformers import CLIPTokenizer
 
+        names = ("tokenizer", "tokenizer_2") if self.sdxl else ("tokenizer",)
+        return [CLIPTokenizer.from_pretrained(self.folder / name) for name in names]
+
+    def _tokenize(self, text: str) -> tuple[np.ndarray, np.ndarray | None]:
         ids = []
-        for name in ("tokenizer", "tokenizer_2") if self.sdxl else ("tokenizer",):
-            tok = CLIPTokenizer.from_pretrained(self.folder / name)
+        for tok in self.tokenizers:
             ids.append(np.asarray(tok(text, padding="max_length", max_length=tok.model_max_length,
                                       truncation=True).input_ids, dtype=np.int64)[None])
         return ids[0], ids[1] if self.sdxl else None
