@@ -179,6 +179,10 @@ def render_text(r: dict[str, Any]) -> str:
         for name, e in fid["outputs"].items():
             psnr = f"  PSNR {e['psnr_db']:.1f} dB" if "psnr_db" in e else ""
             lines.append(f"  {name[:28]:<28} max abs {e['max_abs']:.3e}  cosine {e['cosine']:.6f}{psnr}")
+        pipe = fid.get("pipeline")
+        if pipe:
+            lines.append(f"  whole pipeline, {pipe['steps']} steps, seed {pipe['seed']}: image PSNR "
+                         f"{pipe['psnr_db']:.1f} dB against the fp32 graphs")
     lines += ["", "Passes", "-" * 79]
     for p in r["passes"]:
         counts = ", ".join(f"{k} {v}" for k, v in p["counts"].items() if v)

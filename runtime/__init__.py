@@ -2,5 +2,6 @@
 
 from sdnpu.runtime.pipeline import GenerateOptions, Pipeline, save_png
 from sdnpu.runtime.session import Component, open_component, providers
+from sdnpu.runtime.verify import verify
 
-__all__ = ["Component", "GenerateOptions", "Pipeline", "open_component", "providers", "save_png"]
+__all__ = ["Component", "GenerateOptions", "Pipeline", "open_component", "providers", "save_png", "verify"]

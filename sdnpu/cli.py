@@ -122,6 +122,22 @@ def _cmd_generate(args: argparse.Namespace) -> int:
     return 0
 
 
+def _cmd_verify(args: argparse.Namespace) -> int:
+    from sdnpu.runtime import verify
+
+    results = verify(args.models, steps=args.steps, seed=args.seed)
+    print(f"{'component':<16}{'min cosine':>12}{'max abs':>12}  PSNR (images)")
+    for name, fid in results["components"].items():
+        psnr = [f"{o['psnr_db']:.1f} dB" for o in fid["outputs"].values() if "psnr_db" in o]
+        print(f"{name:<16}{fid['min_cosine']:>12.6f}{fid['max_abs']:>12.3e}  {' '.join(psnr)}")
+    pipe = results["pipeline"]
+    if pipe:
+        print(f"pipeline ({pipe['steps']} steps, seed {pipe['seed']}): image PSNR {pipe['psnr_db']:.1f} dB, "
+              "dispatch models against the fp32 graphs")
+    print(f"written into each dd/report.json and {args.models}/verify.json")
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     from sdnpu.convert.export import DEFAULT_OPSET, EXPORTERS
     from sdnpu.convert.sources import COMPONENTS
@@ -183,6 +199,13 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--threads", type=int, default=None, help="onnxruntime intra-op threads")
     gen.add_argument("--out", default="image.png")
     gen.set_defaults(func=_cmd_generate)
+
+    ver = sub.add_parser("verify", help="dispatch models against their fp32 graphs, component by component "
+                         "and over the whole pipeline; results go into the reports")
+    ver.add_argument("models", nargs="?", default="models/sdxl-base")
+    ver.add_argument("--steps", type=int, default=3, help="denoising steps of the pipeline comparison")
+    ver.add_argument("--seed", type=int, default=0)
+    ver.set_defaults(func=_cmd_verify)
     return parser
 
 

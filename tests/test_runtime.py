@@ -88,3 +88,22 @@ def test_image_to_image(tiny_conversion, tmp_path):
         pipe(GenerateOptions("a cat", steps=4, image=bad))
     with pytest.raises(SdnpuError, match="leaves no step"):
         pipe(GenerateOptions("a cat", steps=2, image=start, strength=0.1))
+
+
+def test_verify_fills_the_reports(tiny_conversion, tmp_path, capsys):
+    import shutil
+
+    folder = tmp_path / "tiny"
+    shutil.copytree(tiny_conversion.out, folder)
+    assert main(["-q", "verify", str(folder), "--steps", "2"]) == 0
+    out = capsys.readouterr().out
+    assert "pipeline (2 steps, seed 0): image PSNR" in out
+    summary = json.loads((folder / "verify.json").read_text())
+    assert set(summary["components"]) == {"text_encoder", "text_encoder_2", "vae_encoder", "vae_decoder", "unet"}
+    assert summary["pipeline"]["psnr_db"] > 35
+    report = json.loads((folder / "vae_decoder" / "dd" / "report.json").read_text())
+    assert report["fidelity"]["inputs"].endswith("sdnpu verify") and "psnr_db" in report["fidelity"]["outputs"]["sample"]
+    assert "whole pipeline, 2 steps" in (folder / "unet" / "dd" / "onnx_report.txt").read_text()
+    from sdnpu.reports.show import validate
+
+    validate(report, folder)
