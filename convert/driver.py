@@ -29,16 +29,16 @@ from sdnpu.convert.export import (
     DEFAULT_OPSET,
     EXPORTERS,
     MIN_OPSET,
-    compare,
     export_module,
-    onnx_outputs,
     torch_outputs,
 )
+from sdnpu.convert.compile import run_onnx
 from sdnpu.convert.sources import COMPONENT_MODULES, COMPONENTS, Source, resolve_source
 from sdnpu.errors import SdnpuError
 from sdnpu.passes.precision import PRECISIONS
 from sdnpu.fileio import atomic_write_json, recover_staging, staged_dir
 from sdnpu.progress import peak_rss_bytes, release_memory, step
+from sdnpu.reports.fidelity import fidelity
 
 log = logging.getLogger(__name__)
 
@@ -326,7 +326,7 @@ def _export_component(src: Source, comp: str, torch_stage: _TorchStage, stage: P
     actual = None
     if check and reference is not None:
         with step(log, f"[{comp}] running the graph in onnxruntime") as t:
-            actual = onnx_outputs(path, feeds, list(sig.outputs))
+            actual = run_onnx(path, feeds, optimize=True)
         seconds["onnx_run"] = round(t.seconds, 2)
         check_data = _check_outputs(comp, sig, reference, actual)
     summary = None
@@ -335,7 +335,7 @@ def _export_component(src: Source, comp: str, torch_stage: _TorchStage, stage: P
 
         info = {"component": comp, "source": {"name": src.name, "kind": src.kind, "fingerprint": fingerprint},
                 "resolution": res}
-        fp32 = dict(zip(sig.outputs, actual, strict=True)) if actual is not None else None
+        fp32 = actual
         with step(log, f"[{comp}] compile stage") as t:
             summary = compile_into(path, stage / "dd", info, feeds, fp32, verify=check,
                                    precision=precision)["summary"]
@@ -365,27 +365,21 @@ def _export_component(src: Source, comp: str, torch_stage: _TorchStage, stage: P
     return result
 
 
-def _check_outputs(comp: str, sig: Signature, reference: list[Any], actual: list[Any]) -> dict[str, Any]:
-    per_output = {name: compare(r, a) for name, r, a in zip(sig.outputs, reference, actual, strict=True)}
-    worst_name = max(per_output, key=lambda n: per_output[n].max_rel)
-    worst = per_output[worst_name]
+def _check_outputs(comp: str, sig: Signature, reference: list[Any], actual: dict[str, Any]) -> dict[str, Any]:
+    fid = fidelity(dict(zip(sig.outputs, reference, strict=True)), actual)
+    per_output = fid["outputs"]
+    worst_name = max(per_output, key=lambda n: per_output[n]["max_rel"])
+    worst = per_output[worst_name]["max_rel"]
     log.info("[%s] ONNX vs PyTorch: max abs error %.3g, max rel error %.3g (%s), min cosine %.9f", comp,
-             max(e.max_abs for e in per_output.values()), worst.max_rel, worst_name,
-             min(e.cosine for e in per_output.values()))
-    data = {
-        "max_abs_error": max(e.max_abs for e in per_output.values()),
-        "max_rel_error": worst.max_rel,
-        "min_cosine": min(e.cosine for e in per_output.values()),
-        "rel_tolerance": CHECK_RTOL,
-        "outputs": {n: asdict(e) for n, e in per_output.items()},
-    }
-    if not worst.max_rel <= CHECK_RTOL:
+             fid["max_abs"], worst, worst_name, fid["min_cosine"])
+    if not worst <= CHECK_RTOL:
         raise SdnpuError(
-            f"the exported {comp} does not match PyTorch: output {worst_name!r} is off by {worst.max_rel:.3g} "
+            f"the exported {comp} does not match PyTorch: output {worst_name!r} is off by {worst:.3g} "
             f"of its range (tolerance {CHECK_RTOL:g})",
             hint="try the other exporter (--exporter), or --no-check to keep the graph anyway",
         )
-    return data
+    return {"max_abs_error": fid["max_abs"], "max_rel_error": worst, "min_cosine": fid["min_cosine"],
+            "rel_tolerance": CHECK_RTOL, "outputs": per_output}
 
 
 def _as_torch(feeds: dict[str, Any]) -> list[Any]:

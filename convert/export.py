@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import logging
 import tempfile
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -28,19 +27,10 @@ log = logging.getLogger(__name__)
 EXPORTERS = ("dynamo", "torchscript")
 DEFAULT_OPSET = 20
 MIN_OPSET = 17
-PROTOBUF_LIMIT = 2**31 - 2**26  # stay clear of protobuf's 2 GiB ceiling (the graph itself takes room)
-DATA_SUFFIX = ".data"
 _KEEP_METADATA = frozenset({"namespace"})
 # The exported fp32 graph must agree with PyTorch to this fraction of the output's largest magnitude.
 # Measured on both exporters: 1e-6 (tiny-sdxl) to 4e-6 (sdxl-base); see the README.
 CHECK_RTOL = 1e-3
-
-
-@dataclass(frozen=True)
-class OutputError:
-    max_abs: float
-    max_rel: float  # max |onnx - torch| / max |torch|
-    cosine: float
 
 
 def _strip_metadata(model: Any) -> None:
@@ -49,18 +39,11 @@ def _strip_metadata(model: Any) -> None:
             del node.metadata_props[key]
 
 
-def _initializer_bytes(model: Any) -> int:
-    return sum(v.const_value.nbytes for v in model.graph.initializers.values() if v.const_value is not None)
-
-
 def save_ir(model: Any, path: Path) -> None:
-    """Save an onnx_ir model to ``path`` (weights in ``path.name + '.data'`` when they pass 2 GB)."""
-    import onnx_ir as ir
+    """Save with weights inline below 2 GB and in one ``<name>.data`` file above (the compiler's rule)."""
+    from sdnpu.passes.pipeline import save
 
-    if _initializer_bytes(model) > PROTOBUF_LIMIT:
-        ir.save(model, path, external_data=path.name + DATA_SUFFIX, size_threshold_bytes=1024)
-    else:
-        ir.save(model, path)
+    save(model, path)
 
 
 def export_module(wrapper: Any, args: tuple[Any, ...], input_names: list[str], output_names: list[str],
@@ -97,28 +80,3 @@ def torch_outputs(wrapper: Any, feeds: dict[str, np.ndarray]) -> list[np.ndarray
     with torch.no_grad():
         outs = wrapper(*(torch.from_numpy(v) for v in feeds.values()))
     return [o.detach().numpy().copy() for o in outs]
-
-
-def onnx_outputs(path: Path, feeds: dict[str, np.ndarray], output_names: list[str]) -> list[np.ndarray]:
-    import onnxruntime as ort
-
-    opts = ort.SessionOptions()
-    opts.graph_optimization_level = ort.GraphOptimizationLevel.ORT_ENABLE_BASIC
-    opts.log_severity_level = 3
-    sess = ort.InferenceSession(str(path), opts, providers=["CPUExecutionProvider"])
-    return sess.run(output_names, feeds)
-
-
-def compare(reference: np.ndarray, actual: np.ndarray) -> OutputError:
-    if reference.shape != actual.shape:
-        raise SdnpuError(f"output shape {actual.shape} differs from PyTorch's {reference.shape}")
-    ref = reference.astype(np.float64).ravel()
-    act = actual.astype(np.float64).ravel()
-    if not np.all(np.isfinite(act)):
-        return OutputError(float("inf"), float("inf"), float("nan"))
-    diff = np.abs(ref - act)
-    scale = float(np.max(np.abs(ref))) if ref.size else 0.0
-    max_abs = float(diff.max()) if diff.size else 0.0
-    denom = float(np.linalg.norm(ref) * np.linalg.norm(act))
-    cosine = float(ref @ act / denom) if denom > 0 else (1.0 if max_abs == 0 else 0.0)
-    return OutputError(max_abs, max_abs / scale if scale > 0 else max_abs, cosine)

@@ -40,15 +40,25 @@ def is_image(shape: tuple[int, ...]) -> bool:
 
 
 def fidelity(reference: dict[str, np.ndarray], actual: dict[str, np.ndarray]) -> dict[str, Any]:
-    """max abs error and cosine per output; PSNR for images, over their [-1, 1] range (peak-to-peak 2)."""
+    """Per output: max abs error, max error relative to the reference's largest magnitude, cosine, and
+    PSNR for images over their [-1, 1] range (peak-to-peak 2). Non-finite outputs count as infinitely off."""
     outputs = {}
     for name, ref in reference.items():
-        a, r = actual[name].astype(np.float64).ravel(), ref.astype(np.float64).ravel()
+        got = actual[name]
+        if got.shape != ref.shape:
+            raise ValueError(f"output {name!r} has shape {got.shape}, the reference {ref.shape}")
+        a, r = got.astype(np.float64).ravel(), ref.astype(np.float64).ravel()
+        scale = float(np.max(np.abs(r))) if r.size else 0.0
+        if not np.all(np.isfinite(a)):
+            outputs[name] = {"max_abs": float("inf"), "ref_max_abs": scale, "max_rel": float("inf"), "cosine": 0.0}
+            continue
+        max_abs = float(np.max(np.abs(a - r))) if r.size else 0.0
         denom = float(np.linalg.norm(a) * np.linalg.norm(r))
         outputs[name] = {
-            "max_abs": float(np.max(np.abs(a - r))) if r.size else 0.0,
-            "ref_max_abs": float(np.max(np.abs(r))) if r.size else 0.0,
-            "cosine": float(a @ r / denom) if denom else 1.0,
+            "max_abs": max_abs,
+            "ref_max_abs": scale,
+            "max_rel": max_abs / scale if scale > 0 else max_abs,
+            "cosine": float(a @ r / denom) if denom else (1.0 if max_abs == 0 else 0.0),
         }
         if is_image(ref.shape):
             clipped = np.clip(a, -1, 1) - np.clip(r, -1, 1)
@@ -57,5 +67,3 @@ def fidelity(reference: dict[str, np.ndarray], actual: dict[str, np.ndarray]) ->
     return {"reference": "fp32 graph (onnxruntime CPU)", "outputs": outputs,
             "min_cosine": min(o["cosine"] for o in outputs.values()),
             "max_abs": max(o["max_abs"] for o in outputs.values())}
-
-

@@ -16,7 +16,9 @@ import pytest
 from sdnpu.convert import COMPONENTS, convert, resolve_source
 from sdnpu.convert import driver as driver_mod
 from sdnpu.convert.components import build_wrapper, sample_inputs, signature
-from sdnpu.convert.export import compare, onnx_outputs, torch_outputs
+from sdnpu.convert.compile import run_onnx
+from sdnpu.convert.export import torch_outputs
+from sdnpu.reports.fidelity import fidelity
 from sdnpu.errors import SdnpuError
 
 # ONNX vs PyTorch, fp32, as a fraction of the output's largest magnitude. Measured on tiny-sdxl with both
@@ -78,10 +80,9 @@ def test_graph_matches_pytorch_on_fresh_inputs(tiny_conversion, component):
     for seed in (1, 2):
         feeds = sample_inputs(sig, config, 256, seed=seed)
         expected = torch_outputs(wrapper, feeds)
-        actual = onnx_outputs(tiny_conversion.out / component / "model.onnx", feeds, list(sig.outputs))
-        for e, a in zip(expected, actual, strict=True):
-            err = compare(e, a)
-            assert err.max_rel <= FP32_REL_TOL and err.cosine > 0.999999
+        actual = run_onnx(tiny_conversion.out / component / "model.onnx", feeds)
+        for err in fidelity(dict(zip(sig.outputs, expected, strict=True)), actual)["outputs"].values():
+            assert err["max_rel"] <= FP32_REL_TOL and err["cosine"] > 0.999999
 
 
 def test_local_pipeline_folder_converts_exactly_like_the_preset(tiny_pipeline_folder, tiny_conversion, tmp_path,
@@ -178,8 +179,8 @@ def test_failed_export_keeps_previous_output(tmp_path, tiny_conversion, monkeypa
 
 def test_mismatch_with_pytorch_fails_and_keeps_previous_output(tmp_path, tiny_conversion, monkeypatch):
     before = _seed_previous_output(tiny_conversion, tmp_path)
-    real = driver_mod.onnx_outputs
-    monkeypatch.setattr(driver_mod, "onnx_outputs", lambda *a: [o + 0.5 for o in real(*a)])
+    real = driver_mod.run_onnx
+    monkeypatch.setattr(driver_mod, "run_onnx", lambda *a, **k: {n: o + 0.5 for n, o in real(*a, **k).items()})
     with pytest.raises(SdnpuError, match="does not match PyTorch: output 'sample'"):
         convert("tiny-sdxl", "vae_decoder", out=tmp_path)
     assert (tmp_path / "vae_decoder" / "model.onnx").read_bytes() == before
