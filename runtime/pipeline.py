@@ -11,9 +11,10 @@ Seeds give the same image twice: the initial noise is drawn with numpy from the 
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from functools import cached_property
 from pathlib import Path
@@ -22,7 +23,8 @@ from typing import Any
 import numpy as np
 
 from sdnpu.errors import SdnpuError
-from sdnpu.runtime.session import Component, open_component
+from sdnpu.progress import release_memory
+from sdnpu.runtime.session import DISPATCH_MODEL, REFERENCE_MODEL, Component, open_component
 
 log = logging.getLogger(__name__)
 
@@ -40,24 +42,53 @@ class GenerateOptions:
 
 
 class Pipeline:
-    """A converted folder's components in sessions, and the loop that runs them."""
+    """A converted folder and the loop that runs its components.
 
-    def __init__(self, folder: str | Path, reference: bool = False, threads: int | None = None) -> None:
+    By default each stage opens its sessions and drops them when done (text encoders, then the UNet, then
+    the VAE), so the peak is the largest stage, not the sum: at full SDXL size in fp32 the four sessions
+    together would not fit beside the UNet's activations on a 24 GiB machine. ``keep_sessions=True`` keeps
+    them open for repeated generation."""
+
+    def __init__(self, folder: str | Path, reference: bool = False, threads: int | None = None,
+                 keep_sessions: bool = False) -> None:
+        import onnx
+
         self.folder = Path(folder)
-        self.reference, self.threads = reference, threads
+        self.reference, self.threads, self.keep = reference, threads, keep_sessions
         if not (self.folder / "model_index.json").is_file():
             raise SdnpuError(f"{self.folder} is not a converted pipeline folder (no model_index.json)",
                              hint="make convert MODEL=all writes one: models/<source name>/")
         self.index = json.loads((self.folder / "model_index.json").read_text())
         self.sdxl = "text_encoder_2" in self.index and self.index["text_encoder_2"][1] is not None
-        opened = ["text_encoder", "unet", "vae_decoder"] + (["text_encoder_2"] if self.sdxl else [])
-        self.parts: dict[str, Component] = {c: open_component(self.folder, c, reference, threads) for c in opened}
+        needed = ["text_encoder", "unet", "vae_decoder"] + (["text_encoder_2"] if self.sdxl else [])
+        for name in needed:
+            path = self.folder / name / (REFERENCE_MODEL if reference else DISPATCH_MODEL)
+            if not path.is_file():
+                raise SdnpuError(f"{path} not found", hint=f"convert it first: make convert MODEL={name}")
+        self.parts: dict[str, Component] = {}
         self.vae_config = json.loads((self.folder / "vae_decoder" / "config.json").read_text())
-        self.unet = self.parts["unet"]
-        shape = self.unet.inputs["sample"]
+        unet = onnx.load(str(self.folder / "unet" / (REFERENCE_MODEL if reference else DISPATCH_MODEL)),
+                         load_external_data=False)
+        self.unet_inputs = {i.name for i in unet.graph.input}
+        sample = next(i for i in unet.graph.input if i.name == "sample")
+        shape = [d.dim_value for d in sample.type.tensor_type.shape.dim]
         if shape[0] != 2:
             raise SdnpuError(f"the UNet in {self.folder} runs at batch {shape[0]}; guidance needs batch 2")
         self.latent_shape = (1, *shape[1:])
+
+    @contextlib.contextmanager
+    def _using(self, *names: str) -> Iterator[dict[str, Component]]:
+        """Sessions for ``names`` for the length of a stage (kept when ``keep_sessions``)."""
+        parts = {n: self.parts.get(n) or open_component(self.folder, n, self.reference, self.threads)
+                 for n in names}
+        if self.keep:
+            self.parts.update(parts)
+        try:
+            yield parts
+        finally:
+            parts.clear()
+            if not self.keep:
+                release_memory()
 
     @cached_property
     def tokenizers(self) -> list[Any]:
@@ -75,13 +106,20 @@ class Pipeline:
 
     def encode(self, text: str) -> tuple[np.ndarray, np.ndarray | None]:
         """(prompt embeddings [1, 77, C], pooled text_embeds [1, P] for SDXL)."""
+        with self._using(*self._encoders()) as parts:
+            return self._encode(parts, text)
+
+    def _encoders(self) -> tuple[str, ...]:
+        return ("text_encoder", "text_encoder_2") if self.sdxl else ("text_encoder",)
+
+    def _encode(self, parts: dict[str, Component], text: str) -> tuple[np.ndarray, np.ndarray | None]:
         ids1, ids2 = self._tokenize(text)
-        te1 = self.parts["text_encoder"]
+        te1 = parts["text_encoder"]
         if not self.sdxl:
             return te1.run({"input_ids": ids1}, ["last_hidden_state"])["last_hidden_state"], None
         penultimate = [_penultimate(te1.outputs)]
         h1 = te1.run({"input_ids": ids1}, penultimate)[penultimate[0]]
-        te2 = self.parts["text_encoder_2"]
+        te2 = parts["text_encoder_2"]
         names = [_penultimate(te2.outputs), "text_embeds"]
         out2 = te2.run({"input_ids": ids2}, names)  # type: ignore[dict-item]
         return np.concatenate([h1, out2[names[0]]], axis=-1), out2["text_embeds"]
@@ -94,13 +132,14 @@ class Pipeline:
             raise SdnpuError("the prompt is empty", hint='say what to draw: --prompt "a cat"')
         if opts.steps < 1:
             raise SdnpuError(f"steps must be at least 1, not {opts.steps}")
-        pos, pooled = self.encode(opts.prompt)
-        if self.sdxl and not opts.negative_prompt and self.index.get("force_zeros_for_empty_prompt", True):
-            neg, neg_pooled = np.zeros_like(pos), np.zeros_like(pooled)
-        else:
-            neg, neg_pooled = self.encode(opts.negative_prompt)
+        with self._using(*self._encoders()) as parts:
+            pos, pooled = self._encode(parts, opts.prompt)
+            if self.sdxl and not opts.negative_prompt and self.index.get("force_zeros_for_empty_prompt", True):
+                neg, neg_pooled = np.zeros_like(pos), np.zeros_like(pooled)
+            else:
+                neg, neg_pooled = self._encode(parts, opts.negative_prompt)
         feeds: dict[str, np.ndarray] = {"encoder_hidden_states": np.concatenate([neg, pos]).astype(np.float32)}
-        if "text_embeds" in self.unet.inputs:
+        if "text_embeds" in self.unet_inputs:
             h, w = (8 * d for d in self.latent_shape[2:])
             feeds["text_embeds"] = np.concatenate([neg_pooled, pooled]).astype(np.float32)  # type: ignore[list-item]
             feeds["time_ids"] = np.tile(np.asarray([h, w, 0, 0, h, w], np.float32), (2, 1))
@@ -113,17 +152,19 @@ class Pipeline:
             latents = noise * scheduler.init_noise_sigma
         else:
             latents, timesteps = self._start_from_image(opts, scheduler, noise)
-        for i, t in enumerate(timesteps):
-            model_in = scheduler.scale_model_input(torch.cat([latents, latents]), t)
-            noise = self.unet.run({**feeds, "sample": model_in.numpy().astype(np.float32),
-                                   "timestep": np.asarray(float(t), np.float32)}, ["out_sample"])["out_sample"]
-            uncond, cond = noise[:1], noise[1:]
-            guided = torch.from_numpy(uncond + opts.guidance * (cond - uncond))
-            latents = scheduler.step(guided, t, latents, return_dict=False)[0]
-            if progress is not None:
-                progress(i + 1, len(timesteps))
+        with self._using("unet") as parts:
+            for i, t in enumerate(timesteps):
+                model_in = scheduler.scale_model_input(torch.cat([latents, latents]), t)
+                pred = parts["unet"].run({**feeds, "sample": model_in.numpy().astype(np.float32),
+                                          "timestep": np.asarray(float(t), np.float32)}, ["out_sample"])["out_sample"]
+                uncond, cond = pred[:1], pred[1:]
+                guided = torch.from_numpy(uncond + opts.guidance * (cond - uncond))
+                latents = scheduler.step(guided, t, latents, return_dict=False)[0]
+                if progress is not None:
+                    progress(i + 1, len(timesteps))
         z = latents.numpy().astype(np.float32) / float(self.vae_config["scaling_factor"])
-        image = self.parts["vae_decoder"].run({"latent_sample": z}, ["sample"])["sample"][0]
+        with self._using("vae_decoder") as parts:
+            image = parts["vae_decoder"].run({"latent_sample": z}, ["sample"])["sample"][0]
         return (np.clip(image.transpose(1, 2, 0) / 2 + 0.5, 0, 1) * 255).round().astype(np.uint8)
 
     def _start_from_image(self, opts: GenerateOptions, scheduler: Any, noise: Any) -> tuple[Any, Any]:
@@ -140,9 +181,8 @@ class Pipeline:
         except (OSError, UnidentifiedImageError) as e:
             raise SdnpuError(f"cannot read {opts.image} as an image: {e}", hint="give a PNG or JPEG file") from e
         pixels = np.asarray(picture, np.float32).transpose(2, 0, 1)[None] / 127.5 - 1.0
-        if "vae_encoder" not in self.parts:
-            self.parts["vae_encoder"] = open_component(self.folder, "vae_encoder", self.reference, self.threads)
-        moments = self.parts["vae_encoder"].run({"sample": pixels}, ["latent_parameters"])["latent_parameters"]
+        with self._using("vae_encoder") as parts:
+            moments = parts["vae_encoder"].run({"sample": pixels}, ["latent_parameters"])["latent_parameters"]
         mean = moments[:, : self.latent_shape[1]]
         init = torch.from_numpy(mean * float(self.vae_config["scaling_factor"]))
         keep = min(int(opts.steps * opts.strength), opts.steps)
