@@ -30,6 +30,10 @@ VERSION = 1
 ONNX_OPSET = 20  # what the bodies are written against
 METADATA_ATTRS = ("in_dtypes", "out_dtypes", "input_shape", "output_shape")
 BOUNDARY_OP = "CastAvx"
+# Node metadata keys: the contract between the passes that write them and the report that reads them.
+RULE_TAG = "sdnpu.rule"  # the rule that created a node
+REGION_TAG = "sdnpu.region"  # the NPU region of a dispatch op (partition)
+REASON_TAG = "sdnpu.cpu_reason"  # why a node stays on the CPU (partition)
 
 
 class _Body:

@@ -8,9 +8,7 @@ from typing import Any
 import numpy as np
 import onnx_ir as ir
 
-from sdnpu.ops.opset import DOMAIN
-
-RULE_TAG = "sdnpu.rule"  # metadata key: the rule that created a node (the report reads it)
+from sdnpu.ops.opset import DOMAIN, RULE_TAG
 FLOAT_TYPES = frozenset({ir.DataType.FLOAT, ir.DataType.FLOAT16, ir.DataType.BFLOAT16})
 
 

@@ -14,12 +14,10 @@ from dataclasses import dataclass, field
 import networkx as nx
 import onnx_ir as ir
 
-from sdnpu.ops.opset import BOUNDARY_OP, DOMAIN
+from sdnpu.ops.opset import BOUNDARY_OP, DOMAIN, REASON_TAG, REGION_TAG
 from sdnpu.passes.manager import PassResult
 from sdnpu.passes.precision import is_dispatch
 
-REGION_TAG = "sdnpu.region"
-REASON_TAG = "sdnpu.cpu_reason"
 
 
 @dataclass

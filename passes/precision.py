@@ -91,7 +91,7 @@ def _bfp_plan(node: ir.Node) -> tuple[int | None, int | None] | None:
 def precision(model: ir.Model, mode: str = "bf16") -> PassResult:
     """``mode``: "bf16", or "bfp16" (the MAC ops become their ``_bfp`` variants where their blocked axes
     hold whole 8-value blocks; the rest stays bf16)."""
-    from sdnpu.ops.bfp import round_bfp16
+    from sdnpu.ops.bfp import BFP_OPS, round_bfp16
     from sdnpu.ops.opset import BFP_SUFFIX
 
     if mode not in PRECISIONS:
@@ -114,7 +114,7 @@ def precision(model: ir.Model, mode: str = "bf16") -> PassResult:
         if plan is not None:
             node.op_type += BFP_SUFFIX
             counts["ops -> _bfp"] += 1
-        elif mode == "bfp16" and node.op_type in ("SDConv", "SDGemm", "SDMHA", "SDMHA_VAE"):
+        elif mode == "bfp16" and node.op_type in BFP_OPS:
             counts["kept bf16 (axis not a multiple of 8)"] += 1
         for i, v in enumerate(node.inputs):
             p = v.producer() if v is not None else None

@@ -16,12 +16,9 @@ import onnx
 
 from sdnpu import __version__
 from sdnpu.fileio import atomic_write_text
-from sdnpu.ops.opset import BOUNDARY_OP, DOMAIN
+from sdnpu.ops.opset import BOUNDARY_OP, DOMAIN, REASON_TAG, REGION_TAG, RULE_TAG
 
 SCHEMA_VERSION = 1
-REGION_TAG = "sdnpu.region"
-REASON_TAG = "sdnpu.cpu_reason"
-RULE_TAG = "sdnpu.rule"
 _MAC_OPS = {"Conv", "Gemm", "MatMul", "SDConv", "SDGemm", "SDMatMul", "SDMHA", "SDMHA_VAE"}
 
 

@@ -5,7 +5,8 @@ from __future__ import annotations
 from onnx import TensorProto as T
 from onnx import helper
 
-from sdnpu.passes.partition import REASON_TAG, REGION_TAG, partition
+from sdnpu.ops.opset import REASON_TAG, REGION_TAG
+from sdnpu.passes.partition import partition
 
 from .graphs import to_ir
 

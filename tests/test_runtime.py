@@ -102,7 +102,8 @@ def test_verify_fills_the_reports(tiny_conversion, tmp_path, capsys):
     assert set(summary["components"]) == {"text_encoder", "text_encoder_2", "vae_encoder", "vae_decoder", "unet"}
     assert summary["pipeline"]["psnr_db"] > 35
     report = json.loads((folder / "vae_decoder" / "dd" / "report.json").read_text())
-    assert report["fidelity"]["inputs"].endswith("sdnpu verify") and "psnr_db" in report["fidelity"]["outputs"]["sample"]
+    assert report["fidelity"]["inputs"].endswith("sdnpu verify")
+    assert "psnr_db" in report["fidelity"]["outputs"]["sample"]
     assert "whole pipeline, 2 steps" in (folder / "unet" / "dd" / "onnx_report.txt").read_text()
     from sdnpu.reports.show import validate
 
