@@ -2,7 +2,7 @@
 #   make convert MODEL=unet [SOURCE=sdxl-base|tiny-sdxl|path] [OUT=dir] [RES=px] [EXPORTER=dynamo|torchscript]
 #                [PRECISION=bf16|bfp16]
 #   make generate PROMPT="a cat" [MODELS=models/sdxl-base] [STEPS=30] [IMAGE=image.png]
-#   make test | make bench [FULL=1] | make clean
+#   make test | make fuzz [N=10000] [SEED=n] | make bench [FULL=1] | make clean
 
 PYTHON ?= python3
 VENV   := .venv
@@ -16,6 +16,8 @@ RES      ?=
 EXPORTER ?=
 PRECISION ?=
 FULL     ?=
+N        ?= 10000
+SEED     ?=
 
 export HF_HUB_OFFLINE := 1
 export TRANSFORMERS_OFFLINE := 1
@@ -26,7 +28,7 @@ MODELS   ?= models/$(notdir $(SOURCE))
 STEPS    ?= 30
 IMAGE    ?= image.png
 
-.PHONY: venv convert generate test bench clean
+.PHONY: venv convert generate test fuzz bench clean
 
 venv: $(STAMP)
 
@@ -53,9 +55,16 @@ generate: $(STAMP)
 test: $(STAMP)
 	$(BIN)/python -m pytest -q
 
+# Differential fuzzing of the compiler passes (tests/test_fuzz.py); `make test` runs 600 of these cases.
+# A failing graph lands in fuzz-failures/ with the line that reproduces it.
+fuzz: $(STAMP)
+	SDNPU_FUZZ_N=$(N) $(if $(SEED),SDNPU_FUZZ_SEED=$(SEED)) $(BIN)/python -m pytest -q tests/test_fuzz.py -k matches_its_input
+
 bench: $(STAMP)
 	$(BIN)/python bench/bench_export.py $(if $(FULL),--full)
 	$(BIN)/python bench/bench_compile.py $(if $(FULL),--sources tiny-sdxl,sdxl-base)
+	$(BIN)/python bench/bench_peers.py $(if $(FULL),--full)
+	$(if $(FULL),$(BIN)/python bench/bench_export.py --sources sdxl-base --components unet --compile)
 
 clean:
 	rm -rf $(VENV) build *.egg-info .pytest_cache

@@ -50,15 +50,17 @@ def run_component(source: str, component: str, out: Path, exporter: str, compile
 
 
 def table(rows: list[dict]) -> str:
+    compiled = any("compile" in r["phases_s"] for r in rows)
     head = ("| component | exporter | params | nodes | load s | torch run s | export s | ORT check s | "
-            "wall s | peak RSS GB | ONNX GB | max abs err | max rel err |")
+            + ("compile s | " if compiled else "") + "wall s | peak RSS GB | ONNX GB | max abs err | max rel err |")
     lines = [head, "|" + "---|" * (head.count("|") - 1)]
     for r in rows:
         p = r["phases_s"]
         lines.append(
             f"| {r['component']} | {r['exporter']} | {r['parameters']:,} | {r['nodes']} | {p.get('load', 0):.1f} | "
             f"{p.get('torch_run', 0):.1f} | {p.get('export', 0):.1f} | {p.get('onnx_run', 0):.1f} | "
-            f"{r['wall_s']:.1f} | {r['peak_rss_gb']:.2f} | {r['weights_gb']:.2f} | {r['max_abs_error']:.2e} | "
+            + (f"{p.get('compile', 0):.1f} | " if compiled else "")
+            + f"{r['wall_s']:.1f} | {r['peak_rss_gb']:.2f} | {r['weights_gb']:.2f} | {r['max_abs_error']:.2e} | "
             f"{r['max_rel_error']:.2e} |")
     return "\n".join(lines)
 
@@ -75,11 +77,13 @@ def write_section(title: str, command: str, body: str) -> None:
     results.write_text("\n## ".join(kept).rstrip() + "\n\n" + section)
 
 
-def write_results(source: str, rows: list[dict]) -> None:
+def write_results(source: str, rows: list[dict], compiled: bool = False) -> None:
     out_dir = ROOT / "bench" / "out"
     out_dir.mkdir(parents=True, exist_ok=True)
-    (out_dir / f"export-{source}.json").write_text(json.dumps(rows, indent=2) + "\n")
-    write_section(f"Export: {source}", "python bench/bench_export.py", table(rows))
+    what = "export-compile" if compiled else "export"
+    (out_dir / f"{what}-{source}.json").write_text(json.dumps(rows, indent=2) + "\n")
+    title = f"Export + compile: {source}" if compiled else f"Export: {source}"
+    write_section(title, "python bench/bench_export.py" + (" --compile" if compiled else ""), table(rows))
 
 
 def main() -> None:
@@ -98,7 +102,7 @@ def main() -> None:
                 row = run_component(source, comp, Path(tmp), args.exporter, args.compile)
                 rows.append(row)
                 print(f"{source} {comp}: {row['wall_s']} s, peak {row['peak_rss_gb']} GB", flush=True)
-                write_results(source, rows)  # after each component: a long run keeps what it measured
+                write_results(source, rows, args.compile)  # after each component: a long run keeps what it measured
         print(table(rows))
 
 

@@ -17,11 +17,58 @@ from sdnpu.fileio import staged_dir
 from sdnpu.progress import peak_rss_bytes, release_memory, step
 from sdnpu.reports.fidelity import fidelity, generic_inputs
 
-__all__ = ["compile_file", "compile_into", "fidelity", "generic_inputs", "run_onnx", "static_shapes"]
+__all__ = ["OUTPUT_CHOICES", "compile_file", "compile_into", "fidelity", "generic_inputs", "keep_outputs",
+           "pipeline_outputs", "run_onnx", "static_shapes"]
 
 log = logging.getLogger(__name__)
 
 REPLACED = "replaced.onnx"
+
+# --outputs: "pipeline" (default) keeps what a diffusers pipeline reads, "all" keeps every output of the
+# graph; anything else is a comma-separated list of output names.
+OUTPUT_CHOICES = ("pipeline", "all")
+
+
+def pipeline_outputs(component: str, config: dict[str, Any], sdxl: bool) -> list[str] | None:
+    """The outputs of ``component`` that a diffusers pipeline reads (None: all of them).
+
+    The text encoders are exported with every hidden state (optimum's signature), but SDXL reads only the
+    penultimate hidden states of both encoders and text_encoder_2's pooled ``text_embeds``; SD 1.x/2.x read
+    ``last_hidden_state``. Every other output would cost a CastAvx on the CPU and, past the penultimate
+    layer, NPU work nobody uses. The UNet and the VAEs have one output.
+    """
+    if component not in ("text_encoder", "text_encoder_2"):
+        return None
+    if not sdxl and component == "text_encoder":
+        return ["last_hidden_state"]
+    penultimate = f"hidden_states.{int(config['num_hidden_layers']) - 1}"
+    return ["text_embeds", penultimate] if component == "text_encoder_2" else [penultimate]
+
+
+def keep_outputs(spec: str, available: list[str], component: str, config: dict[str, Any] | None,
+                 sdxl: bool | None) -> list[str] | None:
+    """``--outputs`` -> the output names to keep (None: all). ``sdxl`` None: the pipeline is unknown."""
+    if spec == "all":
+        return None
+    if spec == "pipeline":
+        if sdxl is None and component == "text_encoder":
+            log.info("[%s] keeping every output: no model_index.json says which pipeline reads it "
+                     "(--outputs NAME,... chooses)", component)
+            return None
+        wanted = pipeline_outputs(component, config or {}, bool(sdxl)) if config is not None else None
+        if wanted is None:
+            return None
+        if not set(wanted) <= set(available):
+            log.warning("[%s] keeping every output: the pipeline reads %s, the graph has %s", component,
+                        ", ".join(wanted), ", ".join(available))
+            return None
+        return wanted if len(wanted) < len(available) else None
+    names = [n.strip() for n in spec.split(",") if n.strip()]
+    unknown = [n for n in names if n not in available]
+    if unknown or not names:
+        raise SdnpuError(f"--outputs {spec!r}: {', '.join(unknown) or 'no name'} is not an output of the graph",
+                         hint=f"choose from {', '.join(available)}, or pipeline / all")
+    return names
 
 
 def static_shapes(path: Path, overrides: dict[str, list[int]] | None = None, res: int | None = None
@@ -37,7 +84,12 @@ def static_shapes(path: Path, overrides: dict[str, list[int]] | None = None, res
     from sdnpu.convert.components import signature
     from sdnpu.convert.sources import COMPONENTS
 
-    model = onnx.load(str(path), load_external_data=False)
+    from sdnpu.passes.pipeline import unreadable
+
+    try:
+        model = onnx.load(str(path), load_external_data=False)
+    except Exception as e:  # protobuf's DecodeError and friends: a truncated file, or not ONNX
+        raise unreadable(path, e) from e
     inits = {i.name for i in model.graph.initializer}
     dynamic = {vi.name: [d.dim_value if d.HasField("dim_value") else (d.dim_param or "?")
                          for d in vi.type.tensor_type.shape.dim]
@@ -78,9 +130,11 @@ def run_onnx(path: Path, feeds: dict[str, np.ndarray], optimize: bool = False) -
 
 def compile_into(source: Path, dd_dir: Path, info: dict[str, Any], feeds: dict[str, np.ndarray] | None = None,
                  reference: dict[str, np.ndarray] | None = None, verify: bool = True,
-                 shapes: dict[str, list[int]] | None = None, precision: str = "bf16") -> dict[str, Any]:
+                 shapes: dict[str, list[int]] | None = None, precision: str = "bf16",
+                 outputs: list[str] | None = None) -> dict[str, Any]:
     """Compile ``source`` into the folder ``dd_dir`` (which the caller stages). Returns the report.
-    ``shapes`` fixes dynamic input axes (see ``static_shapes``); ``precision``: bf16 or bfp16."""
+    ``shapes`` fixes dynamic input axes (see ``static_shapes``); ``precision``: bf16 or bfp16; ``outputs``:
+    the graph outputs the dispatch model keeps (None: all; see ``keep_outputs``)."""
     import onnx
 
     from sdnpu.passes.canonicalize import bind_input_shapes
@@ -92,6 +146,7 @@ def compile_into(source: Path, dd_dir: Path, info: dict[str, Any], feeds: dict[s
         model = load(source)
         if shapes:
             bind_input_shapes(model, shapes)
+        dropped = _drop_outputs(model, outputs, name) if outputs is not None else []
         records = compile_model(model, precision=precision)
     dd_dir.mkdir(parents=True, exist_ok=True)
     out = dd_dir / REPLACED
@@ -117,8 +172,10 @@ def compile_into(source: Path, dd_dir: Path, info: dict[str, Any], feeds: dict[s
         fid = fidelity(reference, actual)
         log.info("[%s] dispatch vs fp32: min cosine %.6f, max abs error %.3g", name, fid["min_cosine"],
                  fid["max_abs"])
-    report = reports.build(out, source, records_json(records), {**info, "precision": precision,
-                                                                "peak_rss_bytes": peak_rss_bytes()}, fid)
+    extra: dict[str, Any] = {"precision": precision, "peak_rss_bytes": peak_rss_bytes()}
+    if dropped:
+        extra["dropped_outputs"] = dropped
+    report = reports.build(out, source, records_json(records), {**info, **extra}, fid)
     reports.write(dd_dir, report)
     s = report["summary"]
     log.info("[%s] offload rate %.2f%% (%d dispatch ops, %d CPU nodes, %d NPU regions)", name,
@@ -126,16 +183,57 @@ def compile_into(source: Path, dd_dir: Path, info: dict[str, Any], feeds: dict[s
     return report
 
 
+def _drop_outputs(model: Any, keep: list[str], name: str) -> list[str]:
+    """Remove the graph outputs not in ``keep`` (canonicalize then removes the nodes only they needed)."""
+    dropped = [v.name for v in model.graph.outputs if v.name not in keep]
+    kept = [v for v in model.graph.outputs if v.name in keep]
+    model.graph.outputs.clear()
+    model.graph.outputs.extend(kept)
+    if dropped:
+        log.info("[%s] keeping outputs %s; dropping %d that the pipeline does not read (--outputs all keeps them)",
+                 name, ", ".join(keep), len(dropped))
+    return dropped
+
+
+def _pipeline_kind(source: Path) -> bool | None:
+    """Whether ``source`` (``<pipeline>/<component>/model.onnx``) belongs to an SDXL pipeline (one with a
+    text_encoder_2), from the pipeline's model_index.json; None where there is none."""
+    import json
+
+    index = source.parent.parent / "model_index.json"
+    if source.parent.name == "text_encoder_2":
+        return True
+    try:
+        return "text_encoder_2" in json.loads(index.read_text())
+    except (OSError, ValueError):
+        return None
+
+
+def output_names(path: Path) -> list[str]:
+    import onnx
+
+    return [o.name for o in onnx.load(str(path), load_external_data=False).graph.output]
+
+
 def compile_file(source: Path, out: Path | None = None, verify: bool = True,
                  shapes: dict[str, list[int]] | None = None, res: int | None = None,
-                 precision: str = "bf16") -> dict[str, Any]:
-    """``sdnpu compile``: ``source`` -> ``out`` (default: ``dd/`` beside the source), replaced atomically."""
+                 precision: str = "bf16", outputs: str = "pipeline") -> dict[str, Any]:
+    """``sdnpu compile``: ``source`` -> ``out`` (default: ``dd/`` beside the source), replaced atomically.
+    ``outputs``: pipeline, all, or a comma-separated list of output names (see ``keep_outputs``)."""
+    import json
+
     source = Path(source)
     if not source.is_file():
         raise SdnpuError(f"{source} is not a file", hint="give the path of an .onnx model")
     bound = static_shapes(source, shapes, res)
+    config_path = source.parent / "config.json"
+    try:
+        config = json.loads(config_path.read_text()) if config_path.is_file() else None
+    except ValueError as e:
+        raise SdnpuError(f"{config_path} is not valid JSON: {e}") from e
+    keep = keep_outputs(outputs, output_names(source), source.parent.name, config, _pipeline_kind(source))
     dd_dir = Path(out) if out is not None else source.parent / "dd"
     with staged_dir(dd_dir) as stage:
         return compile_into(source, stage, {"component": source.parent.name,
                                             "source": {"name": str(source), "kind": "onnx"}}, verify=verify,
-                            shapes=bound, precision=precision)
+                            shapes=bound, precision=precision, outputs=keep)

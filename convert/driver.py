@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import logging
 import platform
+import tempfile
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -32,9 +33,9 @@ from sdnpu.convert.export import (
     export_module,
     torch_outputs,
 )
-from sdnpu.convert.compile import run_onnx
+from sdnpu.convert.compile import OUTPUT_CHOICES, run_onnx
 from sdnpu.convert.sources import COMPONENT_MODULES, COMPONENTS, Source, resolve_source
-from sdnpu.errors import SdnpuError
+from sdnpu.errors import SdnpuError, storage_error
 from sdnpu.passes.precision import PRECISIONS
 from sdnpu.fileio import atomic_write_json, recover_staging, staged_dir
 from sdnpu.progress import peak_rss_bytes, release_memory, step
@@ -119,15 +120,19 @@ def convert(
     check: bool = True,
     compile: bool = True,
     precision: str = "bf16",
+    outputs: str = "pipeline",
 ) -> ConvertResult:
     """Export ``components`` of ``source`` to ``out`` (default ``models/<source name>``) and, unless
-    ``compile=False``, compile each into ``<component>/dd/`` (dispatch model and offload report)."""
+    ``compile=False``, compile each into ``<component>/dd/`` (dispatch model and offload report).
+    ``outputs``: "pipeline" (the dispatch models keep what a diffusers pipeline reads) or "all"."""
     if exporter not in EXPORTERS:
         raise SdnpuError(f"unknown exporter {exporter!r}", hint=f"choose one of: {', '.join(EXPORTERS)}")
     if opset < MIN_OPSET:
         raise SdnpuError(f"opset {opset} is too old", hint=f"use opset {MIN_OPSET} or newer")
     if precision not in PRECISIONS:
         raise SdnpuError(f"unknown precision {precision!r}", hint=f"choose one of: {', '.join(PRECISIONS)}")
+    if outputs not in OUTPUT_CHOICES:
+        raise SdnpuError(f"unknown --outputs {outputs!r}", hint=f"choose one of: {', '.join(OUTPUT_CHOICES)}")
     src = resolve_source(source)
     comps = parse_components(components, src)
     vae_cfg = src.module_config("vae_decoder") if "vae" in src.modules else None
@@ -137,6 +142,10 @@ def convert(
     out_dir = Path(out) if out is not None else Path("models") / src.name
     out_dir.mkdir(parents=True, exist_ok=True)
     recover_staging(out_dir)
+    try:  # a read-only or forbidden --out fails now, not after loading the module
+        tempfile.TemporaryFile(dir=out_dir).close()
+    except OSError as e:
+        raise OSError(e.errno, e.strerror, str(out_dir)) from e
     log.info("converting %s (%s: %s) -> %s at %d px: %s", src.name, src.kind, src.root, out_dir, res,
              ", ".join(comps))
 
@@ -161,7 +170,7 @@ def convert(
             torch_stage = _torch_stage_in_child(src, job) if isolate else _torch_stage(src, job, holder)
             release_memory()  # the torch weights go before onnxruntime loads the graph's copy
             result = _export_component(src, comp, torch_stage, stage, res, factor, exporter, opset, check,
-                                       fingerprint, compile, precision)
+                                       fingerprint, compile, precision, outputs)
         result.path = out_dir / comp / MODEL_FILE
         results.append(result)
     written = src.write_pipeline_files(out_dir)
@@ -244,6 +253,8 @@ def _torch_stage(src: Source, job: _TorchJob, holder: list[Any]) -> _TorchStage:
         except SdnpuError:
             raise
         except Exception as e:  # the exporters raise many types; name the component and the exporter
+            if isinstance(e, OSError) and (err := storage_error(e)) is not None:
+                raise err from e  # a full or read-only disk while saving is not the exporter's fault
             raise SdnpuError(f"torch's {job.exporter} exporter failed on {comp}: {type(e).__name__}: {e}",
                              hint="try --exporter torchscript" if job.exporter == "dynamo" else None) from e
     seconds["export"] = round(t.seconds, 2)
@@ -306,7 +317,7 @@ def _child_main(conn: Any, source: str, job: _TorchJob, level: int) -> None:
 
 def _export_component(src: Source, comp: str, torch_stage: _TorchStage, stage: Path, res: int, factor: int,
                       exporter: str, opset: int, check: bool, fingerprint: str, compile: bool,
-                      precision: str) -> ComponentResult:
+                      precision: str, outputs: str) -> ComponentResult:
     import onnx
 
     config = src.module_config(comp)
@@ -331,14 +342,15 @@ def _export_component(src: Source, comp: str, torch_stage: _TorchStage, stage: P
         check_data = _check_outputs(comp, sig, reference, actual)
     summary = None
     if compile:
-        from sdnpu.convert.compile import compile_into
+        from sdnpu.convert.compile import compile_into, keep_outputs
 
+        keep = keep_outputs(outputs, list(sig.outputs), comp, config, "text_encoder_2" in src.modules)
         info = {"component": comp, "source": {"name": src.name, "kind": src.kind, "fingerprint": fingerprint},
                 "resolution": res}
         fp32 = actual
         with step(log, f"[{comp}] compile stage") as t:
             summary = compile_into(path, stage / "dd", info, feeds, fp32, verify=check,
-                                   precision=precision)["summary"]
+                                   precision=precision, outputs=keep)["summary"]
         seconds["compile"] = round(t.seconds, 2)
 
     result = ComponentResult(component=comp, path=path, nodes=len(graph.graph.node), parameters=n_params,

@@ -193,7 +193,9 @@ def _load_pretrained(cls: Any, library: str, folder: Path) -> Any:
     try:
         return cls.from_pretrained(folder, **kwargs)
     except (OSError, ValueError, RuntimeError, KeyError) as e:
-        raise SdnpuError(f"cannot load {cls.__name__} weights from {folder}: {e}") from e
+        raise SdnpuError(f"cannot load {cls.__name__} weights from {folder}: {e}",
+                         hint="config.json there must describe a module that this diffusers/transformers can "
+                         "build (known block types), and the weight files must be whole and match it") from e
 
 
 def resolve_source(source: str | os.PathLike[str]) -> Source:

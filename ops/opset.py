@@ -39,13 +39,14 @@ REASON_TAG = "sdnpu.cpu_reason"  # why a node stays on the CPU (partition)
 class _Body:
     """A tiny builder for function bodies: ``b.op("Add", x, y)`` returns the output name."""
 
-    def __init__(self) -> None:
+    def __init__(self, prefix: str = "_t") -> None:
         self.nodes: list[onnx.NodeProto] = []
         self._n = 0
+        self._prefix = prefix
 
     def op(self, op_type: str, *inputs: str, n_out: int = 1, refs: dict[str, tuple[str, int]] | None = None,
            **attrs: object) -> str | list[str]:
-        outs = [f"_t{self._n}_{i}" for i in range(n_out)]
+        outs = [f"{self._prefix}{self._n}_{i}" for i in range(n_out)]
         self._n += 1
         node = helper.make_node(op_type, list(inputs), outs, **attrs)
         for attr_name, (ref_name, attr_type) in (refs or {}).items():
@@ -67,13 +68,23 @@ class _Body:
     def f32(self, x: str) -> str:
         return self.op("Cast", x, to=T.FLOAT)  # type: ignore[return-value]
 
+    def if_attr(self, attr: str, then: Callable[[_Body], str], otherwise: str) -> str:
+        """``then(body)`` when the int attribute ``attr`` is 1, else ``otherwise``. An ``If`` on the attribute:
+        only the taken branch runs (an arithmetic blend would pay for both on every call)."""
+        cond = self.op("Cast", self.op("Constant", refs={"value_int": (attr, A.INT)}), to=T.BOOL)
+        n = self._n
+        sub = _Body(prefix=f"{self._prefix}{n}_{attr}_")
+        y = then(sub)
+        out_on, out_off = f"{self._prefix}{n}_{attr}_on", f"{self._prefix}{n}_{attr}_off"
+        sub.nodes.append(helper.make_node("Identity", [y], [out_on]))
+        on = helper.make_graph(sub.nodes, f"{attr}_on", [], [helper.make_tensor_value_info(out_on, T.FLOAT, None)])
+        off = helper.make_graph([helper.make_node("Identity", [otherwise], [out_off])], f"{attr}_off", [],
+                                [helper.make_tensor_value_info(out_off, T.FLOAT, None)])
+        return self.op("If", cond, then_branch=on, else_branch=off)  # type: ignore[return-value]
+
     def silu_if(self, y: str, attr: str = "silu") -> str:
-        """``y * sigmoid(y)`` when the int attribute is 1, ``y`` when 0, both bit-exact:
-        y * (s * sigmoid(y) + (1 - s)) with s in {0, 1}."""
-        s = self.op("Cast", self.op("Constant", refs={"value_int": (attr, A.INT)}), to=T.FLOAT)
-        one = self.op("Constant", value_float=1.0)
-        gate = self.op("Add", self.op("Mul", s, self.op("Sigmoid", y)), self.op("Sub", one, s))
-        return self.op("Mul", y, gate)  # type: ignore[return-value]
+        """``y * sigmoid(y)`` when the int attribute is 1, ``y`` when 0."""
+        return self.if_attr(attr, lambda b: b.op("Mul", y, b.op("Sigmoid", y)), y)  # type: ignore[arg-type,return-value]
 
 
 @dataclass(frozen=True)
@@ -125,30 +136,34 @@ def _mha(b: _Body, x: list[str]) -> str:
     k = b.op("Transpose", b.op("Reshape", x[1], split), perm=[0, 2, 3, 1])  # [B, H, D, N]
     v = b.op("Transpose", b.op("Reshape", x[2], split), perm=[0, 2, 1, 3])  # [B, H, N, D]
     scores = b.op("Mul", b.op("MatMul", q, k), b.ref_float("scale"))
-    # causal=1 (CLIP's text encoders): -max above the diagonal, as CLIP adds finfo(float32).min there;
-    # causal=0 adds -0.0 * ... = 0 exactly.
-    ones = b.op("ConstantOfShape", b.op("Shape", scores, start=2),
-                value=helper.make_tensor("one", T.FLOAT, [1], [1.0]))
-    upper = b.op("Trilu", ones, b.op("Constant", value_int=1), upper=1)
-    causal = b.op("Cast", b.op("Constant", refs={"value_int": ("causal", A.INT)}), to=T.FLOAT)
-    mask = b.op("Mul", b.op("Mul", upper, b.op("Constant", value_float=float(np.finfo(np.float32).min))), causal)
-    o = b.op("MatMul", b.op("Softmax", b.op("Add", scores, mask), axis=-1), v)
+    # causal=1 (CLIP's text encoders): -max above the diagonal, as CLIP adds finfo(float32).min there.
+
+    def masked(sb: _Body) -> str:
+        ones = sb.op("ConstantOfShape", sb.op("Shape", scores, start=2),
+                     value=helper.make_tensor("one", T.FLOAT, [1], [1.0]))
+        upper = sb.op("Trilu", ones, sb.op("Constant", value_int=1), upper=1)
+        mask = sb.op("Mul", upper, sb.op("Constant", value_float=float(np.finfo(np.float32).min)))
+        return sb.op("Add", scores, mask)  # type: ignore[return-value]
+
+    scores = b.if_attr("causal", masked, scores)  # type: ignore[assignment]
+    o = b.op("MatMul", b.op("Softmax", scores, axis=-1), v)
     return b.op("Reshape", b.op("Transpose", o, perm=[0, 2, 1, 3]), b.const_ints([0, 0, -1]))  # type: ignore
 
 
 def _group_norm(b: _Body, x: list[str]) -> str:
-    shape = b.op("Shape", x[0])
-    channels = b.op("Shape", x[0], start=3)
-    groups = b.op("Constant", refs={"value_ints": ("groups", A.INTS)})
-    grouped = b.op("Concat", b.const_ints([0, -1]), groups, b.op("Div", channels, groups), axis=0)
-    g = b.op("Reshape", x[0], grouped)  # [B, H*W, G, C/G]
-    axes = b.const_ints([1, 3])
-    mean = b.op("ReduceMean", g, axes, keepdims=1)
-    d = b.op("Sub", g, mean)
-    var = b.op("ReduceMean", b.op("Mul", d, d), axes, keepdims=1)
-    n = b.op("Div", d, b.op("Sqrt", b.op("Add", var, b.ref_float("epsilon"))))
-    y = b.op("Add", b.op("Mul", b.op("Reshape", n, shape), x[1]), x[2])
-    return b.silu_if(y)
+    """Channels-first InstanceNormalization over [B, G, C/G * H * W], as the exporters spell GroupNorm: the
+    same arithmetic as the fp32 graph, and onnxruntime's fast kernel (a broadcast mean/variance over the
+    NHWC view took 4x longer)."""
+    xn = b.op("Transpose", x[0], perm=[0, 3, 1, 2])  # [B, C, H, W]
+    groups = b.ref_ints("groups")
+    grouped = b.op("Reshape", xn, b.op("Concat", b.const_ints([0]), groups, b.const_ints([-1]), axis=0))
+    ones = b.op("ConstantOfShape", groups, value=helper.make_tensor("one", T.FLOAT, [1], [1.0]))
+    zeros = b.op("ConstantOfShape", groups, value=helper.make_tensor("zero", T.FLOAT, [1], [0.0]))
+    norm = b.op("InstanceNormalization", grouped, ones, zeros, refs={"epsilon": ("epsilon", A.FLOAT)})
+    per_channel = b.const_ints([-1, 1, 1])
+    y = b.op("Add", b.op("Mul", b.op("Reshape", norm, b.op("Shape", xn)), b.op("Reshape", x[1], per_channel)),
+             b.op("Reshape", x[2], per_channel))
+    return b.op("Transpose", b.silu_if(y), perm=[0, 2, 3, 1])  # type: ignore[return-value]
 
 
 def _binary(onnx_op: str) -> Callable[[_Body, list[str]], str]:

@@ -70,11 +70,16 @@ def _lower(b: Builder, node: ir.Node) -> list[ir.Value] | None:
         return [b.op("SDTranspose", [node.inputs[0]], {"perm": list(attr(node, "perm"))}).outputs[0]]
     if op == "Expand":
         return [b.op("SDExpand", [node.inputs[0]], {"shape": list(out_shape)}).outputs[0]]  # type: ignore
-    if op == "Concat":
+    if op == "Concat":  # a chain of pairs; each partial result typed and shaped (the precision pass reads them)
         axis = int(attr(node, "axis", 0))
         acc = node.inputs[0]
         for v in node.inputs[1:]:
-            acc = b.op("SDConcat", [acc, v], {"axis": axis}).outputs[0]
+            a_shape, v_shape = static_shape(acc), static_shape(v)
+            shape = None
+            if a_shape is not None and v_shape is not None:
+                shape = list(a_shape)
+                shape[axis % len(shape)] += v_shape[axis % len(shape)]
+            acc = b.op("SDConcat", [acc, v], {"axis": axis}, dtype=node.outputs[0].dtype, shape=shape).outputs[0]
         return [acc]  # type: ignore[list-item]
     if op == "Slice":
         attrs = _slice_attrs(node)

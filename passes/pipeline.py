@@ -17,7 +17,10 @@ saving, so a compile holds no full second copy of the weights (sdnpu.convert.com
 
 from __future__ import annotations
 
+import errno
 import logging
+import os
+import shutil
 from pathlib import Path
 
 import onnx_ir as ir
@@ -35,6 +38,10 @@ from sdnpu.passes.precision import precision
 log = logging.getLogger(__name__)
 
 PROTOBUF_LIMIT = 2**31 - 2**26
+# Test/debug knob: weights go to external data when they total more than this many bytes (default: the
+# protobuf limit, so only full-size models do). SDNPU_EXTERNAL_DATA_ABOVE=0 sends a tiny model's weights
+# there too, which is how the tests exercise external data (and a kill during its write) in seconds.
+EXTERNAL_DATA_ENV = "SDNPU_EXTERNAL_DATA_ABOVE"
 
 
 def pipeline(precision_mode: str = "bf16") -> list[tuple[str, PassFn]]:
@@ -61,22 +68,57 @@ def pipeline(precision_mode: str = "bf16") -> list[tuple[str, PassFn]]:
     ]
 
 
+def unreadable(path: Path, err: Exception) -> SdnpuError:
+    """The error for a file that onnx cannot parse: truncated, or not ONNX at all."""
+    return SdnpuError(f"{path} is not a readable ONNX model: {type(err).__name__}: {err}",
+                      hint="re-export it; a truncated file or missing external data gives this")
+
+
 def load(path: Path) -> ir.Model:
     try:
-        return ir.load(path)
+        model = ir.load(path)
     except FileNotFoundError as e:
         raise SdnpuError(f"{path} not found") from e
     except Exception as e:  # protobuf's DecodeError and friends
-        raise SdnpuError(f"{path} is not a readable ONNX model: {type(e).__name__}: {e}",
-                         hint="re-export it; a truncated file or missing external data gives this") from e
+        raise unreadable(path, e) from e
+    _check_external_data(model, path)
+    return model
+
+
+def _check_external_data(model: ir.Model, path: Path) -> None:
+    """External data is read lazily, deep inside the compile: name a missing or short file now."""
+    sizes: dict[str, int] = {}
+    for graph in model.graphs():
+        for value in graph.initializers.values():
+            tensor = value.const_value
+            if not isinstance(tensor, ir.ExternalTensor):
+                continue
+            data = str(tensor.path)
+            if data not in sizes:
+                sizes[data] = os.path.getsize(data) if os.path.isfile(data) else -1
+            if sizes[data] < 0:
+                raise SdnpuError(f"{path} keeps its weights in {tensor.location}, which is missing ({data})",
+                                 hint=f"copy {tensor.location} beside {path.name}: the two belong together")
+            end = (tensor.offset or 0) + (tensor.length if tensor.length is not None else tensor.nbytes)
+            if sizes[data] < end:
+                raise SdnpuError(f"{data} is truncated: {sizes[data]:,} bytes, {path.name} needs {end:,}",
+                                 hint="the copy is incomplete: copy it again, or re-export the model")
 
 
 def save(model: ir.Model, path: Path) -> None:
     total = sum(v.const_value.nbytes for v in model.graph.initializers.values() if v.const_value is not None)
-    if total > PROTOBUF_LIMIT:
-        ir.save(model, path, external_data=path.name + ".data", size_threshold_bytes=1024)
-    else:
-        ir.save(model, path)
+    try:
+        if total > int(os.environ.get(EXTERNAL_DATA_ENV, PROTOBUF_LIMIT)):
+            ir.save(model, path, external_data=path.name + ".data", size_threshold_bytes=1024)
+        else:
+            ir.save(model, path)
+    except OSError as e:
+        # numpy's tofile reports a short write as "N requested and M written", without an errno
+        if e.errno is None and shutil.disk_usage(path.parent).free < total:
+            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), str(path)) from e
+        if e.errno is not None and e.filename is None:  # a failed write names no file: name the model
+            raise OSError(e.errno, e.strerror, str(path)) from e
+        raise
 
 
 def compile_model(model: ir.Model, after_each=None, precision: str = "bf16") -> list[PassRecord]:  # type: ignore

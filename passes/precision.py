@@ -3,10 +3,12 @@
 - every float initializer read by a dispatch op is converted to bf16 offline (lazily, once per tensor, even
   when several ops share it);
 - an fp32 activation entering a dispatch op gets one ``CastAvx(to=bf16)``, shared by all its NPU readers;
-- a bf16 value read by the CPU or leaving the graph gets one ``CastAvx(to=fp32)``;
+- a bf16 value read by the CPU or leaving the graph gets one ``CastAvx`` back to the type it had (fp32, or
+  fp16 in an fp16 export: the CPU ops reading it and the graph's outputs keep their declared types);
 - a CastAvx next to an SDTranspose at the boundary absorbs it (``perm``): NCHW<->NHWC happens in the cast;
 - the sinusoidal embeddings' arguments and their Sin/Cos stay fp32 (an fp32 island on the NPU); an SDCast
-  hands their results to the bf16 ops.
+  hands their results to the bf16 ops, and a bf16 result of a dispatch op outside the island (an argument
+  too large to be part of it) back to the island.
 
 bf16 -> fp32 -> bf16 is exact, so dispatch ops feeding dispatch ops need no casts at all.
 """
@@ -105,11 +107,24 @@ def precision(model: ir.Model, mode: str = "bf16") -> PassResult:
     islands = fp32_islands(graph)
     counts["fp32 ops (sinusoid arguments)"] = len(islands)
     handovers: dict[int, ir.Value] = {}
+    own_type: dict[int, ir.DataType] = {}  # each dispatch output's type before it became bf16
+    widened: dict[int, ir.Value] = {}
     for node in list(graph):
         if not is_dispatch(node):
             continue
-        if node in islands:
-            continue  # fp32 in, fp32 out; inputs from the CPU need no cast
+        if node in islands:  # fp32 in, fp32 out; inputs from the CPU need no cast, bf16 ones an SDCast back
+            for i, v in enumerate(node.inputs):
+                p = v.producer() if v is not None else None
+                if v is None or p is None or not is_dispatch(p) or p in islands or v.dtype != BF16:
+                    continue
+                if id(v) not in widened:
+                    b = Builder(graph, RULE)
+                    to = own_type.get(id(v), ir.DataType.FLOAT)
+                    widened[id(v)] = b.op("SDCast", [v], {"to": int(to)}, dtype=to, shape=static_shape(v)).outputs[0]
+                    graph.insert_after(p, b.nodes)
+                    counts["SDCast bf16 -> fp32"] += 1
+                node.replace_input_with(i, widened[id(v)])
+            continue
         plan = _bfp_plan(node) if mode == "bfp16" else None
         if plan is not None:
             node.op_type += BFP_SUFFIX
@@ -149,6 +164,8 @@ def precision(model: ir.Model, mode: str = "bf16") -> PassResult:
                     counts["CastAvx in"] += 1
                 node.replace_input_with(i, entries[id(v)])
         for out in node.outputs:
+            if out.dtype in _FLOATS:
+                own_type[id(out)] = out.dtype
             out.dtype = BF16
     # Exits: bf16 values read by the CPU or leaving the graph.
     for node in list(graph):
@@ -159,7 +176,7 @@ def precision(model: ir.Model, mode: str = "bf16") -> PassResult:
             if not cpu_uses and not out.is_graph_output():
                 continue
             b = Builder(graph, RULE)
-            back = _cast_avx(b, out, ir.DataType.FLOAT)
+            back = _cast_avx(b, out, own_type.get(id(out), ir.DataType.FLOAT))
             graph.insert_after(node, b.nodes)
             for use in cpu_uses:
                 use.node.replace_input_with(use.idx, back)
@@ -205,8 +222,7 @@ def _merge_boundary_transposes(graph: ir.Graph) -> int:
                 graph.outputs[graph.outputs.index(y)] = new
                 y.name = f"{name}_unmerged"
                 new.name = name
-            else:
-                y.replace_all_uses_with(new)
+            y.replace_all_uses_with(new)  # its CPU readers, also when it is a graph output as well
             graph.remove([node, t], safe=True)
             merged += 1
     return merged

@@ -41,10 +41,13 @@ def is_image(shape: tuple[int, ...]) -> bool:
 
 def fidelity(reference: dict[str, np.ndarray], actual: dict[str, np.ndarray]) -> dict[str, Any]:
     """Per output: max abs error, max error relative to the reference's largest magnitude, cosine, and
-    PSNR for images over their [-1, 1] range (peak-to-peak 2). Non-finite outputs count as infinitely off."""
+    PSNR for images over their [-1, 1] range (peak-to-peak 2). Non-finite outputs count as infinitely off.
+    Compares the outputs ``actual`` has (a dispatch model may keep fewer outputs than its fp32 graph)."""
     outputs = {}
-    for name, ref in reference.items():
-        got = actual[name]
+    for name, got in actual.items():
+        if name not in reference:
+            raise ValueError(f"output {name!r} is not an output of the reference")
+        ref = reference[name]
         if got.shape != ref.shape:
             raise ValueError(f"output {name!r} has shape {got.shape}, the reference {ref.shape}")
         a, r = got.astype(np.float64).ravel(), ref.astype(np.float64).ravel()

@@ -8,6 +8,7 @@ CPU reasons (node metadata ``sdnpu.region`` / ``sdnpu.cpu_reason``), the rules' 
 from __future__ import annotations
 
 import json
+import textwrap
 from collections import Counter
 from pathlib import Path
 from typing import Any
@@ -144,12 +145,16 @@ def render_text(r: dict[str, Any]) -> str:
     for kind in ("inputs", "outputs"):
         for name, shape in r[kind].items():
             lines.append(f"{kind[:-1]:<11} {name} {shape}")
+    dropped = r.get("dropped_outputs")
+    if dropped:
+        lines.append(f"dropped     {len(dropped)} outputs the pipeline does not read (--outputs all keeps them):")
+        lines += textwrap.wrap(", ".join(dropped), 79, initial_indent=" " * 12, subsequent_indent=" " * 12)
     lines += ["", "Summary", "-" * 79,
               f"total nodes            {s['total_nodes']}",
               f"offloaded (dd fusion)  {s['offloaded_nodes']}",
               f"CPU nodes              {s['cpu_nodes']}",
-              f"offload rate           {100 * s['offload_rate']:.2f}%  "
-              f"({s['offloaded_nodes']} / ({s['offloaded_nodes']} + {s['cpu_nodes']}))",
+              (f"offload rate           {100 * s['offload_rate']:.2f}%  "
+               f"({s['offloaded_nodes']} / ({s['offloaded_nodes']} + {s['cpu_nodes']}))"),
               f"MACs offloaded         {100 * s['macs_offloaded_share']:.2f}% of {s['macs_total']:,}",
               f"NPU regions            {s['npu_regions']}",
               f"CPU<->NPU transitions  {s['transitions']}",

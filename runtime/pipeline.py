@@ -47,14 +47,15 @@ class Pipeline:
     By default each stage opens its sessions and drops them when done (text encoders, then the UNet, then
     the VAE), so the peak is the largest stage, not the sum: at full SDXL size in fp32 the four sessions
     together would not fit beside the UNet's activations on a 24 GiB machine. ``keep_sessions=True`` keeps
-    them open for repeated generation."""
+    them open for repeated generation. ``optimize``: onnxruntime's graph optimizations (None: where they fit
+    in memory, see ``sdnpu.runtime.session.choose_optimize``)."""
 
     def __init__(self, folder: str | Path, reference: bool = False, threads: int | None = None,
-                 keep_sessions: bool = False) -> None:
+                 keep_sessions: bool = False, optimize: bool | None = None) -> None:
         import onnx
 
         self.folder = Path(folder)
-        self.reference, self.threads, self.keep = reference, threads, keep_sessions
+        self.reference, self.threads, self.keep, self.optimize = reference, threads, keep_sessions, optimize
         if not (self.folder / "model_index.json").is_file():
             raise SdnpuError(f"{self.folder} is not a converted pipeline folder (no model_index.json)",
                              hint="make convert MODEL=all writes one: models/<source name>/")
@@ -79,8 +80,8 @@ class Pipeline:
     @contextlib.contextmanager
     def _using(self, *names: str) -> Iterator[dict[str, Component]]:
         """Sessions for ``names`` for the length of a stage (kept when ``keep_sessions``)."""
-        parts = {n: self.parts.get(n) or open_component(self.folder, n, self.reference, self.threads)
-                 for n in names}
+        parts = {n: self.parts.get(n) or open_component(self.folder, n, self.reference, self.threads,
+                                                         self.optimize) for n in names}
         if self.keep:
             self.parts.update(parts)
         try:
@@ -117,10 +118,10 @@ class Pipeline:
         te1 = parts["text_encoder"]
         if not self.sdxl:
             return te1.run({"input_ids": ids1}, ["last_hidden_state"])["last_hidden_state"], None
-        penultimate = [_penultimate(te1.outputs)]
+        penultimate = [_penultimate(te1, self.folder / "text_encoder" / "config.json")]
         h1 = te1.run({"input_ids": ids1}, penultimate)[penultimate[0]]
         te2 = parts["text_encoder_2"]
-        names = [_penultimate(te2.outputs), "text_embeds"]
+        names = [_penultimate(te2, self.folder / "text_encoder_2" / "config.json"), "text_embeds"]
         out2 = te2.run({"input_ids": ids2}, names)  # type: ignore[dict-item]
         return np.concatenate([h1, out2[names[0]]], axis=-1), out2["text_embeds"]
 
@@ -145,8 +146,7 @@ class Pipeline:
             feeds["time_ids"] = np.tile(np.asarray([h, w, 0, 0, h, w], np.float32), (2, 1))
         scheduler = self._scheduler(opts.scheduler)
         scheduler.set_timesteps(opts.steps)
-        rng = np.random.default_rng(opts.seed)
-        noise = torch.from_numpy(rng.standard_normal(self.latent_shape).astype(np.float32))
+        noise = torch.from_numpy(self.noise(opts.seed))
         timesteps = scheduler.timesteps
         if opts.image is None:
             latents = noise * scheduler.init_noise_sigma
@@ -166,6 +166,10 @@ class Pipeline:
         with self._using("vae_decoder") as parts:
             image = parts["vae_decoder"].run({"latent_sample": z}, ["sample"])["sample"][0]
         return (np.clip(image.transpose(1, 2, 0) / 2 + 0.5, 0, 1) * 255).round().astype(np.uint8)
+
+    def noise(self, seed: int) -> np.ndarray:
+        """The starting noise for ``seed`` (unscaled; other pipelines take it as their ``latents``)."""
+        return np.random.default_rng(seed).standard_normal(self.latent_shape).astype(np.float32)
 
     def _start_from_image(self, opts: GenerateOptions, scheduler: Any, noise: Any) -> tuple[Any, Any]:
         """Image-to-image: the picture's latents (the VAE encoder's mean, scaled), noised to the step where
@@ -207,12 +211,22 @@ class Pipeline:
         return cls.from_config(config)
 
 
-def _penultimate(outputs: list[str]) -> str:
-    """SDXL reads the hidden states before the last layer: hidden_states.(N-1) of hidden_states.0..N."""
-    layers = sorted(int(n.split(".")[1]) for n in outputs if n.startswith("hidden_states."))
-    if len(layers) < 2:
-        raise SdnpuError("the text encoder exposes no hidden_states.N outputs; SDXL needs the penultimate one")
-    return f"hidden_states.{layers[-2]}"
+def _penultimate(component: Component, config_path: Path) -> str:
+    """SDXL reads the hidden states before the last layer: hidden_states.(L-1) of hidden_states.0..L, L the
+    encoder's num_hidden_layers (a dispatch model keeps only that one; the fp32 graph has them all)."""
+    try:
+        layers = int(json.loads(config_path.read_text())["num_hidden_layers"])
+    except (OSError, ValueError, KeyError):
+        found = sorted(int(n.split(".")[1]) for n in component.outputs if n.startswith("hidden_states."))
+        if len(found) < 2:
+            raise SdnpuError(f"{config_path} gives no num_hidden_layers, and {component.name} does not expose "
+                             "its hidden states: SDXL reads the penultimate one") from None
+        layers = found[-1]
+    name = f"hidden_states.{layers - 1}"
+    if name not in component.outputs:
+        raise SdnpuError(f"{component.path} has no output {name}: SDXL reads the penultimate hidden states",
+                         hint="compile it again with --outputs pipeline (the default) or --outputs all")
+    return name
 
 
 def save_png(image: np.ndarray, path: Path) -> None:

@@ -64,19 +64,45 @@ class Component:
         return dict(zip(names, self.session.run(names, feeds), strict=True))
 
 
+def _weight_bytes(path: Path) -> int:
+    data = path.with_name(path.name + ".data")
+    return path.stat().st_size + (data.stat().st_size if data.is_file() else 0)
+
+
+def _available_bytes() -> int | None:
+    try:
+        for line in Path("/proc/meminfo").read_text().splitlines():
+            if line.startswith("MemAvailable:"):
+                return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return None
+
+
+def choose_optimize(path: Path, reference: bool) -> bool:
+    """Whether onnxruntime's graph optimizations fit. They make a dispatch model run about as fast as the
+    fp32 graph (the reference bodies are inlined, convolutions go to onnxruntime's blocked layout) but fold
+    every bf16 weight's cast into an fp32 copy: about three times the bf16 weight bytes while the session
+    loads. On where that (twice the bytes for an fp32 graph) fits in 80% of the memory available now."""
+    need = _weight_bytes(path) * (2 if reference else 3)
+    available = _available_bytes()
+    return available is not None and need < 0.8 * available
+
+
 def open_component(folder: Path, component: str, reference: bool = False, threads: int | None = None,
-                   optimize: bool = False, vitisai_options: dict[str, str] | None = None) -> Component:
+                   optimize: bool | None = None, vitisai_options: dict[str, str] | None = None) -> Component:
     """``folder/<component>``'s dispatch model (or with ``reference``, its fp32 graph) in a session.
-    Graph optimizations are off by default: onnxruntime would fold every bf16 weight's cast in the reference
-    bodies into a second, fp32 copy of the weights."""
+    ``optimize``: onnxruntime's graph optimizations on or off; None chooses by memory (``choose_optimize``)."""
     import onnxruntime as ort
 
     path = Path(folder) / component / (REFERENCE_MODEL if reference else DISPATCH_MODEL)
     if not path.is_file():
         raise SdnpuError(f"{path} not found",
                          hint=f"convert it first: make convert MODEL={component} (OUT={Path(folder)})")
+    if optimize is None:
+        optimize = choose_optimize(path, reference)
     opts = ort.SessionOptions()
-    opts.graph_optimization_level = (ort.GraphOptimizationLevel.ORT_ENABLE_BASIC if optimize
+    opts.graph_optimization_level = (ort.GraphOptimizationLevel.ORT_ENABLE_ALL if optimize
                                      else ort.GraphOptimizationLevel.ORT_DISABLE_ALL)
     opts.log_severity_level = 3
     if threads:
@@ -86,5 +112,6 @@ def open_component(folder: Path, component: str, reference: bool = False, thread
         session = ort.InferenceSession(str(path), opts, providers=offered)
     except Exception as e:  # onnxruntime's own errors: a corrupt file, missing external data, ...
         raise SdnpuError(f"onnxruntime cannot open {path}: {e}") from e
-    log.info("%s: %s on %s", component, path, ", ".join(session.get_providers()))
+    log.info("%s: %s on %s, graph optimizations %s", component, path, ", ".join(session.get_providers()),
+             "on" if optimize else "off")
     return Component(component, path, session)

@@ -11,7 +11,7 @@ import warnings
 from collections.abc import Sequence
 
 from sdnpu import __version__
-from sdnpu.errors import SdnpuError
+from sdnpu.errors import SdnpuError, storage_error
 
 log = logging.getLogger("sdnpu")
 
@@ -30,7 +30,7 @@ def _cmd_convert(args: argparse.Namespace) -> int:
 
     result = convert(args.source, components=args.model, out=args.out, res=args.res, exporter=args.exporter,
                      opset=args.opset, check=not args.no_check, compile=not args.no_compile,
-                     precision=args.precision)
+                     precision=args.precision, outputs=args.outputs)
     print(f"\n{result.source.name} -> {result.out} ({result.resolution} px)")
     print(f"{'component':<16}{'nodes':>7}{'params':>15}{'export s':>9}{'peak mem':>10}  {'max abs / rel error':<20}"
           f"{'offload':>8}{'CPU':>5}")
@@ -60,7 +60,7 @@ def _cmd_compile(args: argparse.Namespace) -> int:
         except ValueError as e:
             raise SdnpuError(f"cannot read --shape {item!r}", hint="write NAME=D,D,... e.g. sample=2,4,128,128") from e
     report = compile_file(Path(args.model), Path(args.out) if args.out else None, verify=not args.no_verify,
-                          shapes=shapes, res=args.res, precision=args.precision)
+                          shapes=shapes, res=args.res, precision=args.precision, outputs=args.outputs)
     print(render_text(report), end="")
     return 0
 
@@ -107,7 +107,8 @@ def _cmd_generate(args: argparse.Namespace) -> int:
 
     from sdnpu.runtime import GenerateOptions, Pipeline, save_png
 
-    pipe = Pipeline(Path(args.models), reference=args.reference, threads=args.threads)
+    optimize = {"auto": None, "on": True, "off": False}[args.optimize]
+    pipe = Pipeline(Path(args.models), reference=args.reference, threads=args.threads, optimize=optimize)
     opts = GenerateOptions(args.prompt, args.negative_prompt, args.steps, args.guidance, args.seed, args.scheduler,
                            args.image, args.strength)
 
@@ -161,6 +162,9 @@ def build_parser() -> argparse.ArgumentParser:
     conv.add_argument("--no-compile", action="store_true", help="export only (no dd/ dispatch model)")
     conv.add_argument("--precision", choices=("bf16", "bfp16"), default="bf16",
                       help="dispatch ops in bf16 (default) or their BFP16 `_bfp` variants")
+    conv.add_argument("--outputs", choices=("pipeline", "all"), default="pipeline",
+                      help="outputs the dispatch models keep: what the diffusers pipeline reads (default; the "
+                      "text encoders' other hidden states go) or all; model.onnx always keeps all")
     conv.set_defaults(func=_cmd_convert)
 
     comp = sub.add_parser("compile", help="compile an ONNX graph into a dispatch model + offload report")
@@ -173,6 +177,9 @@ def build_parser() -> argparse.ArgumentParser:
     comp.add_argument("--res", type=int, default=None, help="image resolution for those default shapes")
     comp.add_argument("--precision", choices=("bf16", "bfp16"), default="bf16",
                       help="dispatch ops in bf16 (default) or their BFP16 `_bfp` variants")
+    comp.add_argument("--outputs", default="pipeline", metavar="pipeline|all|NAME,...",
+                      help="outputs the dispatch model keeps: what the diffusers pipeline reads (default; needs "
+                      "the pipeline's model_index.json above a text_encoder), all, or a list of names")
     comp.set_defaults(func=_cmd_compile)
 
     rep = sub.add_parser("report", help="show offload reports; `sdnpu report diff A B` compares two",
@@ -197,6 +204,9 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--strength", type=float, default=0.3, help="image-to-image: share of the schedule to run")
     gen.add_argument("--reference", action="store_true", help="run the fp32 graphs instead of the dispatch models")
     gen.add_argument("--threads", type=int, default=None, help="onnxruntime intra-op threads")
+    gen.add_argument("--optimize", choices=("auto", "on", "off"), default="auto",
+                     help="onnxruntime's graph optimizations: faster, but a dispatch model's weights are held "
+                     "in fp32 too; auto (default) turns them on where that fits in memory")
     gen.add_argument("--out", default="image.png")
     gen.set_defaults(func=_cmd_generate)
 
@@ -209,10 +219,34 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+class _StderrHandler(logging.StreamHandler):  # type: ignore[type-arg]
+    """Writes to whatever ``sys.stderr`` is at the time of each record: a handler that kept the stream of
+    its first call writes to a closed one once that stream is swapped (as pytest's capture does)."""
+
+    @property  # type: ignore[override]
+    def stream(self) -> object:
+        return sys.stderr
+
+    @stream.setter
+    def stream(self, _value: object) -> None:
+        pass
+
+
+def _log_to_stderr() -> None:
+    """Progress and warnings as plain lines on stderr, once per process."""
+    root = logging.getLogger()
+    if not any(isinstance(h, _StderrHandler) for h in root.handlers):
+        handler = _StderrHandler()
+        handler.setFormatter(logging.Formatter("%(message)s"))
+        root.addHandler(handler)
+        if root.level == logging.NOTSET or root.level > logging.WARNING:
+            root.setLevel(logging.WARNING)
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     args = build_parser().parse_args(argv)
-    logging.basicConfig(level=logging.WARNING, format="%(message)s", stream=sys.stderr)
+    _log_to_stderr()
     log.setLevel(logging.WARNING if args.quiet else logging.INFO)
     # Third-party chatter that says nothing to a user of sdnpu (the exporter's optional torchvision ops,
     # deprecation notices inside torch/diffusers); real errors still surface as exceptions.
@@ -223,6 +257,12 @@ def main(argv: Sequence[str] | None = None) -> int:
         return int(args.func(args))
     except SdnpuError as e:
         print(f"sdnpu: error: {e}", file=sys.stderr)
+        return 2
+    except OSError as e:
+        err = storage_error(e)
+        if err is None:
+            raise
+        print(f"sdnpu: error: {err}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:
         print("sdnpu: interrupted; previous outputs are unchanged", file=sys.stderr)

@@ -211,23 +211,43 @@ def test_near_miss_does_not_fuse_and_says_why(build, rule, anchor_op, reason):
     assert_same(m, irm)
 
 
-def text_embedding_and_pooling():
-    """CLIP's token lookup and end-of-text pooling, as dynamo writes them."""
+def text_embedding_and_pooling(exporter: str = "dynamo", offsets: list[int] | None = None):
+    """CLIP's token lookup and end-of-text pooling: dynamo's GatherND on (row, argmax) pairs, or TorchScript's
+    (optimum's) Gather of the flattened rows at arange(B) * S + argmax (``offsets`` for a near-miss)."""
     from onnx import TensorProto as T
 
     nodes = [n("Gather", ["table", "ids"], ["e"], axis=0), n("Cast", ["ids"], ["ids32"], to=T.INT32),
-             n("ArgMax", ["ids32"], ["am"], axis=-1, keepdims=0), n("Reshape", ["am", "col"], ["am2"]),
-             n("Concat", ["rows", "am2"], ["idx"], axis=-1), n("GatherND", ["e", "idx"], ["pooled"])]
+             n("ArgMax", ["ids32"], ["am"], axis=-1, keepdims=0)]
+    inits = {"table": w(50, 4)}
+    if exporter == "dynamo":
+        nodes += [n("Reshape", ["am", "col"], ["am2"]), n("Concat", ["rows", "am2"], ["idx"], axis=-1),
+                  n("GatherND", ["e", "idx"], ["pooled"])]
+        inits |= {"col": np.array([2, 1]), "rows": np.array([[0], [1]])}
+    else:
+        nodes += [n("Add", ["am", "offsets"], ["idx"]), n("Reshape", ["e", "flat"], ["rows2d"]),
+                  n("Gather", ["rows2d", "idx"], ["pooled"], axis=0)]
+        inits |= {"offsets": np.array(offsets if offsets is not None else [0, 7]), "flat": np.array([14, 4])}
     g = helper.make_graph(nodes, "g", [helper.make_tensor_value_info("ids", T.INT64, [2, 7])],
                           [helper.make_tensor_value_info("pooled", T.FLOAT, [2, 4])],
-                          [onnx.numpy_helper.from_array(a, k) for k, a in
-                           {"table": w(50, 4), "col": np.array([2, 1]), "rows": np.array([[0], [1]])}.items()])
+                          [onnx.numpy_helper.from_array(a, k) for k, a in inits.items()])
     m = helper.make_model(g, opset_imports=[helper.make_opsetid("", 20)])
     return onnx.shape_inference.infer_shapes(m, strict_mode=True)
 
 
-def test_text_encoder_lookup_and_pooling_fuse():
-    m = text_embedding_and_pooling()
+def test_pooling_at_other_rows_does_not_fuse():
+    """Rows 0 and 6 of the flattened states are not each prompt's own end-of-text token."""
+    m = text_embedding_and_pooling("torchscript", offsets=[0, 6])
+    irm, result = _fused(m)
+    assert ops(irm)["Gather"] == 1 and "SDTokenPool" not in ops(irm)
+    assert any("arange(B) * S" in why for _, why in result.details["declined"].values())
+    ids = {"ids": np.array([[1, 3, 49, 7, 1, 1, 1], [0, 49, 2, 2, 2, 2, 2]], np.int64)}
+    for a, b in zip(run(m, ids), run(with_functions(irm), ids), strict=True):
+        np.testing.assert_array_equal(a, b)
+
+
+@pytest.mark.parametrize("exporter", ["dynamo", "torchscript"])
+def test_text_encoder_lookup_and_pooling_fuse(exporter):
+    m = text_embedding_and_pooling(exporter)
     irm, _ = _fused(m)
     assert ops(irm) == {"SDEmbedding": 1, "SDTokenPool": 1}
     ids = {"ids": np.array([[49406 % 50, 3, 49, 7, 1, 1, 1], [0, 49, 2, 2, 2, 2, 2]], np.int64)}

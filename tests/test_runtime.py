@@ -108,3 +108,47 @@ def test_verify_fills_the_reports(tiny_conversion, tmp_path, capsys):
     from sdnpu.reports.show import validate
 
     validate(report, folder)
+
+
+@pytest.mark.parametrize("scheduler", [None, "DDIMScheduler"])
+def test_optimum_pipeline_draws_the_same_image(tiny_conversion, scheduler):
+    """A client we did not write: optimum's ORTStableDiffusionXLPipeline loads the converted folder (its fp32
+    graphs) and, from the same starting noise and scheduler, draws what `sdnpu generate --reference` draws.
+    Measured on tiny-sdxl: at most 1 level apart (rounding) on a few pixels."""
+    import diffusers
+    import torch
+    from optimum.onnxruntime import ORTStableDiffusionXLPipeline
+
+    opts = GenerateOptions("a photo of a cat", negative_prompt="blurry", steps=3, seed=3, scheduler=scheduler)
+    ours = Pipeline(tiny_conversion.out, reference=True)
+    image = ours(opts)
+    theirs = ORTStableDiffusionXLPipeline.from_pretrained(tiny_conversion.out, provider="CPUExecutionProvider")
+    if scheduler:
+        theirs.scheduler = getattr(diffusers, scheduler).from_config(theirs.scheduler.config)
+    noise = ours.noise(opts.seed)
+    out = theirs(opts.prompt, negative_prompt=opts.negative_prompt, num_inference_steps=opts.steps,
+                 guidance_scale=opts.guidance, height=image.shape[0], width=image.shape[1],
+                 latents=torch.from_numpy(noise), output_type="np").images[0]
+    other = (out * 255).round().astype(np.uint8)
+    diff = np.abs(other.astype(int) - image.astype(int))
+    assert diff.max() <= 1 and np.mean(diff > 0) < 1e-3
+
+
+def test_graph_optimizations_only_where_they_fit(tiny_conversion, monkeypatch):
+    """onnxruntime's optimizations fold a dispatch model's bf16 weight casts into fp32 copies: auto turns
+    them on only where three times the weight bytes fit in 80% of the available memory."""
+    from sdnpu.runtime import session
+
+    path = tiny_conversion.out / "unet" / session.DISPATCH_MODEL
+    size = path.stat().st_size
+    monkeypatch.setattr(session, "_available_bytes", lambda: 4 * size)
+    assert session.choose_optimize(path, reference=False)
+    monkeypatch.setattr(session, "_available_bytes", lambda: 3 * size)
+    assert not session.choose_optimize(path, reference=False)
+    assert session.choose_optimize(path, reference=True)  # an fp32 graph needs twice its bytes
+    monkeypatch.setattr(session, "_available_bytes", lambda: None)
+    assert not session.choose_optimize(path, reference=False)  # unknown: the lean choice
+    latent = {"latent_sample": np.ones((1, 4, 32, 32), np.float32)}
+    lean = open_component(tiny_conversion.out, "vae_decoder", optimize=False).run(latent)["sample"]
+    fast = open_component(tiny_conversion.out, "vae_decoder", optimize=True).run(latent)["sample"]
+    assert np.max(np.abs(lean - fast)) < 0.05 * np.max(np.abs(lean))  # bf16 rounding may flip, no more

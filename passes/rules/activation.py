@@ -16,13 +16,17 @@ from sdnpu.passes.rules.base import Match, Rule
 
 
 def silu_after(v: ir.Value) -> tuple[list[ir.Node], ir.Value] | None:
-    """If ``v`` feeds exactly a SiLU (Sigmoid(v) and Mul(v, sigmoid)), its two nodes and output."""
+    """If ``v`` feeds exactly a SiLU (Sigmoid(v) and Mul(v, sigmoid)), its two nodes and output. Not when
+    the sigmoid is read elsewhere too: the op before would then not fuse at all (a shared intermediate),
+    where without the SiLU it does."""
     uses = list(v.uses())
     if v.is_graph_output() or len(uses) != 2:
         return None
     sig = next((u.node for u in uses if u.node.op_type == "Sigmoid"), None)
     mul = next((u.node for u in uses if u.node.op_type == "Mul"), None)
     if sig is None or mul is None or sig.domain not in ("", "ai.onnx") or mul.domain not in ("", "ai.onnx"):
+        return None
+    if sig.outputs[0].is_graph_output() or len(sig.outputs[0].uses()) != 1:
         return None
     if set(mul.inputs) != {v, sig.outputs[0]}:
         return None
@@ -61,6 +65,8 @@ class SDQuickGeluFusion(Rule):
                 continue
             c = scalar(_other(inner, x))
             if x in inner.inputs and c is not None and abs(c - 1.702) < 1e-3:
+                if static_shape(node.outputs[0]) != static_shape(x):  # a [1, 1, ..] constant raised the rank
+                    return "the constant broadcasts x to another shape"
                 return Match([inner, sig, node], [node.outputs[0]], x)  # type: ignore[list-item]
         return None
 

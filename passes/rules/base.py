@@ -79,8 +79,9 @@ def apply_rules(graph: ir.Graph, rules: Sequence[Rule], stats: RuleStats | None 
                 continue
             shared = _escapes(found)
             if shared is not None:
-                stats.declined[node.name or node.op_type] = (
-                    rule.name, f"intermediate {shared.name!r} is also used outside the pattern")
+                why = (rule.name, f"intermediate {shared.name!r} is also used outside the pattern")
+                for n in found.nodes:  # each node of the refused match keeps this reason if it stays on the CPU
+                    stats.declined[n.name or n.op_type] = why
                 continue
             b = Builder(graph, rule.name)
             new_values = rule.rewrite(b, found)

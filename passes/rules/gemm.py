@@ -38,6 +38,8 @@ class SDGemmFusion(Rule):
                 w = _weight(mm.inputs[1]) if mm is not None else None
                 if mm is None or w is None or not _bias(bias, w[1]):
                     continue
+                if static_shape(node.outputs[0]) != static_shape(mm.outputs[0]):  # a [1, 1, N] bias, 2-D x
+                    return "the bias broadcasts the product to a higher rank"
                 return self._checked([mm, node], node, mm.inputs[0], mm.inputs[1], bias, False)
             return None
         if node.op_type == "MatMul":
@@ -45,10 +47,10 @@ class SDGemmFusion(Rule):
             if w is None:
                 return None
             uses = list(node.outputs[0].uses())
-            if len(uses) == 1 and uses[0].node.op_type == "Add":
+            if len(uses) == 1 and uses[0].node.op_type == "Add" and not node.outputs[0].is_graph_output():
                 add = uses[0].node
                 other = add.inputs[1] if add.inputs[0] is node.outputs[0] else add.inputs[0]
-                if _bias(other, w[1]):
+                if _bias(other, w[1]) and static_shape(add.outputs[0]) == static_shape(node.outputs[0]):
                     return None  # the Add anchor takes MatMul + bias together
             return self._checked([node], node, node.inputs[0], node.inputs[1], None, False)
         # Gemm

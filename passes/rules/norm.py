@@ -4,6 +4,7 @@ GroupNorm as the exporters write it (both torch exporters, opset 17-20):
 
     Reshape(x [B, C, H, W] or [B, C, L] -> [B, G, -1]) -> InstanceNormalization(scale=1, bias=0, eps)
       -> Reshape(-> [B, C, H, W]) -> Mul(gamma [C, 1, 1]) -> Add(beta [C, 1, 1]) [-> SiLU]
+    (the second Reshape is gone when it changed nothing, [B, C, L] with G = C: canonicalize drops it)
     ==> Transpose(NCHW->NHWC) -> SDGroupNorm(x', gamma [C], beta [C], groups, eps, silu) -> Transpose back
 
 LayerNorm: one ``LayerNormalization`` over the last axis at opset >= 17 ==> SDLayerNorm.
@@ -40,20 +41,20 @@ class SDGroupNormFusion(Rule):
                 continue
             for z, gamma in (mul.inputs, reversed(mul.inputs)):
                 r2 = producer(z, "Reshape")
-                inorm = producer(r2.inputs[0], "InstanceNormalization") if r2 is not None else None
+                inorm = producer(r2.inputs[0] if r2 is not None else z, "InstanceNormalization")
                 r1 = producer(inorm.inputs[0], "Reshape") if inorm is not None else None
                 if r1 is None:
                     continue
                 return self._check(node, mul, r2, inorm, r1, gamma, beta)  # type: ignore[arg-type]
         return None
 
-    def _check(self, add: ir.Node, mul: ir.Node, r2: ir.Node, inorm: ir.Node, r1: ir.Node,
+    def _check(self, add: ir.Node, mul: ir.Node, r2: ir.Node | None, inorm: ir.Node, r1: ir.Node,
                gamma: ir.Value | None, beta: ir.Value | None) -> Match | str:
         x = r1.inputs[0]
         x_shape, grouped = static_shape(x), static_shape(r1.outputs[0])
         if x_shape is None or grouped is None or len(x_shape) not in (3, 4) or len(grouped) != 3:
             return "GroupNorm input is not a static [B, C, H, W] or [B, C, L] tensor"
-        if static_shape(r2.outputs[0]) != x_shape:
+        if static_shape((r2 if r2 is not None else inorm).outputs[0]) != x_shape:
             return "the reshape after InstanceNormalization does not restore the input shape"
         c, groups = x_shape[1], grouped[1]
         scale, bias = const(inorm.inputs[1]), const(inorm.inputs[2])
@@ -62,16 +63,16 @@ class SDGroupNormFusion(Rule):
         g, bt = _per_channel(gamma, c, len(x_shape)), _per_channel(beta, c, len(x_shape))
         if g is None or bt is None:
             return "gamma/beta are not constant per-channel vectors"
-        nodes, out = [r1, inorm, r2, mul, add], add.outputs[0]
+        nodes, out = [r1, inorm, *([r2] if r2 is not None else []), mul, add], add.outputs[0]
         silu = silu_after(out)
         if silu is not None:
             nodes += silu[0]
             out = silu[1]
         eps = float(attr(inorm, "epsilon", 1e-5))
-        return Match(nodes, [out], (x, g, bt, groups, eps, silu is not None))
+        return Match(nodes, [out], (x, g, bt, groups, eps, silu is not None, mul.name, add.name))
 
     def rewrite(self, b: Builder, m: Match) -> list[ir.Value]:
-        x, g, bt, groups, eps, silu = m.params
+        x, g, bt, groups, eps, silu, mul_name, add_name = m.params
         x_shape = static_shape(x)
         assert x_shape is not None
         flat = len(x_shape) == 3  # the VAE's attention norm sees [B, C, H*W]: run it as [B, C, H*W, 1]
@@ -79,8 +80,8 @@ class SDGroupNormFusion(Rule):
             x_shape = (*x_shape, 1)
             x = b.op("Reshape", [x, b.const(np.asarray(x_shape, np.int64), "shape")], domain="", dtype=x.dtype,
                      shape=x_shape).outputs[0]
-        gv = b.const(g, f"{m.nodes[3].name or 'group_norm'}_gamma")
-        bv = b.const(bt, f"{m.nodes[4].name or 'group_norm'}_beta")
+        gv = b.const(g, f"{mul_name or 'group_norm'}_gamma")
+        bv = b.const(bt, f"{add_name or 'group_norm'}_beta")
         xt = b.op("Transpose", [x], {"perm": NCHW_TO_NHWC}, domain="", dtype=x.dtype, shape=nhwc_shape(x_shape))
         gn = b.op("SDGroupNorm", [xt.outputs[0], gv, bv], {"groups": [groups], "epsilon": eps, "silu": int(silu)},
                   dtype=x.dtype, shape=nhwc_shape(x_shape))

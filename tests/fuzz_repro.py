@@ -1,0 +1,391 @@
+"""Differential check of one ONNX graph through the whole compiler; the fuzz test's oracle and its reproducer.
+
+    python -m tests.fuzz_repro fuzz-failures/1a2b3c4d5e6f.onnx [--precision bf16|bfp16]
+
+compiles the graph (``compile_model``: canonicalize -> ... -> partition), checks every intermediate model
+and the dispatch model with ``onnx.checker`` (full check), runs them in onnxruntime (graph optimizations
+off) and compares with the input graph; exits 1 on a mismatch and prints which pass broke it.
+
+What is compared, and the tolerances. The numbers below were measured on 3300 generated cases (300 per
+family, tests/fuzzgraphs.py, bf16) and 1100 compiled with precision bfp16, with the bounds switched off:
+
+- the *reference* is the input graph run in fp32 (an fp16 graph widened to fp32 first: its weights as
+  stored, its own fp16 rounding counted as an error like ours); ``scale`` is max |reference| per output,
+  ``err`` max |out - reference| over the output.
+- fp32 tier (after canonicalize, fuse, layout and glue, fp32 graph): these passes change no precision,
+  only the order of float operations (GroupNorm's body reduces differently from InstanceNormalization,
+  MHA scales once instead of twice): ``err <= FP32_REL * scale``, FP32_REL = 1e-4, the project's tier
+  (tests/test_pipeline.py). Measured: err / scale at most 2.3e-6 (p99 2e-7).
+- bf16 tier (the dispatch model): the precision pass rounds weights, inputs and each dispatch op's output to
+  bf16 (eps 2^-8), and how much of that reaches an output depends on the graph: a GroupNorm over 2 values
+  divides by a tiny variance, a Softmax sharpens differences, an output much smaller than the values it
+  was computed from (h * gelu(g) with g < 0) loses relative precision. One bound relative to ``scale``
+  would have to be loose for all graphs (measured err / scale: median 0.003, max 0.17) and would still
+  fail the sensitive ones. So each graph's sensitivity is *measured* and the bound derived from it:
+  ``sens`` = the largest change of the output when the input graph runs with (a) every float value -
+  inputs, weights, each node's output - rounded to bf16 (``bf16_everywhere``), and (b) each of them
+  multiplied by its own 1 + d, d uniform in [-2^-8, 2^-8] (``perturbed``, two draws: the propagated
+  magnitude of bf16-sized errors, which (a) alone underestimates when its roundings happen to cancel).
+  The dispatch model rounds at fewer places than (a) (a fused op computes in fp32 inside), so
+  ``err <= EMUL_FACTOR * sens + LOW_BF16 * scale`` with EMUL_FACTOR = 4 and LOW_BF16 = 2^-8 (a bf16
+  step of the largest output: graphs where (a) and (b) are exact, pure data movement). Measured: err / sens
+  median 0.39, p99 1.0, max 2.3; the smallest factor the floor needs is 1.22, so the bound has 3x margin.
+  A structural mistake (a wrong permutation, axis, scale or epsilon, a lost op) errs by about ``scale``.
+- fp16 tier (the passes before precision on an fp16 graph): fused ops compute in fp32 and round once where
+  the input graph rounds after every node: ``err <= EMUL_FACTOR * sens16 + LOW_FP16 * scale``, sens16 the
+  fp16 graph's own error and (b) with d in [-2^-11, 2^-11]; LOW_FP16 = 2^-10. Measured: err / sens16
+  median 0.23, p99 0.89; the factor needed is at most 1.07.
+- bfp16 precision: the MAC ops' activations and weights are rounded to blocks of 8 sharing one exponent (7
+  bits for a block's largest value, fewer for the others): ``err <= BFP_FACTOR * sens + LOW_BFP * scale``,
+  BFP_FACTOR = 12, LOW_BFP = 2^-7. Measured: err / sens median 0.40, p99 2.1, factor needed at most 3.8.
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import hashlib
+import sys
+from collections import Counter
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import ml_dtypes
+import numpy as np
+import onnx
+import onnx_ir as ir
+import onnxruntime as ort
+from onnx import TensorProto as T
+from onnx import helper
+
+FP32_REL = 1e-4
+EMUL_FACTOR = 4.0
+LOW_BF16 = 2.0**-8
+LOW_FP16 = 2.0**-10
+BFP_FACTOR = 12.0
+LOW_BFP = 2.0**-7
+BF16_EPS, FP16_EPS = 2.0**-8, 2.0**-11
+SENSITIVITY_DRAWS = 2
+FLOAT_TYPES = (T.FLOAT, T.FLOAT16)
+STAGES = ("canonicalize", "fuse", "layout", "glue")  # before precision: the fp32 / fp16 tier
+NP_OF = {T.FLOAT: np.float32, T.FLOAT16: np.float16, T.BFLOAT16: ml_dtypes.bfloat16, T.INT64: np.int64,
+         T.INT32: np.int32, T.BOOL: np.bool_}
+
+
+ort.set_default_logger_severity(3)  # Resize's deprecated tf_half_pixel_for_nn warns on every session
+
+
+class Mismatch(AssertionError):
+    """The compiled graph is invalid, fails to run, or computes something else (the message says where)."""
+
+
+@dataclass
+class Outcome:
+    """A passing check: every comparison made (stage, output, max |diff|, scale), each output's measured
+    sensitivity to bf16 (and, for an fp16 graph, to fp16) errors, and the op census of the dispatch model."""
+
+    compared: list[tuple[str, str, float, float]] = field(default_factory=list)
+    sensitivity: dict[str, float] = field(default_factory=dict)
+    sensitivity16: dict[str, float] = field(default_factory=dict)
+    dispatch_ops: Counter[str] = field(default_factory=Counter)
+    cpu_ops: Counter[str] = field(default_factory=Counter)
+
+
+def fingerprint(model: onnx.ModelProto) -> str:
+    return hashlib.sha256(model.SerializeToString(deterministic=True)).hexdigest()[:12]
+
+
+def _elem(vi: onnx.ValueInfoProto) -> int:
+    return vi.type.tensor_type.elem_type
+
+
+def _dims(vi: onnx.ValueInfoProto) -> list[int]:
+    return [d.dim_value for d in vi.type.tensor_type.shape.dim]
+
+
+def feeds_for(model: onnx.ModelProto, seed: int = 0) -> dict[str, np.ndarray]:
+    """Standard-normal floats (integers in [0, 8)) in each input's type, the same for a given model."""
+    rng = np.random.default_rng(seed)
+    init = {t.name for t in model.graph.initializer}
+    out = {}
+    for vi in model.graph.input:
+        if vi.name in init:
+            continue
+        shape, elem = _dims(vi), _elem(vi)
+        if elem in FLOAT_TYPES:
+            out[vi.name] = rng.standard_normal(shape).astype(NP_OF[elem])
+        else:
+            out[vi.name] = rng.integers(0, 8, shape).astype(NP_OF[elem])
+    return out
+
+
+def run(model: onnx.ModelProto, feeds: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+    """onnxruntime CPU with its graph optimizations off (they would fold and reorder our mistakes away)."""
+    opts = ort.SessionOptions()
+    opts.graph_optimization_level = ort.GraphOptimizationLevel.ORT_DISABLE_ALL
+    opts.log_severity_level = 3
+    sess = ort.InferenceSession(model.SerializeToString(), opts, providers=["CPUExecutionProvider"])
+    names = [o.name for o in sess.get_outputs()]
+    return dict(zip(names, sess.run(names, feeds), strict=True))
+
+
+def _retype(model: onnx.ModelProto, convert: Callable[[int], int],
+            array: Callable[[np.ndarray], np.ndarray]) -> onnx.ModelProto:
+    m = copy.deepcopy(model)
+    g = m.graph
+    for vi in [*g.input, *g.output, *g.value_info]:
+        vi.type.tensor_type.elem_type = convert(_elem(vi))
+    for i, t in enumerate(g.initializer):
+        if t.data_type in FLOAT_TYPES:
+            g.initializer[i].CopyFrom(onnx.numpy_helper.from_array(array(onnx.numpy_helper.to_array(t)), t.name))
+    for node in g.node:
+        for a in node.attribute:
+            if node.op_type in ("Cast", "EyeLike", "RandomNormal") and a.name in ("to", "dtype"):
+                a.i = convert(a.i)
+            if a.type == onnx.AttributeProto.TENSOR and a.t.data_type in FLOAT_TYPES:
+                a.t.CopyFrom(onnx.numpy_helper.from_array(array(onnx.numpy_helper.to_array(a.t)), a.t.name))
+    return m
+
+
+def as_fp32(model: onnx.ModelProto) -> onnx.ModelProto:
+    """The same graph computing in fp32 (identity for an fp32 graph)."""
+    if not _has_fp16(model):
+        return model
+    return _retype(model, lambda t: T.FLOAT if t == T.FLOAT16 else t, lambda a: a.astype(np.float32)
+                   if a.dtype == np.float16 else a)
+
+
+def _has_fp16(model: onnx.ModelProto) -> bool:
+    g = model.graph
+    return any(_elem(vi) == T.FLOAT16 for vi in [*g.input, *g.output]) or any(
+        t.data_type == T.FLOAT16 for t in g.initializer)
+
+
+def _round_bf16(a: np.ndarray) -> np.ndarray:
+    return a.astype(ml_dtypes.bfloat16).astype(a.dtype) if a.dtype in (np.float32, np.float16) else a
+
+
+def _float_outputs(model: onnx.ModelProto) -> dict[str, tuple[int, list[int]]]:
+    """Every node output's float type and shape (from shape inference; the graphs have static shapes)."""
+    g = onnx.shape_inference.infer_shapes(model).graph
+    return {vi.name: (_elem(vi), _dims(vi)) for vi in [*g.value_info, *g.output] if _elem(vi) in FLOAT_TYPES}
+
+
+def _after_each_output(model: onnx.ModelProto, wrap: Callable[[str, str, int, list[int]], list[onnx.NodeProto]]
+                       ) -> onnx.ModelProto:
+    """Insert ``wrap(exact, name, type, shape)`` nodes after every float node output ``name`` (the node now
+    writes ``exact``; the inserted nodes write ``name``, so the readers see the changed value). Values that
+    select rather than compute (Resize's scales, even from a Constant node) are left alone."""
+    floats = _float_outputs(model)
+    for name in _selectors(model):
+        floats.pop(name, None)
+    nodes: list[onnx.NodeProto] = []
+    for node in model.graph.node:
+        after = []
+        for i, name in enumerate(node.output):
+            if name and name in floats:
+                node.output[i] = f"{name}__exact"
+                after += wrap(f"{name}__exact", name, *floats[name])
+        nodes += [node, *after]
+    del model.graph.node[:]
+    model.graph.node.extend(nodes)
+    del model.graph.value_info[:]
+    return model
+
+
+def bf16_everywhere(model: onnx.ModelProto) -> onnx.ModelProto:
+    """The input graph with weights and every node's float outputs rounded to bf16 (Cast there and back):
+    what bf16 rounding does to this graph's result. Feed it ``_round_bf16``-ed inputs."""
+    return _after_each_output(_retype(model, lambda t: t, _round_bf16), lambda exact, name, elem, _: [
+        helper.make_node("Cast", [exact], [f"{name}__bf16"], to=T.BFLOAT16),
+        helper.make_node("Cast", [f"{name}__bf16"], [name], to=elem)])
+
+
+_SELECTING = {"Resize": (1, 2), "Pow": (1,)}  # float inputs that choose the function rather than feed it
+
+
+def _selectors(model: onnx.ModelProto) -> set[str]:
+    """Float constants that select rather than compute (Resize's roi and scales: the output shape; Pow's
+    exponent: x^2.0005 of a negative x is NaN): never perturbed."""
+    return {n.input[i] for n in model.graph.node for i in _SELECTING.get(n.op_type, ()) if i < len(n.input)}
+
+
+def perturbed(model: onnx.ModelProto, feeds: dict[str, np.ndarray], rel: float, seed: int
+              ) -> tuple[onnx.ModelProto, dict[str, np.ndarray]]:
+    """The graph and feeds with every float input, weight and node output multiplied by its own fixed
+    1 + d, d uniform in [-rel, rel]: how far errors of relative size ``rel`` anywhere move the result
+    (the propagated magnitude, measured). Rounding to nearest errs by at most rel / 2 per value."""
+    rng = np.random.default_rng(seed)
+    keep = _selectors(model)
+
+    def jitter(a: np.ndarray) -> np.ndarray:
+        with np.errstate(over="ignore"):  # a mask's float min may round past it: -inf, as bf16 makes it
+            return (a * (1 + rng.uniform(-rel, rel, a.shape))).astype(a.dtype)
+
+    m = copy.deepcopy(model)
+    for i, t in enumerate(m.graph.initializer):
+        if t.data_type in FLOAT_TYPES and t.name not in keep:
+            m.graph.initializer[i].CopyFrom(onnx.numpy_helper.from_array(jitter(onnx.numpy_helper.to_array(t)),
+                                                                         t.name))
+
+    def wrap(exact: str, name: str, elem: int, shape: list[int]) -> list[onnx.NodeProto]:
+        noise = (1 + rng.uniform(-rel, rel, shape)).astype(NP_OF[elem])
+        m.graph.initializer.append(onnx.numpy_helper.from_array(noise, f"{name}__noise"))
+        return [helper.make_node("Mul", [exact, f"{name}__noise"], [name])]
+
+    jittered = {k: jitter(v) if v.dtype in (np.float32, np.float16) else v for k, v in feeds.items()}
+    return _after_each_output(m, wrap), jittered
+
+
+def _max_diff(a: np.ndarray, ref: np.ndarray) -> float:
+    with np.errstate(invalid="ignore"):  # inf - inf where both are infinite: compared elsewhere
+        d = np.abs(a.astype(np.float64) - ref.astype(np.float64))
+    return float(d[np.isfinite(d)].max(initial=0.0))
+
+
+def _compare(tier: str, outs: dict[str, np.ndarray], ref: dict[str, np.ndarray],
+             bound: Callable[[str, float], float], where: str) -> list[tuple[str, str, float, float]]:
+    compared = []
+    for name, r in ref.items():
+        if name not in outs:
+            raise Mismatch(f"{where}: output {name!r} is missing (has {sorted(outs)})")
+        o = outs[name].astype(np.float64)
+        r64 = r.astype(np.float64)
+        if o.shape != r64.shape:
+            raise Mismatch(f"{where}: output {name!r} has shape {o.shape}, expected {r64.shape}")
+        if not np.array_equal(np.isnan(o), np.isnan(r64)):
+            raise Mismatch(f"{where}: output {name!r} has NaNs where the reference has none (or the reverse)")
+        finite = np.isfinite(r64) & np.isfinite(o)
+        if not np.array_equal(np.isinf(o) & (o > 0), np.isinf(r64) & (r64 > 0)) or \
+                not np.array_equal(np.isinf(o) & (o < 0), np.isinf(r64) & (r64 < 0)):
+            raise Mismatch(f"{where}: output {name!r} has infinities where the reference has none (or the reverse)")
+        scale = float(np.abs(r64[finite]).max()) if finite.any() else 0.0
+        err = float(np.abs(o[finite] - r64[finite]).max()) if finite.any() else 0.0
+        limit = bound(name, scale)
+        compared.append((where, name, err, scale))
+        if not err <= limit:
+            raise Mismatch(f"{where}: output {name!r} max |diff| {err:.4g} > {limit:.4g} "
+                           f"(scale {scale:.4g}, {tier} tier)")
+    return compared
+
+
+def _signature(model: onnx.ModelProto) -> list[tuple[str, int, list[int]]]:
+    """Names, types and shapes of the graph's inputs and outputs: compiling must not change them."""
+    init = {t.name for t in model.graph.initializer}
+    return [(vi.name, _elem(vi), _dims(vi)) for vi in [*model.graph.input, *model.graph.output] if vi.name not in init]
+
+
+def _sensitivity(wide: onnx.ModelProto, feeds32: dict[str, np.ndarray], ref: dict[str, np.ndarray], eps: float,
+                 rounded: dict[str, np.ndarray]) -> dict[str, float]:
+    """Per output: the largest change from the reference of ``rounded`` (the graph run with its values
+    rounded to the precision) and of SENSITIVITY_DRAWS runs of ``perturbed`` by ``eps``."""
+    sens = {n: _max_diff(rounded[n], r) for n, r in ref.items()}
+    for seed in range(SENSITIVITY_DRAWS):
+        out = run(*perturbed(wide, feeds32, eps, seed))
+        for n, r in ref.items():
+            sens[n] = max(sens[n], _max_diff(out[n], r))
+    return sens
+
+
+def check(model: onnx.ModelProto, precision: str = "bf16") -> Outcome:
+    """Compile ``model`` and compare every stage with it; raises ``Mismatch`` (or the compiler's error)."""
+    from sdnpu.ops.opset import DOMAIN, REASON_TAG, REGION_TAG
+    from sdnpu.passes.cleanup import attach_functions
+    from sdnpu.passes.pipeline import compile_model
+
+    onnx.checker.check_model(model, full_check=True)
+    feeds = feeds_for(model)
+    fp16 = _has_fp16(model)
+    wide, feeds32 = as_fp32(model), {k: v.astype(np.float32) if v.dtype == np.float16 else v for k, v in feeds.items()}
+    ref = run(wide, feeds32)
+    outcome = Outcome()
+    outcome.sensitivity = _sensitivity(wide, feeds32, ref, BF16_EPS, run(bf16_everywhere(model), {
+        k: _round_bf16(v) for k, v in feeds.items()}))
+    if fp16:
+        outcome.sensitivity16 = _sensitivity(wide, feeds32, ref, FP16_EPS, run(model, feeds))
+
+    def early(name: str, scale: float) -> float:
+        if fp16:
+            return EMUL_FACTOR * outcome.sensitivity16[name] + LOW_FP16 * scale
+        return FP32_REL * scale
+
+    def after_each(stage: str, m: ir.Model) -> None:
+        if stage not in STAGES:
+            return
+        attach_functions(m)
+        proto = ir.serde.serialize_model(m)
+        try:
+            onnx.checker.check_model(proto, full_check=True)
+            outs = run(proto, feeds)
+        except Exception as e:
+            raise Mismatch(f"after {stage}: {type(e).__name__}: {e}") from e
+        outcome.compared += _compare("fp16" if fp16 else "fp32", outs, ref, early, f"after {stage}")
+
+    irm = ir.serde.deserialize_model(copy.deepcopy(model))
+    compile_model(irm, after_each=after_each, precision=precision)
+    final = ir.serde.serialize_model(irm)
+    try:
+        onnx.checker.check_model(final, full_check=True)
+        outs = run(final, feeds)
+    except Exception as e:
+        raise Mismatch(f"dispatch model ({precision}): {type(e).__name__}: {e}") from e
+    if _signature(final) != _signature(model):
+        raise Mismatch(f"dispatch model ({precision}): inputs and outputs {_signature(final)} differ from the input "
+                       f"graph's {_signature(model)}")
+    factor, low = (BFP_FACTOR, LOW_BFP) if precision == "bfp16" else (EMUL_FACTOR, LOW_BF16)
+    outcome.compared += _compare(precision, outs, ref, lambda n, s: factor * outcome.sensitivity[n] + low * s,
+                                 f"dispatch model ({precision})")
+    for node in final.graph.node:
+        props = {p.key: p.value for p in node.metadata_props}
+        if node.domain == DOMAIN and node.op_type != "CastAvx":
+            outcome.dispatch_ops[node.op_type] += 1
+            if REGION_TAG not in props:
+                raise Mismatch(f"dispatch op {node.name} ({node.op_type}) has no NPU region")
+        else:
+            outcome.cpu_ops[node.op_type] += 1
+            if not props.get(REASON_TAG):
+                raise Mismatch(f"CPU node {node.name} ({node.op_type}) has no reason")
+    return outcome
+
+
+def reproducer(path: Path, precision: str) -> str:
+    """The one line that reruns a saved failure."""
+    extra = "" if precision == "bf16" else f" --precision {precision}"
+    return f"python -m tests.fuzz_repro {path}{extra}"
+
+
+def save_failure(model: onnx.ModelProto, description: str, precision: str, error: BaseException,
+                 folder: Path) -> str:
+    """Write the failing input graph as ``<hash>.onnx`` and its reproducer line as ``<hash>.txt``."""
+    folder.mkdir(parents=True, exist_ok=True)
+    path = folder / f"{fingerprint(model)}.onnx"
+    onnx.save(model, str(path))
+    line = reproducer(path, precision)
+    first = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
+    path.with_suffix(".txt").write_text(f"{line}\n# {description}\n# {type(error).__name__}: {first}\n")
+    return line
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m tests.fuzz_repro", description=__doc__.splitlines()[0])
+    parser.add_argument("model", type=Path)
+    parser.add_argument("--precision", choices=("bf16", "bfp16"), default="bf16")
+    args = parser.parse_args(argv)
+    model = onnx.load(str(args.model))
+    if model.doc_string:
+        print(f"graph: {model.doc_string}")
+    try:
+        outcome = check(model, args.precision)
+    except Exception as e:  # noqa: BLE001  (a mismatch, or the compiler failing on a valid graph)
+        print(f"FAIL: {type(e).__name__}: {e}")
+        return 1
+    print(f"ok: dispatch ops {dict(outcome.dispatch_ops)}, CPU {dict(outcome.cpu_ops)}")
+    for where, name, err, scale in outcome.compared:
+        print(f"  {where:28s} {name}: max |diff| {err:.3g}, scale {scale:.3g}"
+              + (f", sensitivity {outcome.sensitivity[name]:.3g}" if where.startswith("dispatch") else ""))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,1338 @@
+"""Hypothesis strategies for random ONNX graphs built from the op families the fusion rules know, spelled as
+the exporters write them, and for near misses that must *not* fuse.
+
+``case(family)`` draws a ``(onnx.ModelProto, description)``: a start tensor, one step of ``family``, then up
+to two more steps of any family that fits the tensor's rank (so Conv -> GroupNorm+SiLU -> Conv, attention
+after a LayerNorm, a movement chain between two convolutions, ... come up); now and then an intermediate
+(or the input) is also a graph output, or the output goes through an Identity. Structure (kernel, stride,
+heads, spelling, ...) is drawn by hypothesis, so it shrinks; weight values come from a numpy generator
+seeded by a drawn integer. Small constants are sometimes Constant nodes (TorchScript) rather than
+initializers. Every model is opset 20, has static shapes everywhere, activations of a few hundred to a few
+thousand elements (MAX_ELEMS caps the steps that grow them), and passes
+``onnx.checker.check_model(full_check=True)``. A quarter of the graphs are fp16
+(inputs, weights and outputs, as an fp16 export has them).
+
+Families (``FAMILIES``):
+  conv         Conv with random kernel/stride/pads (asymmetric too)/dilation/groups (depthwise too), bias or
+               not, + SiLU, after TorchScript's zero Pad
+  gemm         MatMul + bias ([N], [1, N], [1, 1, N]), Gemm (transB, bias or not), tied weights, activation
+               x activation MatMul
+  attention    self/cross attention, 1-4 heads, dynamo / TorchScript / plain spellings of the head split and
+               the scale, causal mask, k and v sharing one projection
+  norm         GroupNorm as exported (Reshape, InstanceNormalization, Reshape, Mul, Add [+ SiLU]),
+               LayerNormalization, LayerNorm decomposed
+  activation   SiLU, Gelu (none / tanh), Erf GELU (three spellings), tanh GELU decomposed, QuickGelu, GEGLU
+               (Split or Slices), Sigmoid, Softmax; constants 0-d, [1] or rank-raising [1, 1, ..]
+  resize       nearest Resize, integer factors, scales or sizes, every coordinate mode and rounding
+  elementwise  Add/Sub/Mul/Div with broadcast constants or branches, Concat (2-3 inputs), Slice (negative
+               starts and steps), Split, Expand
+  embedding    the sinusoidal timestep embedding (the fp32 island), CLIP's Gather and end-of-text pooling
+  movement     Reshape/Transpose (perm or none)/Squeeze/Unsqueeze/Flatten/Identity chains, NCHW<->NHWC
+               round trips, [B, C, H, W] <-> [B, HW, C]
+  block        resnet (with a time embedding), VAE attention, transformer, up/downsample, UNet skip concat
+  near_miss    ``NEAR_MISSES``: a shared intermediate (SiLU's sigmoid, a pre-activation, softmax or q heads
+               as outputs, a GroupNorm intermediate, LayerNorm's statistics), a non-constant weight (Conv
+               weight or bias, MatMul weight, GroupNorm/LayerNorm gamma as graph inputs), an unsupported
+               attribute (Conv auto_pad, kernel/stride above the NPU's, Gemm transA/alpha/beta, Resize
+               linear/cubic/fractional/down/channels, LayerNorm over two axes, softmax over another axis),
+               an almost-right pattern (a non-causal mask, interleaved heads, a wrong head merge, a scale on
+               v or per head, 1.7 for 1.702, erf(x / 1.5), GEGLU's halves swapped or uneven, a reflect /
+               non-zero / cropping Pad before a Conv, a neutral constant that raises the rank).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+import onnx
+from hypothesis import strategies as st
+from onnx import TensorProto as T
+from onnx import helper
+
+OPSET = 20
+MAX_ELEMS = 4096  # per tensor: keeps each case at a few milliseconds of onnxruntime
+F32, F16 = T.FLOAT, T.FLOAT16
+NP_DTYPE = {F32: np.float32, F16: np.float16}
+
+
+class G:
+    """A graph under construction: tracks every value's static shape so steps can choose parameters."""
+
+    def __init__(self, draw: Callable[[st.SearchStrategy[Any]], Any], seed: int, dtype: int) -> None:
+        self.draw = draw
+        self.rng = np.random.default_rng(seed)
+        self.dtype = dtype
+        self.nodes: list[onnx.NodeProto] = []
+        self.inits: list[onnx.TensorProto] = []
+        self.inputs: list[str] = []
+        self.outputs: list[str] = []
+        self.shape: dict[str, tuple[int, ...]] = {}
+        self.types: dict[str, int] = {}
+        self.activations: list[str] = []  # float values computed by nodes (candidates for extra outputs)
+        self.desc: list[str] = []
+        self._n = 0
+
+    # -- drawing --------------------------------------------------------------------------------------
+    def pick(self, options: list[Any] | tuple[Any, ...]) -> Any:
+        return self.draw(st.sampled_from(list(options)))
+
+    def num(self, lo: int, hi: int) -> int:
+        return self.draw(st.integers(lo, hi))
+
+    def flag(self) -> bool:
+        return self.draw(st.booleans())
+
+    # -- values ---------------------------------------------------------------------------------------
+    @property
+    def np_dtype(self) -> type:
+        return NP_DTYPE[self.dtype]
+
+    def fresh(self, prefix: str) -> str:
+        self._n += 1
+        return f"{prefix}_{self._n}"
+
+    def input(self, shape: tuple[int, ...] | list[int], prefix: str = "x") -> str:
+        name = self.fresh(prefix)
+        self.inputs.append(name)
+        self.shape[name], self.types[name] = tuple(shape), self.dtype
+        return name
+
+    def tensor(self, array: np.ndarray, prefix: str) -> str:
+        """An initializer, or for a small array now and then a Constant node (TorchScript's scalars)."""
+        name = self.fresh(prefix)
+        array = np.asarray(array)
+        if array.size <= 16 and self.num(0, 4) == 0:
+            self.nodes.append(helper.make_node("Constant", [], [name],
+                                               value=onnx.numpy_helper.from_array(array, name)))
+        else:
+            self.inits.append(onnx.numpy_helper.from_array(array, name))
+        self.shape[name] = tuple(np.shape(array))
+        return name
+
+    def weight(self, shape: tuple[int, ...] | list[int], scale: float | None = None, prefix: str = "w",
+               offset: float = 0.0) -> str:
+        """Random weights in the graph's float type; default scale 1/sqrt(fan-in) keeps activations O(1)."""
+        fan_in = int(np.prod(shape[1:])) if len(shape) > 1 else 1
+        s = scale if scale is not None else 1.0 / math.sqrt(max(fan_in, 1))
+        return self.tensor((self.rng.standard_normal(tuple(shape)) * s + offset).astype(self.np_dtype), prefix)
+
+    def fconst(self, value: float | np.ndarray, prefix: str = "c") -> str:
+        return self.tensor(np.asarray(value, self.np_dtype), prefix)
+
+    def ints(self, values: list[int], prefix: str = "shape") -> str:
+        return self.tensor(np.asarray(values, np.int64), prefix)
+
+    def scalar(self, value: float, prefix: str = "c", raise_rank: int = 0) -> str:
+        """A one-value constant: 0-d (dynamo), [1] (TorchScript), or with ``raise_rank`` of rank up to that,
+        [1, 1, ...], which broadcasts what it meets to a higher rank (valid ONNX, and a trap for rules that
+        only look at the value)."""
+        shapes: list[tuple[int, ...]] = [(), (), (1,)]
+        if raise_rank and self.num(0, 5) == 0:
+            shapes = [(1,) * k for k in range(2, raise_rank + 1)] or shapes
+        return self.fconst(np.full(self.pick(shapes), value), prefix)
+
+    def bin(self, op_type: str, a: str, b: str) -> str:
+        """A broadcasting binary op; the output shape follows numpy's (= ONNX's) broadcasting."""
+        return self.op(op_type, [a, b], np.broadcast_shapes(self.shape[a], self.shape[b]))
+
+    def op(self, op_type: str, inputs: list[str], shape: tuple[int, ...] | list[int], **attrs: Any) -> str:
+        return self.op_n(op_type, inputs, [shape], **attrs)[0]
+
+    def op_n(self, op_type: str, inputs: list[str], shapes: list[tuple[int, ...] | list[int]],
+             **attrs: Any) -> list[str]:
+        outs = [self.fresh(op_type.lower()) for _ in shapes]
+        self.nodes.append(helper.make_node(op_type, inputs, outs, **attrs))
+        for o, s in zip(outs, shapes, strict=True):
+            self.shape[o], self.types[o] = tuple(int(d) for d in s), self.dtype
+            self.activations.append(o)
+        return outs
+
+    def output(self, name: str) -> None:
+        if name not in self.outputs:
+            self.outputs.append(name)
+
+    def model(self) -> onnx.ModelProto:
+        vi = helper.make_tensor_value_info
+        g = helper.make_graph(self.nodes, "fuzz", [vi(n, self.types[n], self.shape[n]) for n in self.inputs],
+                              [vi(n, self.types[n], self.shape[n]) for n in self.outputs], self.inits)
+        m = helper.make_model(g, opset_imports=[helper.make_opsetid("", OPSET)], producer_name="sdnpu-fuzz",
+                              doc_string=" -> ".join(self.desc))
+        m = onnx.shape_inference.infer_shapes(m, strict_mode=True, data_prop=True)
+        onnx.checker.check_model(m, full_check=True)
+        return m
+
+
+def _size(shape: tuple[int, ...] | list[int]) -> int:
+    return int(np.prod(shape)) if len(shape) else 1
+
+
+def _divisors(n: int) -> list[int]:
+    return [d for d in range(1, n + 1) if n % d == 0]
+
+
+def _silu(g: G, y: str) -> str:
+    s = g.op("Sigmoid", [y], g.shape[y])
+    return g.op("Mul", [y, s] if g.flag() else [s, y], g.shape[y])
+
+
+def _project(g: G, x: str, n: int, bias: bool | None = None, keep_rank: bool = False) -> str:
+    """A linear layer on the last axis (MatMul + Add, as both exporters write nn.Linear). The bias is [n],
+    or now and then [1, n] or [1, 1, n] (which makes a 2-D product 3-D, unless ``keep_rank``)."""
+    shape = g.shape[x]
+    y = g.op("MatMul", [x, g.weight((shape[-1], n))], (*shape[:-1], n))
+    if bias if bias is not None else g.flag():
+        b = g.weight(g.pick([(n,), (n,), (1, n)] + ([] if keep_rank else [(1, 1, n)])), 0.1, "b")
+        y = g.bin("Add", y, b) if g.flag() else g.bin("Add", b, y)
+    return y
+
+
+# ---- conv ----------------------------------------------------------------------------------------------
+
+@dataclass
+class ConvSpec:
+    oc: int
+    kernel: tuple[int, int]
+    strides: tuple[int, int]
+    pads: list[int]
+    dilations: tuple[int, int]
+    group: int
+    out: tuple[int, int, int, int]
+
+
+def _conv_spec(g: G, shape: tuple[int, ...], max_kernel: int = 7, max_stride: int = 3) -> ConvSpec:
+    b, c, h, w = shape
+    group = g.pick(_divisors(c)) if g.num(0, 2) == 0 else 1
+    per_group = g.num(1, max(1, 16 // group))
+    oc = group * per_group
+    if g.num(0, 5) == 0:  # depthwise, as ConvNeXt/SD-variants write it
+        group, oc = c, c
+    kernel = (g.pick([1, 1, 3, 3, 2, 5, max_kernel]), g.pick([1, 1, 3, 3, 2, 5, max_kernel]))
+    kernel = (kernel[0], kernel[0]) if g.num(0, 3) else kernel
+    dil = (g.num(1, 2), g.num(1, 2)) if g.num(0, 4) == 0 else (1, 1)
+    strides = (g.num(1, max_stride), g.num(1, max_stride))
+    strides = (strides[0], strides[0]) if g.num(0, 3) else strides
+    sym = g.num(0, 3)
+    pads = [g.num(0, 3) for _ in range(4)]
+    if sym:
+        pads = [pads[0], pads[1], pads[0], pads[1]]
+    out = []
+    for i, size in enumerate((h, w)):
+        span = dil[i] * (kernel[i] - 1) + 1
+        if size + pads[i] + pads[i + 2] < span:
+            pads[i + 2] += span - size - pads[i] - pads[i + 2]
+        out.append((size + pads[i] + pads[i + 2] - span) // strides[i] + 1)
+    while b * oc * out[0] * out[1] > MAX_ELEMS and oc > group:
+        oc -= group
+    return ConvSpec(oc, kernel, strides, pads, dil, group, (b, oc, out[0], out[1]))
+
+
+def _conv(g: G, x: str, spec: ConvSpec, weight: str | None = None, bias: str | bool | None = None,
+          **extra: Any) -> str:
+    c = g.shape[x][1]
+    w = weight or g.weight((spec.oc, c // spec.group, *spec.kernel))
+    if bias is None:
+        bias = g.flag()
+    ins = [x, w] + ([bias] if isinstance(bias, str) else [g.weight((spec.oc,), 0.1, "b")] if bias else [])
+    attrs: dict[str, Any] = {"strides": list(spec.strides), "dilations": list(spec.dilations), "group": spec.group}
+    if "auto_pad" not in extra:
+        attrs["pads"] = spec.pads
+    if g.flag():
+        attrs["kernel_shape"] = list(spec.kernel)
+    attrs.update(extra)
+    return g.op("Conv", ins, spec.out, **attrs)
+
+
+def step_conv(g: G, x: str) -> str:
+    shape = g.shape[x]
+    if g.num(0, 4) == 0:  # TorchScript's downsampler: a zero Pad on H and W in front of the Conv
+        pads = [0, 0, g.num(0, 1), g.num(0, 1), 0, 0, g.num(0, 1), g.num(0, 1)]
+        padded = (shape[0], shape[1], shape[2] + pads[2] + pads[6], shape[3] + pads[3] + pads[7])
+        x = g.op("Pad", [x, g.ints(pads, "pads"), g.fconst(0.0)], padded, mode="constant")
+        shape = padded
+        g.desc.append(f"Pad{pads}")
+    spec = _conv_spec(g, shape)
+    y = _conv(g, x, spec)
+    silu = g.flag()
+    g.desc.append(f"Conv(oc={spec.oc}, k={spec.kernel}, s={spec.strides}, p={spec.pads}, d={spec.dilations}, "
+                  f"g={spec.group}){'+SiLU' if silu else ''}")
+    return _silu(g, y) if silu else y
+
+
+# ---- gemm ----------------------------------------------------------------------------------------------
+
+def step_linear(g: G, x: str) -> str:
+    n = g.num(1, 32)
+    while _size((*g.shape[x][:-1], n)) > MAX_ELEMS and n > 1:
+        n //= 2
+    bias = g.flag()
+    g.desc.append(f"Linear(n={n}, bias={bias})")
+    return _project(g, x, n, bias)
+
+
+def step_gemm(g: G, x: str) -> str:
+    """Gemm on [B, K] (the time-embedding layers), transB as torch writes it, with or without bias."""
+    b, k = g.shape[x]
+    n = g.num(1, 32)
+    trans = g.flag()
+    w = g.weight((n, k) if trans else (k, n), 1 / math.sqrt(k))
+    bias = g.pick(["none", "vector", "row"])
+    ins = [x, w] + ({"none": [], "vector": [g.weight((n,), 0.1, "b")], "row": [g.weight((1, n), 0.1, "b")]}[bias])
+    g.desc.append(f"Gemm(n={n}, transB={int(trans)}, bias={bias})")
+    return g.op("Gemm", ins, (b, n), transB=int(trans))
+
+
+def step_tied_linear(g: G, x: str) -> str:
+    """One square weight used by two layers (tied weights): the precision pass converts it once."""
+    c = g.shape[x][-1]
+    w = g.weight((c, c))
+    y = g.op("MatMul", [x, w], g.shape[x])
+    y = _silu(g, y)
+    g.desc.append("TiedLinear x2")
+    return g.op("MatMul", [y, w], g.shape[x])
+
+
+def step_matmul_act(g: G, x: str) -> str:
+    """Activation x activation MatMul (SDMatMul): a Gram matrix x xᵀ, a product with a vector or with a
+    broadcast batch, as attention-like and pooling code writes them outside attention."""
+    shape = g.shape[x]
+    kind = g.pick(["gram", "vector", "broadcast"])
+    if kind == "gram" and len(shape) >= 2 and _size((*shape[:-1], shape[-2])) <= MAX_ELEMS:
+        perm = list(range(len(shape) - 2)) + [len(shape) - 1, len(shape) - 2]
+        xt = g.op("Transpose", [x], [shape[i] for i in perm], perm=perm)
+        y = g.op("MatMul", [x, xt], (*shape[:-1], shape[-2]))
+    elif kind == "vector":
+        v = g.input((shape[-1],), "v")
+        y = g.op("MatMul", [x, v], shape[:-1])
+    else:
+        n = g.num(1, 8)
+        w = g.input((1,) * max(0, len(shape) - 2) + (shape[-1], n), "w")
+        y = g.op("MatMul", [x, w], (*shape[:-1], n))
+    g.desc.append(f"MatMul(activations, {kind})")
+    return y
+
+
+# ---- attention -------------------------------------------------------------------------------------------
+
+def attention(g: G, x: str, *, heads: int, d: int, cross: bool, spelling: str, causal: bool,
+              softmax_escapes: bool = False, softmax_axis: int = -1, merge: str = "heads", split: str = "heads",
+              mask: str = "none", q_escapes: bool = False, kv_shared: bool = False, v_scale: bool = False,
+              head_scale: bool = False) -> str:
+    """Attention as the torch exporters write it: projections, head split (Reshape + Transpose), scores with
+    their scale (on the scores, as Div by sqrt(d), or on q and kᵀ each, like dynamo's SDPA), Softmax,
+    MatMul with v, head merge, out projection."""
+    b, s, c = g.shape[x]
+    cm = heads * d
+    if cross:
+        n_ctx, c_ctx = g.num(1, 12), g.num(1, 16)
+        ctx = g.input((b, n_ctx, c_ctx), "ctx")
+    else:
+        n_ctx, ctx = s, x
+    q, k = _project(g, x, cm), _project(g, ctx, cm)
+    v = k if kv_shared else _project(g, ctx, cm)
+
+    def heads_of(t: str, length: int, kind: str) -> str:
+        if split == "interleaved":  # channels as [d, h] instead of [h, d]: not a head split
+            r = g.op("Reshape", [t, g.ints([b, length, d, heads])], (b, length, d, heads))
+            if kind == "k":
+                return g.op("Transpose", [r], (b, heads, d, length), perm=[0, 3, 2, 1])
+            return g.op("Transpose", [r], (b, heads, length, d), perm=[0, 3, 1, 2])
+        target = g.pick([[b, -1, heads, d], [0, 0, heads, d], [b, length, heads, d]])
+        r = g.op("Reshape", [t, g.ints(target)], (b, length, heads, d))
+        if kind == "k" and spelling == "torchscript" and g.flag():
+            return g.op("Transpose", [r], (b, heads, d, length), perm=[0, 2, 3, 1])
+        h = g.op("Transpose", [r], (b, heads, length, d), perm=[0, 2, 1, 3])
+        if kind != "k":
+            return h
+        if spelling == "dynamo":  # kᵀ through [B*H, S, D]
+            f = g.op("Reshape", [h, g.ints([-1, length, d])], (b * heads, length, d))
+            ft = g.op("Transpose", [f], (b * heads, d, length), perm=[0, 2, 1])
+            return g.op("Reshape", [ft, g.ints([b, heads, d, length])], (b, heads, d, length))
+        return g.op("Transpose", [h], (b, heads, d, length), perm=[0, 1, 3, 2])
+
+    qh, vh = heads_of(q, s, "q"), heads_of(v, n_ctx, "v")
+    if kv_shared and split == "heads":  # kᵀ from v's head split: the two chains share nodes
+        kt = g.op("Transpose", [vh], (b, heads, d, n_ctx), perm=[0, 1, 3, 2])
+    else:
+        kt = heads_of(k, n_ctx, "k")
+    if v_scale:  # a scale on v is not the softmax's scale
+        vh = g.bin("Mul", vh, g.scalar(0.5))
+    if q_escapes:
+        g.output(qh)
+    if spelling == "dynamo":
+        sc = g.fconst(d ** -0.25, "scale")
+        qh = g.op("Mul", [qh, sc], g.shape[qh])
+        kt = g.op("Mul", [kt, sc], g.shape[kt])
+        scores = g.op("MatMul", [qh, kt], (b, heads, s, n_ctx))
+    else:
+        scores = g.op("MatMul", [qh, kt], (b, heads, s, n_ctx))
+        if head_scale:  # one scale per head: not a scalar
+            scores = g.bin("Mul", scores, g.tensor(g.rng.uniform(0.2, 1.0, (1, heads, 1, 1)).astype(g.np_dtype),
+                                                   "head_scale"))
+        elif g.flag():
+            scores = g.bin("Div", scores, g.scalar(math.sqrt(d), "sqrt_d"))
+        else:
+            scores = g.bin("Mul", scores, g.scalar(d ** -0.5, "scale"))
+    if causal or mask != "none":
+        big = float(np.finfo(g.np_dtype).min) if g.flag() else -np.inf
+        if causal:
+            m = np.where(np.triu(np.ones((s, n_ctx), bool), 1), big, 0.0)
+        else:
+            m = g.rng.standard_normal((s, n_ctx))
+        m = m.reshape((1, 1, s, n_ctx) if g.flag() else (s, n_ctx)).astype(g.np_dtype)
+        mv = g.tensor(m, "mask")
+        scores = g.op("Add", [scores, mv] if g.flag() else [mv, scores], g.shape[scores])
+    p = g.op("Softmax", [scores], g.shape[scores], axis=softmax_axis)
+    if softmax_escapes:
+        g.output(p)
+    o = g.op("MatMul", [p, vh], (b, heads, s, d))
+    if merge == "heads":
+        ot = g.op("Transpose", [o], (b, s, heads, d), perm=[0, 2, 1, 3])
+        y = g.op("Reshape", [ot, g.ints(g.pick([[b, s, cm], [0, 0, -1], [b, -1, cm]]))], (b, s, cm))
+    else:  # not a head merge: the heads stay in front
+        y = g.op("Reshape", [o, g.ints([b, s, cm])], (b, s, cm))
+    return _project(g, y, c) if g.flag() else y
+
+
+def _attention_params(g: G) -> dict[str, Any]:
+    heads, d = g.num(1, 4), g.num(1, 8)
+    cross = g.num(0, 2) == 0
+    causal = not cross and g.num(0, 3) == 0
+    return {"heads": heads, "d": d, "cross": cross, "spelling": g.pick(["dynamo", "torchscript", "plain"]),
+            "causal": causal, "kv_shared": g.num(0, 5) == 0}
+
+
+def step_attention(g: G, x: str) -> str:
+    p = _attention_params(g)
+    g.desc.append("Attention(" + ", ".join(f"{k}={v}" for k, v in p.items()) + ")")
+    return attention(g, x, **p)
+
+
+# ---- norms -------------------------------------------------------------------------------------------------
+
+def group_norm(g: G, x: str, *, groups: int, eps: float, silu: bool, gamma: str | None = None,
+               beta: str | None = None, inorm_scale: float = 1.0, escape: str | None = None,
+               back_shape: tuple[int, ...] | None = None) -> str:
+    """GroupNorm as both torch exporters write it: Reshape -> InstanceNormalization -> Reshape -> Mul -> Add."""
+    shape = g.shape[x]
+    b, c = shape[:2]
+    affine = (c,) + (1,) * (len(shape) - 2)
+    if gamma is None:
+        gamma = g.weight(affine if g.flag() else (1, *affine), 0.3, "gamma", offset=1.0)
+    if beta is None:
+        beta = g.weight(affine if g.flag() else (1, *affine), 0.3, "beta")
+    grouped = (b, groups, _size(shape) // (b * groups))
+    target = g.ints(g.pick([[b, groups, -1], [0, groups, -1]]))
+    r = g.op("Reshape", [x, target], grouped)
+    inorm = g.op("InstanceNormalization", [r, g.fconst(np.full(groups, inorm_scale)), g.fconst(np.zeros(groups))],
+                 grouped, epsilon=eps)
+    back = back_shape or shape
+    if back_shape is None and g.flag():
+        shp = g.op("Shape", [x], (len(shape),))  # TorchScript reads the shape at run time
+        g.types[shp] = T.INT64
+        g.activations.remove(shp)
+    else:
+        shp = g.ints(list(back))
+    r2 = g.op("Reshape", [inorm, shp], back)
+    if escape == "instance_norm":
+        g.output(inorm)
+    elif escape == "reshape":
+        g.output(r2)
+    m = g.op("Mul", [r2, gamma] if g.flag() else [gamma, r2], back)
+    y = g.op("Add", [m, beta] if g.flag() else [beta, m], back)
+    return _silu(g, y) if silu else y
+
+
+def step_group_norm(g: G, x: str) -> str:
+    c = g.shape[x][1]
+    groups, eps, silu = g.pick(_divisors(c)), g.pick([1e-5, 1e-6, 1e-3]), g.flag()
+    g.desc.append(f"GroupNorm(groups={groups}, eps={eps}){'+SiLU' if silu else ''}")
+    return group_norm(g, x, groups=groups, eps=eps, silu=silu)
+
+
+def step_layer_norm(g: G, x: str) -> str:
+    shape = g.shape[x]
+    c = shape[-1]
+    bias, eps = g.flag(), g.pick([1e-5, 1e-6, 1e-3])
+    ins = [x, g.weight((c,), 0.3, "gamma", offset=1.0)] + ([g.weight((c,), 0.3, "beta")] if bias else [])
+    axis = g.pick([-1, len(shape) - 1])
+    g.desc.append(f"LayerNormalization(axis={axis}, bias={bias}, eps={eps})")
+    return g.op("LayerNormalization", ins, shape, axis=axis, epsilon=eps)
+
+
+def step_layer_norm_decomposed(g: G, x: str) -> str:
+    """LayerNorm as TorchScript writes it below opset 17: ReduceMean, Sub, Pow, ReduceMean, Add, Sqrt, Div."""
+    shape = g.shape[x]
+    red = (*shape[:-1], 1)
+    axes = g.ints([-1], "axes")
+    mean = g.op("ReduceMean", [x, axes], red)
+    d = g.op("Sub", [x, mean], shape)
+    var = g.op("ReduceMean", [g.op("Pow", [d, g.fconst(2.0)], shape), axes], red)
+    n = g.op("Div", [d, g.op("Sqrt", [g.op("Add", [var, g.fconst(1e-5)], red)], red)], shape)
+    y = g.op("Add", [g.op("Mul", [n, g.weight((shape[-1],), 0.3, "gamma", offset=1.0)], shape),
+                     g.weight((shape[-1],), 0.3, "beta")], shape)
+    g.desc.append("LayerNorm(decomposed)")
+    return y
+
+
+# ---- activations ---------------------------------------------------------------------------------------------
+
+def step_silu(g: G, x: str) -> str:
+    g.desc.append("SiLU")
+    return _silu(g, x)
+
+
+def step_gelu(g: G, x: str) -> str:
+    approx = g.pick(["none", "tanh"])
+    g.desc.append(f"Gelu(approximate={approx})")
+    return g.op("Gelu", [x], g.shape[x], approximate=approx)
+
+
+def step_erf_gelu(g: G, x: str) -> str:
+    """x * 0.5 * (1 + erf(x / sqrt 2)) in the spellings TorchScript and optimum write (and one neither does)."""
+    r = len(g.shape[x]) + 1
+    spelling = g.pick(["torchscript", "mul_inv_sqrt2", "half_first"])
+
+    def erf(div: bool) -> str:
+        arg = g.bin("Div", x, g.scalar(math.sqrt(2), raise_rank=r)) if div else \
+            g.bin("Mul", x, g.scalar(1 / math.sqrt(2), raise_rank=r))
+        return g.op("Erf", [arg], g.shape[arg])
+
+    if spelling == "torchscript":
+        e, one = erf(True), g.scalar(1.0, raise_rank=r)
+        a = g.bin("Add", e, one) if g.flag() else g.bin("Add", one, e)
+        y = g.bin("Mul", g.bin("Mul", x, a) if g.flag() else g.bin("Mul", a, x), g.scalar(0.5, raise_rank=r))
+    elif spelling == "mul_inv_sqrt2":
+        a = g.bin("Add", erf(False), g.scalar(1.0, raise_rank=r))
+        y = g.bin("Mul", g.scalar(0.5, raise_rank=r), g.bin("Mul", x, a))
+    else:
+        y = g.bin("Mul", g.bin("Mul", x, g.scalar(0.5, raise_rank=r)), g.bin("Add", erf(True), g.scalar(1.0)))
+    g.desc.append(f"ErfGELU({spelling})")
+    return y
+
+
+def step_tanh_gelu(g: G, x: str) -> str:
+    """0.5 x (1 + tanh(sqrt(2/pi) (x + 0.044715 x^3))), as TorchScript writes approximate='tanh'."""
+    r = len(g.shape[x]) + 1
+    cube = g.bin("Pow", x, g.scalar(3.0))
+    inner = g.bin("Add", x, g.bin("Mul", cube, g.scalar(0.044715, raise_rank=r)))
+    arg = g.bin("Mul", inner, g.scalar(math.sqrt(2 / math.pi)))
+    t = g.op("Tanh", [arg], g.shape[arg])
+    y = g.bin("Mul", g.bin("Mul", x, g.scalar(0.5, raise_rank=r)), g.bin("Add", t, g.scalar(1.0)))
+    g.desc.append("TanhGELU(decomposed)")
+    return y
+
+
+def step_quick_gelu(g: G, x: str) -> str:
+    c = g.scalar(1.702, raise_rank=len(g.shape[x]) + 1)
+    inner = g.bin("Mul", x, c) if g.flag() else g.bin("Mul", c, x)
+    sig = g.op("Sigmoid", [inner], g.shape[inner])
+    g.desc.append("QuickGelu")
+    return g.bin("Mul", x, sig) if g.flag() else g.bin("Mul", sig, x)
+
+
+def _halves(g: G, x: str, spelling: str) -> tuple[str, str]:
+    shape = g.shape[x]
+    n = shape[-1] // 2
+    half = (*shape[:-1], n)
+    if spelling == "split":
+        h, gate = g.op_n("Split", [x], [half, half], axis=g.pick([-1, len(shape) - 1]), num_outputs=2)
+        return h, gate
+    big = np.iinfo(np.int64).max
+
+    def sl(start: int, end: int) -> str:
+        return g.op("Slice", [x, g.ints([start], "starts"), g.ints([end], "ends"),
+                              g.ints([g.pick([-1, len(shape) - 1])], "axes"), g.ints([1], "steps")], half)
+
+    return sl(0, n), sl(n, g.pick([2 * n, big]))
+
+
+def step_geglu(g: G, x: str) -> str:
+    """The transformer's GEGLU: Linear to 2n, halves (Split for dynamo, two Slices for TorchScript), h * gelu(g)."""
+    n = g.num(1, 16)
+    while _size((*g.shape[x][:-1], 2 * n)) > MAX_ELEMS and n > 1:
+        n //= 2
+    proj = _project(g, x, 2 * n)
+    spelling, approx = g.pick(["split", "slices"]), g.pick(["none", "tanh"])
+    h, gate = _halves(g, proj, spelling)
+    gl = g.op("Gelu", [gate], g.shape[gate], approximate=approx)
+    g.desc.append(f"GEGLU(n={n}, {spelling}, approximate={approx})")
+    return g.op("Mul", [h, gl] if g.flag() else [gl, h], g.shape[h])
+
+
+def step_sigmoid(g: G, x: str) -> str:
+    g.desc.append("Sigmoid")
+    return g.op("Sigmoid", [x], g.shape[x])
+
+
+def step_softmax(g: G, x: str) -> str:
+    axis = g.num(-len(g.shape[x]), len(g.shape[x]) - 1)
+    g.desc.append(f"Softmax(axis={axis})")
+    return g.op("Softmax", [x], g.shape[x], axis=axis)
+
+
+# ---- resize -------------------------------------------------------------------------------------------------
+
+def step_resize(g: G, x: str) -> str:
+    b, c, h, w = g.shape[x]
+    fh, fw = g.num(1, 3), g.num(1, 3)
+    if g.flag():
+        fw = fh
+    while b * c * h * fh * w * fw > MAX_ELEMS and max(fh, fw) > 1:
+        fh, fw = max(1, fh - 1), max(1, fw - 1)
+    out = (b, c, h * fh, w * fw)
+    coord = g.pick(["asymmetric", "half_pixel", "pytorch_half_pixel", "align_corners", "tf_half_pixel_for_nn"])
+    nearest = g.pick(["floor", "round_prefer_floor", "round_prefer_ceil", "ceil"])
+    if g.flag():
+        ins = [x, "", g.tensor(np.array([1, 1, fh, fw], np.float32), "scales")]
+    else:
+        ins = [x, "", "", g.ints(list(out), "sizes")]
+    g.desc.append(f"Resize(nearest, {fh}x{fw}, {coord}, {nearest}, {'scales' if ins[2] else 'sizes'})")
+    return g.op("Resize", ins, out, mode="nearest", coordinate_transformation_mode=coord, nearest_mode=nearest)
+
+
+# ---- element-wise and data selection ---------------------------------------------------------------------------
+
+def _const_operand(g: G, shape: tuple[int, ...], op: str) -> tuple[str, str]:
+    kind = g.pick(["scalar", "one", "last", "channel", "full"] if len(shape) >= 3 else ["scalar", "one", "last", "full"])
+    if kind == "scalar" and op != "Div":
+        return g.scalar(float(g.rng.standard_normal()), "k", raise_rank=len(shape) + 1), kind
+    shapes = {"scalar": (), "one": (1,), "last": (shape[-1],), "full": shape}
+    cshape = shapes[kind] if kind in shapes else (shape[1],) + (1,) * (len(shape) - 2)
+    if op == "Div":  # away from zero
+        a = (g.rng.uniform(0.5, 2.0, cshape) * g.rng.choice([-1, 1], cshape)).astype(g.np_dtype)
+        return g.tensor(a, "divisor"), kind
+    return g.weight(cshape, 1.0, "k"), kind
+
+
+def step_binary_const(g: G, x: str) -> str:
+    op = g.pick(["Add", "Sub", "Mul", "Div"])
+    c, kind = _const_operand(g, g.shape[x], op)
+    left = op != "Div" and g.flag()
+    g.desc.append(f"{op}(const {kind}{', left' if left else ''})")
+    return g.bin(op, c, x) if left else g.bin(op, x, c)
+
+
+def step_binary_branch(g: G, x: str) -> str:
+    """x op f(x): a residual connection around a small branch, or a product of two activations."""
+    op = g.pick(["Add", "Sub", "Mul"])
+    branch = g.pick(["sigmoid", "self", "input"])
+    if branch == "sigmoid":
+        other = g.op("Sigmoid", [x], g.shape[x])
+    elif branch == "self":
+        other = x
+    else:
+        other = g.input(g.shape[x] if g.flag() else (1,) * (len(g.shape[x]) - 1) + (g.shape[x][-1],), "y")
+    g.desc.append(f"{op}(x, {branch})")
+    return g.op(op, [x, other] if g.flag() else [other, x], g.shape[x])
+
+
+def step_concat(g: G, x: str) -> str:
+    shape = g.shape[x]
+    axis = g.num(-len(shape), len(shape) - 1)
+    ax = axis % len(shape)
+    extra = g.num(1, 4)
+    oshape = list(shape)
+    oshape[ax] = extra
+    kind = g.pick(["input", "const", "self"])
+    other = x if kind == "self" else g.input(oshape, "y") if kind == "input" else g.weight(oshape, 1.0, "k")
+    if kind == "self":
+        oshape[ax] = shape[ax]
+    out = list(shape)
+    out[ax] += oshape[ax]
+    ins = [x, other] if g.flag() else [other, x]
+    if g.num(0, 3) == 0:  # three inputs (glue chains SDConcat pairs)
+        ins.append(x)
+        out[ax] += shape[ax]
+    g.desc.append(f"Concat(axis={axis}, {kind}, {len(ins)} inputs)")
+    if _size(out) > MAX_ELEMS:
+        return step_sigmoid(g, x)
+    return g.op("Concat", ins, out, axis=axis)
+
+
+def step_slice(g: G, x: str) -> str:
+    shape = g.shape[x]
+    n_axes = g.num(1, len(shape))
+    axes = g.draw(st.permutations(list(range(len(shape)))))[:n_axes]
+    starts, ends, steps, out = [], [], [], list(shape)
+    big = np.iinfo(np.int64).max
+    for a in axes:
+        size = shape[a]
+        step = g.pick([1, 1, 1, 2, -1, -2]) if size > 1 else 1
+        idx = list(range(size))
+        lo, hi = sorted((g.num(0, size - 1), g.num(0, size - 1)))
+        if step > 0:
+            start, end = lo, hi + 1
+            sel = idx[start:end:step]
+            s_w = start - size if g.flag() else start
+            e_w = big if end == size and g.flag() else end
+        else:
+            start, end = hi, lo - 1
+            sel = idx[start:end if end >= 0 else None:step]
+            s_w = start
+            e_w = -size - 1 - g.num(0, 3) if end < 0 else end
+        starts.append(s_w)
+        ends.append(e_w)
+        steps.append(step)
+        out[a] = len(sel)
+    axes_w = [a - len(shape) if g.flag() else a for a in axes]
+    ins = [x, g.ints(starts, "starts"), g.ints(ends, "ends")]
+    if axes_w != list(range(len(axes_w))) or steps != [1] * len(steps) or g.flag():
+        ins.append(g.ints(axes_w, "axes"))
+        if steps != [1] * len(steps) or g.flag():
+            ins.append(g.ints(steps, "steps"))
+    g.desc.append(f"Slice(starts={starts}, ends={ends}, axes={axes_w}, steps={steps})")
+    return g.op("Slice", ins, out)
+
+
+def step_split(g: G, x: str) -> str:
+    """Split along an axis into two parts, combined again (swapped Concat, or an Add when they match)."""
+    shape = g.shape[x]
+    axes = [a for a in range(len(shape)) if shape[a] >= 2]
+    if not axes:
+        return step_sigmoid(g, x)
+    ax = g.pick(axes)
+    first = g.num(1, shape[ax] - 1)
+    parts = [list(shape), list(shape)]
+    parts[0][ax], parts[1][ax] = first, shape[ax] - first
+    a, b = g.op_n("Split", [x, g.ints([first, shape[ax] - first], "split")], parts, axis=ax)
+    g.desc.append(f"Split(axis={ax}, [{first}, {shape[ax] - first}])")
+    if parts[0] == parts[1] and g.flag():
+        return g.op("Add", [a, b], parts[0])
+    return g.op("Concat", [b, a], shape, axis=ax)
+
+
+def step_expand(g: G, x: str) -> str:
+    """Expand a size-1 axis (the UNet's timestep to the batch), or to a new leading axis."""
+    shape = g.shape[x]
+    ones = [i for i, d in enumerate(shape) if d == 1]
+    n = g.num(2, 3)
+    if ones and g.flag():
+        out = list(shape)
+        out[g.pick(ones)] = n
+    else:
+        out = [n, *shape]
+    if _size(out) > MAX_ELEMS or len(out) > 4:
+        return step_sigmoid(g, x)
+    k = len(out) - len(shape)
+    target = list(out) if g.flag() else out[:k] + [o if s == 1 else 1 for o, s in zip(out[k:], shape, strict=True)]
+    g.desc.append(f"Expand({target})")
+    return g.op("Expand", [x, g.ints(target)], out)
+
+
+# ---- data movement ------------------------------------------------------------------------------------------------
+
+def _factor(g: G, size: int, rank: int) -> list[int]:
+    dims = []
+    for _ in range(rank - 1):
+        d = g.pick(_divisors(size))
+        dims.append(d)
+        size //= d
+    dims.append(size)
+    return dims
+
+
+def step_movement_chain(g: G, x: str) -> str:
+    """1-4 random Reshape / Transpose / Squeeze / Unsqueeze / Flatten nodes."""
+    done = []
+    for _ in range(g.num(1, 4)):
+        shape = g.shape[x]
+        kind = g.pick(["Reshape", "Transpose", "Transpose", "Unsqueeze", "Squeeze", "Flatten", "Identity"])
+        if kind == "Transpose" and len(shape) >= 2 and g.num(0, 3) == 0:  # no perm: reverse the axes
+            x = g.op("Transpose", [x], shape[::-1])
+            done.append("Transpose()")
+        elif kind == "Transpose" and len(shape) >= 2:
+            perm = list(g.draw(st.permutations(list(range(len(shape))))))
+            x = g.op("Transpose", [x], [shape[i] for i in perm], perm=perm)
+            done.append(f"Transpose{perm}")
+        elif kind == "Identity":
+            x = g.op("Identity", [x], shape)
+            done.append("Identity")
+        elif kind == "Unsqueeze" and len(shape) < 4:
+            ax = g.num(0, len(shape))
+            new = list(shape)
+            new.insert(ax, 1)
+            x = g.op("Unsqueeze", [x, g.ints([ax], "axes")], new)
+            done.append(f"Unsqueeze({ax})")
+        elif kind == "Squeeze" and 1 in shape and len(shape) > 1:
+            ax = shape.index(1)
+            x = g.op("Squeeze", [x, g.ints([ax], "axes")], shape[:ax] + shape[ax + 1:])
+            done.append(f"Squeeze({ax})")
+        elif kind == "Flatten" and len(shape) >= 2:
+            ax = g.num(0, len(shape))
+            x = g.op("Flatten", [x], [_size(shape[:ax]), _size(shape[ax:])], axis=ax)
+            done.append(f"Flatten({ax})")
+        else:
+            new = _factor(g, _size(shape), g.num(1, 4))
+            target = list(new)
+            if g.flag():
+                target[g.num(0, len(new) - 1)] = -1
+            x = g.op("Reshape", [x, g.ints(target)], new)
+            done.append(f"Reshape{target}")
+    g.desc.append("Movement(" + ", ".join(done) + ")")
+    return x
+
+
+def step_nhwc_roundtrip(g: G, x: str) -> str:
+    """NCHW -> NHWC [-> [B, HW, C] and back] -> NCHW: the layout pass must cancel it to nothing."""
+    b, c, h, w = g.shape[x]
+    t = g.op("Transpose", [x], (b, h, w, c), perm=[0, 2, 3, 1])
+    flat = g.flag()
+    if flat:
+        t = g.op("Reshape", [t, g.ints([b, h * w, c])], (b, h * w, c))
+        if g.flag():
+            t = _silu(g, t)
+        t = g.op("Reshape", [t, g.ints([b, h, w, c])], (b, h, w, c))
+    g.desc.append(f"NHWC roundtrip(flat={flat})")
+    return g.op("Transpose", [t], (b, c, h, w), perm=[0, 3, 1, 2])
+
+
+def step_to_tokens(g: G, x: str) -> str:
+    """[B, C, H, W] -> [B, HW, C] (the VAE's attention, the UNet's transformer input)."""
+    b, c, h, w = g.shape[x]
+    if g.flag():
+        r = g.op("Reshape", [x, g.ints(g.pick([[b, c, h * w], [b, c, -1], [0, 0, -1]]))], (b, c, h * w))
+        y = g.op("Transpose", [r], (b, h * w, c), perm=[0, 2, 1])
+        g.desc.append("to tokens(Reshape, Transpose)")
+    else:
+        t = g.op("Transpose", [x], (b, h, w, c), perm=[0, 2, 3, 1])
+        y = g.op("Reshape", [t, g.ints([b, h * w, c])], (b, h * w, c))
+        g.desc.append("to tokens(Transpose, Reshape)")
+    return y
+
+
+def step_to_image(g: G, x: str) -> str:
+    b, s, c = g.shape[x]
+    h = g.pick(_divisors(s))
+    w = s // h
+    if g.flag():
+        t = g.op("Transpose", [x], (b, c, s), perm=[0, 2, 1])
+        y = g.op("Reshape", [t, g.ints([b, c, h, w])], (b, c, h, w))
+        g.desc.append(f"to image({h}x{w}, Transpose, Reshape)")
+    else:
+        r = g.op("Reshape", [x, g.ints([b, h, w, c])], (b, h, w, c))
+        y = g.op("Transpose", [r], (b, c, h, w), perm=[0, 3, 1, 2])
+        g.desc.append(f"to image({h}x{w}, Reshape, Transpose)")
+    return y
+
+
+def step_sinusoid(g: G, x: str) -> str:
+    """The timestep embedding: t * 1000 * freqs -> [sin, cos] (the fp32 island) -> Linear, SiLU."""
+    (b,) = g.shape[x]
+    f = g.num(1, 8)
+    t = g.bin("Mul", x, g.scalar(500.0))
+    t = g.op("Unsqueeze", [t, g.ints([1], "axes")], (b, 1))
+    freqs = np.exp(-math.log(10000) * np.arange(f) / f).reshape(1, f).astype(g.np_dtype)
+    arg = g.bin("Mul", t, g.tensor(freqs, "freqs"))
+    sc = [g.op("Sin", [arg], (b, f)), g.op("Cos", [arg], (b, f))]
+    y = g.op("Concat", sc if g.flag() else sc[::-1], (b, 2 * f), axis=-1)
+    g.desc.append(f"Sinusoid(freqs={f})")
+    return _silu(g, _project(g, y, g.num(1, 16)))
+
+
+def step_text(g: G, x: str | None) -> str:
+    """CLIP's front and back: Gather(table, ids) -> hidden states; optionally the end-of-text pooling
+    (GatherND at each row's argmax id), as dynamo writes them. Makes its own int64 ids input."""
+    b, seq, c, v = g.num(1, 2), g.num(1, 12), g.num(1, 24), g.num(8, 12)
+    ids = g.input((b, seq), "ids")
+    g.types[ids] = T.INT64
+    h = g.op("Gather", [g.weight((v, c), 1.0, "table"), ids], (b, seq, c), axis=0)
+    g.desc.append(f"Embedding({v}x{c})")
+    if g.flag():
+        h = step_layer_norm(g, h)
+        cast = g.op("Cast", [ids], (b, seq), to=T.INT32)
+        g.types[cast] = T.INT32
+        am = g.op("ArgMax", [cast], (b,), axis=-1, keepdims=0)
+        am2 = g.op("Reshape", [am, g.ints([b, 1])], (b, 1))
+        idx = g.op("Concat", [g.ints([[i] for i in range(b)], "rows"), am2], (b, 2), axis=-1)
+        for v_ in (cast, am, am2, idx):
+            g.activations.remove(v_)
+        g.types[am] = g.types[am2] = g.types[idx] = T.INT64
+        h = g.op("GatherND", [h, idx], (b, c))
+        g.desc.append("TokenPool")
+    return h
+
+
+# ---- blocks ----------------------------------------------------------------------------------------------------------
+
+def _gn_groups(g: G, c: int) -> int:
+    return g.pick(_divisors(c))
+
+
+def step_resnet_block(g: G, x: str) -> str:
+    """GroupNorm+SiLU -> Conv3x3 -> GroupNorm+SiLU -> Conv3x3, plus the skip (a 1x1 Conv when channels change)."""
+    b, c, h, w = g.shape[x]
+    oc = g.num(1, 16)
+    while b * oc * h * w > MAX_ELEMS and oc > 1:
+        oc //= 2
+    spec = ConvSpec(oc, (3, 3), (1, 1), [1, 1, 1, 1], (1, 1), 1, (b, oc, h, w))
+    y = group_norm(g, x, groups=_gn_groups(g, c), eps=1e-5, silu=True)
+    y = _conv(g, y, spec, bias=True)
+    temb = g.pick(["none", "const", "input"])
+    if temb == "const":  # a fixed per-channel shift
+        y = g.op("Add", [y, g.weight((1, oc, 1, 1), 0.3, "temb")], g.shape[y])
+    elif temb == "input":  # the UNet's time embedding: SiLU -> Linear -> [B, C, 1, 1], broadcast over H and W
+        t = g.input((b, g.num(1, 16)), "temb")
+        t = _project(g, _silu(g, t), oc, bias=True, keep_rank=True)
+        t = g.op("Unsqueeze", [t, g.ints([2, 3], "axes")], (b, oc, 1, 1)) if g.flag() else \
+            g.op("Reshape", [t, g.ints([b, oc, 1, 1])], (b, oc, 1, 1))
+        y = g.op("Add", [y, t] if g.flag() else [t, y], g.shape[y])
+    y = group_norm(g, y, groups=_gn_groups(g, oc), eps=1e-5, silu=True)
+    y = _conv(g, y, ConvSpec(oc, (3, 3), (1, 1), [1, 1, 1, 1], (1, 1), 1, (b, oc, h, w)), bias=True)
+    skip = x if oc == c else _conv(g, x, ConvSpec(oc, (1, 1), (1, 1), [0, 0, 0, 0], (1, 1), 1, (b, oc, h, w)),
+                                   bias=True)
+    g.desc.append(f"ResnetBlock({c}->{oc})")
+    return g.op("Add", [skip, y] if g.flag() else [y, skip], (b, oc, h, w))
+
+
+def step_unet_skip_block(g: G, x: str) -> str:
+    """The UNet's up path: Conv -> [Resize] -> Concat with the skip on channels -> Conv, two branches meeting
+    (the layout pass must push both NHWC->NCHW Transposes through the Concat)."""
+    b, c, h, w = g.shape[x]
+    a = _conv(g, x, ConvSpec(c, (3, 3), (1, 1), [1, 1, 1, 1], (1, 1), 1, (b, c, h, w)), bias=True)
+    skip = g.pick(["input", "conv", "x"])
+    if skip == "conv":
+        n = g.num(1, 8)
+        other = _conv(g, x, ConvSpec(n, (1, 1), (1, 1), [0, 0, 0, 0], (1, 1), 1, (b, n, h, w)), bias=True)
+    elif skip == "input":
+        other = g.input((b, g.num(1, 8), h, w), "skip")
+    else:
+        other = x
+    oc = g.shape[other][1]
+    cat = g.op("Concat", [a, other] if g.flag() else [other, a], (b, c + oc, h, w), axis=g.pick([1, -3]))
+    if g.flag():
+        cat = g.bin("Mul", cat, g.scalar(0.5))  # a scale after the concat, before the next Conv
+    g.desc.append(f"UNetSkipBlock(skip={skip})")
+    return _conv(g, cat, ConvSpec(c, (3, 3), (1, 1), [1, 1, 1, 1], (1, 1), 1, (b, c, h, w)), bias=True)
+
+
+def step_vae_attention_block(g: G, x: str) -> str:
+    """GroupNorm -> [B, HW, C] -> single-head attention -> back to NCHW -> + x."""
+    b, c, h, w = g.shape[x]
+    y = group_norm(g, x, groups=_gn_groups(g, c), eps=1e-6, silu=False)
+    t = step_to_tokens(g, y)
+    t = attention(g, t, heads=1, d=c, cross=False, spelling=g.pick(["dynamo", "torchscript", "plain"]), causal=False)
+    if g.shape[t][-1] != c:
+        t = _project(g, t, c)
+    back = g.op("Transpose", [t], (b, c, h * w), perm=[0, 2, 1])
+    back = g.op("Reshape", [back, g.ints([b, c, h, w])], (b, c, h, w))
+    g.desc.append("VAEAttentionBlock")
+    return g.op("Add", [back, x], (b, c, h, w))
+
+
+def step_transformer_block(g: G, x: str) -> str:
+    """LayerNorm -> self-attention -> + ; LayerNorm -> cross-attention -> + ; LayerNorm -> GEGLU FF -> +."""
+    b, s, c = g.shape[x]
+    y = x
+    for cross in (False, True):
+        n = g.op("LayerNormalization", [y, g.weight((c,), 0.3, "gamma", offset=1.0), g.weight((c,), 0.3, "beta")],
+                 (b, s, c), axis=-1, epsilon=1e-5)
+        heads = g.pick([h for h in (1, 2, 4) if h <= 8])
+        a = attention(g, n, heads=heads, d=g.num(1, 8), cross=cross, spelling=g.pick(["dynamo", "torchscript"]),
+                      causal=False)
+        if g.shape[a][-1] != c:
+            a = _project(g, a, c)
+        y = g.op("Add", [a, y], (b, s, c))
+    n = g.op("LayerNormalization", [y, g.weight((c,), 0.3, "gamma", offset=1.0), g.weight((c,), 0.3, "beta")],
+             (b, s, c), axis=-1, epsilon=1e-5)
+    ff = step_geglu(g, n)
+    ff = _project(g, ff, c, bias=True)
+    g.desc.append("TransformerBlock")
+    return g.op("Add", [ff, y], (b, s, c))
+
+
+def step_upsample_block(g: G, x: str) -> str:
+    b, c, h, w = g.shape[x]
+    if b * c * 4 * h * w > MAX_ELEMS:
+        return step_conv(g, x)
+    up = g.op("Resize", [x, "", g.tensor(np.array([1, 1, 2, 2], np.float32), "scales")], (b, c, 2 * h, 2 * w),
+              mode="nearest", coordinate_transformation_mode="asymmetric", nearest_mode="floor")
+    g.desc.append("Upsample(Resize 2x, Conv3x3)")
+    return _conv(g, up, ConvSpec(c, (3, 3), (1, 1), [1, 1, 1, 1], (1, 1), 1, (b, c, 2 * h, 2 * w)), bias=True)
+
+
+def step_downsample_block(g: G, x: str) -> str:
+    """The VAE encoder's downsampler: Pad right/bottom by one (TorchScript) or pads in the Conv (dynamo)."""
+    b, c, h, w = g.shape[x]
+    if min(h, w) < 2:
+        return step_conv(g, x)
+    out = (b, c, (h - 2) // 2 + 1, (w - 2) // 2 + 1)
+    spec = ConvSpec(c, (3, 3), (2, 2), [0, 0, 1, 1], (1, 1), 1, out)
+    if g.flag():
+        p = g.op("Pad", [x, g.ints([0, 0, 0, 0, 0, 0, 1, 1], "pads")], (b, c, h + 1, w + 1), mode="constant")
+        spec = ConvSpec(c, (3, 3), (2, 2), [0, 0, 0, 0], (1, 1), 1, out)
+        g.desc.append("Downsample(Pad, Conv s2)")
+        return _conv(g, p, spec, bias=True)
+    g.desc.append("Downsample(Conv s2, pads)")
+    return _conv(g, x, spec, bias=True)
+
+
+# ---- near misses: must not fuse (or must fuse correctly) --------------------------------------------------------------
+
+def nm_silu_sigmoid_shared(g: G, x: str) -> str:
+    s = g.op("Sigmoid", [x], g.shape[x])
+    y = g.op("Mul", [x, s], g.shape[x])
+    if g.flag():
+        g.output(s)
+        g.desc.append("near-miss: SiLU whose Sigmoid is also a graph output")
+        return y
+    g.desc.append("near-miss: SiLU whose Sigmoid is also read by an Add")
+    return g.op("Add", [y, s], g.shape[x])
+
+
+def nm_conv_preactivation_used(g: G, x: str) -> str:
+    spec = _conv_spec(g, g.shape[x])
+    y = _conv(g, x, spec)
+    a = _silu(g, y)
+    g.desc.append("near-miss: Conv+SiLU whose pre-activation is also used")
+    if g.flag():
+        g.output(y)
+        return a
+    return g.op("Add", [a, y], g.shape[y])
+
+
+def nm_conv_weight_input(g: G, x: str) -> str:
+    spec = _conv_spec(g, g.shape[x])
+    c = g.shape[x][1]
+    which = g.pick(["weight", "bias"])
+    w = g.input((spec.oc, c // spec.group, *spec.kernel), "w") if which == "weight" else None
+    bias = g.input((spec.oc,), "b") if which == "bias" else None
+    g.desc.append(f"near-miss: Conv with its {which} a graph input")
+    return _conv(g, x, spec, weight=w, bias=bias)
+
+
+def nm_conv_auto_pad(g: G, x: str) -> str:
+    b, _, h, w = g.shape[x]
+    mode = g.pick(["SAME_UPPER", "SAME_LOWER", "VALID"])
+    k, s = g.pick([1, 2, 3]), g.num(1, 2)
+    if mode == "VALID":
+        k = min(k, h, w)
+        out = (b, 4, (h - k) // s + 1, (w - k) // s + 1)
+    else:
+        out = (b, 4, -(-h // s), -(-w // s))
+    spec = ConvSpec(4, (k, k), (s, s), [0, 0, 0, 0], (1, 1), 1, out)
+    g.desc.append(f"near-miss: Conv auto_pad={mode} k={k} s={s}")
+    return _conv(g, x, spec, auto_pad=mode)
+
+
+def nm_conv_beyond_limits(g: G, x: str) -> str:
+    b, _, h, w = g.shape[x]
+    if g.flag():
+        k = g.pick([8, 9])
+        spec = ConvSpec(2, (k, k), (1, 1), [k // 2] * 4, (1, 1), 1, (b, 2, h + 2 * (k // 2) - k + 1,
+                                                                        w + 2 * (k // 2) - k + 1))
+        g.desc.append(f"near-miss: Conv kernel {k}x{k} (above the NPU's 7)")
+    else:
+        s = g.pick([5, 6])
+        spec = ConvSpec(2, (1, 1), (s, s), [0, 0, 0, 0], (1, 1), 1, (b, 2, (h - 1) // s + 1, (w - 1) // s + 1))
+        g.desc.append(f"near-miss: Conv stride {s} (above the NPU's 4)")
+    return _conv(g, x, spec)
+
+
+def nm_pad_conv(g: G, x: str) -> str:
+    """A Pad in front of a Conv that must not become the Conv's pads: non-zero value, reflect, or a crop."""
+    b, c, h, w = g.shape[x]
+    kind = g.pick(["value", "reflect", "crop"] if min(h, w) >= 3 else ["value"])
+    if kind == "crop":
+        pads = [0, 0, -1, 0, 0, 0, 0, -1]
+    else:
+        pads = [0, 0, 1, 1, 0, 0, 1, 1]
+    padded = (b, c, h + pads[2] + pads[6], w + pads[3] + pads[7])
+    ins = [x, g.ints(pads, "pads")]
+    if kind == "value":
+        ins.append(g.fconst(0.5))
+    p = g.op("Pad", ins, padded, mode="reflect" if kind == "reflect" else "constant")
+    spec = ConvSpec(3, (3, 3), (1, 1), [0, 0, 0, 0], (1, 1), 1, (b, 3, padded[2] - 2, padded[3] - 2))
+    if min(padded[2:]) < 3:
+        spec = ConvSpec(3, (1, 1), (1, 1), [0, 0, 0, 0], (1, 1), 1, (b, 3, *padded[2:]))
+    g.desc.append(f"near-miss: Pad({kind}) before a Conv")
+    return _conv(g, p, spec)
+
+
+def nm_matmul_weight_input(g: G, x: str) -> str:
+    shape = g.shape[x]
+    n = g.num(1, 16)
+    w = g.input((shape[-1], n), "w")
+    y = g.op("MatMul", [x, w], (*shape[:-1], n))
+    g.desc.append("near-miss: MatMul whose weight is a graph input (+ bias)")
+    return g.op("Add", [y, g.weight((n,), 0.1, "b")], g.shape[y])
+
+
+def nm_matmul_used_twice(g: G, x: str) -> str:
+    shape = g.shape[x]
+    n = g.num(1, 16)
+    y = g.op("MatMul", [x, g.weight((shape[-1], n))], (*shape[:-1], n))
+    z = g.op("Add", [y, g.weight((n,), 0.1, "b")], g.shape[y])
+    g.desc.append("near-miss: MatMul output read by its bias Add and by another node")
+    return g.op("Mul", [z, y], g.shape[y])
+
+
+def nm_gemm_attributes(g: G, x: str) -> str:
+    b, k = g.shape[x]
+    n = g.num(1, 16)
+    kind = g.pick(["transA", "alpha", "beta"])
+    attrs: dict[str, Any] = {}
+    a = x
+    if kind == "transA":
+        a = g.op("Transpose", [x], (k, b), perm=[1, 0])
+        attrs["transA"] = 1
+    elif kind == "alpha":
+        attrs["alpha"] = g.pick([0.5, 2.0])
+    else:
+        attrs["beta"] = g.pick([0.5, 2.0])
+    g.desc.append(f"near-miss: Gemm with {kind}")
+    return g.op("Gemm", [a, g.weight((k, n)), g.weight((n,), 0.1, "b")], (b, n), **attrs)
+
+
+def nm_resize_unsupported(g: G, x: str) -> str:
+    b, c, h, w = g.shape[x]
+    kind = g.pick(["linear", "cubic", "fractional", "down", "channels"])
+    mode = kind if kind in ("linear", "cubic") else "nearest"
+    scales = {"linear": [1, 1, 2, 2], "cubic": [1, 1, 2, 2], "fractional": [1, 1, 1.5, 1.5],
+              "down": [1, 1, 0.5, 0.5], "channels": [1, 2, 2, 2]}[kind]
+    out = (b, int(c * scales[1]), int(h * scales[2]), int(w * scales[3]))
+    if min(out) < 1 or _size(out) > MAX_ELEMS:
+        return step_sigmoid(g, x)
+    g.desc.append(f"near-miss: Resize {kind} ({mode}, scales {scales})")
+    return g.op("Resize", [x, "", g.tensor(np.array(scales, np.float32), "scales")], out, mode=mode,
+                coordinate_transformation_mode=g.pick(["asymmetric", "half_pixel"]), nearest_mode="floor")
+
+
+def nm_group_norm_variants(g: G, x: str) -> str:
+    shape = g.shape[x]
+    c = shape[1]
+    kind = g.pick(["affine_full", "affine_scalar", "instance_scale", "escapes_in", "escapes_reshape",
+                   "gamma_input", "reshape_back_differs"])
+    groups = g.pick(_divisors(c))
+    kw: dict[str, Any] = {}
+    if kind == "affine_full":
+        kw["gamma"] = g.weight(shape[1:], 0.3, "gamma", offset=1.0)
+    elif kind == "affine_scalar":
+        kw["gamma"] = g.fconst(1.5)
+    elif kind == "instance_scale":
+        kw["inorm_scale"] = 2.0
+    elif kind == "escapes_in":
+        kw["escape"] = "instance_norm"
+    elif kind == "escapes_reshape":
+        kw["escape"] = "reshape"
+    elif kind == "gamma_input":
+        kw["gamma"] = g.input((c,) + (1,) * (len(shape) - 2), "gamma")
+    elif len(shape) == 4 and shape[2] != shape[3]:
+        kw["back_shape"] = (shape[0], c, shape[3], shape[2])
+    g.desc.append(f"near-miss: GroupNorm {kind}")
+    return group_norm(g, x, groups=groups, eps=1e-5, silu=g.flag(), **kw)
+
+
+def nm_layer_norm_variants(g: G, x: str) -> str:
+    shape = g.shape[x]
+    kinds = ["stats_used", "gamma_input"] + (["axis"] if len(shape) >= 3 else [])
+    kind = g.pick(kinds)
+    axis = -1
+    if kind == "axis":
+        axis = g.pick([1, -2])
+    norm_shape = shape[axis % len(shape):]
+    gamma = g.input(norm_shape, "gamma") if kind == "gamma_input" else g.weight(norm_shape, 0.3, "gamma", offset=1.0)
+    ins = [x, gamma, g.weight(norm_shape, 0.3, "beta")]
+    g.desc.append(f"near-miss: LayerNormalization {kind}")
+    if kind == "stats_used":
+        stat = (*shape[:-1], 1)
+        y, mean, inv = g.op_n("LayerNormalization", ins, [shape, stat, stat], axis=-1, epsilon=1e-5)
+        g.types[mean] = g.types[inv] = F32  # stash_type: the statistics are fp32 whatever the input
+        g.output(g.pick([mean, inv]))
+        return y
+    return g.op("LayerNormalization", ins, shape, axis=axis, epsilon=1e-5)
+
+
+def nm_attention_variants(g: G, x: str) -> str:
+    p = _attention_params(g)
+    kind = g.pick(["softmax_escapes", "q_escapes", "mask_not_causal", "softmax_axis", "wrong_merge",
+                   "interleaved_split", "v_scale", "head_scale"])
+    if kind == "softmax_escapes":
+        p["softmax_escapes"] = True
+    elif kind == "q_escapes":
+        p["q_escapes"] = True
+    elif kind == "mask_not_causal":
+        p.update(causal=False, mask="random")
+        if p["cross"]:
+            p["cross"] = False
+    elif kind == "softmax_axis":
+        p["softmax_axis"] = g.pick([-2, 2])
+    elif kind == "wrong_merge":
+        p["merge"] = "wrong"
+    elif kind == "v_scale":
+        p["v_scale"] = True
+    elif kind == "head_scale":
+        p.update(head_scale=True, spelling="plain")
+    else:
+        p["split"] = "interleaved"
+    g.desc.append(f"near-miss: attention {kind} (" + ", ".join(f"{k}={v}" for k, v in p.items()) + ")")
+    return attention(g, x, **p)
+
+
+def nm_activation_constants(g: G, x: str) -> str:
+    s = g.shape[x]
+    kind = g.pick(["quick_gelu_1.7", "sigmoid_gate_other", "erf_gelu_wrong_root", "geglu_swapped", "geglu_uneven"])
+    if kind == "quick_gelu_1.7":
+        y = g.op("Mul", [x, g.op("Sigmoid", [g.op("Mul", [x, g.fconst(1.7)], s)], s)], s)
+    elif kind == "sigmoid_gate_other":
+        other = g.op("Add", [x, g.fconst(0.5)], s)
+        y = g.op("Mul", [other, g.op("Sigmoid", [x], s)], s)
+    elif kind == "erf_gelu_wrong_root":
+        e = g.op("Erf", [g.op("Div", [x, g.fconst(1.5)], s)], s)
+        y = g.op("Mul", [g.op("Mul", [x, g.op("Add", [e, g.fconst(1.0)], s)], s), g.fconst(0.5)], s)
+    elif kind == "geglu_swapped":
+        proj = _project(g, x, 2 * g.num(1, 8))
+        h, gate = _halves(g, proj, g.pick(["split", "slices"]))
+        y = g.op("Mul", [g.op("Gelu", [h], g.shape[h]), gate], g.shape[h])
+    else:  # the first n and the next n of 2n + 2 values: not the halves
+        n = g.num(1, 8)
+        proj = _project(g, x, 2 * n + 2)
+        half = (*g.shape[proj][:-1], n)
+        h = g.op("Slice", [proj, g.ints([0], "starts"), g.ints([n], "ends"), g.ints([-1], "axes")], half)
+        gate = g.op("Slice", [proj, g.ints([n], "starts"), g.ints([2 * n], "ends"), g.ints([-1], "axes")], half)
+        y = g.op("Mul", [h, g.op("Gelu", [gate], half)], half)
+    g.desc.append(f"near-miss: {kind}")
+    return y
+
+
+def nm_neutral_broadcast(g: G, x: str) -> str:
+    """x + 0 / x * 1 whose constant broadcasts x to a higher rank: not the identity on shapes."""
+    s = g.shape[x]
+    if len(s) >= 4:
+        return step_sigmoid(g, x)
+    op, value = g.pick([("Add", 0.0), ("Mul", 1.0), ("Div", 1.0)])
+    c = g.fconst(np.full((1,) * (len(s) + 1), value))
+    g.desc.append(f"near-miss: {op} by a neutral constant that raises the rank")
+    return g.op(op, [x, c], (1, *s))
+
+
+# ---- families and the case strategy --------------------------------------------------------------------------------------
+
+@dataclass(frozen=True)
+class Step:
+    fn: Callable[[G, Any], str]  # ranks (0,): the step makes its own input (x is None)
+    ranks: tuple[int, ...]
+    chain: bool = True  # may follow another step
+
+
+STEPS: dict[str, Step] = {
+    "conv": Step(step_conv, (4,)),
+    "linear": Step(step_linear, (2, 3)),
+    "tied_linear": Step(step_tied_linear, (2, 3)),
+    "matmul_act": Step(step_matmul_act, (2, 3, 4)),
+    "gemm": Step(step_gemm, (2,)),
+    "attention": Step(step_attention, (3,)),
+    "group_norm": Step(step_group_norm, (3, 4)),
+    "layer_norm": Step(step_layer_norm, (2, 3, 4)),
+    "layer_norm_decomposed": Step(step_layer_norm_decomposed, (2, 3)),
+    "silu": Step(step_silu, (2, 3, 4)),
+    "gelu": Step(step_gelu, (2, 3, 4)),
+    "erf_gelu": Step(step_erf_gelu, (2, 3, 4)),
+    "tanh_gelu": Step(step_tanh_gelu, (2, 3, 4)),
+    "quick_gelu": Step(step_quick_gelu, (2, 3, 4)),
+    "geglu": Step(step_geglu, (2, 3)),
+    "sigmoid": Step(step_sigmoid, (1, 2, 3, 4)),
+    "softmax": Step(step_softmax, (1, 2, 3, 4)),
+    "resize": Step(step_resize, (4,)),
+    "binary_const": Step(step_binary_const, (1, 2, 3, 4)),
+    "binary_branch": Step(step_binary_branch, (1, 2, 3, 4)),
+    "concat": Step(step_concat, (1, 2, 3, 4)),
+    "slice": Step(step_slice, (1, 2, 3, 4)),
+    "split": Step(step_split, (1, 2, 3, 4)),
+    "expand": Step(step_expand, (1, 2, 3)),
+    "sinusoid": Step(step_sinusoid, (1,)),
+    "text": Step(step_text, (0,), chain=False),
+    "movement_chain": Step(step_movement_chain, (1, 2, 3, 4)),
+    "nhwc_roundtrip": Step(step_nhwc_roundtrip, (4,)),
+    "to_tokens": Step(step_to_tokens, (4,)),
+    "to_image": Step(step_to_image, (3,)),
+    "resnet_block": Step(step_resnet_block, (4,)),
+    "vae_attention_block": Step(step_vae_attention_block, (4,)),
+    "unet_skip_block": Step(step_unet_skip_block, (4,)),
+    "transformer_block": Step(step_transformer_block, (3,)),
+    "upsample_block": Step(step_upsample_block, (4,)),
+    "downsample_block": Step(step_downsample_block, (4,)),
+}
+
+NEAR_MISSES: dict[str, Step] = {
+    "silu_sigmoid_shared": Step(nm_silu_sigmoid_shared, (2, 3, 4)),
+    "conv_preactivation_used": Step(nm_conv_preactivation_used, (4,)),
+    "conv_weight_input": Step(nm_conv_weight_input, (4,)),
+    "conv_auto_pad": Step(nm_conv_auto_pad, (4,)),
+    "conv_beyond_limits": Step(nm_conv_beyond_limits, (4,)),
+    "pad_conv": Step(nm_pad_conv, (4,)),
+    "matmul_weight_input": Step(nm_matmul_weight_input, (2, 3)),
+    "matmul_used_twice": Step(nm_matmul_used_twice, (2, 3)),
+    "gemm_attributes": Step(nm_gemm_attributes, (2,)),
+    "resize_unsupported": Step(nm_resize_unsupported, (4,)),
+    "group_norm_variants": Step(nm_group_norm_variants, (3, 4)),
+    "layer_norm_variants": Step(nm_layer_norm_variants, (2, 3)),
+    "attention_variants": Step(nm_attention_variants, (3,)),
+    "activation_constants": Step(nm_activation_constants, (2, 3)),
+    "neutral_broadcast": Step(nm_neutral_broadcast, (1, 2, 3)),
+}
+
+FAMILIES: dict[str, list[str]] = {
+    "conv": ["conv"],
+    "gemm": ["linear", "gemm", "tied_linear", "matmul_act"],
+    "attention": ["attention"],
+    "norm": ["group_norm", "layer_norm", "layer_norm_decomposed"],
+    "activation": ["silu", "gelu", "erf_gelu", "tanh_gelu", "quick_gelu", "geglu", "sigmoid", "softmax"],
+    "resize": ["resize"],
+    "elementwise": ["binary_const", "binary_branch", "concat", "slice", "split", "expand"],
+    "embedding": ["sinusoid", "text"],
+    "movement": ["movement_chain", "nhwc_roundtrip", "to_tokens", "to_image"],
+    "block": ["resnet_block", "vae_attention_block", "transformer_block", "upsample_block", "downsample_block",
+              "unet_skip_block"],
+    "near_miss": list(NEAR_MISSES),
+}
+
+
+def _start_shape(g: G, rank: int) -> tuple[int, ...]:
+    b = g.num(1, 2)
+    if rank == 4:
+        c, h, w = g.num(1, 16), g.num(1, 9), g.num(1, 9)
+        return (b, c, h, w)
+    if rank == 3:
+        return (b, g.num(1, 16), g.num(1, 24))
+    if rank == 2:
+        return (g.num(1, 4), g.num(1, 32))
+    return (g.num(1, 64),)
+
+
+def _lookup(name: str) -> Step:
+    return STEPS[name] if name in STEPS else NEAR_MISSES[name]
+
+
+@st.composite
+def case(draw: Callable[[st.SearchStrategy[Any]], Any], family: str) -> tuple[onnx.ModelProto, str]:
+    """One graph of ``family`` (then up to two chained steps of any family), and its description."""
+    seed = draw(st.integers(0, 2**32 - 1))
+    dtype = draw(st.sampled_from([F32, F32, F32, F16]))
+    g = G(draw, seed, dtype)
+    first = g.pick(FAMILIES[family])
+    rank = g.pick(_lookup(first).ranks)
+    x = _lookup(first).fn(g, g.input(_start_shape(g, rank)) if rank else None)
+    for _ in range(draw(st.integers(0, 2))):
+        rank = len(g.shape[x])
+        fits = [n for n, s in STEPS.items() if rank in s.ranks and s.chain]
+        if not fits or _size(g.shape[x]) > MAX_ELEMS:
+            break
+        x = STEPS[g.pick(fits)].fn(g, x)
+    if g.num(0, 7) == 0:  # exporters name outputs through an Identity
+        x = g.op("Identity", [x], g.shape[x])
+    g.output(x)
+    if g.num(0, 15) == 0:  # a graph input returned as it is, too
+        g.output(g.inputs[0])
+        g.desc.append(f"also output input {g.inputs[0]}")
+    if g.num(0, 5) == 0:  # an intermediate that is also a graph output
+        candidates = [v for v in g.activations if v != x and g.types[v] == dtype]
+        if candidates:
+            v = g.pick(candidates)
+            g.output(v)
+            g.desc.append(f"also output {v}")
+    desc = f"[{'fp16' if dtype == F16 else 'fp32'}] " + " -> ".join(g.desc)
+    return g.model(), desc
