@@ -63,7 +63,6 @@ def child_sdnpu(model: Path, out: Path) -> dict:
 def child_ort(model: Path, out: Path, component: str) -> dict:
     import logging
 
-    import onnx
     from onnxruntime.transformers.fusion_options import FusionOptions
     from onnxruntime.transformers.optimizer import optimize_model
 
@@ -86,14 +85,12 @@ def child_ort(model: Path, out: Path, component: str) -> dict:
     for n in nodes:
         if n.domain not in standard:
             contrib[n.op_type] = contrib.get(n.op_type, 0) + 1
-    del onnx
     return {"wall_s": wall, "passes_s": passes, "nodes_after": len(nodes), "fused": sum(contrib.values()),
             "left": len(nodes) - sum(contrib.values()), "by_type": dict(sorted(contrib.items(), key=lambda kv: -kv[1])),
             "stats": stats}
 
 
 def child_infer(model: Path, optimize: bool, runs: int) -> dict:
-    import numpy as np
     import onnxruntime as ort
 
     from sdnpu.reports.fidelity import generic_inputs
@@ -120,7 +117,6 @@ def child_infer(model: Path, optimize: bool, runs: int) -> dict:
         start = time.perf_counter()
         sess.run(None, feeds)
         times.append(time.perf_counter() - start)
-    del np
     return {"load_s": load, "median_s": statistics.median(times), "runs": times}
 
 

@@ -200,11 +200,10 @@ def _pipeline_kind(source: Path) -> bool | None:
     text_encoder_2), from the pipeline's model_index.json; None where there is none."""
     import json
 
-    index = source.parent.parent / "model_index.json"
     if source.parent.name == "text_encoder_2":
         return True
     try:
-        return "text_encoder_2" in json.loads(index.read_text())
+        return "text_encoder_2" in json.loads((source.parent.parent / "model_index.json").read_text())
     except (OSError, ValueError):
         return None
 

@@ -212,17 +212,16 @@ class Pipeline:
 
 
 def _penultimate(component: Component, config_path: Path) -> str:
-    """SDXL reads the hidden states before the last layer: hidden_states.(L-1) of hidden_states.0..L, L the
-    encoder's num_hidden_layers (a dispatch model keeps only that one; the fp32 graph has them all)."""
+    """The hidden states SDXL reads from a text encoder: the penultimate layer's (``pipeline_outputs``, from
+    the encoder's num_hidden_layers; a dispatch model keeps only that one, the fp32 graph has them all)."""
+    from sdnpu.convert.compile import pipeline_outputs
+
     try:
-        layers = int(json.loads(config_path.read_text())["num_hidden_layers"])
-    except (OSError, ValueError, KeyError):
-        found = sorted(int(n.split(".")[1]) for n in component.outputs if n.startswith("hidden_states."))
-        if len(found) < 2:
-            raise SdnpuError(f"{config_path} gives no num_hidden_layers, and {component.name} does not expose "
-                             "its hidden states: SDXL reads the penultimate one") from None
-        layers = found[-1]
-    name = f"hidden_states.{layers - 1}"
+        config = json.loads(config_path.read_text())
+        name = pipeline_outputs(component.name, config, sdxl=True)[-1]  # type: ignore[index]
+    except (OSError, ValueError, KeyError) as e:
+        raise SdnpuError(f"cannot read num_hidden_layers from {config_path}: {e}",
+                         hint="the converted folder keeps each encoder's config.json: convert it again") from e
     if name not in component.outputs:
         raise SdnpuError(f"{component.path} has no output {name}: SDXL reads the penultimate hidden states",
                          hint="compile it again with --outputs pipeline (the default) or --outputs all")

@@ -130,6 +130,15 @@ def run(model: onnx.ModelProto, feeds: dict[str, np.ndarray]) -> dict[str, np.nd
     return dict(zip(names, sess.run(names, feeds), strict=True))
 
 
+def checked_run(proto: onnx.ModelProto, feeds: dict[str, np.ndarray], where: str) -> dict[str, np.ndarray]:
+    """The full checker, then onnxruntime; either failing is a Mismatch that says where."""
+    try:
+        onnx.checker.check_model(proto, full_check=True)
+        return run(proto, feeds)
+    except Exception as e:
+        raise Mismatch(f"{where}: {type(e).__name__}: {e}") from e
+
+
 def _retype(model: onnx.ModelProto, convert: Callable[[int], int],
             array: Callable[[np.ndarray], np.ndarray]) -> onnx.ModelProto:
     m = copy.deepcopy(model)
@@ -314,22 +323,13 @@ def check(model: onnx.ModelProto, precision: str = "bf16") -> Outcome:
         if stage not in STAGES:
             return
         attach_functions(m)
-        proto = ir.serde.serialize_model(m)
-        try:
-            onnx.checker.check_model(proto, full_check=True)
-            outs = run(proto, feeds)
-        except Exception as e:
-            raise Mismatch(f"after {stage}: {type(e).__name__}: {e}") from e
+        outs = checked_run(ir.serde.serialize_model(m), feeds, f"after {stage}")
         outcome.compared += _compare("fp16" if fp16 else "fp32", outs, ref, early, f"after {stage}")
 
     irm = ir.serde.deserialize_model(copy.deepcopy(model))
     compile_model(irm, after_each=after_each, precision=precision)
     final = ir.serde.serialize_model(irm)
-    try:
-        onnx.checker.check_model(final, full_check=True)
-        outs = run(final, feeds)
-    except Exception as e:
-        raise Mismatch(f"dispatch model ({precision}): {type(e).__name__}: {e}") from e
+    outs = checked_run(final, feeds, f"dispatch model ({precision})")
     if _signature(final) != _signature(model):
         raise Mismatch(f"dispatch model ({precision}): inputs and outputs {_signature(final)} differ from the input "
                        f"graph's {_signature(model)}")
