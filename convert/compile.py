@@ -14,6 +14,9 @@ import numpy as np
 
 from sdnpu.errors import SdnpuError
 from sdnpu.fileio import staged_dir
+from sdnpu.ops.target import DEFAULT_TARGET
+from sdnpu.passes.pipeline import CompileOptions
+from sdnpu.pipelines import pipeline_outputs
 from sdnpu.progress import peak_rss_bytes, release_memory, step
 from sdnpu.reports.fidelity import fidelity, generic_inputs
 
@@ -27,22 +30,6 @@ REPLACED = "replaced.onnx"
 # --outputs: "pipeline" (default) keeps what a diffusers pipeline reads, "all" keeps every output of the
 # graph; anything else is a comma-separated list of output names.
 OUTPUT_CHOICES = ("pipeline", "all")
-
-
-def pipeline_outputs(component: str, config: dict[str, Any], sdxl: bool) -> list[str] | None:
-    """The outputs of ``component`` that a diffusers pipeline reads (None: all of them).
-
-    The text encoders are exported with every hidden state (optimum's signature), but SDXL reads only the
-    penultimate hidden states of both encoders and text_encoder_2's pooled ``text_embeds``; SD 1.x/2.x read
-    ``last_hidden_state``. Every other output would cost a CastAvx on the CPU and, past the penultimate
-    layer, NPU work nobody uses. The UNet and the VAEs have one output.
-    """
-    if component not in ("text_encoder", "text_encoder_2"):
-        return None
-    if not sdxl and component == "text_encoder":
-        return ["last_hidden_state"]
-    penultimate = f"hidden_states.{int(config['num_hidden_layers']) - 1}"
-    return ["text_embeds", penultimate] if component == "text_encoder_2" else [penultimate]
 
 
 def keep_outputs(spec: str, available: list[str], component: str, config: dict[str, Any] | None,
@@ -130,24 +117,27 @@ def run_onnx(path: Path, feeds: dict[str, np.ndarray], optimize: bool = False) -
 
 def compile_into(source: Path, dd_dir: Path, info: dict[str, Any], feeds: dict[str, np.ndarray] | None = None,
                  reference: dict[str, np.ndarray] | None = None, verify: bool = True,
-                 shapes: dict[str, list[int]] | None = None, precision: str = "bf16",
+                 shapes: dict[str, list[int]] | None = None, options: CompileOptions | None = None,
                  outputs: list[str] | None = None) -> dict[str, Any]:
     """Compile ``source`` into the folder ``dd_dir`` (which the caller stages). Returns the report.
-    ``shapes`` fixes dynamic input axes (see ``static_shapes``); ``precision``: bf16 or bfp16; ``outputs``:
-    the graph outputs the dispatch model keeps (None: all; see ``keep_outputs``)."""
+    ``shapes`` fixes dynamic input axes (see ``static_shapes``); ``options``: the target and precision;
+    ``outputs``: the graph outputs the dispatch model keeps (None: all; see ``keep_outputs``)."""
     import onnx
 
     from sdnpu.passes.canonicalize import bind_input_shapes
     from sdnpu.passes.pipeline import compile_model, load, records_json, save
     from sdnpu.reports import report as reports
 
+    options = options or CompileOptions()
+
     name = info.get("component", source.parent.name)
-    with step(log, f"[{name}] compiling (canonicalize, fuse, layout, glue, precision, cleanup, partition)"):
+    with step(log, f"[{name}] compiling for {options.target.name} (canonicalize, fuse, layout, glue, views, "
+                   "precision, cleanup, partition)"):
         model = load(source)
         if shapes:
             bind_input_shapes(model, shapes)
         dropped = _drop_outputs(model, outputs, name) if outputs is not None else []
-        records = compile_model(model, precision=precision)
+        records = compile_model(model, options)
     dd_dir.mkdir(parents=True, exist_ok=True)
     out = dd_dir / REPLACED
     with step(log, f"[{name}] writing {REPLACED} (bf16 weights)"):
@@ -172,10 +162,11 @@ def compile_into(source: Path, dd_dir: Path, info: dict[str, Any], feeds: dict[s
         fid = fidelity(reference, actual)
         log.info("[%s] dispatch vs fp32: min cosine %.6f, max abs error %.3g", name, fid["min_cosine"],
                  fid["max_abs"])
-    extra: dict[str, Any] = {"precision": precision, "peak_rss_bytes": peak_rss_bytes()}
+    extra: dict[str, Any] = {"target": options.target.name, "precision": options.precision,
+                             "peak_rss_bytes": peak_rss_bytes()}
     if dropped:
         extra["dropped_outputs"] = dropped
-    report = reports.build(out, source, records_json(records), {**info, **extra}, fid)
+    report = reports.build(out, source, records_json(records), {**info, **extra}, fid, options.target)
     reports.write(dd_dir, report)
     s = report["summary"]
     log.info("[%s] offload rate %.2f%% (%d dispatch ops, %d CPU nodes, %d NPU regions)", name,
@@ -216,11 +207,12 @@ def output_names(path: Path) -> list[str]:
 
 def compile_file(source: Path, out: Path | None = None, verify: bool = True,
                  shapes: dict[str, list[int]] | None = None, res: int | None = None,
-                 precision: str = "bf16", outputs: str = "pipeline") -> dict[str, Any]:
+                 precision: str = "bf16", outputs: str = "pipeline", target: str = DEFAULT_TARGET) -> dict[str, Any]:
     """``sdnpu compile``: ``source`` -> ``out`` (default: ``dd/`` beside the source), replaced atomically.
     ``outputs``: pipeline, all, or a comma-separated list of output names (see ``keep_outputs``)."""
     import json
 
+    options = CompileOptions.named(target, precision)
     source = Path(source)
     if not source.is_file():
         raise SdnpuError(f"{source} is not a file", hint="give the path of an .onnx model")
@@ -235,4 +227,4 @@ def compile_file(source: Path, out: Path | None = None, verify: bool = True,
     with staged_dir(dd_dir) as stage:
         return compile_into(source, stage, {"component": source.parent.name,
                                             "source": {"name": str(source), "kind": "onnx"}}, verify=verify,
-                            shapes=bound, precision=precision, outputs=keep)
+                            shapes=bound, options=options, outputs=keep)

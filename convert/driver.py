@@ -36,7 +36,8 @@ from sdnpu.convert.export import (
 from sdnpu.convert.compile import OUTPUT_CHOICES, run_onnx
 from sdnpu.convert.sources import COMPONENT_MODULES, COMPONENTS, Source, resolve_source
 from sdnpu.errors import SdnpuError, storage_error
-from sdnpu.passes.precision import PRECISIONS
+from sdnpu.ops.target import DEFAULT_TARGET
+from sdnpu.passes.pipeline import CompileOptions
 from sdnpu.fileio import atomic_write_json, recover_staging, staged_dir
 from sdnpu.progress import peak_rss_bytes, release_memory, step
 from sdnpu.reports.fidelity import fidelity
@@ -121,16 +122,17 @@ def convert(
     compile: bool = True,
     precision: str = "bf16",
     outputs: str = "pipeline",
+    target: str = DEFAULT_TARGET,
 ) -> ConvertResult:
     """Export ``components`` of ``source`` to ``out`` (default ``models/<source name>``) and, unless
     ``compile=False``, compile each into ``<component>/dd/`` (dispatch model and offload report).
-    ``outputs``: "pipeline" (the dispatch models keep what a diffusers pipeline reads) or "all"."""
+    ``outputs``: "pipeline" (the dispatch models keep what a diffusers pipeline reads) or "all";
+    ``target``: the NPU whose op contract the dispatch models are written in."""
     if exporter not in EXPORTERS:
         raise SdnpuError(f"unknown exporter {exporter!r}", hint=f"choose one of: {', '.join(EXPORTERS)}")
     if opset < MIN_OPSET:
         raise SdnpuError(f"opset {opset} is too old", hint=f"use opset {MIN_OPSET} or newer")
-    if precision not in PRECISIONS:
-        raise SdnpuError(f"unknown precision {precision!r}", hint=f"choose one of: {', '.join(PRECISIONS)}")
+    options = CompileOptions.named(target, precision)
     if outputs not in OUTPUT_CHOICES:
         raise SdnpuError(f"unknown --outputs {outputs!r}", hint=f"choose one of: {', '.join(OUTPUT_CHOICES)}")
     src = resolve_source(source)
@@ -170,7 +172,7 @@ def convert(
             torch_stage = _torch_stage_in_child(src, job) if isolate else _torch_stage(src, job, holder)
             release_memory()  # the torch weights go before onnxruntime loads the graph's copy
             result = _export_component(src, comp, torch_stage, stage, res, factor, exporter, opset, check,
-                                       fingerprint, compile, precision, outputs)
+                                       fingerprint, compile, options, outputs)
         result.path = out_dir / comp / MODEL_FILE
         results.append(result)
     written = src.write_pipeline_files(out_dir)
@@ -317,7 +319,7 @@ def _child_main(conn: Any, source: str, job: _TorchJob, level: int) -> None:
 
 def _export_component(src: Source, comp: str, torch_stage: _TorchStage, stage: Path, res: int, factor: int,
                       exporter: str, opset: int, check: bool, fingerprint: str, compile: bool,
-                      precision: str, outputs: str) -> ComponentResult:
+                      options: CompileOptions, outputs: str) -> ComponentResult:
     import onnx
 
     config = src.module_config(comp)
@@ -350,7 +352,7 @@ def _export_component(src: Source, comp: str, torch_stage: _TorchStage, stage: P
         fp32 = actual
         with step(log, f"[{comp}] compile stage") as t:
             summary = compile_into(path, stage / "dd", info, feeds, fp32, verify=check,
-                                   precision=precision, outputs=keep)["summary"]
+                                   options=options, outputs=keep)["summary"]
         seconds["compile"] = round(t.seconds, 2)
 
     result = ComponentResult(component=comp, path=path, nodes=len(graph.graph.node), parameters=n_params,

@@ -1,5 +1,6 @@
-"""Cleanup: inverse cast pairs, dead nodes, unused initializers; then the finishing touches every dispatch
-model carries: AMD-style attributes on each dispatch op and the ops' reference functions."""
+"""Cleanup: inverse cast pairs, dead nodes, unused initializers; then what every dispatch model carries: the
+target's opset import and name, each dispatch op checked against the target's table (every required
+attribute present with its type), and the ops' reference functions."""
 
 from __future__ import annotations
 
@@ -7,73 +8,74 @@ from collections import Counter
 
 import onnx_ir as ir
 
-from sdnpu.ops.opset import BOUNDARY_OP, DOMAIN, VERSION, functions_for
-from sdnpu.passes.irutil import attr, remove_dead_nodes, remove_unused_initializers, static_shape
+from sdnpu.ops.bodies import functions_for
+from sdnpu.ops.tags import TARGET_KEY
+from sdnpu.ops.target import INT, INTS, STRING, STRINGS, Target
+from sdnpu.passes.irutil import attr, remove_dead_nodes, remove_unused_initializers
 from sdnpu.passes.manager import PassResult
 
-_DTYPE_NAMES = {ir.DataType.BFLOAT16: "bfloat16", ir.DataType.FLOAT: "float32", ir.DataType.FLOAT16: "float16",
-                ir.DataType.INT64: "int64", ir.DataType.INT32: "int32"}
+_ATTR_TYPES = {INT: ir.AttributeType.INT, INTS: ir.AttributeType.INTS, STRING: ir.AttributeType.STRING,
+               STRINGS: ir.AttributeType.STRINGS, "FLOAT": ir.AttributeType.FLOAT}
 
 
-def _cancel_casts(graph: ir.Graph) -> int:
-    """CastAvx(CastAvx(x)) back to x's own dtype and layout is x (bf16 -> fp32 -> bf16 is exact)."""
+def _cancel_casts(graph: ir.Graph, target: Target) -> int:
+    """CastAvx(CastAvx(x)) back to x's own dtype is x (bf16 -> fp32 -> bf16 is exact)."""
     done = 0
     for node in list(graph):
-        if node.graph is None or node.op_type != BOUNDARY_OP or node.domain != DOMAIN:
+        if node.graph is None or not target.is_boundary(node.domain, node.op_type):
             continue
         inner = node.inputs[0].producer() if node.inputs[0] is not None else None
-        if inner is None or inner.op_type != BOUNDARY_OP or inner.domain != DOMAIN:
+        if inner is None or not target.is_boundary(inner.domain, inner.op_type):
             continue
         base = inner.inputs[0]
         assert base is not None
-        p1, p2 = list(attr(inner, "perm")), list(attr(node, "perm"))
         if base.dtype != ir.DataType.BFLOAT16 or attr(node, "to") != int(ir.DataType.BFLOAT16):
             continue
-        if [p1[i] for i in p2] != list(range(len(p1))) or node.outputs[0].is_graph_output():
+        if node.outputs[0].is_graph_output():
             continue
         node.outputs[0].replace_all_uses_with(base)
         done += 1
     return done
 
 
-def _dtype_name(v: ir.Value | None) -> str:
-    return _DTYPE_NAMES.get(v.dtype, str(v.dtype)) if v is not None and v.dtype is not None else ""
+def contract_violations(target: Target, node: ir.Node) -> list[str]:
+    """What in ``node`` breaks the target's table: a missing required attribute, or one of another type."""
+    spec = target.base_spec(node.op_type)
+    problems = []
+    for a in spec.attrs:
+        have = node.attributes.get(a.name)
+        if have is None:
+            if a.required:
+                problems.append(f"{node.op_type} {node.name}: no attribute {a.name}")
+        elif have.type != _ATTR_TYPES[a.type]:
+            problems.append(f"{node.op_type} {node.name}: {a.name} is {have.type.name}, the table says {a.type}")
+    if len(node.inputs) != len(spec.inputs):
+        problems.append(f"{node.op_type} {node.name}: {len(node.inputs)} inputs, the table says {len(spec.inputs)}")
+    return problems
 
 
-def annotate(graph: ir.Graph) -> None:
-    """AMD's per-op metadata: in_dtypes, out_dtypes, input_shape, output_shape (static)."""
-    for node in graph:
-        if node.domain != DOMAIN:
-            continue
-        values = {
-            "in_dtypes": ir.AttrStrings("in_dtypes", [_dtype_name(v) for v in node.inputs]),
-            "out_dtypes": ir.AttrStrings("out_dtypes", [_dtype_name(v) for v in node.outputs]),
-            "input_shape": ir.AttrInt64s("input_shape", list(static_shape(node.inputs[0]) or [])),
-            "output_shape": ir.AttrInt64s("output_shape", list(static_shape(node.outputs[0]) or [])),
-        }
-        for key, value in values.items():
-            node.attributes[key] = value
-
-
-def attach_functions(model: ir.Model) -> int:
-    used = {n.op_type for n in model.graph if n.domain == DOMAIN}
-    for key in [k for k in model.functions if k[0] == DOMAIN]:
+def attach_functions(model: ir.Model, target: Target) -> int:
+    used = {n.op_type for n in model.graph if n.domain == target.domain}
+    for key in [k for k in model.functions if k[0] == target.domain]:
         del model.functions[key]
-    for proto in functions_for(used):
+    for proto in functions_for(target, used):
         fn = ir.serde.deserialize_function(proto)
         model.functions[fn.identifier()] = fn
     if used:
-        model.opset_imports[DOMAIN] = VERSION
-        model.graph.opset_imports[DOMAIN] = VERSION
+        model.opset_imports[target.domain] = target.domain_version
+        model.graph.opset_imports[target.domain] = target.domain_version
     return len(used)
 
 
-def cleanup(model: ir.Model) -> PassResult:
+def cleanup(model: ir.Model, target: Target) -> PassResult:
     graph = model.graph
     counts: Counter[str] = Counter()
-    counts["cast pairs cancelled"] = _cancel_casts(graph)
+    counts["cast pairs cancelled"] = _cancel_casts(graph, target)
     counts["dead nodes"] = remove_dead_nodes(graph)
     counts["unused initializers"] = remove_unused_initializers(graph)
-    annotate(graph)
-    counts["reference functions"] = attach_functions(model)
-    return PassResult(modified=True, counts=dict(counts))
+    problems = [p for n in graph if target.is_dispatch(n.domain, n.op_type) for p in contract_violations(target, n)]
+    if problems:  # a rule wrote a node the target's runtime would refuse: a compiler bug, never the user's
+        raise AssertionError(f"{len(problems)} dispatch ops break the {target.name} table: " + "; ".join(problems[:5]))
+    counts["reference functions"] = attach_functions(model, target)
+    model.metadata_props[TARGET_KEY] = target.name
+    return PassResult(modified=bool(sum(counts.values())), counts=dict(counts))

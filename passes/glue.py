@@ -1,121 +1,237 @@
-"""Glue: the element-wise and data-movement ops left between the fused families become dispatch ops,
-so that an NPU region is not cut by an Add, a Reshape or a Concat.
+"""Glue: the element-wise ops between the fused families become the target's dispatch ops, so that an NPU
+region is not cut by an Add, a SiLU or a Concat.
 
-Runs after the layout pass (which removes most Transposes and needs the plain ONNX forms to push them).
-A node whose data is not a float tensor of static shape and rank <= 4 stays on the CPU, with the reason.
+    Mul(x, Sigmoid(x))             ==> SDSilu
+    x · sigmoid(1.702 x)           ==> SDMul(x, 1.702) -> SDSilu -> SDMul(., 1/1.702)   (CLIP's quick_gelu)
+    Gelu(x)                        ==> SDGelu on the [B, M, N] view of x
+    Add(a, b), Sub(a, c)           ==> SDAdd (a constant operand second, as a bias: is_bias_add=1; -c)
+    Mul(a, b), Div(a, c)           ==> SDMul (the larger operand first; 1/c)
+    Concat(a, b, ...)              ==> SDConcat pairs (2-D operands along their last axis read as
+                                       [B, 1, 1, C]: the NHWC channel concatenation the kernel takes)
+
+Runs after the layout pass, which moves the NHWC Transposes through the plain ONNX forms. An op is lowered
+only where it touches the NPU (an input written by a dispatch op, or a dispatch op reading its output), to a
+fixed point: arithmetic among CPU values (the sinusoidal embeddings' fp32 arguments) stays on the CPU,
+where a lowered op would cost a cast in and out and bf16 precision. Whatever the target cannot take keeps
+its reason (node metadata ``sdnpu.declined``).
 """
 
 from __future__ import annotations
 
 from collections import Counter
+from collections.abc import Callable
 
 import numpy as np
 import onnx_ir as ir
 
-from sdnpu.ops.capability import check_tensor
-from sdnpu.passes.irutil import Builder, attr, const, is_float, replace, static_shape
+from sdnpu.ops.tags import DECLINED_TAG
+from sdnpu.ops.target import Target, prod
+from sdnpu.passes.irutil import Builder, bmk_view, const, is_float, producer, replace, scalar, static_shape, unview
 from sdnpu.passes.manager import PassResult
 
 RULE = "GlueLowering"
-_BINARY = {"Add": "SDAdd", "Sub": "SDSub", "Mul": "SDMul", "Div": "SDDiv"}
-_UNARY = {"Sin": "SDSin", "Cos": "SDCos", "Sigmoid": "SDSigmoid"}
-_RESHAPES = frozenset({"Reshape", "Squeeze", "Unsqueeze", "Flatten"})
-LOWERED = frozenset({*_BINARY, *_UNARY, *_RESHAPES, "Concat", "Slice", "Split", "Transpose", "Expand", "Softmax"})
+QUICK_GELU = 1.702
 
 
-def _data_inputs(node: ir.Node) -> list[ir.Value | None]:
-    if node.op_type in _BINARY or node.op_type == "Concat":
-        return list(node.inputs)
-    return list(node.inputs[:1])  # the rest (shape, axes, starts) are constants that select data
+def _onnx(node: ir.Node | None, op_type: str | None = None) -> bool:
+    return node is not None and node.domain in ("", "ai.onnx") and (op_type is None or node.op_type == op_type)
 
 
-def _reason(node: ir.Node) -> str | None:
-    for v in [*_data_inputs(node), *node.outputs]:
-        if v is None:
-            continue
-        shape = static_shape(v)
-        reason = check_tensor(len(shape) if shape is not None else None, is_float(v))
+class _Glue:
+    def __init__(self, graph: ir.Graph, target: Target) -> None:
+        self.graph = graph
+        self.target = target
+        self.counts: Counter[str] = Counter()
+
+    def dispatch(self, node: ir.Node | None) -> bool:
+        return node is not None and self.target.is_dispatch(node.domain, node.op_type)
+
+    def touches_npu(self, node: ir.Node, data: list[ir.Value | None]) -> bool:
+        """Whether a dispatch op writes one of ``data`` or reads an output, through views (Reshapes)."""
+        for v in data:
+            p = v.producer() if v is not None else None
+            while _onnx(p, "Reshape"):
+                p = p.inputs[0].producer() if p.inputs[0] is not None else None  # type: ignore[union-attr]
+            if self.dispatch(p):
+                return True
+        todo = [u.node for out in node.outputs for u in out.uses()]
+        while todo:
+            reader = todo.pop()
+            if self.dispatch(reader):
+                return True
+            if _onnx(reader, "Reshape"):
+                todo += [u.node for u in reader.outputs[0].uses()]
+        return False
+
+    def decline(self, node: ir.Node, reason: str) -> None:
+        node.metadata_props[DECLINED_TAG] = f"{RULE}: {reason}"
+
+    # --- one lowering per op family; each returns the replacement values, a reason, or None (no match) ---
+
+    def silu(self, b: Builder, node: ir.Node) -> tuple[list[ir.Node], list[ir.Value]] | str | None:
+        if not _onnx(node, "Mul"):
+            return None
+        for x, s in (node.inputs, reversed(node.inputs)):
+            sig = producer(s, "Sigmoid")
+            if sig is None or x is None:
+                continue
+            if sig.inputs[0] is x:
+                if len(s.uses()) != 1 or s.is_graph_output():  # type: ignore[union-attr]
+                    return "the sigmoid is also read elsewhere"
+                return [sig, node], [self.unary(b, "SDSilu", x)]
+            inner = producer(sig.inputs[0], "Mul")
+            c = scalar(next((v for v in inner.inputs if v is not x), None)) if inner is not None else None
+            if inner is not None and x in inner.inputs and c is not None and abs(c - QUICK_GELU) < 1e-3:
+                if any(len(v.uses()) != 1 or v.is_graph_output() for v in (inner.outputs[0], s)):  # type: ignore
+                    return "quick_gelu's intermediates are also read elsewhere"
+                if static_shape(node.outputs[0]) != static_shape(x):
+                    return "the constant broadcasts x to another shape"
+                scaled = self.binary(b, "SDMul", x, self.vector(b, x, c))
+                if isinstance(scaled, str):
+                    return scaled
+                y = self.binary(b, "SDMul", self.unary(b, "SDSilu", scaled), self.vector(b, x, 1.0 / c))
+                return ([inner, sig, node], [y]) if not isinstance(y, str) else y
+        return None
+
+    def gelu(self, b: Builder, node: ir.Node) -> tuple[list[ir.Node], list[ir.Value]] | str | None:
+        if not _onnx(node, "Gelu"):
+            return None
+        x = node.inputs[0]
+        shape = static_shape(x)
+        if x is None or shape is None:
+            return "the input has no static shape"
+        view = bmk_view(shape)
+        approximate = node.attributes.get("approximate")
+        approx = approximate.value if approximate is not None else "none"
+        approx = approx.decode() if isinstance(approx, bytes) else approx
+        reason, assumed = self.target.spec("SDGelu").check({"x": view, "approximate": approx})
         if reason:
             return reason
-    return None
+        y = b.dispatch("SDGelu", [x], {"input_shape": view, "output_shape": view, "approximate": approx},
+                       dtype=x.dtype, shape=view, assumed=assumed).outputs[0]
+        return [node], [unview(b, y, shape)]
 
+    def arithmetic(self, b: Builder, node: ir.Node) -> tuple[list[ir.Node], list[ir.Value]] | str | None:
+        if not _onnx(node) or node.op_type not in ("Add", "Sub", "Mul", "Div") or len(node.inputs) != 2:
+            return None
+        a, c = node.inputs
+        if a is None or c is None:
+            return None
+        op = "SDAdd" if node.op_type in ("Add", "Sub") else "SDMul"
+        if node.op_type in ("Sub", "Div"):
+            k = const(c)
+            if k is None:
+                return f"{node.op_type} of two activations: not in the {self.target.name} registry"
+            if node.op_type == "Div" and np.any(k == 0):
+                return "division by zero"
+            c = b.const((-k if node.op_type == "Sub" else 1.0 / k).astype(k.dtype), f"{c.name}_glue")
+        if a.const_value is not None and c.const_value is None:
+            a, c = c, a
+        if a.const_value is not None:
+            return "both operands are constants"
+        y = self.binary(b, op, a, c)
+        return y if isinstance(y, str) else ([node], [y])
 
-def _slice_attrs(node: ir.Node) -> dict[str, list[int]] | None:
-    vals = [const(v) if v is not None else None for v in node.inputs[1:]]
-    if any(v is None for v in vals[:2]) or any(v is None for v, inp in zip(vals[2:], node.inputs[3:]) if inp):
-        return None
-    rank = len(static_shape(node.inputs[0]) or ())
-    starts, ends = (np.asarray(v).reshape(-1) for v in vals[:2])
-    axes = np.asarray(vals[2]).reshape(-1) if len(vals) > 2 and vals[2] is not None else np.arange(len(starts))
-    steps = np.asarray(vals[3]).reshape(-1) if len(vals) > 3 and vals[3] is not None else np.ones(len(starts))
-    big = np.iinfo(np.int64).max
-    shape = static_shape(node.inputs[0]) or ()
-    ends = [min(int(e), shape[int(a) % rank]) if int(e) < big else shape[int(a) % rank] for e, a in zip(ends, axes)]
-    return {"starts": [int(s) for s in starts], "ends": ends, "axes": [int(a) % rank for a in axes],
-            "steps": [int(s) for s in steps]}
-
-
-def _lower(b: Builder, node: ir.Node) -> list[ir.Value] | None:
-    op = node.op_type
-    out_shape = static_shape(node.outputs[0])
-    if op in _BINARY:
-        return [b.op(_BINARY[op], list(node.inputs)).outputs[0]]
-    if op in _UNARY:
-        return [b.op(_UNARY[op], [node.inputs[0]]).outputs[0]]
-    if op == "Softmax":
-        return [b.op("SDSoftmax", [node.inputs[0]], {"axis": int(attr(node, "axis", -1))}).outputs[0]]
-    if op in _RESHAPES:
-        return [b.op("SDReshape", [node.inputs[0]], {"shape": list(out_shape)}).outputs[0]]  # type: ignore
-    if op == "Transpose":
-        return [b.op("SDTranspose", [node.inputs[0]], {"perm": list(attr(node, "perm"))}).outputs[0]]
-    if op == "Expand":
-        return [b.op("SDExpand", [node.inputs[0]], {"shape": list(out_shape)}).outputs[0]]  # type: ignore
-    if op == "Concat":  # a chain of pairs; each partial result typed and shaped (the precision pass reads them)
-        axis = int(attr(node, "axis", 0))
-        acc = node.inputs[0]
+    def concat(self, b: Builder, node: ir.Node) -> tuple[list[ir.Node], list[ir.Value]] | str | None:
+        if not _onnx(node, "Concat") or len(node.inputs) < 2:
+            return None
+        out_shape = static_shape(node.outputs[0])
+        if out_shape is None or any(static_shape(v) is None or v.const_value is not None for v in node.inputs):
+            return "operands without static shapes, or constants"
+        rank = len(out_shape)
+        axis = int(node.attributes["axis"].value) % rank
+        lifted = rank == 2 and axis == 1  # [B, C] along C: the kernel's NHWC channel concat on [B, 1, 1, C]
+        acc: ir.Value = node.inputs[0]  # type: ignore[assignment]
+        acc_shape = list(static_shape(acc))  # type: ignore[arg-type]
         for v in node.inputs[1:]:
-            a_shape, v_shape = static_shape(acc), static_shape(v)
-            shape = None
-            if a_shape is not None and v_shape is not None:
-                shape = list(a_shape)
-                shape[axis % len(shape)] += v_shape[axis % len(shape)]
-            acc = b.op("SDConcat", [acc, v], {"axis": axis}, dtype=node.outputs[0].dtype, shape=shape).outputs[0]
-        return [acc]  # type: ignore[list-item]
-    if op == "Slice":
-        attrs = _slice_attrs(node)
-        return None if attrs is None else [b.op("SDSlice", [node.inputs[0]], attrs).outputs[0]]
-    if op == "Split":
-        shape = static_shape(node.inputs[0]) or ()
-        axis = int(attr(node, "axis", 0)) % len(shape)
-        sizes = [static_shape(o)[axis] for o in node.outputs]  # type: ignore[index]
-        outs, start = [], 0
-        for size in sizes:
-            attrs = {"starts": [start], "ends": [start + size], "axes": [axis], "steps": [1]}
-            outs.append(b.op("SDSlice", [node.inputs[0]], attrs).outputs[0])
-            start += size
-        return outs
-    return None
+            v_shape = list(static_shape(v))  # type: ignore[arg-type]
+            c_shape = list(acc_shape)
+            c_shape[axis] += v_shape[axis]
+            a_view, b_view, c_view = ([[s[0], 1, 1, s[1]] for s in (acc_shape, v_shape, c_shape)] if lifted
+                                      else (acc_shape, v_shape, c_shape))
+            reason, assumed = self.target.spec("SDConcat").check({"a": a_view, "b": b_view, "op": "Concat"})
+            if reason:
+                return reason
+            acc = b.dispatch("SDConcat", [acc, v], {"a_shape": a_view, "b_shape": b_view, "c_shape": c_view,
+                                                    "axis": 3 if lifted else axis},
+                             dtype=node.outputs[0].dtype, shape=c_view, assumed=assumed).outputs[0]
+            acc_shape = c_shape
+        return [node], [unview(b, acc, out_shape)]
 
+    # --- helpers ---
 
-def lower_glue(model: ir.Model) -> PassResult:
-    graph = model.graph
-    counts: Counter[str] = Counter()
-    declined: dict[str, tuple[str, str]] = {}
-    for node in list(graph):
-        if node.op_type not in LOWERED or node.domain not in ("", "ai.onnx"):
-            continue
-        reason = _reason(node)
+    def unary(self, b: Builder, op: str, x: ir.Value) -> ir.Value:
+        shape = list(static_shape(x))  # type: ignore[arg-type]
+        return b.dispatch(op, [x], {"input_shape": shape, "output_shape": shape}, dtype=x.dtype,
+                          shape=shape).outputs[0]
+
+    def vector(self, b: Builder, like: ir.Value, value: float) -> ir.Value:
+        """A constant [C] along ``like``'s last axis (the kernels' bias form)."""
+        c = static_shape(like)[-1]  # type: ignore[index]
+        return b.const(np.full(c, value, np.float32), f"glue_{value:.6g}")
+
+    def binary(self, b: Builder, op: str, a: ir.Value, c: ir.Value) -> ir.Value | str:
+        a_shape, c_shape = static_shape(a), static_shape(c)
+        if a_shape is None or c_shape is None or not is_float(a):
+            return "operands without static float shapes"
+        a_shape, c_shape = list(a_shape), list(c_shape)
+        bias = c.const_value is not None
+        if not bias and prod(c_shape) > prod(a_shape):
+            a, c, a_shape, c_shape = c, a, c_shape, a_shape  # the larger operand first
+        try:
+            out = list(np.broadcast_shapes(tuple(a_shape), tuple(c_shape)))
+        except ValueError:
+            return f"{a_shape} and {c_shape} do not broadcast"
+        if out != a_shape:
+            return f"the result {out} is larger than the first operand {a_shape}"
+        if bias and (prod(c_shape) == 1 or (prod(c_shape) == a_shape[-1] and c_shape[-1] == a_shape[-1])):
+            value = np.broadcast_to(np.asarray(const(c), np.float32).reshape(-1), (a_shape[-1],)).copy()
+            c, c_shape = b.const(value, f"{c.name}_c"), [a_shape[-1]]
+        reason, assumed = self.target.spec(op).check({"a": a_shape, "b": c_shape, "b_const": bias,
+                                                      "op": op[2:]})
         if reason:
-            declined[node.name or node.op_type] = (RULE, reason)
-            continue
-        b = Builder(graph, RULE)
-        news = _lower(b, node)
-        if news is None:
-            declined[node.name or node.op_type] = (RULE, "inputs that select data are not constant")
-            continue
-        for old, new in zip(node.outputs, news, strict=True):
-            new.dtype = old.dtype
-            new.shape = old.shape
-        replace(graph, node, [node], b.nodes, list(node.outputs), news)
-        counts[f"{node.op_type} -> {b.nodes[-1].op_type}"] += 1
-    return PassResult(modified=bool(counts), counts=dict(counts), details={"declined": declined})
+            return reason
+        attrs: dict[str, object] = {"a_shape": a_shape, "b_shape": c_shape, "c_shape": a_shape}
+        if op == "SDAdd":
+            attrs["is_bias_add"] = int(bias)
+        return b.dispatch(op, [a, c], attrs, dtype=a.dtype, shape=a_shape, assumed=assumed).outputs[0]
+
+
+def lower_glue(model: ir.Model, target: Target) -> PassResult:
+    graph = model.graph
+    glue = _Glue(graph, target)
+    families: list[tuple[str, Callable[..., object]]] = [("SiLU", glue.silu), ("GELU", glue.gelu),
+                                                         ("arithmetic", glue.arithmetic), ("Concat", glue.concat)]
+    counts: Counter[str] = Counter()
+    for _ in range(100):  # each lowering can make a neighbour touch the NPU
+        changed = 0
+        for name, lower in families:
+            for node in list(graph):
+                if node.graph is None or not _onnx(node):
+                    continue
+                data = list(node.inputs)
+                if not glue.touches_npu(node, data):
+                    continue
+                b = Builder(graph, RULE, target)
+                found = lower(b, node)
+                if found is None:
+                    continue
+                if isinstance(found, str):
+                    glue.decline(node, found)
+                    for v in b.initializers:  # constants made for a refused lowering
+                        if not v.uses():
+                            del graph.initializers[v.name]  # type: ignore[arg-type]
+                    continue
+                old_nodes, news = found  # type: ignore[misc]
+                olds = [old_nodes[-1].outputs[0]]
+                replace(graph, old_nodes[-1], old_nodes, b.nodes, olds, news)
+                counts[f"{name} -> {', '.join(sorted({n.op_type for n in b.nodes if n.domain == target.domain}))}"] += 1
+                changed += 1
+        if not changed:
+            break
+    lowerable = ("Add", "Sub", "Mul", "Div", "Concat", "Gelu")
+    for node in graph:  # what stayed among CPU values says so (its reason, unless a family declined it)
+        if _onnx(node) and node.op_type in lowerable and DECLINED_TAG not in node.metadata_props:
+            glue.decline(node, "computes on CPU values only (no dispatch op writes its inputs or reads its "
+                               "output): on the NPU it would cost a cast each way")
+    return PassResult(modified=bool(counts), counts=dict(counts))

@@ -8,7 +8,9 @@ from typing import Any
 import numpy as np
 import onnx_ir as ir
 
-from sdnpu.ops.opset import DOMAIN, RULE_TAG
+from sdnpu.ops.tags import ASSUMED_TAG, RULE_TAG, VIEWS_TAG
+from sdnpu.ops.target import Target
+
 FLOAT_TYPES = frozenset({ir.DataType.FLOAT, ir.DataType.FLOAT16, ir.DataType.BFLOAT16})
 
 
@@ -58,16 +60,52 @@ def attr(node: ir.Node, name: str, default: Any = None) -> Any:
 
 
 class Builder:
-    """Creates nodes (stamped with the rule's name) and initializers in one graph."""
+    """Creates nodes (stamped with the rule's name) and initializers in one graph; ``dispatch`` creates the
+    target's ops with the attributes its table requires."""
 
-    def __init__(self, graph: ir.Graph, rule: str) -> None:
+    def __init__(self, graph: ir.Graph, rule: str, target: Target | None = None) -> None:
         self.graph = graph
         self.rule = rule
+        self.target = target
         self.nodes: list[ir.Node] = []
         self.initializers: list[ir.Value] = []
 
+    def dispatch(self, op_type: str, inputs: Sequence[ir.Value | None], attrs: dict[str, Any], *,
+                 dtype: ir.DataType | None, shape: Sequence[int], assumed: Sequence[str] = ()) -> ir.Node:
+        """A dispatch op of the target: ``attrs`` are the shape and op attributes; the dtype lists come from
+        the table, and dummy inputs (buffers AMD's kernels take but do not read) are appended."""
+        from sdnpu.ops.bodies import dummy
+
+        assert self.target is not None, "dispatch ops need the target"
+        spec = self.target.spec(op_type)
+        ins = list(inputs)
+        for spec_in in spec.inputs[len(ins):]:
+            assert spec_in.role == "dummy", (op_type, spec_in.name)
+            ins.append(self.shared_const(dummy(spec_in), f"sdnpu_dummy_{spec_in.dtype}_{spec_in.dummy_shape[0]}"))
+        full = {**attrs, "in_dtypes": list(spec.in_dtypes), "out_dtypes": list(spec.out_dtypes)}
+        for name, i in spec.exact_inputs:  # weight shapes: the tensors' own
+            full.setdefault(name, list(static_shape(ins[i]) or []))
+        for name, _ in spec.exact_outputs:
+            full.setdefault(name, list(shape))
+        node = self.op(op_type, ins, full, domain=self.target.domain, dtype=dtype, shape=shape)
+        if assumed:
+            node.metadata_props[ASSUMED_TAG] = ",".join(assumed)
+        record_views(node, self.target)
+        return node
+
+    def shared_const(self, array: np.ndarray, name: str) -> ir.Value:
+        """One initializer of this name per graph, shared by every op that needs it (dummies, masks)."""
+        existing = self.graph.initializers.get(name)
+        if existing is not None:
+            return existing
+        value = ir.Value(name=name, shape=ir.Shape(list(array.shape)), type=ir.TensorType(
+            ir.DataType.from_numpy(array.dtype)), const_value=ir.tensor(array, name=name))
+        self.graph.register_initializer(value)
+        self.initializers.append(value)
+        return value
+
     def op(self, op_type: str, inputs: Sequence[ir.Value | None], attrs: dict[str, Any] | None = None, *,
-           domain: str = DOMAIN, n_out: int = 1, dtype: ir.DataType | None = None,
+           domain: str = "", n_out: int = 1, dtype: ir.DataType | None = None,
            shape: Sequence[int] | None = None) -> ir.Node:
         node = ir.Node(domain, op_type, list(inputs), attributes=ir.convenience.convert_attributes(attrs or {}),
                        num_outputs=n_out)
@@ -148,3 +186,39 @@ def remove_unused_initializers(graph: ir.Graph) -> int:
     for name in unused:
         del graph.initializers[name]
     return len(unused)
+
+
+def bmk_view(shape: tuple[int, ...] | list[int]) -> list[int]:
+    """The [B, M, K] view of an activation: [K] -> [1, 1, K], [M, K] -> [1, M, K], [B, M, K] as it is,
+    [B, H, W, K] -> [B, H*W, K]; K is the last axis."""
+    if len(shape) == 1:
+        return [1, 1, int(shape[0])]
+    if len(shape) == 2:
+        return [int(shape[0]), 1, int(shape[1])]
+    return [int(shape[0]), int(np.prod(shape[1:-1])), int(shape[-1])]
+
+
+def unview(b: Builder, y: ir.Value, shape: tuple[int, ...] | None) -> ir.Value:
+    """``y`` reshaped to ``shape`` where they differ: the view back to what the replaced node wrote (a
+    dispatch op reading it absorbs the Reshape again)."""
+    if shape is None or static_shape(y) == shape:
+        return y
+    return b.op("Reshape", [y, b.const(np.asarray(shape, np.int64), "shape")], dtype=y.dtype,
+                shape=list(shape)).outputs[0]
+
+
+def record_views(node: ir.Node, target: Target) -> None:
+    """Write on a dispatch op which inputs it reads through a view (node metadata ``sdnpu.views``:
+    ``input:tensor shape>view;...``): its attribute names a shape other than the tensor's, same element
+    count. The report lists them; the tests hold each against the tensor."""
+    spec = target.base_spec(node.op_type)
+    attrs = {k: a.value for k, a in node.attributes.items()}
+    records = []
+    for i, view in sorted(spec.input_views(attrs).items()):
+        shape = static_shape(node.inputs[i]) if i < len(node.inputs) else None
+        if shape is not None and list(shape) != list(view):
+            records.append(f"{i}:{'x'.join(map(str, shape))}>{'x'.join(map(str, view))}")
+    if records:
+        node.metadata_props[VIEWS_TAG] = ";".join(records)
+    else:
+        node.metadata_props.pop(VIEWS_TAG, None)

@@ -11,7 +11,8 @@ removes those boundaries wherever two NHWC ops meet, by three rewrites run to a 
    constant is folded (lazily) into the constant;
 3. *push*: ``op(T(a), T(b), const)`` for a layout-agnostic ``op`` (element-wise, Concat, Split, Slice)
    becomes ``T(op'(a, b, const'))`` with the axes remapped and constants permuted offline, so the NHWC->NCHW
-   Transpose after one dispatch op travels down until it meets the NCHW->NHWC Transpose of the next.
+   Transpose after one dispatch op travels down until it meets the NCHW->NHWC Transpose of the next. The
+   element-wise ops are still plain ONNX here (the glue pass lowers them after this one).
 """
 
 from __future__ import annotations
@@ -34,8 +35,6 @@ RULE = "LayoutPass"
 
 ELEMENTWISE = frozenset({"Add", "Sub", "Mul", "Div", "Sigmoid", "Cast", "Identity", "Relu", "Tanh", "Erf", "Sqrt",
                          "Neg", "Sin", "Cos", "Exp"})
-SD_ELEMENTWISE = frozenset({"SDSilu", "SDGelu", "SDQuickGelu", "SDAdd", "SDSub", "SDMul", "SDDiv", "SDSigmoid",
-                            "SDSin", "SDCos"})
 AXIS_OPS = frozenset({"Concat", "Split", "Slice"})
 
 
@@ -65,10 +64,25 @@ def _chain_from(head: ir.Node) -> list[ir.Node]:
         chain.append(uses[0].node)
 
 
+def _canonical(chain: list[ir.Node], s_shape: tuple[int, ...], d_shape: tuple[int, ...]) -> bool:
+    """Chains the rewrites below would leave as they are, known without simulating them: one Reshape that
+    changes the shape, one NHWC<->NCHW Transpose that moves data. (Simulating a large VAE tensor costs a
+    second each, on every round of the fixed point.)"""
+    if len(chain) != 1:
+        return False
+    node = chain[0]
+    if node.op_type == "Reshape":
+        return s_shape != d_shape
+    perm = _perm(node)
+    return perm in (TO_NCHW, TO_NHWC) and not _reshape_equivalent(s_shape, perm)
+
+
 def _simplify_chain(graph: ir.Graph, chain: list[ir.Node]) -> bool:
     src, dst = chain[0].inputs[0], chain[-1].outputs[0]
     s_shape, d_shape = static_shape(src), static_shape(dst)
     assert src is not None and s_shape is not None and d_shape is not None
+    if _canonical(chain, s_shape, d_shape):
+        return False
     idx = movement.index_tensor(s_shape)
     if idx is None:
         return False
@@ -173,8 +187,7 @@ def _reshape_equivalent(shape: tuple[int, ...], perm: tuple[int, ...]) -> bool:
 
 def _push_one(graph: ir.Graph, t: ir.Node, node: ir.Node) -> bool:
     op = node.op_type
-    sd = node.domain == "sdnpu"
-    if not ((not sd and (op in ELEMENTWISE or op in AXIS_OPS)) or (sd and op in SD_ELEMENTWISE)):
+    if node.domain not in ("", "ai.onnx") or not (op in ELEMENTWISE or op in AXIS_OPS):
         return False
     if op in ("Split", "Slice") and node.inputs[0] is not t.outputs[0]:
         return False

@@ -1,10 +1,11 @@
-"""Partition: propose NPU regions (maximal cycle-free connected sets of dispatch ops) and give every CPU
-node its reason. The proposal is written into the model as node metadata (``sdnpu.region`` on dispatch ops,
-``sdnpu.cpu_reason`` on the rest) and returned, so the report reads one source of truth.
+"""Partition: propose NPU regions, then apply them (node metadata ``sdnpu.region`` on dispatch ops,
+``sdnpu.cpu_reason`` on the rest), so the report reads one source of truth.
 
-Connected dispatch ops are grouped (networkx); a group is split where merging it would make a cycle through
-the CPU (an NPU region must be callable as one unit: nothing it needs may come from a CPU node that itself
-needs the region).
+A region must be callable as one unit: nothing it needs may come from a CPU node that itself needs the
+region. The proposal starts from the connected components of the dispatch ops (maximal); where one of them
+would close a cycle through the CPU, its nodes are regrouped in topological order, each joining the region of
+one of its dispatch producers unless that would close a cycle (checked on the graph of regions), so regions
+stay as large as the cycles allow.
 """
 
 from __future__ import annotations
@@ -14,10 +15,9 @@ from dataclasses import dataclass, field
 import networkx as nx
 import onnx_ir as ir
 
-from sdnpu.ops.opset import BOUNDARY_OP, DOMAIN, REASON_TAG, REGION_TAG
+from sdnpu.ops.tags import DECLINED_TAG, REASON_TAG, REGION_TAG
+from sdnpu.ops.target import Target
 from sdnpu.passes.manager import PassResult
-from sdnpu.passes.precision import is_dispatch
-
 
 
 @dataclass
@@ -38,65 +38,101 @@ def _node_graph(graph: ir.Graph) -> nx.DiGraph:
     return g
 
 
-def _regions(graph: ir.Graph) -> list[list[ir.Node]]:
+def _contracted(g: nx.DiGraph, owner: dict[ir.Node, int]) -> nx.DiGraph:
+    c = nx.DiGraph()
+    for u, v in g.edges:
+        cu, cv = owner.get(u, u), owner.get(v, v)
+        if cu != cv:
+            c.add_edge(cu, cv)
+    return c
+
+
+def _acyclic(g: nx.DiGraph, owner: dict[ir.Node, int]) -> bool:
+    try:
+        nx.find_cycle(_contracted(g, owner))
+    except nx.NetworkXNoCycle:
+        return True
+    return False
+
+
+def _regroup(g: nx.DiGraph, members: list[ir.Node], owner: dict[ir.Node, int], next_id: int) -> int:
+    """Regroup ``members`` (a component on a cycle) in topological order: each joins the region of one of
+    its producers in the component where that closes no cycle, else starts one. Returns the next free id."""
+    member_set = set(members)
+    for node in members:
+        del owner[node]
+    for node in members:  # graph order is topological
+        for p in g.predecessors(node):
+            if p not in member_set or p not in owner:
+                continue
+            owner[node] = owner[p]
+            if _acyclic(g, owner):
+                break
+            del owner[node]
+        if node not in owner:
+            owner[node] = next_id
+            next_id += 1
+    return next_id
+
+
+def propose_regions(graph: ir.Graph, target: Target) -> list[list[ir.Node]]:
+    """The regions, each a list of dispatch nodes in graph order; the graph is not changed."""
     g = _node_graph(graph)
     order = {n: i for i, n in enumerate(graph)}
-    npu = [n for n in graph if is_dispatch(n)]
+    npu = [n for n in graph if target.is_dispatch(n.domain, n.op_type)]
     sub = g.subgraph(npu).to_undirected(as_view=True)
-    groups = [sorted(c, key=order.__getitem__) for c in nx.connected_components(sub)]
-    # Cycle check on the contracted graph. A group on a cycle is split in two in topological order; that
-    # ends, since single nodes cannot form a cycle (the graph is a DAG).
-    while True:
-        owner = {n: i for i, grp in enumerate(groups) for n in grp}
-        contracted = nx.DiGraph()
-        for u, v in g.edges:
-            cu, cv = owner.get(u, u), owner.get(v, v)
-            if cu != cv:
-                contracted.add_edge(cu, cv)
+    components = [sorted(c, key=order.__getitem__) for c in nx.connected_components(sub)]
+    owner = {n: i for i, comp in enumerate(components) for n in comp}
+    next_id = len(components)
+    for _ in range(len(npu) + 1):
         try:
-            cycle = nx.find_cycle(contracted)
+            cycle = nx.find_cycle(_contracted(g, owner))
         except nx.NetworkXNoCycle:
-            return groups
-        bad = next(c for edge in cycle for c in edge if isinstance(c, int))
-        grp = groups.pop(bad)
-        half = len(grp) // 2
-        groups += [grp[:half], grp[half:]]
+            break
+        bad = next(c for edge in cycle for c in edge[:2] if isinstance(c, int))
+        members = sorted((n for n, o in owner.items() if o == bad), key=order.__getitem__)
+        if len(members) == 1:  # cannot happen in a DAG; guard against looping
+            break
+        next_id = _regroup(g, members, owner, next_id)
+    groups: dict[int, list[ir.Node]] = {}
+    for n in npu:
+        groups.setdefault(owner[n], []).append(n)
+    return sorted(groups.values(), key=lambda grp: order[grp[0]])
 
 
-def _cpu_reason(node: ir.Node, declined: dict[str, tuple[str, str]]) -> str:
-    if node.op_type == BOUNDARY_OP and node.domain == DOMAIN:
+def _cpu_reason(node: ir.Node, target: Target) -> str:
+    if target.is_boundary(node.domain, node.op_type):
         return "CPU<->NPU boundary cast (CastAvx runs on the CPU)"
-    key = node.name or node.op_type
-    if key in declined:
-        rule, reason = declined[key]
-        return f"{rule}: {reason}"
-    return f"no rule offloads {node.op_type}"
+    declined = node.metadata_props.get(DECLINED_TAG)
+    if declined:
+        return declined
+    if node.domain not in ("", "ai.onnx"):
+        return f"{node.domain}::{node.op_type}: not in the {target.name} registry"
+    return target.cpu_reason(node.op_type)
 
 
-def partition(model: ir.Model, declined: dict[str, tuple[str, str]] | None = None) -> PassResult:
+def partition(model: ir.Model, target: Target) -> PassResult:
     graph = model.graph
-    declined = declined or {}
-    regions = _regions(graph)
-    order = {n: i for i, n in enumerate(graph)}
-    regions.sort(key=lambda grp: order[grp[0]])
+    regions = propose_regions(graph, target)
     out: list[Region] = []
     for i, grp in enumerate(regions):
         members = set(grp)
         region = Region(i, [n.name or n.op_type for n in grp])
         for n in grp:
             n.metadata_props[REGION_TAG] = str(i)
+            n.metadata_props.pop(REASON_TAG, None)
             for v in n.inputs:
                 outside = v is not None and v.const_value is None and v.producer() not in members
-                if outside and v.name not in region.inputs:
-                    region.inputs.append(v.name or "")
+                if outside and v.name not in region.inputs:  # type: ignore[union-attr]
+                    region.inputs.append(v.name or "")  # type: ignore[union-attr]
             for v in n.outputs:
                 if v.is_graph_output() or any(u.node not in members for u in v.uses()):
                     region.outputs.append(v.name or "")
         out.append(region)
     cpu = 0
     for node in graph:
-        if not is_dispatch(node):
-            node.metadata_props[REASON_TAG] = _cpu_reason(node, declined)
+        if not target.is_dispatch(node.domain, node.op_type):
+            node.metadata_props[REASON_TAG] = _cpu_reason(node, target)
             node.metadata_props.pop(REGION_TAG, None)
             cpu += 1
     transitions = sum(len(r.inputs) + len(r.outputs) for r in out)

@@ -1,18 +1,20 @@
 """The offload compiler: one declared pipeline, read top to bottom.
 
     canonicalize  one spelling of every pattern, whatever the exporter wrote
-    fuse          op families -> dispatch ops (passes/fuse.py orders the rules)
+    fuse          the big op families -> the target's dispatch ops (passes/fuse.py orders the rules)
     layout        NHWC between dispatch ops; needs the fused ops (it cancels their boundary Transposes)
-    glue          remaining element-wise / data-movement ops -> dispatch ops; after layout, which pushes
-                  Transposes through the plain ONNX forms
-    precision     bf16 weights and activations, CastAvx at CPU<->NPU edges; needs the final set of
-                  dispatch ops (it decides where the edges are)
-    cleanup       cast pairs, dead nodes, unused weights, AMD attributes, reference functions
+    glue          the element-wise ops between them -> dispatch ops; after layout, which pushes Transposes
+                  through their plain ONNX forms
+    views         Reshapes in front of dispatch ops absorbed into them; after glue (every reader is final)
+    precision     bf16 activations, constants as the table stores them, CastAvx at CPU<->NPU edges; needs the
+                  final set of dispatch ops (it decides where the edges are)
+    cleanup       cast pairs, dead nodes, unused weights, the table check, reference functions
     partition     NPU regions and the reason for every CPU node; last, it describes the final graph
 
-``load`` leaves an ONNX file's weights on disk (onnx_ir reads external data lazily); the pipeline runs on
-it; ``save`` writes the dispatch model. Derived weights (transposed, bf16) are computed one at a time while
-saving, so a compile holds no full second copy of the weights (sdnpu.convert.compile drives this).
+Every pass after canonicalize reads the target (``CompileOptions.target``): its table says what a dispatch
+op is. ``load`` leaves an ONNX file's weights on disk (onnx_ir reads external data lazily); the pipeline runs
+on it; ``save`` writes the dispatch model. Derived weights (transposed, bf16) are computed one at a time
+while saving, so a compile holds no full second copy of the weights (sdnpu.convert.compile drives this).
 """
 
 from __future__ import annotations
@@ -21,19 +23,23 @@ import errno
 import logging
 import os
 import shutil
+from collections.abc import Callable
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import onnx_ir as ir
 
 from sdnpu.errors import SdnpuError
+from sdnpu.ops.target import DEFAULT_TARGET, Target, get_target
 from sdnpu.passes.canonicalize import canonicalize
 from sdnpu.passes.cleanup import cleanup
 from sdnpu.passes.fuse import fuse
 from sdnpu.passes.glue import lower_glue
 from sdnpu.passes.layout import layout
-from sdnpu.passes.manager import PassFn, PassRecord, PassResult, run_passes
+from sdnpu.passes.manager import PassFn, PassRecord, run_passes
 from sdnpu.passes.partition import partition
-from sdnpu.passes.precision import precision
+from sdnpu.passes.precision import PRECISIONS, precision
+from sdnpu.passes.views import absorb_views
 
 log = logging.getLogger(__name__)
 
@@ -44,27 +50,33 @@ PROTOBUF_LIMIT = 2**31 - 2**26
 EXTERNAL_DATA_ENV = "SDNPU_EXTERNAL_DATA_ABOVE"
 
 
-def pipeline(precision_mode: str = "bf16") -> list[tuple[str, PassFn]]:
-    declined: dict[str, tuple[str, str]] = {}
+@dataclass(frozen=True)
+class CompileOptions:
+    """What a compile is for: the target and the precision (validated once, here)."""
 
-    def fuse_pass(model: ir.Model) -> PassResult:
-        result = fuse(model)
-        declined.update(result.details.get("declined", {}))  # type: ignore[arg-type]
-        return result
+    target: Target = field(default_factory=get_target)
+    precision: str = "bf16"
 
-    def glue_pass(model: ir.Model) -> PassResult:
-        result = lower_glue(model)
-        declined.update(result.details.get("declined", {}))  # type: ignore[arg-type]
-        return result
+    def __post_init__(self) -> None:
+        if self.precision not in PRECISIONS:
+            raise SdnpuError(f"unknown precision {self.precision!r}", hint=f"choose one of: {', '.join(PRECISIONS)}")
 
+    @classmethod
+    def named(cls, target: str = DEFAULT_TARGET, precision: str = "bf16") -> CompileOptions:
+        return cls(get_target(target), precision)
+
+
+def pipeline(options: CompileOptions) -> list[tuple[str, PassFn]]:
+    t = options.target
     return [
         ("canonicalize", canonicalize),
-        ("fuse", fuse_pass),
+        ("fuse", lambda m: fuse(m, t)),
         ("layout", layout),
-        ("glue", glue_pass),
-        ("precision", lambda m: precision(m, precision_mode)),
-        ("cleanup", cleanup),
-        ("partition", lambda m: partition(m, declined)),
+        ("glue", lambda m: lower_glue(m, t)),
+        ("views", lambda m: absorb_views(m, t)),
+        ("precision", lambda m: precision(m, t, options.precision)),
+        ("cleanup", lambda m: cleanup(m, t)),
+        ("partition", lambda m: partition(m, t)),
     ]
 
 
@@ -106,9 +118,14 @@ def _check_external_data(model: ir.Model, path: Path) -> None:
 
 
 def save(model: ir.Model, path: Path) -> None:
-    total = sum(v.const_value.nbytes for v in model.graph.initializers.values() if v.const_value is not None)
+    """Write ``model`` to ``path``; its weights go to ``path.data`` past the protobuf limit, or where some are
+    still the source's external data (a weight no pass changed, e.g. the text encoders' token table that
+    stays with its CPU Gather): those are copied into our own file, never referenced in the source's."""
+    values = [v.const_value for v in model.graph.initializers.values() if v.const_value is not None]
+    total = sum(t.nbytes for t in values)
+    external = any(isinstance(t, ir.ExternalTensor) for t in values)
     try:
-        if total > int(os.environ.get(EXTERNAL_DATA_ENV, PROTOBUF_LIMIT)):
+        if external or total > int(os.environ.get(EXTERNAL_DATA_ENV, PROTOBUF_LIMIT)):
             ir.save(model, path, external_data=path.name + ".data", size_threshold_bytes=1024)
         else:
             ir.save(model, path)
@@ -121,8 +138,9 @@ def save(model: ir.Model, path: Path) -> None:
         raise
 
 
-def compile_model(model: ir.Model, after_each=None, precision: str = "bf16") -> list[PassRecord]:  # type: ignore
-    return run_passes(model, pipeline(precision), after_each)
+def compile_model(model: ir.Model, options: CompileOptions | None = None,
+                  after_each: Callable[[str, ir.Model], None] | None = None) -> list[PassRecord]:
+    return run_passes(model, pipeline(options or CompileOptions()), after_each)
 
 
 def records_json(records: list[PassRecord]) -> list[dict[str, object]]:

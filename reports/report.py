@@ -2,7 +2,13 @@
 
 Built from what the compiler recorded, never by counting op types afterwards: the partition's regions and
 CPU reasons (node metadata ``sdnpu.region`` / ``sdnpu.cpu_reason``), the rules' provenance tags
-(``sdnpu.rule``) and the passes' counts. The offload rate is AMD's: offloaded / (offloaded + CPU nodes).
+(``sdnpu.rule``), the views each op absorbed (``sdnpu.views``), the assumed capabilities each op relies on
+(``sdnpu.assumed``) and the passes' counts. The offload rate is AMD's, under the model's target: dispatch ops
+(the target's registry ops) / (dispatch ops + every other node, the boundary casts included).
+
+Multiply-accumulates are counted over every op that has them: the dispatch ops from their attributes, the CPU
+ones (Conv, ConvTranspose, MatMul, Gemm, Einsum, contrib attention) from their tensors' shapes. Where shapes
+are missing nothing can be counted, and the share is "unknown" rather than a flattering 100%.
 """
 
 from __future__ import annotations
@@ -17,10 +23,10 @@ import onnx
 
 from sdnpu import __version__
 from sdnpu.fileio import atomic_write_text
-from sdnpu.ops.opset import BOUNDARY_OP, DOMAIN, REASON_TAG, REGION_TAG, RULE_TAG
+from sdnpu.ops.tags import ASSUMED_TAG, REASON_TAG, REGION_TAG, RULE_TAG, TARGET_KEY, VIEWS_TAG
+from sdnpu.ops.target import Target, get_target
 
-SCHEMA_VERSION = 1
-_MAC_OPS = {"Conv", "Gemm", "MatMul", "SDConv", "SDGemm", "SDMatMul", "SDMHA", "SDMHA_VAE"}
+SCHEMA_VERSION = 2
 
 
 def _meta(node: onnx.NodeProto) -> dict[str, str]:
@@ -44,44 +50,80 @@ def _prod(xs: list[int]) -> int:
     return out
 
 
-def macs(node: onnx.NodeProto, shapes: dict[str, list[int]]) -> int:
-    """Multiply-accumulates of a compute node (0 for everything else)."""
-    op = node.op_type.removesuffix("_bfp")
-    if op not in _MAC_OPS:
+def _attrs(node: onnx.NodeProto) -> dict[str, Any]:
+    return {a.name: onnx.helper.get_attribute_value(a) for a in node.attribute}
+
+
+def macs(node: onnx.NodeProto, shapes: dict[str, list[int]], target: Target) -> int | None:
+    """Multiply-accumulates of ``node``: 0 for ops without any, None where they cannot be counted."""
+    if target.is_dispatch(node.domain, node.op_type):
+        spec = target.base_spec(node.op_type)
+        return spec.macs(_attrs(node)) if spec.macs is not None else 0
+    if node.domain not in ("", "ai.onnx", "com.microsoft"):
         return 0
+    op = node.op_type
     ins = [shapes.get(n, []) for n in node.input]
-    out = shapes.get(node.output[0], [])
-    if not out or not ins or not ins[0]:
-        return 0
-    if op in ("Conv", "SDConv"):
+    out = shapes.get(node.output[0], []) if node.output else []
+    if op in ("Conv", "ConvTranspose"):
+        if len(ins) < 2 or not ins[1] or not out:
+            return None
         w = ins[1]
-        per_out = _prod(w[1:])  # IC/g * KH * KW in either layout
-        return _prod(out) * per_out
-    if op in ("Gemm", "SDGemm", "MatMul", "SDMatMul"):
-        k = ins[0][-1]
+        if op == "Conv":
+            return _prod(out) * _prod(w[1:])  # IC/g * KH * KW per output
+        return _prod(ins[0]) * _prod(w[1:])  # ConvTranspose: every input value meets OC/g * KH * KW weights
+    if op in ("MatMul", "Gemm"):
+        if not ins or not ins[0] or not out:
+            return None
+        k = ins[0][-1] if not (op == "Gemm" and _attrs(node).get("transA")) else ins[0][0]
         return _prod(out) * k
-    q, kv = ins[0], ins[1]  # SDMHA: Q [B, M, C], K [B, N, C]: Q·Kᵀ and P·V
-    return 2 * q[0] * q[1] * kv[1] * q[2]
+    if op == "Einsum":
+        if not out or not ins or any(not s for s in ins):
+            return None
+        eq = str(_attrs(node).get("equation", b"")).replace("b'", "").replace("'", "")
+        lhs = eq.split("->")[0].split(",")
+        sizes = {c: d for term, s in zip(lhs, ins, strict=False) for c, d in zip(term.strip(), s, strict=False)}
+        return _prod(list(sizes.values()))
+    if op in ("Attention", "MultiHeadAttention") and ins and len(ins[0]) == 3:
+        b, m, c = ins[0]
+        n = ins[1][1] if len(ins) > 1 and len(ins[1]) == 3 else m
+        return 2 * b * m * n * c
+    return 0
 
 
 def build(replaced: Path, source_model: Path | None, passes: list[dict[str, Any]],
-          info: dict[str, Any] | None = None, fidelity: dict[str, Any] | None = None) -> dict[str, Any]:
+          info: dict[str, Any] | None = None, fidelity: dict[str, Any] | None = None,
+          target: Target | None = None) -> dict[str, Any]:
     """The report's data, from the dispatch model and the passes that made it."""
     model = onnx.load(str(replaced), load_external_data=False)
+    meta = {p.key: p.value for p in model.metadata_props}
+    target = target or get_target(meta.get(TARGET_KEY, "amd-xdna2"))
     shapes = _shapes(model)
     offloaded, cpu, rules = [], [], Counter()
     mac_npu = mac_cpu = 0
+    uncounted = 0
+    views: Counter[str] = Counter()
+    assumed: Counter[str] = Counter()
+    assumed_ops = 0
     for node in model.graph.node:
-        meta = _meta(node)
-        if RULE_TAG in meta and node.domain == DOMAIN and node.op_type != BOUNDARY_OP:
-            rules[meta[RULE_TAG]] += 1
-        m = macs(node, shapes)
-        if REGION_TAG in meta:
+        meta_n = _meta(node)
+        if RULE_TAG in meta_n and node.domain == target.domain and not target.is_boundary(node.domain, node.op_type):
+            rules[meta_n[RULE_TAG]] += 1
+        m = macs(node, shapes, target)
+        if m is None:
+            uncounted += 1
+            m = 0
+        if REGION_TAG in meta_n:
             offloaded.append(node)
             mac_npu += m
+            for record in filter(None, meta_n.get(VIEWS_TAG, "").split(";")):
+                views[node.op_type] += 1
+            names = [a for a in meta_n.get(ASSUMED_TAG, "").split(",") if a]
+            for a in names:
+                assumed[f"{node.op_type}: {a}"] += 1
+            assumed_ops += bool(names)
         else:
             cpu.append({"name": node.name, "op_type": node.op_type,
-                        "reason": meta.get(REASON_TAG, "not assigned by the partitioner")})
+                        "reason": meta_n.get(REASON_TAG, "not assigned by the partitioner")})
             mac_cpu += m
     by_type = Counter(n.op_type for n in offloaded)
     regions: dict[int, int] = Counter(int(_meta(n)[REGION_TAG]) for n in offloaded)
@@ -92,10 +134,13 @@ def build(replaced: Path, source_model: Path | None, passes: list[dict[str, Any]
     if source_model is not None:
         src = onnx.load(str(source_model), load_external_data=False)
         weight_before = sum(_tensor_bytes(t) for t in src.graph.initializer)
+    mac_total = mac_npu + mac_cpu
+    share = mac_npu / mac_total if mac_total and not uncounted else None
     return {
         "schema_version": SCHEMA_VERSION,
         "tool": {"name": "sdnpu", "version": __version__},
         **(info or {}),
+        "target": target.name,
         "model": replaced.name,
         "inputs": {i.name: shapes.get(i.name, []) for i in model.graph.input},
         "outputs": {o.name: shapes.get(o.name, []) for o in model.graph.output},
@@ -104,15 +149,20 @@ def build(replaced: Path, source_model: Path | None, passes: list[dict[str, Any]
             "offloaded_nodes": len(offloaded),
             "cpu_nodes": len(cpu),
             "offload_rate": len(offloaded) / total if total else 0.0,
-            "macs_total": mac_npu + mac_cpu,
-            "macs_offloaded_share": mac_npu / (mac_npu + mac_cpu) if mac_npu + mac_cpu else 1.0,
+            "macs_total": mac_total,
+            "macs_offloaded_share": share,
+            "macs_uncounted_nodes": uncounted,
             "npu_regions": len(regions),
             "transitions": int(partition.get("counts", {}).get("transitions", 0)),
             "weight_bytes_before": weight_before,
             "weight_bytes_after": weight_after,
+            "absorbed_views": sum(views.values()),
+            "ops_on_assumed_capabilities": assumed_ops,
         },
         "offloaded_by_type": dict(sorted(by_type.items(), key=lambda kv: (-kv[1], kv[0]))),
         "rules_fired": dict(sorted(rules.items(), key=lambda kv: (-kv[1], kv[0]))),
+        "absorbed_views": dict(sorted(views.items(), key=lambda kv: (-kv[1], kv[0]))),
+        "assumed_capabilities": dict(sorted(assumed.items(), key=lambda kv: (-kv[1], kv[0]))),
         "cpu_nodes": cpu,
         "regions": partition.get("regions", []),
         "passes": passes,
@@ -141,7 +191,8 @@ def render_text(r: dict[str, Any]) -> str:
     src = r.get("source")
     if src:
         lines.append(f"source      {src.get('name')} ({src.get('kind')}, fingerprint {src.get('fingerprint')})")
-    lines.append(f"precision   {r.get('precision', 'bf16')}        tool  sdnpu {r['tool']['version']}")
+    lines.append(f"target      {r.get('target', '?')}   precision {r.get('precision', 'bf16')}   "
+                 f"tool sdnpu {r['tool']['version']}")
     for kind in ("inputs", "outputs"):
         for name, shape in r[kind].items():
             lines.append(f"{kind[:-1]:<11} {name} {shape}")
@@ -155,7 +206,11 @@ def render_text(r: dict[str, Any]) -> str:
               f"CPU nodes              {s['cpu_nodes']}",
               (f"offload rate           {100 * s['offload_rate']:.2f}%  "
                f"({s['offloaded_nodes']} / ({s['offloaded_nodes']} + {s['cpu_nodes']}))"),
-              f"MACs offloaded         {100 * s['macs_offloaded_share']:.2f}% of {s['macs_total']:,}",
+              (f"MACs offloaded         {100 * s['macs_offloaded_share']:.2f}% of {s['macs_total']:,}"
+               if s.get("macs_offloaded_share") is not None else
+               f"MACs offloaded         unknown ({s.get('macs_uncounted_nodes', 0)} nodes without shapes)"),
+              f"views absorbed         {s.get('absorbed_views', 0)} (Reshapes read as the op's own shape)",
+              f"assumed capabilities   {s.get('ops_on_assumed_capabilities', 0)} ops rely on one",
               f"NPU regions            {s['npu_regions']}",
               f"CPU<->NPU transitions  {s['transitions']}",
               f"weights                {_gb(s['weight_bytes_before'])} -> {_gb(s['weight_bytes_after'])}",
@@ -163,6 +218,12 @@ def render_text(r: dict[str, Any]) -> str:
     lines += [f"  {op:<24}{n:>6}" for op, n in r["offloaded_by_type"].items()]
     lines += ["", "Rules that fired", "-" * 79]
     lines += [f"  {rule:<24}{n:>6}" for rule, n in r["rules_fired"].items()]
+    if r.get("absorbed_views"):
+        lines += ["", "Views absorbed (by the op that reads them)", "-" * 79]
+        lines += [f"  {op:<24}{n:>6}" for op, n in r["absorbed_views"].items()]
+    if r.get("assumed_capabilities"):
+        lines += ["", "Assumed capabilities (no public source states them)", "-" * 79]
+        lines += [f"  {cap[:70]:<70}{n:>6}" for cap, n in r["assumed_capabilities"].items()]
     lines += ["", f"CPU nodes ({len(r['cpu_nodes'])})", "-" * 79]
     for c in r["cpu_nodes"]:
         lines.append(f"  {c['op_type']:<14}{c['name'][:62]}")

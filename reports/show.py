@@ -41,8 +41,10 @@ def _from_onnx(path: Path) -> dict[str, Any]:
         model = onnx.load(str(path), load_external_data=False)
     except Exception as e:  # protobuf's DecodeError and friends
         raise SdnpuError(f"{path} is not a readable ONNX model: {type(e).__name__}: {e}") from e
-    if not any(n.domain == "sdnpu" for n in model.graph.node):
-        raise SdnpuError(f"{path} is not a dispatch model: it has no sdnpu ops",
+    from sdnpu.ops.tags import TARGET_KEY
+
+    if not any(p.key == TARGET_KEY for p in model.metadata_props):
+        raise SdnpuError(f"{path} is not a dispatch model: no target is recorded in it",
                          hint="compile it first: `sdnpu compile MODEL.onnx`")
     return build(path, None, [], {"component": path.parent.parent.name})
 
@@ -96,8 +98,10 @@ def summary_lines(reports: list[tuple[str, dict[str, Any]]]) -> str:
         s = r["summary"]
         fid = r.get("fidelity")
         cos = f"{fid['min_cosine']:.6f}" if fid else "-"
+        share = s.get("macs_offloaded_share")
+        macs = f"{100 * share:>12.2f}%" if share is not None else f"{'unknown':>13}"
         lines.append(f"{name:<16}{100 * s['offload_rate']:>8.2f}%{s['offloaded_nodes']:>10}{s['cpu_nodes']:>6}"
-                     f"{s['npu_regions']:>9}{100 * s['macs_offloaded_share']:>12.2f}%{cos:>12}")
+                     f"{s['npu_regions']:>9}{macs}{cos:>12}")
         tot_npu += s["offloaded_nodes"]
         tot_cpu += s["cpu_nodes"]
     total = tot_npu + tot_cpu
@@ -132,8 +136,11 @@ def diff(a: list[tuple[str, dict[str, Any]]], b: list[tuple[str, dict[str, Any]]
     return "\n".join(lines) + "\n"
 
 
-def below(reports: list[tuple[str, dict[str, Any]]], rate: float) -> list[str]:
-    """Components whose offload rate is under ``rate`` (a fraction; 99.5 and 0.995 both mean 99.5%)."""
-    threshold = rate / 100 if rate > 1 else rate
+def below(reports: list[tuple[str, dict[str, Any]]], percent: float) -> list[str]:
+    """Components whose offload rate is under ``percent`` (a percent, as coverage tools read a gate: 99.5 is
+    99.5%, 1 is 1%)."""
+    if not 0 <= percent <= 100:  # also refuses nan
+        raise SdnpuError(f"--fail-under takes a percent between 0 and 100, not {percent}", hint="e.g. --fail-under 99")
+    threshold = percent / 100
     return [f"{name}: {100 * r['summary']['offload_rate']:.2f}% < {100 * threshold:.2f}%"
             for name, r in reports if r["summary"]["offload_rate"] < threshold]

@@ -24,7 +24,7 @@ import numpy as np
 
 from sdnpu.errors import SdnpuError
 from sdnpu.progress import release_memory
-from sdnpu.runtime.session import DISPATCH_MODEL, REFERENCE_MODEL, Component, open_component
+from sdnpu.runtime.session import DISPATCH_MODEL, REFERENCE_MODEL, Component, RuntimeOptions, open_component
 
 log = logging.getLogger(__name__)
 
@@ -47,15 +47,15 @@ class Pipeline:
     By default each stage opens its sessions and drops them when done (text encoders, then the UNet, then
     the VAE), so the peak is the largest stage, not the sum: at full SDXL size in fp32 the four sessions
     together would not fit beside the UNet's activations on a 24 GiB machine. ``keep_sessions=True`` keeps
-    them open for repeated generation. ``optimize``: onnxruntime's graph optimizations (None: where they fit
-    in memory, see ``sdnpu.runtime.session.choose_optimize``)."""
+    them open for repeated generation. ``runtime``: how sessions are made (a custom-op library, graph
+    optimizations, threads; see ``sdnpu.runtime.session.RuntimeOptions``)."""
 
-    def __init__(self, folder: str | Path, reference: bool = False, threads: int | None = None,
-                 keep_sessions: bool = False, optimize: bool | None = None) -> None:
+    def __init__(self, folder: str | Path, reference: bool = False, keep_sessions: bool = False,
+                 runtime: RuntimeOptions | None = None) -> None:
         import onnx
 
         self.folder = Path(folder)
-        self.reference, self.threads, self.keep, self.optimize = reference, threads, keep_sessions, optimize
+        self.reference, self.keep, self.runtime = reference, keep_sessions, runtime or RuntimeOptions()
         if not (self.folder / "model_index.json").is_file():
             raise SdnpuError(f"{self.folder} is not a converted pipeline folder (no model_index.json)",
                              hint="make convert MODEL=all writes one: models/<source name>/")
@@ -80,8 +80,8 @@ class Pipeline:
     @contextlib.contextmanager
     def _using(self, *names: str) -> Iterator[dict[str, Component]]:
         """Sessions for ``names`` for the length of a stage (kept when ``keep_sessions``)."""
-        parts = {n: self.parts.get(n) or open_component(self.folder, n, self.reference, self.threads,
-                                                         self.optimize) for n in names}
+        parts = {n: self.parts.get(n) or open_component(self.folder, n, self.reference, self.runtime)
+                 for n in names}
         if self.keep:
             self.parts.update(parts)
         try:
@@ -214,7 +214,7 @@ class Pipeline:
 def _penultimate(component: Component, config_path: Path) -> str:
     """The hidden states SDXL reads from a text encoder: the penultimate layer's (``pipeline_outputs``, from
     the encoder's num_hidden_layers; a dispatch model keeps only that one, the fp32 graph has them all)."""
-    from sdnpu.convert.compile import pipeline_outputs
+    from sdnpu.pipelines import pipeline_outputs
 
     try:
         config = json.loads(config_path.read_text())

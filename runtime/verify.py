@@ -18,7 +18,7 @@ from sdnpu.reports import report as reports
 from sdnpu.reports.fidelity import fidelity, generic_inputs
 from sdnpu.reports.show import COMPONENT_ORDER
 from sdnpu.runtime.pipeline import GenerateOptions, Pipeline
-from sdnpu.runtime.session import open_component
+from sdnpu.runtime.session import RuntimeOptions, open_component
 
 log = logging.getLogger(__name__)
 
@@ -26,7 +26,7 @@ log = logging.getLogger(__name__)
 def _component(folder: Path, name: str, seed: int) -> dict[str, Any]:
     feeds = generic_inputs(folder / name / "model.onnx", seed)
     with step(log, f"[{name}] fp32 graph"):
-        reference = open_component(folder, name, reference=True, optimize=True).run(feeds)
+        reference = open_component(folder, name, reference=True, options=RuntimeOptions(optimize=True)).run(feeds)
     release_memory()
     with step(log, f"[{name}] dispatch model"):
         actual = open_component(folder, name).run(feeds)

@@ -30,7 +30,7 @@ def _cmd_convert(args: argparse.Namespace) -> int:
 
     result = convert(args.source, components=args.model, out=args.out, res=args.res, exporter=args.exporter,
                      opset=args.opset, check=not args.no_check, compile=not args.no_compile,
-                     precision=args.precision, outputs=args.outputs)
+                     precision=args.precision, outputs=args.outputs, target=args.target)
     print(f"\n{result.source.name} -> {result.out} ({result.resolution} px)")
     print(f"{'component':<16}{'nodes':>7}{'params':>15}{'export s':>9}{'peak mem':>10}  {'max abs / rel error':<20}"
           f"{'offload':>8}{'CPU':>5}")
@@ -60,7 +60,8 @@ def _cmd_compile(args: argparse.Namespace) -> int:
         except ValueError as e:
             raise SdnpuError(f"cannot read --shape {item!r}", hint="write NAME=D,D,... e.g. sample=2,4,128,128") from e
     report = compile_file(Path(args.model), Path(args.out) if args.out else None, verify=not args.no_verify,
-                          shapes=shapes, res=args.res, precision=args.precision, outputs=args.outputs)
+                          shapes=shapes, res=args.res, precision=args.precision, outputs=args.outputs,
+                          target=args.target)
     print(render_text(report), end="")
     return 0
 
@@ -72,6 +73,8 @@ def _cmd_report(args: argparse.Namespace) -> int:
     from sdnpu.reports.report import render_text
 
     paths = [Path(p) for p in args.paths]
+    if args.fail_under is not None:
+        show.below([], args.fail_under)  # a value that is not a percent fails before anything is printed
     if args.paths and args.paths[0] == "diff":
         if len(paths) != 3:
             raise SdnpuError("`sdnpu report diff` compares two reports", hint="sdnpu report diff A B")
@@ -105,10 +108,12 @@ def _cmd_generate(args: argparse.Namespace) -> int:
 
     from tqdm import tqdm
 
-    from sdnpu.runtime import GenerateOptions, Pipeline, save_png
+    from sdnpu.runtime import GenerateOptions, Pipeline, RuntimeOptions, save_png
 
     optimize = {"auto": None, "on": True, "off": False}[args.optimize]
-    pipe = Pipeline(Path(args.models), reference=args.reference, threads=args.threads, optimize=optimize)
+    runtime = RuntimeOptions.from_env(args.custom_ops, npu_text_encoders=args.npu_text_encoders, optimize=optimize,
+                                      threads=args.threads)
+    pipe = Pipeline(Path(args.models), reference=args.reference, runtime=runtime)
     opts = GenerateOptions(args.prompt, args.negative_prompt, args.steps, args.guidance, args.seed, args.scheduler,
                            args.image, args.strength)
 
@@ -119,7 +124,20 @@ def _cmd_generate(args: argparse.Namespace) -> int:
 
         image = pipe(opts, progress=advance)
     save_png(image, Path(args.out))
-    print(f"wrote {args.out} ({image.shape[1]}x{image.shape[0]}, {'fp32 graphs' if args.reference else 'dispatch models'})")
+    how = "fp32 graphs" if args.reference else (
+        f"dispatch models, custom ops {runtime.custom_ops}" if runtime.custom_ops else
+        "dispatch models through their reference bodies on the CPU")
+    print(f"wrote {args.out} ({image.shape[1]}x{image.shape[0]}, {how})")
+    return 0
+
+
+def _cmd_pack(args: argparse.Namespace) -> int:
+    from sdnpu.runtime.pack import PACKED_DIR, pack
+
+    results = pack(args.models)
+    for name, counts in results.items():
+        print(f"{name:<16}{', '.join(f'{k} {v}' for k, v in counts.items()) or 'nothing to pack'}")
+    print(f"written to <component>/dd/{PACKED_DIR}/replaced.onnx (for AMD's custom ops only: no reference bodies)")
     return 0
 
 
@@ -142,6 +160,7 @@ def _cmd_verify(args: argparse.Namespace) -> int:
 def build_parser() -> argparse.ArgumentParser:
     from sdnpu.convert.export import DEFAULT_OPSET, EXPORTERS
     from sdnpu.convert.sources import COMPONENTS
+    from sdnpu.ops.target import DEFAULT_TARGET, target_names
 
     parser = argparse.ArgumentParser(prog="sdnpu", description="Stable Diffusion to NPU dispatch models.")
     parser.add_argument("--version", action="version", version=f"sdnpu {__version__}")
@@ -160,8 +179,10 @@ def build_parser() -> argparse.ArgumentParser:
     conv.add_argument("--opset", type=int, default=DEFAULT_OPSET, help=f"ONNX opset (default {DEFAULT_OPSET})")
     conv.add_argument("--no-check", action="store_true", help="skip the onnxruntime-vs-PyTorch check")
     conv.add_argument("--no-compile", action="store_true", help="export only (no dd/ dispatch model)")
+    conv.add_argument("--target", default=DEFAULT_TARGET, choices=target_names(),
+                      help=f"the NPU whose op contract the dispatch models are written in (default {DEFAULT_TARGET})")
     conv.add_argument("--precision", choices=("bf16", "bfp16"), default="bf16",
-                      help="dispatch ops in bf16 (default) or their BFP16 `_bfp` variants")
+                      help="bf16 (default), or bfp16: AMD's numerics (weights as its packer writes them, `_bfp` ops)")
     conv.add_argument("--outputs", choices=("pipeline", "all"), default="pipeline",
                       help="outputs the dispatch models keep: what the diffusers pipeline reads (default; the "
                       "text encoders' other hidden states go) or all; model.onnx always keeps all")
@@ -175,8 +196,10 @@ def build_parser() -> argparse.ArgumentParser:
                       help="static shape for a dynamic input (repeatable); an SD component folder with its "
                       "config.json (as optimum writes it) gets sdnpu's shapes by default")
     comp.add_argument("--res", type=int, default=None, help="image resolution for those default shapes")
+    comp.add_argument("--target", default=DEFAULT_TARGET, choices=target_names(),
+                      help=f"the NPU whose op contract the dispatch model is written in (default {DEFAULT_TARGET})")
     comp.add_argument("--precision", choices=("bf16", "bfp16"), default="bf16",
-                      help="dispatch ops in bf16 (default) or their BFP16 `_bfp` variants")
+                      help="bf16 (default), or bfp16: AMD's numerics (weights as its packer writes them, `_bfp` ops)")
     comp.add_argument("--outputs", default="pipeline", metavar="pipeline|all|NAME,...",
                       help="outputs the dispatch model keeps: what the diffusers pipeline reads (default; needs "
                       "the pipeline's model_index.json above a text_encoder), all, or a list of names")
@@ -187,8 +210,9 @@ def build_parser() -> argparse.ArgumentParser:
                          "report.json or a replaced.onnx. `sdnpu report diff A B` shows what changed.")
     rep.add_argument("paths", nargs="+", metavar="PATH")
     rep.add_argument("--json", action="store_true", help="print the JSON report(s)")
-    rep.add_argument("--fail-under", type=float, default=None, metavar="RATE",
-                     help="exit 1 when a component's offload rate is below RATE (99.5 or 0.995)")
+    rep.add_argument("--fail-under", type=float, default=None, metavar="PERCENT",
+                     help="exit 1 when a component's offload rate is below PERCENT (e.g. 99.5; a percent, as "
+                     "coverage tools read it)")
     rep.add_argument("--plot", default=None, metavar="FILE", help="draw the offload strip to FILE (.svg or .png)")
     rep.set_defaults(func=_cmd_report)
 
@@ -207,8 +231,19 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--optimize", choices=("auto", "on", "off"), default="auto",
                      help="onnxruntime's graph optimizations: faster, but a dispatch model's weights are held "
                      "in fp32 too; auto (default) turns them on where that fits in memory")
+    gen.add_argument("--custom-ops", default=None, metavar="LIBRARY",
+                     help="AMD's onnx_custom_ops library: registered on the dispatch models' sessions (after the "
+                     "dd_cache and onnx_custom_ops_const_key entries) so it claims their com.amd ops; default "
+                     "$SDNPU_CUSTOM_OPS; without one, the CPU runs the ops' reference bodies")
+    gen.add_argument("--npu-text-encoders", action="store_true",
+                     help="register the custom-op library on the text encoders too (AMD runs them on the CPU)")
     gen.add_argument("--out", default="image.png")
     gen.set_defaults(func=_cmd_generate)
+
+    pk = sub.add_parser("pack", help="a deployable copy of the dispatch models with AMD's packed weights "
+                        "(needs AMD's ryzenai_dynamic_dispatch packer)")
+    pk.add_argument("models", nargs="?", default="models/sdxl-base", help="a converted folder or one component's")
+    pk.set_defaults(func=_cmd_pack)
 
     ver = sub.add_parser("verify", help="dispatch models against their fp32 graphs, component by component "
                          "and over the whole pipeline; results go into the reports")

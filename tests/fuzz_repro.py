@@ -299,9 +299,12 @@ def _sensitivity(wide: onnx.ModelProto, feeds32: dict[str, np.ndarray], ref: dic
 
 def check(model: onnx.ModelProto, precision: str = "bf16") -> Outcome:
     """Compile ``model`` and compare every stage with it; raises ``Mismatch`` (or the compiler's error)."""
-    from sdnpu.ops.opset import DOMAIN, REASON_TAG, REGION_TAG
+    from sdnpu.ops.tags import REASON_TAG, REGION_TAG
     from sdnpu.passes.cleanup import attach_functions
-    from sdnpu.passes.pipeline import compile_model
+    from sdnpu.passes.pipeline import CompileOptions, compile_model
+
+    options = CompileOptions.named(precision=precision)
+    target = options.target
 
     onnx.checker.check_model(model, full_check=True)
     feeds = feeds_for(model)
@@ -322,12 +325,12 @@ def check(model: onnx.ModelProto, precision: str = "bf16") -> Outcome:
     def after_each(stage: str, m: ir.Model) -> None:
         if stage not in STAGES:
             return
-        attach_functions(m)
+        attach_functions(m, target)
         outs = checked_run(ir.serde.serialize_model(m), feeds, f"after {stage}")
         outcome.compared += _compare("fp16" if fp16 else "fp32", outs, ref, early, f"after {stage}")
 
     irm = ir.serde.deserialize_model(copy.deepcopy(model))
-    compile_model(irm, after_each=after_each, precision=precision)
+    compile_model(irm, options, after_each=after_each)
     final = ir.serde.serialize_model(irm)
     outs = checked_run(final, feeds, f"dispatch model ({precision})")
     if _signature(final) != _signature(model):
@@ -338,7 +341,7 @@ def check(model: onnx.ModelProto, precision: str = "bf16") -> Outcome:
                                  f"dispatch model ({precision})")
     for node in final.graph.node:
         props = {p.key: p.value for p in node.metadata_props}
-        if node.domain == DOMAIN and node.op_type != "CastAvx":
+        if target.is_dispatch(node.domain, node.op_type):
             outcome.dispatch_ops[node.op_type] += 1
             if REGION_TAG not in props:
                 raise Mismatch(f"dispatch op {node.name} ({node.op_type}) has no NPU region")

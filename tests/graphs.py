@@ -58,9 +58,10 @@ def run(m: onnx.ModelProto, feeds: dict[str, np.ndarray]) -> list[np.ndarray]:
     return sess.run(None, feeds)
 
 
-def with_functions(m: ir.Model) -> onnx.ModelProto:
+def with_functions(m: ir.Model, target: object = None) -> onnx.ModelProto:
     """Serialize an intermediate model (after fuse/layout) with the reference bodies it needs."""
+    from sdnpu.ops.target import get_target
     from sdnpu.passes.cleanup import attach_functions
 
-    attach_functions(m)
+    attach_functions(m, target or get_target())  # type: ignore[arg-type]
     return to_proto(m)

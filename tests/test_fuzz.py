@@ -217,13 +217,15 @@ REGRESSIONS = [fp16_div_output, fp16_conv_into_cpu_op, fp16_erf_gelu, pad_crop_b
 
 @pytest.mark.parametrize("build", REGRESSIONS)
 def test_fuzz_regression(build: Any) -> None:
-    outcome = check(build(), "bf16")
-    assert outcome.dispatch_ops, "nothing was offloaded"
+    """Each passes the full differential check (valid at every stage, the input graph's numbers). Some no longer
+    offload anything: an element-wise op on graph inputs alone stays on the CPU (a dispatch op there would cost
+    a cast each way)."""
+    check(build(), "bf16")
 
 
-def test_fp16_erf_gelu_is_offloaded() -> None:
+def test_fp16_erf_gelu_is_one_gelu() -> None:
     outcome = check(fp16_erf_gelu(), "bf16")
-    assert outcome.dispatch_ops == {"SDGelu": 1} and set(outcome.cpu_ops) == {"CastAvx"}, outcome
+    assert dict(outcome.cpu_ops) == {"Gelu": 1}, outcome  # on graph inputs alone it stays on the CPU, whole
 
 
 # Missed fusions (the numbers were right, the op stayed on the CPU):
@@ -257,17 +259,19 @@ def group_norm_one_channel_per_group() -> onnx.ModelProto:
                    "back": np.array([2, 3, 8]), "gamma": _w(3, 1) + 1, "beta": _w(3, 1)})
 
 
-@pytest.mark.parametrize(("build", "op"), [(conv_silu_sigmoid_shared, "SDConv"), (linear_product_also_output, "SDGemm"),
-                                           (group_norm_one_channel_per_group, "SDGroupNorm")])
-def test_fuzz_missed_fusion(build: Any, op: str) -> None:
+@pytest.mark.parametrize(("build", "op", "cpu"), [
+    (conv_silu_sigmoid_shared, "SDConv", {"CastAvx", "Transpose", "Sigmoid"}),
+    (linear_product_also_output, "SDGemm", {"CastAvx"}),
+    (group_norm_one_channel_per_group, "SDGroupNorm", {"CastAvx", "Transpose", "Reshape"})])
+def test_fuzz_missed_fusion(build: Any, op: str, cpu: set[str]) -> None:
     outcome = check(build(), "bf16")
-    assert op in outcome.dispatch_ops and set(outcome.cpu_ops) == {"CastAvx"}, outcome
+    assert op in outcome.dispatch_ops and set(outcome.cpu_ops) == cpu, outcome
 
 
 def test_a_refused_match_names_its_reason_on_every_node() -> None:
     """GroupNorm whose InstanceNormalization output is also a graph output: the report said 'no rule offloads
     InstanceNormalization'; the rule that refused (and why) is named on each node of the refused match."""
-    from sdnpu.ops.opset import REASON_TAG
+    from sdnpu.ops.tags import REASON_TAG
     from sdnpu.passes.pipeline import compile_model
 
     m = group_norm_one_channel_per_group()
@@ -286,20 +290,22 @@ def test_a_wrong_result_is_reported_with_its_reproducer(tmp_path: Path, monkeypa
 
     real = pipeline.pipeline
 
-    def broken(precision_mode: str = "bf16") -> list[tuple[str, Any]]:
-        def add_becomes_sub(m: Any) -> PassResult:
-            next(n for n in m.graph if n.op_type == "SDAdd").op_type = "SDSub"
+    def broken(options: Any) -> list[tuple[str, Any]]:
+        def add_becomes_mul(m: Any) -> PassResult:
+            node = next(n for n in m.graph if n.op_type == "SDAdd")
+            node.op_type = "SDMul"  # a valid op of the table, with the wrong arithmetic
+            del node.attributes["is_bias_add"]
             return PassResult(modified=True)
 
-        passes = real(precision_mode)
-        return [*passes[:4], ("break", add_becomes_sub), *passes[4:]]
+        passes = real(options)
+        return [*passes[:5], ("break", add_becomes_mul), *passes[5:]]
 
     monkeypatch.setattr(pipeline, "pipeline", broken)
     monkeypatch.setattr(sys.modules[__name__], "OUT", tmp_path)
-    model = _model([helper.make_node("Add", ["x", "b"], ["y"])], {"x": (T.FLOAT, [2, 4])}, {"y": (T.FLOAT, [2, 4])},
-                   {"b": _w(4)})
+    model = _model([helper.make_node("MatMul", ["x", "w"], ["m"]), helper.make_node("Add", ["m", "b"], ["y"])],
+                   {"x": (T.FLOAT, [2, 4]), "b": (T.FLOAT, [2, 3])}, {"y": (T.FLOAT, [2, 3])}, {"w": _w(4, 3)})
     with pytest.raises(Mismatch, match="dispatch model") as failure:
-        _run(st.just((model, "Add(const)")), 1, "bf16")
+        _run(st.just((model, "MatMul + Add(activation)")), 1, "bf16")
     saved = list(tmp_path.glob("*.onnx"))
     line = saved[0].with_suffix(".txt").read_text().splitlines()[0] if len(saved) == 1 else ""
     assert line == f"python -m tests.fuzz_repro {saved[0]}" and f"reproduce: {line}" in failure.value.__notes__

@@ -1,41 +1,77 @@
-"""The partitioner: NPU regions are connected, cycle-free, and every CPU node has a reason."""
+"""The partitioner: NPU regions are connected, cycle-free and as large as the cycles allow; every CPU node
+has a reason."""
 
 from __future__ import annotations
 
+import pytest
 from onnx import TensorProto as T
 from onnx import helper
 
-from sdnpu.ops.opset import REASON_TAG, REGION_TAG
-from sdnpu.passes.partition import partition
+from sdnpu.ops.tags import DECLINED_TAG, REASON_TAG, REGION_TAG
+from sdnpu.ops.target import get_target
+from sdnpu.passes.partition import partition, propose_regions
 
 from .graphs import to_ir
 
+TARGET = get_target()
+D = TARGET.domain
 
-def _graph(nodes):
+
+def npu(name: str, ins: list[str]) -> object:
+    return helper.make_node("SDAdd", ins, [name], domain=D, name=name)
+
+
+def cpu(name: str, ins: list[str]) -> object:
+    return helper.make_node("Floor", ins[:1], [name], name=name)
+
+
+def _graph(nodes, out: str):
     g = helper.make_graph(nodes, "g", [helper.make_tensor_value_info("x", T.BFLOAT16, [4])],
-                          [helper.make_tensor_value_info("y", T.BFLOAT16, [4])])
-    return to_ir(helper.make_model(g, opset_imports=[helper.make_opsetid("", 20), helper.make_opsetid("sdnpu", 1)]))
+                          [helper.make_tensor_value_info(out, T.BFLOAT16, [4])])
+    return to_ir(helper.make_model(g, opset_imports=[helper.make_opsetid("", 20), helper.make_opsetid(D, 1)]))
 
 
-def test_a_region_that_would_wait_on_its_own_cpu_output_is_split():
-    """a -> b directly and a -> Floor (CPU) -> b: one region {a, b} would need the CPU's result of itself."""
-    m = _graph([helper.make_node("SDAdd", ["x", "x"], ["a"], domain="sdnpu", name="a"),
-                helper.make_node("Floor", ["a"], ["c"], name="c"),
-                helper.make_node("SDMul", ["a", "c"], ["y"], domain="sdnpu", name="b")])
-    result = partition(m, {"c": ("SomeRule", "a made-up reason")})
-    regions = result.details["regions"]
-    assert sorted(r.nodes for r in regions) == [["a"], ["b"]]
+# (nodes in topological order, the regions expected: lists of dispatch node names)
+CASES = {
+    "a chain is one region": ([npu("a", ["x", "x"]), npu("b", ["a", "a"]), cpu("c", ["b"])], "c", [["a", "b"]]),
+    "two branches that join are one region": (
+        [npu("a", ["x", "x"]), npu("b", ["a", "a"]), npu("c", ["a", "a"]), npu("d", ["b", "c"])], "d",
+        [["a", "b", "c", "d"]]),
+    "a cycle through the CPU splits the region": (
+        [npu("a", ["x", "x"]), cpu("c", ["a"]), npu("b", ["a", "c"])], "b", [["a"], ["b"]]),
+    "the split keeps what the cycle allows": (  # a -> b -> d and a -> Floor -> d: {a, b} and {d}
+        [npu("a", ["x", "x"]), npu("b", ["a", "a"]), cpu("c", ["a"]), npu("d", ["b", "c"])], "d",
+        [["a", "b"], ["d"]]),
+    "unconnected ops are separate regions": (
+        [npu("a", ["x", "x"]), cpu("c", ["a"]), npu("b", ["c", "c"])], "b", [["a"], ["b"]]),
+    "a cycle elsewhere leaves other regions whole": (
+        [npu("a", ["x", "x"]), npu("a2", ["a", "a"]), cpu("c", ["a2"]), npu("b", ["a2", "c"]),
+         cpu("e", ["b"]), npu("f", ["e", "e"]), npu("g", ["f", "f"])], "g", [["a", "a2"], ["b"], ["f", "g"]]),
+}
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_proposed_regions(case):
+    nodes, out, expected = CASES[case]
+    m = _graph(nodes, out)
+    regions = propose_regions(m.graph, TARGET)
+    assert [[n.name for n in r] for r in regions] == expected
+    before = [n.name for n in m.graph]
+    partition(m, TARGET)
+    assert [n.name for n in m.graph] == before  # proposing and applying change no node
     tags = {n.name: n.metadata_props for n in m.graph}
-    assert tags["a"][REGION_TAG] != tags["b"][REGION_TAG]
+    for i, region in enumerate(expected):
+        assert {tags[name][REGION_TAG] for name in region} == {str(i)}
+
+
+def test_every_cpu_node_has_its_reason():
+    m = _graph([npu("a", ["x", "x"]), cpu("c", ["a"]), npu("b", ["a", "c"])], "b")
+    next(n for n in m.graph if n.name == "c").metadata_props[DECLINED_TAG] = "SomeRule: a made-up reason"
+    result = partition(m, TARGET)
+    tags = {n.name: n.metadata_props for n in m.graph}
     assert tags["c"][REASON_TAG] == "SomeRule: a made-up reason"
-    # transitions: region a takes x and gives a; region b takes a and c and gives y
+    # transitions: region a takes x and gives a; region b takes a and c and gives b
     assert result.counts == {"NPU regions": 2, "CPU nodes": 1, "transitions": 5}
-
-
-def test_connected_dispatch_ops_form_one_region():
-    m = _graph([helper.make_node("SDAdd", ["x", "x"], ["a"], domain="sdnpu", name="a"),
-                helper.make_node("SDMul", ["a", "a"], ["b"], domain="sdnpu", name="b"),
-                helper.make_node("Floor", ["b"], ["y"], name="c")])
-    result = partition(m)
-    assert [r.nodes for r in result.details["regions"]] == [["a", "b"]]
-    assert next(n for n in m.graph if n.name == "c").metadata_props[REASON_TAG] == "no rule offloads Floor"
+    m = _graph([npu("a", ["x", "x"]), cpu("c", ["a"])], "c")
+    partition(m, TARGET)
+    assert next(n for n in m.graph if n.name == "c").metadata_props[REASON_TAG] == "Floor: not in the amd-xdna2 registry"

@@ -10,17 +10,80 @@ from PIL import Image
 
 from sdnpu.cli import main
 from sdnpu.errors import SdnpuError
-from sdnpu.runtime import GenerateOptions, Pipeline, open_component, providers
-from sdnpu.runtime.session import CPU, VITISAI
+from sdnpu.runtime import GenerateOptions, Pipeline, RuntimeOptions, open_component
+from sdnpu.runtime.session import CUSTOM_OPS_ENV, session_options
 
 
-def test_vitisai_is_offered_first_when_present(monkeypatch):
+def _extensions_library():
+    """onnxruntime-extensions' custom-op library: a real one that installs here. It registers ops of its own
+    domain (ai.onnx.contrib) and claims none of ours, so the dispatch model still runs its reference bodies."""
+    import onnxruntime_extensions
+
+    from pathlib import Path
+
+    return Path(onnxruntime_extensions.get_library_path())
+
+
+def _contrib_model():
+    """A model only a session with onnxruntime-extensions registered can run (StringUpper)."""
+    import onnx
+    from onnx import TensorProto as T
+    from onnx import helper
+
+    node = helper.make_node("StringUpper", ["s"], ["u"], domain="ai.onnx.contrib")
+    g = helper.make_graph([node], "g", [helper.make_tensor_value_info("s", T.STRING, [1])],
+                          [helper.make_tensor_value_info("u", T.STRING, [1])])
+    return helper.make_model(g, opset_imports=[helper.make_opsetid("", 20), helper.make_opsetid("ai.onnx.contrib", 1)],
+                             ir_version=9).SerializeToString()
+
+
+def test_dispatch_models_load_as_amds_sd_runtime_does(tiny_conversion, tmp_path):
+    """The recipe of AMD's SD server: graph optimizations off, dd_cache (the model's folder, where a cache
+    folder sits beside the model) and onnx_custom_ops_const_key set, then the library registered."""
+    import shutil
+
     import onnxruntime as ort
 
-    monkeypatch.setattr(ort, "get_available_providers", lambda: [VITISAI, CPU])
-    assert providers({"config_file": "vaip.json"}) == [(VITISAI, {"config_file": "vaip.json"}), CPU]
-    monkeypatch.setattr(ort, "get_available_providers", lambda: [CPU])
-    assert providers() == [CPU]
+    library = _extensions_library()
+    folder = tmp_path / "conv"
+    shutil.copytree(tiny_conversion.out, folder)
+    (folder / "unet" / "dd" / ".cache").mkdir()
+    runtime = RuntimeOptions(custom_ops=library)
+    unet = open_component(folder, "unet", options=runtime)
+    model = folder / "unet" / "dd" / "replaced.onnx"
+    assert unet.custom_ops == library
+    assert unet.options.get_session_config_entry("dd_cache") == model.parent.as_posix()
+    assert unet.options.get_session_config_entry("onnx_custom_ops_const_key") == model.as_posix()
+    assert unet.options.graph_optimization_level == ort.GraphOptimizationLevel.ORT_DISABLE_ALL
+    # the library is registered: these options run an op only it provides
+    upper = ort.InferenceSession(_contrib_model(), unet.options, providers=["CPUExecutionProvider"])
+    assert upper.run(None, {"s": np.array(["npu"], object)})[0].tolist() == ["NPU"]
+    # and the dispatch model gives the same numbers as without it (the library claims no com.amd op)
+    feeds = {"sample": np.ones((2, 4, 32, 32), np.float32), "timestep": np.asarray(500.0, np.float32),
+             "encoder_hidden_states": np.ones((2, 77, 64), np.float32), "text_embeds": np.ones((2, 32), np.float32),
+             "time_ids": np.ones((2, 6), np.float32)}
+    plain = open_component(folder, "unet", options=RuntimeOptions(optimize=False)).run(feeds)
+    np.testing.assert_array_equal(unet.run(feeds)["out_sample"], plain["out_sample"])
+    # no cache folder: no dd_cache entry (the library makes one); text encoders stay on the CPU by default
+    vae = open_component(folder, "vae_decoder", options=runtime)
+    with pytest.raises(RuntimeError, match="does not have configuration with key: dd_cache"):
+        vae.options.get_session_config_entry("dd_cache")
+    assert vae.options.get_session_config_entry("onnx_custom_ops_const_key").endswith("vae_decoder/dd/replaced.onnx")
+    assert open_component(folder, "text_encoder", options=runtime).custom_ops is None
+    assert open_component(folder, "text_encoder", options=RuntimeOptions(library, npu_text_encoders=True)).custom_ops
+    assert open_component(folder, "unet", reference=True, options=runtime).custom_ops is None
+
+
+def test_custom_ops_library_errors(tmp_path, monkeypatch):
+    monkeypatch.setenv(CUSTOM_OPS_ENV, str(tmp_path / "missing.so"))
+    with pytest.raises(SdnpuError, match="does not exist"):
+        RuntimeOptions.from_env()
+    not_a_library = tmp_path / "lib.so"
+    not_a_library.write_bytes(b"not a shared object")
+    with pytest.raises(SdnpuError, match="cannot register the custom-op library"):
+        session_options(tmp_path / "m.onnx", not_a_library, optimize=False)
+    monkeypatch.delenv(CUSTOM_OPS_ENV)
+    assert RuntimeOptions.from_env().custom_ops is None
 
 
 def test_components_run_and_check_shapes(tiny_conversion):
@@ -149,6 +212,7 @@ def test_graph_optimizations_only_where_they_fit(tiny_conversion, monkeypatch):
     monkeypatch.setattr(session, "_available_bytes", lambda: None)
     assert not session.choose_optimize(path, reference=False)  # unknown: the lean choice
     latent = {"latent_sample": np.ones((1, 4, 32, 32), np.float32)}
-    lean = open_component(tiny_conversion.out, "vae_decoder", optimize=False).run(latent)["sample"]
-    fast = open_component(tiny_conversion.out, "vae_decoder", optimize=True).run(latent)["sample"]
+    lean = open_component(tiny_conversion.out, "vae_decoder", options=RuntimeOptions(optimize=False)).run(latent)
+    fast = open_component(tiny_conversion.out, "vae_decoder", options=RuntimeOptions(optimize=True)).run(latent)
+    lean, fast = lean["sample"], fast["sample"]
     assert np.max(np.abs(lean - fast)) < 0.05 * np.max(np.abs(lean))  # bf16 rounding may flip, no more

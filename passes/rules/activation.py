@@ -1,18 +1,23 @@
-"""Activations: SiLU, GELU (Gelu op; the Erf form is canonicalized to it first), CLIP's quick_gelu, and
-the GEGLU gate of the transformer feed-forward.
+"""GEGLU, the gate of the transformer feed-forward, written with the target's ops; and the SiLU pattern the
+GroupNorm rule absorbs.
 
-    SDSilu(x)      = x · sigmoid(x)                       Mul(x, Sigmoid(x))
-    SDQuickGelu(x) = x · sigmoid(1.702 x)                 Mul(x, Sigmoid(Mul(x, 1.702)))
-    SDGelu(x)      = gelu(x)                              Gelu(x)  (opset 20)
-    SDGeGLU(x)     = h · gelu(g), (h, g) = halves of x    Split (dynamo) or two Slices (TorchScript)
+    (h, g) = halves of proj(x) = x·W + b along the last axis (Split: dynamo; two Slices: TorchScript)
+    y = h · gelu(g)
+    ==> SDGemm(x, W[:, :N], b[:N]) = h,  SDGemm(x, W[:, N:], b[N:], nonlinear='Gelu') = gelu(g),  SDMul
+
+The projection is split into its two halves offline, so no slice is needed (the target's SDSlice has no
+offsets): this is what AMD's SDXL shape lists show (SDGemm [640 -> 2560] for a 5120-wide projection, SDMul
+of two [2, 4096, 2560] halves, no SDXL SDGelu). Where the halves do not come from a linear layer, the pieces
+stay for the glue pass (the Gelu and the Mul become SDGelu and SDMul; the split stays on the CPU).
 """
 
 from __future__ import annotations
 
 import onnx_ir as ir
 
-from sdnpu.passes.irutil import Builder, attr, const, producer, scalar, static_shape
+from sdnpu.passes.irutil import Builder, attr, const, producer, static_shape, unview
 from sdnpu.passes.rules.base import Match, Rule
+from sdnpu.passes.rules.gemm import GemmParams, emit_gemm, gemm_checked
 
 
 def silu_after(v: ir.Value) -> tuple[list[ir.Node], ir.Value] | None:
@@ -33,59 +38,6 @@ def silu_after(v: ir.Value) -> tuple[list[ir.Node], ir.Value] | None:
     return [sig, mul], mul.outputs[0]
 
 
-def _other(node: ir.Node, v: ir.Value | None) -> ir.Value | None:
-    a, b = node.inputs
-    return b if a is v else a
-
-
-class SDSiluFusion(Rule):
-    name = "SDSiluFusion"
-    anchors = ("Mul",)
-
-    def match(self, node: ir.Node) -> Match | str | None:
-        for x, s in (node.inputs, reversed(node.inputs)):
-            sig = producer(s, "Sigmoid")
-            if sig is not None and sig.inputs[0] is x:
-                return Match([sig, node], [node.outputs[0]], x)
-        return None
-
-    def rewrite(self, b: Builder, m: Match) -> list[ir.Value]:
-        return [b.op("SDSilu", [m.params]).outputs[0]]
-
-
-class SDQuickGeluFusion(Rule):
-    name = "SDQuickGeluFusion"
-    anchors = ("Mul",)
-
-    def match(self, node: ir.Node) -> Match | str | None:
-        for x, s in (node.inputs, reversed(node.inputs)):
-            sig = producer(s, "Sigmoid")
-            inner = producer(sig.inputs[0], "Mul") if sig is not None else None
-            if inner is None:
-                continue
-            c = scalar(_other(inner, x))
-            if x in inner.inputs and c is not None and abs(c - 1.702) < 1e-3:
-                if static_shape(node.outputs[0]) != static_shape(x):  # a [1, 1, ..] constant raised the rank
-                    return "the constant broadcasts x to another shape"
-                return Match([inner, sig, node], [node.outputs[0]], x)  # type: ignore[list-item]
-        return None
-
-    def rewrite(self, b: Builder, m: Match) -> list[ir.Value]:
-        return [b.op("SDQuickGelu", [m.params]).outputs[0]]
-
-
-class SDGeluFusion(Rule):
-    name = "SDGeluFusion"
-    anchors = ("Gelu",)
-
-    def match(self, node: ir.Node) -> Match | str | None:
-        return Match([node], [node.outputs[0]], (node.inputs[0], attr(node, "approximate", "none")))
-
-    def rewrite(self, b: Builder, m: Match) -> list[ir.Value]:
-        x, approx = m.params
-        return [b.op("SDGelu", [x], {"approximate": approx}).outputs[0]]
-
-
 def _halves(h: ir.Value, g: ir.Value) -> tuple[ir.Value, list[ir.Node]] | None:
     """``(x, nodes)`` when h and g are the first and second halves of x's last axis."""
     hs, gs = h.producer(), g.producer()
@@ -98,16 +50,19 @@ def _halves(h: ir.Value, g: ir.Value) -> tuple[ir.Value, list[ir.Node]] | None:
     if hs is gs and hs.op_type == "Split" and len(hs.outputs) == 2:  # dynamo
         axis = attr(hs, "axis", 0) % len(x_shape)
         sizes = const(hs.inputs[1]) if len(hs.inputs) > 1 and hs.inputs[1] is not None else None
-        even = sizes is None or (len(sizes) == 2 and sizes[0] == sizes[1])
+        even = (sizes is None and x_shape[last] % 2 == 0) or (sizes is not None and len(sizes) == 2
+                                                               and sizes[0] == sizes[1])
         if axis == last and even and hs.outputs[0] is h and hs.outputs[1] is g:
             return hs.inputs[0], [hs]  # type: ignore[return-value]
         return None
     if hs.op_type == gs.op_type == "Slice" and hs.inputs[0] is gs.inputs[0]:  # TorchScript
+        if x_shape[last] % 2:
+            return None
         n = x_shape[last] // 2
 
         def span(node: ir.Node) -> tuple[int, int] | None:
             vals = [const(v) for v in node.inputs[1:]]
-            if any(v is None or v.size != 1 for v in vals[:3] if v is not None) or len(vals) < 3:
+            if len(vals) < 3 or any(v is None or v.size != 1 for v in vals[:3]):
                 return None
             start, end, axes = (int(v.reshape(())) for v in vals[:3])  # type: ignore[union-attr]
             steps = int(vals[3].reshape(())) if len(vals) > 3 and vals[3] is not None else 1
@@ -117,6 +72,27 @@ def _halves(h: ir.Value, g: ir.Value) -> tuple[ir.Value, list[ir.Node]] | None:
 
         if span(hs) == (0, n) and span(gs) == (n, 2 * n):
             return hs.inputs[0], [hs, gs]  # type: ignore[return-value]
+    return None
+
+
+def _linear_producer(rule: Rule, x: ir.Value) -> Match | str | None:
+    """The linear layer writing ``x``: MatMul with a constant [K, 2N] weight, maybe + a bias."""
+    p = x.producer()
+    if p is None or p.domain not in ("", "ai.onnx"):
+        return None
+    if p.op_type == "Add":
+        for y, bias in (p.inputs, reversed(p.inputs)):
+            mm = producer(y, "MatMul")
+            w = static_shape(mm.inputs[1]) if mm is not None else None
+            c = const(bias)
+            if mm is None or mm.inputs[1] is None or mm.inputs[1].const_value is None or w is None or len(w) != 2 \
+                    or c is None or c.size != w[1] or static_shape(p.outputs[0]) != static_shape(mm.outputs[0]):
+                continue
+            return gemm_checked(rule, [mm, p], p, mm.inputs[0], mm.inputs[1], bias, False)
+        return None
+    if p.op_type == "MatMul" and p.inputs[1] is not None and p.inputs[1].const_value is not None \
+            and len(static_shape(p.inputs[1]) or ()) == 2:
+        return gemm_checked(rule, [p], p, p.inputs[0], p.inputs[1], None, False)
     return None
 
 
@@ -130,12 +106,38 @@ class SDGeGLUFusion(Rule):
             if gelu is None or h is None:
                 continue
             found = _halves(h, gelu.inputs[0])  # type: ignore[arg-type]
-            if found is not None:
-                x, split_nodes = found
-                return Match([*split_nodes, gelu, node], [node.outputs[0]],
-                             (x, attr(gelu, "approximate", "none")))
+            if found is None:
+                continue
+            x, split_nodes = found
+            proj = _linear_producer(self, x)
+            if proj is None:
+                return None  # not a linear layer's output: the glue pass takes the Gelu and the Mul
+            if isinstance(proj, str):
+                return proj
+            out_shape = static_shape(node.outputs[0])
+            if out_shape is None or static_shape(h) != out_shape:
+                return "the gate's product broadcasts to another shape"
+            return Match([*proj.nodes, *split_nodes, gelu, node], [node.outputs[0]],
+                         (proj.params, attr(gelu, "approximate", "none")))
         return None
 
     def rewrite(self, b: Builder, m: Match) -> list[ir.Value]:
-        x, approx = m.params
-        return [b.op("SDGeGLU", [x], {"approximate": approx}).outputs[0]]
+        p, approximate = m.params
+        assert isinstance(p, GemmParams)
+        half = p.n // 2
+        h = emit_gemm(b, p, None, columns=slice(0, half))
+        nonlinear = "Gelu" if approximate in ("none", b"none") else None
+        g = emit_gemm(b, p, None, nonlinear=nonlinear, columns=slice(half, p.n))
+        if nonlinear is None:  # tanh GELU: SDGelu after the gate's half (an assumed form, see the table)
+            shape = static_shape(g)
+            assert shape is not None
+            reason, assumed = self.target.spec("SDGelu").check({"x": list(shape), "approximate": "tanh"})
+            assert reason is None, reason
+            g = b.dispatch("SDGelu", [g], {"input_shape": list(shape), "output_shape": list(shape),
+                                           "approximate": "tanh"}, dtype=g.dtype, shape=shape,
+                           assumed=assumed).outputs[0]
+        shape = static_shape(h)
+        assert shape is not None
+        y = b.dispatch("SDMul", [h, g], {"a_shape": list(shape), "b_shape": list(shape), "c_shape": list(shape)},
+                       dtype=h.dtype, shape=shape).outputs[0]
+        return [unview(b, y, static_shape(m.outputs[0]))]

@@ -4,12 +4,17 @@
     K: [B, N, C] -> heads [B, H, D, N]
     V: [B, N, C] -> heads [B, H, N, D]
     O = Softmax(Q·K * scale) · V : [B, H, M, D] -> merge heads -> [B, M, C]
+    ==> SDMHA | SDFlatMHA | SDMHA_VAE (Q [B, M, C], K [B, N, C], V [B, N, C], mask [L])
 
 Pattern: ``MatMul(Softmax(MatMul(q, k) [* s]), v)``. Check: walking up from q, k, v through movement and
 scalar-scale nodes reaches rank-3 sources whose chains *are* head splits, run on an index tensor (so the
 TorchScript spelling with its Sqrt(Sqrt(d)) scales on q and kᵀ and the dynamo one match alike), and walking
-down from the output reaches [B, M, C] through a head merge. ``scale`` is the product of every scalar met.
-The VAE's single-head attention becomes ``SDMHA_VAE`` (AMD's name).
+down from the output reaches [B, M, C] through a head merge. ``scale`` is the product of every scalar met and
+must be the kernel's 1/sqrt(d); a causal mask (CLIP) cannot be expressed by the kernel's one-row mask.
+
+The variant follows AMD's pass: the VAE's single head is SDMHA_VAE (v1.0), M >= 256 and N >= 128 the flash
+SDMHA (v2), the rest SDFlatMHA (v1.1). The mask holds 0 for the N keys and -inf for the padding up to the
+length DD's kernel reads (``mha_mask_length``); one mask initializer per (length, N) is shared.
 """
 
 from __future__ import annotations
@@ -19,7 +24,6 @@ from dataclasses import dataclass
 import numpy as np
 import onnx_ir as ir
 
-from sdnpu.ops.capability import check_attention
 from sdnpu.passes import movement
 from sdnpu.passes.irutil import Builder, attr, const, producer, scalar, static_shape
 from sdnpu.passes.rules.base import Match, Rule
@@ -31,8 +35,7 @@ class MHAParams:
     k: ir.Value
     v: ir.Value
     heads: int
-    scale: float
-    causal: bool
+    assumed: list[str]
 
 
 def _head_split(src: tuple[int, ...], heads: int, kind: str) -> np.ndarray | None:
@@ -137,15 +140,32 @@ class SDMHAFusion(Rule):
         if down is None:
             return "the output is not merged back to [B, M, C]"
         out_chain, out = down
-        reason = check_attention(q_shape, static_shape(k_src), heads)  # type: ignore[arg-type]
+        k_shape = static_shape(k_src)
+        assert k_shape is not None
+        assert self.target.mha_variant is not None, f"{self.target.name} has no attention op"
+        op = self.target.mha_variant(q_shape[1], k_shape[1], heads)
+        reason, assumed = self.target.spec(op).check(
+            {"q": q_shape, "k": k_shape, "v": v_shape, "heads": heads, "causal": causal, "scale": scale * q_s * k_s})
         if reason:
             return reason
         nodes = [*q_chain, *k_chain, *v_chain, qk_mm, *reversed(between), sm, node, *out_chain]
         uniq = list(dict.fromkeys(nodes))
-        return Match(uniq, [out], MHAParams(q_src, k_src, v_src, heads, scale * q_s * k_s, causal))
+        return Match(uniq, [out], MHAParams(q_src, k_src, v_src, heads, assumed))
 
     def rewrite(self, b: Builder, m: Match) -> list[ir.Value]:
         p: MHAParams = m.params
-        op = "SDMHA_VAE" if p.heads == 1 else "SDMHA"
-        node = b.op(op, [p.q, p.k, p.v], {"num_heads": [p.heads], "scale": float(p.scale), "causal": int(p.causal)})
+        bq, mq, k = static_shape(p.q)  # type: ignore[misc]
+        n = static_shape(p.k)[1]  # type: ignore[index]
+        op = self.target.mha_variant(mq, n, p.heads)  # type: ignore[misc]
+        length = self.target.mha_mask_length(bq, mq, k, n)  # type: ignore[misc]
+        mask = np.where(np.arange(length) < n, 0.0, -np.inf).astype(np.float32)
+        mask_v = b.shared_const(mask, f"sdnpu_mha_mask_{length}_{n}")
+        spec = self.target.spec(op)
+        attrs: dict[str, object] = {"input_shape": [bq, mq, k, n], "num_heads": p.heads,
+                                    "op_version": spec.attr("op_version").doc.strip("'")}
+        flag = next((a.name for a in spec.attrs if a.name.startswith("is_")), None)
+        if flag:
+            attrs[flag] = 1
+        node = b.dispatch(op, [p.q, p.k, p.v, mask_v], attrs, dtype=p.q.dtype, shape=[bq, mq, k],
+                          assumed=p.assumed)
         return [node.outputs[0]]

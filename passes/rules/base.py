@@ -1,6 +1,11 @@
 """The rule shape every fusion follows: ``match`` (pattern + check, returning a ``Match`` or the reason it
 does not apply) and ``rewrite`` (new nodes for the matched ones). ``apply_rules`` drives them over a graph,
-refuses matches whose intermediate values are used outside the match, stamps provenance and counts.
+refuses matches whose intermediate values are used outside the match, stamps provenance and counts. A refusal
+is written on the nodes it concerns (node metadata ``sdnpu.declined``), where the partition pass finds it for
+each node that stays on the CPU.
+
+Rules know their target (``self.target``): they emit its ops through ``Builder.dispatch`` and check its limits
+(``OpSpec.check``), so a second target is a second table, not a second set of rules.
 """
 
 from __future__ import annotations
@@ -14,6 +19,8 @@ from typing import Any
 
 import onnx_ir as ir
 
+from sdnpu.ops.tags import DECLINED_TAG
+from sdnpu.ops.target import Target
 from sdnpu.passes.irutil import Builder, replace
 
 log = logging.getLogger(__name__)
@@ -32,8 +39,7 @@ class Match:
 @dataclass
 class RuleStats:
     fired: Counter[str] = field(default_factory=Counter)
-    # Node name -> (rule, reason) for anchors a rule looked at and declined, for the report.
-    declined: dict[str, tuple[str, str]] = field(default_factory=dict)
+    declined: Counter[str] = field(default_factory=Counter)  # rule -> matches refused
 
 
 class Rule(abc.ABC):
@@ -41,6 +47,9 @@ class Rule(abc.ABC):
 
     name: str = ""
     anchors: tuple[str, ...] = ()
+
+    def __init__(self, target: Target) -> None:
+        self.target = target
 
     @abc.abstractmethod
     def match(self, node: ir.Node) -> Match | str | None:
@@ -75,18 +84,19 @@ def apply_rules(graph: ir.Graph, rules: Sequence[Rule], stats: RuleStats | None 
             if found is None:
                 continue
             if isinstance(found, str):
-                stats.declined[node.name or node.op_type] = (rule.name, found)
+                node.metadata_props[DECLINED_TAG] = f"{rule.name}: {found}"
+                stats.declined[rule.name] += 1
                 continue
             shared = _escapes(found)
             if shared is not None:
-                why = (rule.name, f"intermediate {shared.name!r} is also used outside the pattern")
+                why = f"{rule.name}: intermediate {shared.name!r} is also used outside the pattern"
                 for n in found.nodes:  # each node of the refused match keeps this reason if it stays on the CPU
-                    stats.declined[n.name or n.op_type] = why
+                    n.metadata_props[DECLINED_TAG] = why
+                stats.declined[rule.name] += 1
                 continue
-            b = Builder(graph, rule.name)
+            b = Builder(graph, rule.name, rule.target)
             new_values = rule.rewrite(b, found)
             last = found.outputs[-1].producer() or node  # new nodes go where the match ends
             replace(graph, last, found.nodes, b.nodes, found.outputs, list(new_values))
             stats.fired[rule.name] += 1
-            stats.declined.pop(node.name or node.op_type, None)
     return stats

@@ -1,10 +1,12 @@
-"""SDConv: 2-D convolution with constant weights (+ bias, + a SiLU that follows), in NHWC.
+"""SDConv: 2-D convolution with constant weights (+ bias), in NHWC.
 
-    Conv(x [B, C, H, W], w [OC, C/g, KH, KW], b [OC]) [-> SiLU]
-    ==> Transpose(x, NCHW->NHWC) -> SDConv(x', w' [OC, KH, KW, C/g], b, silu) -> Transpose(NHWC->NCHW)
+    Conv(x [B, C, H, W], w [OC, C, KH, KW], b [OC])
+    ==> Transpose(x, NCHW->NHWC) -> SDConv(x' [B, H, W, C], w' [OC, KH, KW, C], b) -> Transpose(NHWC->NCHW)
 
-The weight is transposed offline (lazily, at save time). The Transposes around the op are the layout
-boundary; the layout pass cancels them between neighbouring NHWC ops.
+The weight is transposed offline (lazily, at save time); a missing bias is zeros (AMD's packer folds one into
+the weight blob either way). The Transposes around the op are the layout boundary: the layout pass cancels
+them between neighbouring NHWC ops. A SiLU after the Conv stays a separate SDSilu: the target has no fused
+form (only GroupNorm takes one).
 """
 
 from __future__ import annotations
@@ -14,9 +16,7 @@ from dataclasses import dataclass
 import numpy as np
 import onnx_ir as ir
 
-from sdnpu.ops.capability import check_conv
 from sdnpu.passes.irutil import Builder, attr, const, static_shape
-from sdnpu.passes.rules.activation import silu_after
 from sdnpu.passes.rules.base import Match, Rule
 
 NCHW_TO_NHWC = [0, 2, 3, 1]
@@ -32,10 +32,10 @@ class ConvParams:
     pads: list[int]
     dilations: list[int]
     group: int
-    silu: bool
+    assumed: list[str]
 
 
-def nhwc_shape(shape: tuple[int, ...]) -> list[int]:
+def nhwc_shape(shape: tuple[int, ...] | list[int]) -> list[int]:
     return [shape[i] for i in NCHW_TO_NHWC]
 
 
@@ -55,33 +55,32 @@ class SDConvFusion(Rule):
             return "the bias is not a constant"
         if attr(node, "auto_pad", "NOTSET") not in ("NOTSET", b"NOTSET"):
             return "auto_pad is not supported (the exporters write explicit pads)"
-        strides = list(attr(node, "strides", [1, 1]))
-        dilations = list(attr(node, "dilations", [1, 1]))
-        reason = check_conv(w_shape, strides, dilations)
+        strides = [int(s) for s in attr(node, "strides", [1, 1])]
+        dilations = [int(d) for d in attr(node, "dilations", [1, 1])]
+        pads = [int(p) for p in attr(node, "pads", [0, 0, 0, 0])]
+        group = int(attr(node, "group", 1))
+        oc, icg, kh, kw = w_shape
+        reason, assumed = self.target.spec("SDConv").check(
+            {"w": (oc, kh, kw, icg), "group": group, "dilations": dilations, "strides": strides, "pads": pads})
         if reason:
             return reason
-        nodes, out = [node], node.outputs[0]
-        silu = silu_after(out)
-        if silu is not None:
-            nodes += silu[0]
-            out = silu[1]
-        params = ConvParams(x, w, b, strides, list(attr(node, "pads", [0, 0, 0, 0])), dilations,  # type: ignore
-                            int(attr(node, "group", 1)), silu is not None)
-        return Match(nodes, [out], params)
+        return Match([node], [node.outputs[0]], ConvParams(x, w, b, strides, pads, dilations, group,  # type: ignore
+                                                          assumed))
 
     def rewrite(self, b: Builder, m: Match) -> list[ir.Value]:
         p: ConvParams = m.params
         w_shape = static_shape(p.w)
-        assert w_shape is not None
+        x_shape = static_shape(p.x)
+        out_shape = static_shape(m.outputs[0])
+        assert w_shape is not None and x_shape is not None and out_shape is not None
         w = b.derived(p.w, lambda a: np.ascontiguousarray(a.transpose(0, 2, 3, 1)), nhwc_shape(w_shape),
                       f"{p.w.name}_ohwi")
         bias = p.b if p.b is not None else b.const(np.zeros(w_shape[0], np.float32), f"{p.w.name}_zero_bias")
-        x_shape = static_shape(p.x)
-        out_shape = static_shape(m.outputs[0])
-        assert x_shape is not None and out_shape is not None
-        xt = b.op("Transpose", [p.x], {"perm": NCHW_TO_NHWC}, domain="", dtype=p.x.dtype, shape=nhwc_shape(x_shape))
-        conv = b.op("SDConv", [xt.outputs[0], w, bias],
-                    {"strides": p.strides, "pads": p.pads, "dilations": p.dilations, "group": p.group,
-                     "silu": int(p.silu)}, dtype=p.x.dtype, shape=nhwc_shape(out_shape))
-        back = b.op("Transpose", [conv.outputs[0]], {"perm": NHWC_TO_NCHW}, domain="")
+        xt = b.op("Transpose", [p.x], {"perm": NCHW_TO_NHWC}, dtype=p.x.dtype, shape=nhwc_shape(x_shape))
+        conv = b.dispatch("SDConv", [xt.outputs[0], w, bias],
+                          {"input_shape": nhwc_shape(x_shape), "output_shape": nhwc_shape(out_shape),
+                           "weight_shape": nhwc_shape(w_shape), "strides": p.strides, "pads": p.pads,
+                           "dilations": p.dilations, "group": p.group, "kernel_shape": list(w_shape[2:])},
+                          dtype=p.x.dtype, shape=nhwc_shape(out_shape), assumed=p.assumed)
+        back = b.op("Transpose", [conv.outputs[0]], {"perm": NHWC_TO_NCHW}, dtype=p.x.dtype, shape=out_shape)
         return [back.outputs[0]]

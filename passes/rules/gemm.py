@@ -1,17 +1,22 @@
-"""SDGemm (a linear layer with constant weights) and SDMatMul (activation x activation).
+"""SDGemm: a linear layer with constant weights, on the [B, M, K] view of its input.
 
-    MatMul(x [.., K], w [K, N]) + b [N]   (dynamo, TorchScript: weights already [K, N])
-    Gemm(x [B, K], w [N, K], b, transB=1)  (time embeddings)
-    ==> SDGemm(x, w [K, N], b)   (a zero bias when the layer has none; transB folded into the weight)
+    MatMul(x [.., K], w [K, N]) [+ b [N]]   (dynamo, TorchScript: weights already [K, N])
+    Gemm(x [B, K], w [N, K], b, transB=1)    (the time embeddings)
+    ==> SDGemm(x viewed [B, M, K], w [K, N], b [N]) [-> a view back to x's rank]
+
+A layer without a bias gets a zero one, as AMD's pass writes a fake bias (its SDXL shape lists have SDGemm,
+not SDMatMul, for the bias-free Q/K/V projections); transB is folded into the weight offline. A MatMul of
+two activations has no dispatch op on this target (SDMatMul takes a constant weight) and stays on the CPU.
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import numpy as np
 import onnx_ir as ir
 
-from sdnpu.ops.capability import check_gemm
-from sdnpu.passes.irutil import Builder, attr, const, is_float, producer, static_shape
+from sdnpu.passes.irutil import Builder, attr, bmk_view, const, is_float, producer, static_shape, unview
 from sdnpu.passes.rules.base import Match, Rule
 
 
@@ -27,6 +32,57 @@ def _weight(v: ir.Value | None) -> tuple[int, int] | None:
     return shape  # type: ignore[return-value]
 
 
+@dataclass(frozen=True)
+class GemmParams:
+    x: ir.Value
+    w: ir.Value
+    bias: ir.Value | None
+    trans: bool
+    k: int
+    n: int
+    view: list[int]
+    assumed: list[str]
+
+
+def gemm_checked(rule: Rule, nodes: list[ir.Node], last: ir.Node, x: ir.Value | None, w: ir.Value | None,
+                 bias: ir.Value | None, trans: bool) -> Match | str:
+    """The match of a linear layer once its nodes are known (shared with the GEGLU rule's projection)."""
+    x_shape, w_shape = static_shape(x), static_shape(w)
+    if x is None or w is None or x_shape is None or w_shape is None or not is_float(x):
+        return "the input is not a float tensor of static shape"
+    if not 1 <= len(x_shape) <= 4:
+        return f"input rank {len(x_shape)}: SDGemm views its input as [B, M, K]"
+    k, n = (w_shape[1], w_shape[0]) if trans else w_shape
+    view = bmk_view(x_shape)
+    reason, assumed = rule.target.spec("SDGemm").check({"x": view})
+    if reason:
+        return reason
+    return Match(nodes, [last.outputs[0]], GemmParams(x, w, bias, trans, k, n, view, assumed))
+
+
+def emit_gemm(b: Builder, p: GemmParams, out_shape: tuple[int, ...] | None, nonlinear: str | None = None,
+              columns: slice | None = None) -> ir.Value:
+    """SDGemm for ``p`` (``columns``: only those output columns, as GEGLU's halves), viewed back to
+    ``out_shape``."""
+    w, bias, n = p.w, p.bias, p.n
+    cols = columns or slice(0, n)
+    width = cols.stop - cols.start
+    if p.trans or columns is not None:
+        w = b.derived(w, lambda a, t=p.trans, c=cols: np.ascontiguousarray((a.T if t else a)[:, c]), [p.k, width],
+                      f"{w.name}_kn" if columns is None else f"{w.name}_{cols.start}_{cols.stop}")
+    if bias is None:
+        bias = b.const(np.zeros(width, np.float32), f"{w.name}_zero_bias")
+    elif static_shape(bias) != (width,):
+        bias = b.const(np.asarray(const(bias), np.float32).reshape(n)[cols], f"{bias.name}_{cols.start}")
+    attrs: dict[str, object] = {"input_shape": p.view, "output_shape": [*p.view[:2], width],
+                                "weight_shape": [p.k, width], "bias_enable": 1}
+    if nonlinear:
+        attrs["nonlinear"] = nonlinear
+    node = b.dispatch("SDGemm", [p.x, w, bias], attrs, dtype=p.x.dtype, shape=[*p.view[:2], width],
+                      assumed=p.assumed)
+    return unview(b, node.outputs[0], out_shape)
+
+
 class SDGemmFusion(Rule):
     name = "SDGemmFusion"
     anchors = ("Add", "MatMul", "Gemm")
@@ -40,7 +96,7 @@ class SDGemmFusion(Rule):
                     continue
                 if static_shape(node.outputs[0]) != static_shape(mm.outputs[0]):  # a [1, 1, N] bias, 2-D x
                     return "the bias broadcasts the product to a higher rank"
-                return self._checked([mm, node], node, mm.inputs[0], mm.inputs[1], bias, False)
+                return gemm_checked(self, [mm, node], node, mm.inputs[0], mm.inputs[1], bias, False)
             return None
         if node.op_type == "MatMul":
             w = _weight(node.inputs[1])
@@ -52,7 +108,7 @@ class SDGemmFusion(Rule):
                 other = add.inputs[1] if add.inputs[0] is node.outputs[0] else add.inputs[0]
                 if _bias(other, w[1]) and static_shape(add.outputs[0]) == static_shape(node.outputs[0]):
                     return None  # the Add anchor takes MatMul + bias together
-            return self._checked([node], node, node.inputs[0], node.inputs[1], None, False)
+            return gemm_checked(self, [node], node, node.inputs[0], node.inputs[1], None, False)
         # Gemm
         if attr(node, "transA", 0) or attr(node, "alpha", 1.0) != 1.0 or attr(node, "beta", 1.0) != 1.0:
             return "Gemm with transA, alpha or beta other than the defaults"
@@ -63,45 +119,7 @@ class SDGemmFusion(Rule):
         trans = bool(attr(node, "transB", 0))
         if bias is not None and not _bias(bias, w[0] if trans else w[1]):
             return "the bias is not a constant vector"
-        return self._checked([node], node, node.inputs[0], node.inputs[1], bias, trans)
-
-    def _checked(self, nodes: list[ir.Node], last: ir.Node, x: ir.Value | None, w: ir.Value | None,
-                 bias: ir.Value | None, trans: bool) -> Match | str:
-        x_shape, w_shape = static_shape(x), static_shape(w)
-        if x_shape is None or w_shape is None or not is_float(x):
-            return "the input is not a float tensor of static shape"
-        if len(x_shape) not in (2, 3):
-            return f"input rank {len(x_shape)}: SDGemm takes [B, K] or [B, M, K]"
-        k, n = (w_shape[1], w_shape[0]) if trans else w_shape
-        reason = check_gemm(k, n)
-        if reason:
-            return reason
-        return Match(nodes, [last.outputs[0]], (x, w, bias, trans, k, n))
+        return gemm_checked(self, [node], node, node.inputs[0], node.inputs[1], bias, trans)
 
     def rewrite(self, b: Builder, m: Match) -> list[ir.Value]:
-        x, w, bias, trans, k, n = m.params
-        if trans:
-            w = b.derived(w, lambda a: np.ascontiguousarray(a.T), [k, n], f"{w.name}_kn")
-        if bias is None:
-            bias = b.const(np.zeros(n, np.float32), f"{w.name}_zero_bias")
-        elif static_shape(bias) != (n,):
-            bias = b.const(np.asarray(const(bias)).reshape(n), f"{bias.name}_n")
-        return [b.op("SDGemm", [x, w, bias]).outputs[0]]
-
-
-class SDMatMulFusion(Rule):
-    name = "SDMatMulFusion"
-    anchors = ("MatMul",)
-
-    def match(self, node: ir.Node) -> Match | str | None:
-        a, c = node.inputs
-        if a is None or c is None or a.const_value is not None or c.const_value is not None:
-            return None
-        if not (is_float(a) and is_float(c)) or static_shape(a) is None or static_shape(c) is None:
-            return "inputs are not float tensors of static shape"
-        if max(len(static_shape(a) or ()), len(static_shape(c) or ())) > 4:
-            return "rank above 4"
-        return Match([node], [node.outputs[0]], (a, c))
-
-    def rewrite(self, b: Builder, m: Match) -> list[ir.Value]:
-        return [b.op("SDMatMul", list(m.params)).outputs[0]]
+        return [emit_gemm(b, m.params, static_shape(m.outputs[0]))]

@@ -5,9 +5,14 @@ GroupNorm as the exporters write it (both torch exporters, opset 17-20):
     Reshape(x [B, C, H, W] or [B, C, L] -> [B, G, -1]) -> InstanceNormalization(scale=1, bias=0, eps)
       -> Reshape(-> [B, C, H, W]) -> Mul(gamma [C, 1, 1]) -> Add(beta [C, 1, 1]) [-> SiLU]
     (the second Reshape is gone when it changed nothing, [B, C, L] with G = C: canonicalize drops it)
-    ==> Transpose(NCHW->NHWC) -> SDGroupNorm(x', gamma [C], beta [C], groups, eps, silu) -> Transpose back
+    ==> Transpose(NCHW->NHWC) -> SDGroupNorm(x', wts [2C] = gamma ++ beta, nonlinear='Silu' with the SiLU)
+        -> Transpose back
 
-LayerNorm: one ``LayerNormalization`` over the last axis at opset >= 17 ==> SDLayerNorm.
+The first Reshape must keep the batch apart ([B, G, -1]): one folding the batch into the groups
+([1, B*G, -1]) normalizes something else, and is declined.
+
+LayerNorm: one ``LayerNormalization`` over the last axis (opset >= 17) ==> SDLayerNorm on the [B, M, K] view
+of its input, then a view back to the input's rank where that differs.
 """
 
 from __future__ import annotations
@@ -15,7 +20,8 @@ from __future__ import annotations
 import numpy as np
 import onnx_ir as ir
 
-from sdnpu.passes.irutil import Builder, attr, const, producer, static_shape
+from sdnpu.ops.target import prod
+from sdnpu.passes.irutil import Builder, attr, bmk_view, const, producer, static_shape, unview
 from sdnpu.passes.rules.activation import silu_after
 from sdnpu.passes.rules.base import Match, Rule
 from sdnpu.passes.rules.conv import NCHW_TO_NHWC, NHWC_TO_NCHW, nhwc_shape
@@ -57,6 +63,8 @@ class SDGroupNormFusion(Rule):
         if static_shape((r2 if r2 is not None else inorm).outputs[0]) != x_shape:
             return "the reshape after InstanceNormalization does not restore the input shape"
         c, groups = x_shape[1], grouped[1]
+        if grouped[0] != x_shape[0] or c % groups or grouped[2] != prod(x_shape) // (x_shape[0] * groups):
+            return f"the reshape to {list(grouped)} does not group {list(x_shape)} as [B, G, C/G * H * W]"
         scale, bias = const(inorm.inputs[1]), const(inorm.inputs[2])
         if scale is None or bias is None or not (np.all(scale == 1) and np.all(bias == 0)):
             return "InstanceNormalization has a learned scale/bias (not the GroupNorm form)"
@@ -69,26 +77,35 @@ class SDGroupNormFusion(Rule):
             nodes += silu[0]
             out = silu[1]
         eps = float(attr(inorm, "epsilon", 1e-5))
-        return Match(nodes, [out], (x, g, bt, groups, eps, silu is not None, mul.name, add.name))
+        x4 = (*x_shape, 1) if len(x_shape) == 3 else x_shape
+        reason, assumed = self.target.spec("SDGroupNorm").check({"x": nhwc_shape(x4), "groups": groups})
+        if reason:
+            return reason
+        return Match(nodes, [out], (x, g, bt, groups, eps, silu is not None, add.name, assumed))
 
     def rewrite(self, b: Builder, m: Match) -> list[ir.Value]:
-        x, g, bt, groups, eps, silu, mul_name, add_name = m.params
+        x, g, bt, groups, eps, silu, add_name, assumed = m.params
         x_shape = static_shape(x)
         assert x_shape is not None
         flat = len(x_shape) == 3  # the VAE's attention norm sees [B, C, H*W]: run it as [B, C, H*W, 1]
         if flat:
             x_shape = (*x_shape, 1)
-            x = b.op("Reshape", [x, b.const(np.asarray(x_shape, np.int64), "shape")], domain="", dtype=x.dtype,
+            x = b.op("Reshape", [x, b.const(np.asarray(x_shape, np.int64), "shape")], dtype=x.dtype,
                      shape=x_shape).outputs[0]
-        gv = b.const(g, f"{mul_name or 'group_norm'}_gamma")
-        bv = b.const(bt, f"{add_name or 'group_norm'}_beta")
-        xt = b.op("Transpose", [x], {"perm": NCHW_TO_NHWC}, domain="", dtype=x.dtype, shape=nhwc_shape(x_shape))
-        gn = b.op("SDGroupNorm", [xt.outputs[0], gv, bv], {"groups": [groups], "epsilon": eps, "silu": int(silu)},
-                  dtype=x.dtype, shape=nhwc_shape(x_shape))
-        y = b.op("Transpose", [gn.outputs[0]], {"perm": NHWC_TO_NCHW}, domain="", dtype=x.dtype,
-                 shape=x_shape).outputs[0]
+        c = x_shape[1]
+        wts = b.const(np.concatenate([g, bt]).astype(np.float32), f"{add_name or 'group_norm'}_wts")
+        xt = b.op("Transpose", [x], {"perm": NCHW_TO_NHWC}, dtype=x.dtype, shape=nhwc_shape(x_shape))
+        attrs = {"input_shape": nhwc_shape(x_shape), "output_shape": nhwc_shape(x_shape), "wts_shape": [2 * c],
+                 "gamma_shape": [c], "beta_shape": [c], "epsilon": eps, "groups": groups, "activation": 0,
+                 "channels_last": 1}
+        if silu:
+            attrs["nonlinear"] = "Silu"
+        gn = b.dispatch("SDGroupNorm", [xt.outputs[0], wts], attrs, dtype=x.dtype, shape=nhwc_shape(x_shape),
+                        assumed=assumed)
+        y = b.op("Transpose", [gn.outputs[0]], {"perm": NHWC_TO_NCHW}, dtype=x.dtype, shape=x_shape).outputs[0]
         if flat:
-            y = b.op("Reshape", [y, b.const(np.asarray(x_shape[:3], np.int64), "shape")], domain="").outputs[0]
+            y = b.op("Reshape", [y, b.const(np.asarray(x_shape[:3], np.int64), "shape")], dtype=x.dtype,
+                     shape=x_shape[:3]).outputs[0]
         return [y]
 
 
@@ -106,13 +123,31 @@ class SDLayerNormFusion(Rule):
             return "its mean / inverse std outputs are used"
         gamma = node.inputs[1]
         beta = node.inputs[2] if len(node.inputs) > 2 else None
+        k = shape[-1]
         if const(gamma) is None or (beta is not None and const(beta) is None):
             return "gamma/beta are not constants"
-        return Match([node], [node.outputs[0]], (node.inputs[0], gamma, beta, shape[-1],
-                                                 float(attr(node, "epsilon", 1e-5))))
+        if (static_shape(gamma) != (k,) and const(gamma).size != k) or (  # type: ignore[union-attr]
+                beta is not None and const(beta).size != k):  # type: ignore[union-attr]
+            return "gamma/beta do not hold one value per channel"
+        view = bmk_view(shape)
+        reason, assumed = self.target.spec("SDLayerNorm").check({"x": view})
+        if reason:
+            return reason
+        return Match([node], [node.outputs[0]], (node.inputs[0], gamma, beta, view,
+                                                 float(attr(node, "epsilon", 1e-5)), assumed))
 
     def rewrite(self, b: Builder, m: Match) -> list[ir.Value]:
-        x, gamma, beta, c, eps = m.params
-        if beta is None:
-            beta = b.const(np.zeros(c, np.float32), f"{gamma.name}_zero_beta")
-        return [b.op("SDLayerNorm", [x, gamma, beta], {"epsilon": eps}).outputs[0]]
+        x, gamma, beta, view, eps, assumed = m.params
+        k = view[-1]
+        gamma = _vector(b, gamma, k)
+        beta = b.const(np.zeros(k, np.float32), f"{gamma.name}_zero_beta") if beta is None else _vector(b, beta, k)
+        ln = b.dispatch("SDLayerNorm", [x, gamma, beta],
+                        {"input_shape": view, "output_shape": view, "gamma_shape": [k], "beta_shape": [k],
+                         "epsilon": eps, "axis": -1}, dtype=x.dtype, shape=view, assumed=assumed)
+        return [unview(b, ln.outputs[0], static_shape(m.outputs[0]))]
+
+
+def _vector(b: Builder, v: ir.Value, k: int) -> ir.Value:
+    if static_shape(v) == (k,):
+        return v
+    return b.const(np.asarray(const(v), np.float32).reshape(k), f"{v.name}_k")

@@ -1,0 +1,194 @@
+"""A *target* is data: the NPU's op contract, one table per NPU stack.
+
+For every op the target runs, the table says its domain and type, its inputs in order (activation, weight,
+bias, AMD's dummy weight inputs, mask) with the dtype each is stored in, its attributes with their ONNX types
+and how each value relates to the node's tensors, the ``in_dtypes`` / ``out_dtypes`` the NPU runtime keys
+its kernels on, the layout of its activations, and its limits. Every entry cites the public source it was
+read from; a capability that had to be assumed says so (``Limit.assumed``), each op that relies on one
+carries its name (node metadata ``sdnpu.assumed``) and the report counts them.
+
+The rules, glue, precision, partition and the report read the table: a dispatch op is a node whose
+``(domain, op_type)`` is in it, and nothing else is.
+
+Shapes are symbolic letters in the docs: ``X: [B, H, W, C]``. A *view* is the shape an op reads an input as
+(its ``input_shape`` / ``a_shape`` attribute). A Reshape that only re-views contiguous memory in front of a
+dispatch op is absorbed into it (the op's reference body reshapes the input to the view), so it costs no node.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+# ONNX attribute types, as the tables write them (AttributeProto.AttributeType names).
+INT, INTS, FLOAT, STRING, STRINGS = "INT", "INTS", "FLOAT", "STRING", "STRINGS"
+
+Params = Mapping[str, Any]
+
+
+@dataclass(frozen=True)
+class Input:
+    """One input of a dispatch op, in the order the NPU runtime reads them.
+
+    ``role``: ``activation`` (a tensor another op produces; bf16, cast at a CPU edge), ``weight`` / ``bias``
+    (initializers, stored as ``dtype`` in the dispatch model, transformed offline), ``dummy`` (an initializer
+    AMD's kernels take but do not read, of fixed ``dummy_shape`` and ``dtype``), ``mask`` (an initializer
+    the rule computes)."""
+
+    name: str
+    role: str
+    dtype: str  # storage dtype in replaced.onnx: "bfloat16", "float", "uint8", "uint16"
+    shape: str = ""  # symbolic, for the docs
+    dummy_shape: tuple[int, ...] = ()
+    packed: str = ""  # what `sdnpu pack` turns it into (AMD's physical format), where that differs
+    block_axis: int | None = None  # a weight AMD's packer stores as bfp16ebs8: the axis of its 8-value blocks
+
+
+@dataclass(frozen=True)
+class Attr:
+    """One attribute: its name, ONNX type, what its value is, and where that comes from.
+
+    ``kind``: ``amd`` (AMD's test model for the op writes it), ``pass`` (AMD's ONNX pass writes it: the
+    newer contract), ``copied`` (AMD's pass copies it from the op it replaces, e.g. a Conv's strides).
+    ``required``: every node carries it (else only nodes that need it, e.g. ``nonlinear``)."""
+
+    name: str
+    type: str
+    doc: str
+    kind: str = "amd"
+    required: bool = True
+
+
+@dataclass(frozen=True)
+class Limit:
+    """A limit on the op's shapes or parameters. ``rule(params)`` returns a reason (the op cannot take
+    these params) or None. With ``assumed``, the limit is a capability no public source states: ``rule``
+    then returns a text when the op relies on it (which does not refuse the op, but is recorded)."""
+
+    name: str
+    doc: str
+    source: str
+    rule: Callable[[Params], str | None]
+    assumed: bool = False
+
+
+@dataclass(frozen=True)
+class OpSpec:
+    op_type: str
+    doc: str
+    inputs: tuple[Input, ...]
+    attrs: tuple[Attr, ...]
+    in_dtypes: tuple[str, ...]
+    out_dtypes: tuple[str, ...]
+    layout: str  # "NHWC", "BMK" ([B, M, K]), or "any" (element-wise)
+    sources: tuple[str, ...]
+    limits: tuple[Limit, ...] = ()
+    # (attribute, input index): the attribute is the shape that input is read as (a view of its tensor)
+    views: tuple[tuple[str, int], ...] = ()
+    # (attribute, input index): the attribute equals that input's shape exactly (weights)
+    exact_inputs: tuple[tuple[str, int], ...] = ()
+    # (attribute, output index): the attribute equals that output's shape exactly
+    exact_outputs: tuple[tuple[str, int], ...] = ()
+    macs: Callable[[Params], int] | None = None  # from the node's attributes
+    bfp: str | None = None  # this op's BFP16 variant, where the target has one
+    bfp_in_dtypes: tuple[str, ...] = ()
+
+    def attr(self, name: str) -> Attr:
+        return next(a for a in self.attrs if a.name == name)
+
+    def input_views(self, attrs: Params) -> dict[int, list[int]]:
+        """Input index -> the shape the op reads it as, from the node's attributes."""
+        if "input_shape" in attrs and len(self.inputs) >= 3 and self.inputs[1].name == "K":  # the MHA ops
+            b, m, k, n = attrs["input_shape"]
+            return {0: [b, m, k], 1: [b, n, k], 2: [b, n, k]}
+        return {i: list(attrs[a]) for a, i in self.views if a in attrs}
+
+    @property
+    def activation_inputs(self) -> tuple[int, ...]:
+        return tuple(i for i, spec in enumerate(self.inputs) if spec.role == "activation")
+
+    def check(self, params: Params) -> tuple[str | None, list[str]]:
+        """(the first limit that refuses these params, or None; the assumed capabilities they rely on)."""
+        assumed: list[str] = []
+        for limit in self.limits:
+            why = limit.rule(params)
+            if why is None:
+                continue
+            if not limit.assumed:
+                return f"{self.op_type}: {why}", assumed
+            assumed.append(limit.name)
+        return None, assumed
+
+
+@dataclass(frozen=True)
+class Target:
+    """One NPU's op contract: its dispatch ops, the CPU<->NPU boundary cast, and the sources cited."""
+
+    name: str
+    doc: str
+    domain: str
+    domain_version: int
+    ops: Mapping[str, OpSpec]
+    boundary: OpSpec  # the CPU<->NPU cast: runs on the CPU, never counted as offloaded
+    sources: Mapping[str, str] = field(default_factory=dict)  # citation prefix -> what and where
+    cpu_reasons: Mapping[str, str] = field(default_factory=dict)  # ONNX op type -> why it stays on the CPU
+    # Attention: which op takes Q length M, K/V length N and H heads, and its mask length for (B, M, K, N)
+    mha_variant: Callable[[int, int, int], str] | None = None
+    mha_mask_length: Callable[[int, int, int, int], int] | None = None
+
+    def is_dispatch(self, domain: str, op_type: str) -> bool:
+        return domain == self.domain and (op_type in self.ops or op_type in self.bfp_variants)
+
+    @property
+    def bfp_variants(self) -> dict[str, str]:
+        """``_bfp`` op type -> the op it is a variant of."""
+        return {spec.bfp: name for name, spec in self.ops.items() if spec.bfp}
+
+    def base_spec(self, op_type: str) -> OpSpec:
+        """The table entry of ``op_type`` or of the op it is the ``_bfp`` variant of."""
+        return self.ops[self.bfp_variants.get(op_type, op_type)]
+
+    def is_boundary(self, domain: str, op_type: str) -> bool:
+        return domain == self.domain and op_type == self.boundary.op_type
+
+    def spec(self, op_type: str) -> OpSpec:
+        return self.ops[op_type]
+
+    def cpu_reason(self, op_type: str) -> str:
+        return self.cpu_reasons.get(op_type, f"{op_type}: not in the {self.name} registry")
+
+
+def prod(xs: Sequence[int]) -> int:
+    return math.prod(int(x) for x in xs)
+
+
+DEFAULT_TARGET = "amd-xdna2"
+_FACTORIES: dict[str, Callable[[], Target]] = {}
+_CACHE: dict[str, Target] = {}
+
+
+def register(name: str, factory: Callable[[], Target]) -> None:
+    _FACTORIES[name] = factory
+
+
+def target_names() -> list[str]:
+    _load_builtin()
+    return sorted(_FACTORIES)
+
+
+def get_target(name: str = DEFAULT_TARGET) -> Target:
+    """The target called ``name``; an unknown name is an SdnpuError listing the known ones."""
+    _load_builtin()
+    if name not in _FACTORIES:
+        from sdnpu.errors import SdnpuError
+
+        raise SdnpuError(f"unknown target {name!r}", hint=f"choose one of: {', '.join(sorted(_FACTORIES))}")
+    if name not in _CACHE:
+        _CACHE[name] = _FACTORIES[name]()
+    return _CACHE[name]
+
+
+def _load_builtin() -> None:
+    from sdnpu.ops import amd_xdna2  # noqa: F401  (registers itself)
