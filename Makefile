@@ -1,6 +1,6 @@
 # sdnpu: every target sets up ./.venv itself (pinned packages, torch 2.13.0 CPU) before doing its job.
 #   make convert MODEL=unet [SOURCE=sdxl-base|tiny-sdxl|path] [OUT=dir] [RES=px] [EXPORTER=dynamo|torchscript]
-#                [PRECISION=bf16|bfp16]
+#                [PRECISION=bf16|bfp16] [TARGET=amd-xdna2]
 #   make generate PROMPT="a cat" [MODELS=models/sdxl-base] [STEPS=30] [IMAGE=image.png]
 #   make test | make fuzz [N=10000] [SEED=n] | make bench [FULL=1] | make clean
 
@@ -15,6 +15,7 @@ OUT      ?=
 RES      ?=
 EXPORTER ?=
 PRECISION ?=
+TARGET   ?=
 FULL     ?=
 N        ?= 10000
 SEED     ?=
@@ -46,7 +47,7 @@ $(STAMP): requirements.lock pyproject.toml
 convert: $(STAMP)
 	$(BIN)/sdnpu convert --model $(MODEL) --source $(SOURCE) \
 		$(if $(OUT),--out $(OUT)) $(if $(RES),--res $(RES)) $(if $(EXPORTER),--exporter $(EXPORTER)) \
-		$(if $(PRECISION),--precision $(PRECISION))
+		$(if $(PRECISION),--precision $(PRECISION)) $(if $(TARGET),--target $(TARGET))
 
 generate: $(STAMP)
 	@test -n "$(PROMPT)" || { echo 'make generate PROMPT="a cat" [MODELS=models/sdxl-base] [STEPS=30] [IMAGE=image.png]'; exit 2; }
