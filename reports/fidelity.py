@@ -34,6 +34,36 @@ def generic_inputs(path: Path, seed: int = 0, shapes: dict[str, list[int]] | Non
     return feeds
 
 
+# (seed, timestep) of the runs a fidelity range is taken over: three seeds, three timesteps spread across the
+# schedule (noisy, middle, nearly clean). Components without a timestep take the seeds alone.
+RANGE_RUNS = ((0, 999.0), (1, 500.0), (2, 1.0))
+
+
+def range_inputs(path: Path, seed: int, timestep: float | None) -> dict[str, np.ndarray]:
+    """``generic_inputs`` with a UNet's scalar timestep set to ``timestep``."""
+    feeds = generic_inputs(path, seed)
+    if timestep is not None and "timestep" in feeds:
+        feeds["timestep"] = np.asarray(timestep, dtype=feeds["timestep"].dtype)
+    return feeds
+
+
+def worst(results: list[dict[str, Any]]) -> dict[str, Any]:
+    """The worst of several fidelity results, output by output (lowest cosine, largest error, lowest PSNR)."""
+    outputs: dict[str, dict[str, float]] = {}
+    for r in results:
+        for name, o in r["outputs"].items():
+            w = outputs.setdefault(name, dict(o))
+            w["cosine"] = min(w["cosine"], o["cosine"])
+            for key in ("max_abs", "max_rel", "ref_max_abs"):
+                if key in o:
+                    w[key] = max(w[key], o[key])
+            if "psnr_db" in o:
+                w["psnr_db"] = min(w["psnr_db"], o["psnr_db"])
+    return {"reference": results[0]["reference"], "outputs": outputs,
+            "min_cosine": min(o["cosine"] for o in outputs.values()),
+            "max_abs": max(o["max_abs"] for o in outputs.values())}
+
+
 def is_image(shape: tuple[int, ...]) -> bool:
     """An RGB image tensor [B, 3, H, W] (the VAE decoder's output, the encoder's input)."""
     return len(shape) == 4 and shape[1] == 3 and shape[2] >= 8 and shape[3] >= 8
@@ -70,3 +100,44 @@ def fidelity(reference: dict[str, np.ndarray], actual: dict[str, np.ndarray]) ->
     return {"reference": "fp32 graph (onnxruntime CPU)", "outputs": outputs,
             "min_cosine": min(o["cosine"] for o in outputs.values()),
             "max_abs": max(o["max_abs"] for o in outputs.values())}
+
+
+def pessimistic_model(path: Path, out: Path) -> Path:
+    """The dispatch model at ``path`` with every intermediate of every reference body rounded to bf16, as a
+    kernel with bf16 internals would round it (the report's pessimistic fidelity): the bodies are inlined,
+    and each float value a body computes gets Cast(bf16) -> Cast(fp32) after it. The dispatch model itself
+    rounds once per op, at its output (the optimistic number). Written to ``out`` (a folder); returns the
+    model's path there."""
+    import onnx_ir as ir
+    import onnx_ir.passes.common as common
+
+    model = ir.load(path)
+    outer = {id(node) for node in model.graph}
+    common.InlinePass()(model)
+    common.ShapeInferencePass(strict_mode=False)(model)
+    rounded = 0
+    for node in list(model.graph):
+        if id(node) in outer:
+            continue
+        for value in node.outputs:
+            readers = list(value.uses())
+            if value.dtype != ir.DataType.FLOAT or not readers:
+                continue
+            narrow = ir.node("Cast", [value], attributes={"to": ir.DataType.BFLOAT16})
+            wide = ir.node("Cast", [narrow.outputs[0]], attributes={"to": ir.DataType.FLOAT})
+            narrow.outputs[0].dtype, wide.outputs[0].dtype = ir.DataType.BFLOAT16, ir.DataType.FLOAT
+            narrow.outputs[0].shape = wide.outputs[0].shape = value.shape
+            for use in readers:
+                use.node.replace_input_with(use.idx, wide.outputs[0])
+            model.graph.insert_after(node, [narrow, wide])
+            rounded += 1
+    model.functions.clear()
+    out.mkdir(parents=True, exist_ok=True)
+    target = out / path.name
+    weights = sum(v.const_value.nbytes for v in model.graph.initializers.values() if v.const_value is not None)
+    if weights > (1 << 31) - (1 << 26) or any(isinstance(v.const_value, ir.ExternalTensor)
+                                               for v in model.graph.initializers.values()):
+        ir.save(model, target, external_data=target.name + ".data", size_threshold_bytes=1024)
+    else:
+        ir.save(model, target)
+    return target

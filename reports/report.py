@@ -242,6 +242,14 @@ def render_text(r: dict[str, Any]) -> str:
         for name, e in fid["outputs"].items():
             psnr = f"  PSNR {e['psnr_db']:.1f} dB" if "psnr_db" in e else ""
             lines.append(f"  {name[:28]:<28} max abs {e['max_abs']:.3e}  cosine {e['cosine']:.6f}{psnr}")
+        pes = r.get("fidelity_pessimistic")
+        if pes:
+            lines.append("  every body intermediate in bf16 (pessimistic; the above: once per op):")
+            for name, e in pes["outputs"].items():
+                psnr = f"  PSNR {e['psnr_db']:.1f} dB" if "psnr_db" in e else ""
+                lines.append(f"  {name[:28]:<28} max abs {e['max_abs']:.3e}  cosine {e['cosine']:.6f}{psnr}")
+        if fid.get("inputs"):
+            lines += textwrap.wrap(f"inputs: {fid['inputs']}", 77, initial_indent="  ", subsequent_indent="    ")
         pipe = fid.get("pipeline")
         if pipe:
             lines.append(f"  whole pipeline, {pipe['steps']} steps, seed {pipe['seed']}: image PSNR "

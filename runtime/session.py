@@ -148,13 +148,19 @@ def session_options(model: Path, custom_ops: Path | None, optimize: bool, thread
 def open_component(folder: Path, component: str, reference: bool = False,
                    options: RuntimeOptions | None = None) -> Component:
     """``folder/<component>``'s dispatch model (or with ``reference``, its fp32 graph) in a session."""
-    import onnxruntime as ort
-
-    options = options or RuntimeOptions()
     path = Path(folder) / component / (REFERENCE_MODEL if reference else DISPATCH_MODEL)
     if not path.is_file():
         raise SdnpuError(f"{path} not found",
                          hint=f"convert it first: make convert MODEL={component} (OUT={Path(folder)})")
+    return open_component_path(path, component, reference, options or RuntimeOptions())
+
+
+def open_component_path(path: Path, component: str, reference: bool = False,
+                        options: RuntimeOptions | None = None) -> Component:
+    """A session over the model at ``path``, the component ``component`` of a converted folder."""
+    import onnxruntime as ort
+
+    options = options or RuntimeOptions(optimize=False)
     npu = options.custom_ops is not None and not reference and (
         component not in TEXT_ENCODERS or options.npu_text_encoders)
     library = options.custom_ops if npu else None
