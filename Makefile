@@ -35,14 +35,17 @@ venv: $(STAMP)
 
 $(STAMP): requirements.lock pyproject.toml
 	@test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
-	$(BIN)/python -m pip install --quiet --upgrade pip
-	# torch first and alone: an unpinned resolve would pull a multi-GB CUDA build
-	$(BIN)/python -m pip install --quiet torch==2.13.0
-	$(BIN)/python -m pip install --quiet -r requirements.lock
-	# only its BPE merges file is used (CLIP tokenizer); its deps (torchvision) do not import beside torch 2.13
-	$(BIN)/python -m pip install --quiet --no-deps open-clip-torch==3.3.0
-	$(BIN)/python -m pip install --quiet --no-deps --no-build-isolation -e .
+	@echo "setting up $(VENV): pinned packages (torch 2.13.0 CPU), then sdnpu; pip's output goes to $(VENV)/setup.log"
+	@: > $(VENV)/setup.log
+	@# torch first and alone: an unpinned resolve would pull a multi-GB CUDA build
+	@$(BIN)/python -m pip install --upgrade pip >> $(VENV)/setup.log 2>&1 || { cat $(VENV)/setup.log; exit 1; }
+	@$(BIN)/python -m pip install torch==2.13.0 >> $(VENV)/setup.log 2>&1 || { cat $(VENV)/setup.log; exit 1; }
+	@$(BIN)/python -m pip install -r requirements.lock >> $(VENV)/setup.log 2>&1 || { cat $(VENV)/setup.log; exit 1; }
+	@# only its BPE merges file is used (CLIP tokenizer); its deps (torchvision) do not import beside torch 2.13
+	@$(BIN)/python -m pip install --no-deps open-clip-torch==3.3.0 >> $(VENV)/setup.log 2>&1 || { cat $(VENV)/setup.log; exit 1; }
+	@$(BIN)/python -m pip install --no-deps --no-build-isolation -e . >> $(VENV)/setup.log 2>&1 || { cat $(VENV)/setup.log; exit 1; }
 	@touch $@
+	@echo "$(VENV) is ready"
 
 convert: $(STAMP)
 	$(BIN)/sdnpu convert --model $(MODEL) --source $(SOURCE) \

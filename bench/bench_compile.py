@@ -75,7 +75,7 @@ def main() -> None:
         for comp in args.components.split(","):
             rows.append(bench(source, comp))
             print(f"{source} {comp}: {rows[-1]}", flush=True)
-            write_section(f"Compile: {source}", "python bench/bench_compile.py", table(rows))
+            write_section(f"Compile: {source}", table(rows))
         print(table(rows))
 
 

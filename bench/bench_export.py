@@ -65,8 +65,11 @@ def table(rows: list[dict]) -> str:
     return "\n".join(lines)
 
 
-def write_section(title: str, command: str, body: str) -> None:
-    """Replace (or add) the section ``## title`` of bench/results.md."""
+def write_section(title: str, body: str) -> None:
+    """Replace (or add) the section ``## title`` of bench/results.md, naming the command line that measured it."""
+    import shlex
+
+    command = shlex.join(["python", *sys.argv])
     results = ROOT / "bench" / "results.md"
     text = results.read_text() if results.exists() else "# sdnpu benchmarks\n"
     marker = f"## {title}"
@@ -83,7 +86,7 @@ def write_results(source: str, rows: list[dict], compiled: bool = False) -> None
     what = "export-compile" if compiled else "export"
     (out_dir / f"{what}-{source}.json").write_text(json.dumps(rows, indent=2) + "\n")
     title = f"Export + compile: {source}" if compiled else f"Export: {source}"
-    write_section(title, "python bench/bench_export.py" + (" --compile" if compiled else ""), table(rows))
+    write_section(title, table(rows))
 
 
 def main() -> None:

@@ -29,14 +29,16 @@ def measure(source: str, models: Path, component: str, res: int | None) -> dict:
 
     from sdnpu.convert import resolve_source
     from sdnpu.convert.compile import fidelity, run_onnx
-    from sdnpu.convert.components import build_wrapper, sample_inputs, signature
+    from sdnpu.convert.components import build_wrapper
     from sdnpu.convert.driver import default_resolution
+    from sdnpu.pipelines import sample_inputs, signature, vae_scale_factor
     from sdnpu.reports.fidelity import RANGE_RUNS, pessimistic_model
 
     src = resolve_source(source)
     res = res or default_resolution(src)
     config = src.module_config(component)
-    sig = signature(component, config, res)
+    vae = src.module_config("vae_decoder") if "vae" in src.modules else None
+    sig = signature(component, config, res, vae_scale_factor(vae))
     runs = []
     for seed, t in RANGE_RUNS:
         feeds = sample_inputs(sig, config, res, seed=seed)
@@ -106,7 +108,7 @@ def main() -> None:
                     f"({r['pessimistic_1mcos_ratio']:.2f}) | {r['seconds']} |")
         print(rows[-1], flush=True)
         write_section(f"Fidelity: {args.source} (mean of 3 seeded inputs; the UNet at timesteps 999, 500, 1)",
-                      "python bench/bench_fidelity.py", "\n".join(rows))
+                      "\n".join(rows))
 
 
 if __name__ == "__main__":

@@ -211,8 +211,9 @@ def infer_rows(source: str, folder: Path, components: list[str], runs: int, roun
                mem_limit: float) -> list[dict]:
     rows = []
     for comp in components:
-        paths = {"fp32": (folder / comp / "model.onnx", True), "dispatch": (folder / comp / "dd" / "replaced.onnx", False),
-                 "dispatch+opt": (folder / comp / "dd" / "replaced.onnx", True),
+        dispatch = folder / comp / "dd" / "replaced.onnx"
+        paths = {"fp32": (folder / comp / "model.onnx", True), "dispatch": (dispatch, False),
+                 "dispatch+opt": (dispatch, True),
                  "ort-opt": (PEERS / folder.name / comp / "model.onnx", True)}
         per_round: list[dict[str, dict]] = []
         for _ in range(rounds):
@@ -291,12 +292,10 @@ def main() -> None:
             ensure_exported(source, res, comp, folder)
         if args.only != "infer":
             rows = compile_rows(source, folder, comps, args.mem_limit)
-            write_section(f"Compile vs ORT transformers optimizer: {label}", "python bench/bench_peers.py",
-                          compile_table(rows))
+            write_section(f"Compile vs ORT transformers optimizer: {label}", compile_table(rows))
         if args.only != "compile":
             rows = infer_rows(source, folder, comps, runs, rounds, args.mem_limit)
-            write_section(f"Inference on onnxruntime CPU: {label}", "python bench/bench_peers.py",
-                          infer_table(rows))
+            write_section(f"Inference on onnxruntime CPU: {label}", infer_table(rows))
 
 
 if __name__ == "__main__":

@@ -3,12 +3,13 @@
 ``convert/`` is the one place in sdnpu that builds torch modules.
 """
 
-from sdnpu.convert.driver import ComponentResult, ConvertResult, convert, parse_components
+from sdnpu.convert.driver import ComponentResult, ConvertOptions, ConvertResult, convert, parse_components
 from sdnpu.convert.sources import COMPONENTS, Source, preset_names, resolve_source
 
 __all__ = [
     "COMPONENTS",
     "ComponentResult",
+    "ConvertOptions",
     "ConvertResult",
     "Source",
     "convert",

@@ -6,7 +6,9 @@ Used by ``sdnpu convert`` (after export, inside the component's staging folder) 
 
 from __future__ import annotations
 
+import json
 import logging
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -14,14 +16,14 @@ import numpy as np
 
 from sdnpu.errors import SdnpuError
 from sdnpu.fileio import staged_dir
-from sdnpu.ops.target import DEFAULT_TARGET
+from sdnpu.memory import check_fits
 from sdnpu.passes.pipeline import CompileOptions
-from sdnpu.pipelines import pipeline_outputs
+from sdnpu.pipelines import default_resolution, pipeline_outputs, signature, vae_scale_factor
 from sdnpu.progress import peak_rss_bytes, release_memory, step
 from sdnpu.reports.fidelity import fidelity, generic_inputs
 
-__all__ = ["OUTPUT_CHOICES", "compile_file", "compile_into", "fidelity", "generic_inputs", "keep_outputs",
-           "pipeline_outputs", "run_onnx", "static_shapes"]
+__all__ = ["OUTPUT_CHOICES", "FidelityCheck", "compile_file", "compile_into", "fidelity", "generic_inputs",
+           "keep_outputs", "pipeline_outputs", "run_onnx", "static_shapes"]
 
 log = logging.getLogger(__name__)
 
@@ -62,15 +64,12 @@ def static_shapes(path: Path, overrides: dict[str, list[int]] | None = None, res
                   ) -> dict[str, list[int]]:
     """Static shapes for a graph's inputs where it has dynamic axes (optimum exports them). A component
     folder of an SD pipeline (``unet/model.onnx`` with its ``config.json``, as optimum writes it) gets the
-    same shapes ``sdnpu convert`` uses at resolution ``res`` (default: the model's own); ``overrides``
+    same shapes ``sdnpu convert`` uses at resolution ``res`` (default: the model's own, by the rule in
+    ``sdnpu.pipelines``, from the component's config.json and the VAE's beside it); ``overrides``
     (``--shape``) win. Inputs that stay dynamic are an error naming them."""
-    import json
-
     import onnx
 
-    from sdnpu.convert.components import signature
     from sdnpu.convert.sources import COMPONENTS
-
     from sdnpu.passes.pipeline import unreadable
 
     try:
@@ -85,10 +84,11 @@ def static_shapes(path: Path, overrides: dict[str, list[int]] | None = None, res
     shapes: dict[str, list[int]] = {}
     component, config_path = path.parent.name, path.parent / "config.json"
     if dynamic and component in COMPONENTS and config_path.is_file():
-        config = json.loads(config_path.read_text())
+        config = _read_config(config_path)
+        vae = _sibling_vae_config(path.parent) or (config if component.startswith("vae") else None)
         if res is None:
-            res = int(config.get("sample_size", 128)) * (8 if component == "unet" else 1)
-        sig = signature(component, config, res)
+            res = default_resolution(config if component == "unet" else None, vae)
+        sig = signature(component, config, res, vae_scale_factor(vae))
         shapes = {spec.name: list(spec.shape) for spec in sig.inputs if spec.name in dynamic}
     shapes.update(overrides or {})
     missing = {k: v for k, v in dynamic.items() if k not in shapes}
@@ -115,20 +115,43 @@ def run_onnx(path: Path, feeds: dict[str, np.ndarray], optimize: bool = False) -
     return dict(zip(names, sess.run(names, feeds), strict=True))
 
 
-def compile_into(source: Path, dd_dir: Path, info: dict[str, Any], feeds: dict[str, np.ndarray] | None = None,
-                 reference: dict[str, np.ndarray] | None = None, verify: bool = True,
-                 shapes: dict[str, list[int]] | None = None, options: CompileOptions | None = None,
-                 outputs: list[str] | None = None) -> dict[str, Any]:
+def _read_config(path: Path) -> dict[str, Any]:
+    try:
+        return json.loads(path.read_text())  # type: ignore[no-any-return]
+    except (OSError, ValueError) as e:
+        raise SdnpuError(f"cannot read {path}: {e}", hint="it should be the component's diffusers config.json") from e
+
+
+def _sibling_vae_config(folder: Path) -> dict[str, Any] | None:
+    """The VAE's config beside a component folder (optimum writes vae_decoder/, diffusers vae/): it sets
+    the latent size."""
+    for name in ("vae_decoder", "vae", "vae_encoder"):
+        path = folder.parent / name / "config.json"
+        if path.is_file():
+            return _read_config(path)
+    return None
+
+
+@dataclass(frozen=True)
+class FidelityCheck:
+    """Run the dispatch model against the fp32 graph on ``feeds`` (None: generic seeded inputs);
+    ``reference``: the fp32 graph's outputs when the caller has them already."""
+
+    feeds: dict[str, np.ndarray] | None = None
+    reference: dict[str, np.ndarray] | None = None
+
+
+def compile_into(source: Path, dd_dir: Path, info: dict[str, Any], options: CompileOptions, *,
+                 shapes: dict[str, list[int]] | None = None, outputs: list[str] | None = None,
+                 check: FidelityCheck | None = FidelityCheck()) -> dict[str, Any]:
     """Compile ``source`` into the folder ``dd_dir`` (which the caller stages). Returns the report.
-    ``shapes`` fixes dynamic input axes (see ``static_shapes``); ``options``: the target and precision;
-    ``outputs``: the graph outputs the dispatch model keeps (None: all; see ``keep_outputs``)."""
+    ``shapes`` fixes dynamic input axes (see ``static_shapes``); ``outputs``: the graph outputs the
+    dispatch model keeps (None: all; see ``keep_outputs``); ``check`` None: no fidelity run."""
     import onnx
 
     from sdnpu.passes.canonicalize import bind_input_shapes
     from sdnpu.passes.pipeline import compile_model, load, records_json, save
     from sdnpu.reports import report as reports
-
-    options = options or CompileOptions()
 
     name = info.get("component", source.parent.name)
     with step(log, f"[{name}] compiling for {options.target.name} (canonicalize, fuse, layout, glue, views, "
@@ -152,8 +175,13 @@ def compile_into(source: Path, dd_dir: Path, info: dict[str, Any], feeds: dict[s
                              hint="this is a compiler bug worth reporting with the model; meanwhile "
                              "`--no-compile` keeps the exported graph") from e
     fid = None
-    if verify:
-        feeds = feeds if feeds is not None else generic_inputs(source, shapes=shapes)
+    if check is not None:
+        hint = "--no-verify skips the fidelity run, or convert at a smaller RES"
+        reference = check.reference
+        if reference is None:
+            check_fits(source, f"[{name}] the fidelity run of the fp32 graph", hint)
+        check_fits(out, f"[{name}] the fidelity run of {REPLACED}", hint)
+        feeds = check.feeds if check.feeds is not None else generic_inputs(source, shapes=shapes)
         if reference is None:
             with step(log, f"[{name}] running the fp32 graph for the fidelity check"):
                 reference = run_onnx(source, feeds, optimize=True)
@@ -189,8 +217,6 @@ def _drop_outputs(model: Any, keep: list[str], name: str) -> list[str]:
 def _pipeline_kind(source: Path) -> bool | None:
     """Whether ``source`` (``<pipeline>/<component>/model.onnx``) belongs to an SDXL pipeline (one with a
     text_encoder_2), from the pipeline's model_index.json; None where there is none."""
-    import json
-
     if source.parent.name == "text_encoder_2":
         return True
     try:
@@ -205,26 +231,23 @@ def output_names(path: Path) -> list[str]:
     return [o.name for o in onnx.load(str(path), load_external_data=False).graph.output]
 
 
-def compile_file(source: Path, out: Path | None = None, verify: bool = True,
-                 shapes: dict[str, list[int]] | None = None, res: int | None = None,
-                 precision: str = "bf16", outputs: str = "pipeline", target: str = DEFAULT_TARGET) -> dict[str, Any]:
+def compile_file(source: Path, out: Path | None = None, options: CompileOptions | None = None, *,
+                 verify: bool = True, shapes: dict[str, list[int]] | None = None, res: int | None = None,
+                 outputs: str = "pipeline") -> dict[str, Any]:
     """``sdnpu compile``: ``source`` -> ``out`` (default: ``dd/`` beside the source), replaced atomically.
-    ``outputs``: pipeline, all, or a comma-separated list of output names (see ``keep_outputs``)."""
-    import json
-
-    options = CompileOptions.named(target, precision)
+    ``options``: target and precision (default: amd-xdna2, bf16); ``shapes`` / ``res``: see
+    ``static_shapes``; ``outputs``: pipeline, all, or a comma-separated list of output names (see
+    ``keep_outputs``)."""
+    options = options or CompileOptions()
     source = Path(source)
     if not source.is_file():
         raise SdnpuError(f"{source} is not a file", hint="give the path of an .onnx model")
     bound = static_shapes(source, shapes, res)
     config_path = source.parent / "config.json"
-    try:
-        config = json.loads(config_path.read_text()) if config_path.is_file() else None
-    except ValueError as e:
-        raise SdnpuError(f"{config_path} is not valid JSON: {e}") from e
+    config = _read_config(config_path) if config_path.is_file() else None
     keep = keep_outputs(outputs, output_names(source), source.parent.name, config, _pipeline_kind(source))
     dd_dir = Path(out) if out is not None else source.parent / "dd"
     with staged_dir(dd_dir) as stage:
         return compile_into(source, stage, {"component": source.parent.name,
-                                            "source": {"name": str(source), "kind": "onnx"}}, verify=verify,
-                            shapes=bound, options=options, outputs=keep)
+                                            "source": {"name": str(source), "kind": "onnx"}}, options,
+                            shapes=bound, outputs=keep, check=FidelityCheck() if verify else None)

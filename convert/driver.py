@@ -12,19 +12,12 @@ import logging
 import platform
 import tempfile
 from collections.abc import Sequence
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
 from sdnpu import __version__
-from sdnpu.convert.components import (
-    Signature,
-    build_wrapper,
-    resolution_step,
-    sample_inputs,
-    signature,
-    vae_scale_factor,
-)
+from sdnpu.convert.components import build_wrapper
 from sdnpu.convert.export import (
     CHECK_RTOL,
     DEFAULT_OPSET,
@@ -37,14 +30,54 @@ from sdnpu.convert.compile import OUTPUT_CHOICES, run_onnx
 from sdnpu.convert.sources import COMPONENT_MODULES, COMPONENTS, Source, resolve_source
 from sdnpu.errors import SdnpuError, storage_error
 from sdnpu.ops.target import DEFAULT_TARGET
-from sdnpu.passes.pipeline import CompileOptions
 from sdnpu.fileio import atomic_write_json, recover_staging, staged_dir
+from sdnpu.memory import check_fits
+from sdnpu.passes.pipeline import CompileOptions
+from sdnpu.pipelines import Signature, check_resolution, sample_inputs, signature, vae_scale_factor
+from sdnpu.pipelines import default_resolution as resolution_rule
 from sdnpu.progress import peak_rss_bytes, release_memory, step
 from sdnpu.reports.fidelity import fidelity
+from sdnpu.worker import run_in_worker
 
 log = logging.getLogger(__name__)
 
 MODEL_FILE = "model.onnx"
+
+
+@dataclass(frozen=True)
+class ConvertOptions:
+    """How ``convert`` exports, checks and compiles; validated once, when made (a bad value is an
+    SdnpuError naming the choices before anything is loaded).
+
+    ``res``: pixels (None: the model's own); ``check``: run the exported graph against PyTorch and the
+    dispatch model against the graph; ``compile``: write ``<component>/dd/``; ``outputs``: "pipeline" (the
+    dispatch models keep what a diffusers pipeline reads) or "all"; ``target``: the NPU whose op contract
+    the dispatch models are written in; ``precision``: bf16 or bfp16."""
+
+    res: int | None = None
+    exporter: str = "dynamo"
+    opset: int = DEFAULT_OPSET
+    check: bool = True
+    compile: bool = True
+    outputs: str = "pipeline"
+    target: str = DEFAULT_TARGET
+    precision: str = "bf16"
+
+    def __post_init__(self) -> None:
+        if self.exporter not in EXPORTERS:
+            raise SdnpuError(f"unknown exporter {self.exporter!r}", hint=f"choose one of: {', '.join(EXPORTERS)}")
+        if self.opset < MIN_OPSET:
+            raise SdnpuError(f"opset {self.opset} is too old", hint=f"use opset {MIN_OPSET} or newer")
+        if self.outputs not in OUTPUT_CHOICES:
+            raise SdnpuError(f"unknown --outputs {self.outputs!r}", hint=f"choose one of: {', '.join(OUTPUT_CHOICES)}")
+        if self.res is not None and self.res <= 0:
+            raise SdnpuError(f"resolution {self.res} is not a positive number of pixels",
+                             hint="RES is the image's side in pixels, e.g. 1024 for SDXL")
+        self.compile_options  # noqa: B018 -- validates target and precision
+
+    @property
+    def compile_options(self) -> CompileOptions:
+        return CompileOptions.named(self.target, self.precision)
 
 
 @dataclass
@@ -91,56 +124,25 @@ def parse_components(spec: str | Sequence[str], source: Source) -> list[str]:
 
 
 def default_resolution(source: Source) -> int:
-    """The resolution the source was trained at: the UNet's sample size in pixels (1024 for SDXL)."""
-    vae_cfg = source.module_config("vae_decoder") if "vae" in source.modules else None
-    factor = vae_scale_factor(vae_cfg)
-    if "unet" in source.modules:
-        return int(source.module_config("unet")["sample_size"]) * factor
-    if vae_cfg is not None:
-        return int(vae_cfg["sample_size"])
-    return 1024
+    """The resolution ``source`` was trained at (``sdnpu.pipelines.default_resolution``: 1024 for SDXL)."""
+    return resolution_rule(source.module_config("unet") if "unet" in source.modules else None, _vae_config(source))
 
 
-def _check_resolution(source: Source, components: list[str], res: int, factor: int) -> None:
-    for comp in components:
-        if comp.startswith("text_encoder"):
-            continue
-        multiple = resolution_step(comp, source.module_config(comp), factor)
-        if res <= 0 or res % multiple:
-            raise SdnpuError(f"resolution {res} does not fit the {comp}",
-                             hint=f"RES must be a positive multiple of {multiple} for this model")
+def _vae_config(source: Source) -> dict[str, Any] | None:
+    return source.module_config("vae_decoder") if "vae" in source.modules else None
 
 
-def convert(
-    source: str | Path,
-    components: str | Sequence[str] = "all",
-    out: str | Path | None = None,
-    res: int | None = None,
-    exporter: str = "dynamo",
-    opset: int = DEFAULT_OPSET,
-    check: bool = True,
-    compile: bool = True,
-    precision: str = "bf16",
-    outputs: str = "pipeline",
-    target: str = DEFAULT_TARGET,
-) -> ConvertResult:
+def convert(source: str | Path, components: str | Sequence[str] = "all", out: str | Path | None = None,
+            options: ConvertOptions | None = None, **settings: Any) -> ConvertResult:
     """Export ``components`` of ``source`` to ``out`` (default ``models/<source name>``) and, unless
-    ``compile=False``, compile each into ``<component>/dd/`` (dispatch model and offload report).
-    ``outputs``: "pipeline" (the dispatch models keep what a diffusers pipeline reads) or "all";
-    ``target``: the NPU whose op contract the dispatch models are written in."""
-    if exporter not in EXPORTERS:
-        raise SdnpuError(f"unknown exporter {exporter!r}", hint=f"choose one of: {', '.join(EXPORTERS)}")
-    if opset < MIN_OPSET:
-        raise SdnpuError(f"opset {opset} is too old", hint=f"use opset {MIN_OPSET} or newer")
-    options = CompileOptions.named(target, precision)
-    if outputs not in OUTPUT_CHOICES:
-        raise SdnpuError(f"unknown --outputs {outputs!r}", hint=f"choose one of: {', '.join(OUTPUT_CHOICES)}")
+    ``options.compile`` is off, compile each into ``<component>/dd/`` (dispatch model and offload report).
+    ``settings`` are ``ConvertOptions`` fields, applied over ``options``: ``convert("tiny-sdxl", res=256)``."""
+    options = replace(options, **settings) if options is not None else ConvertOptions(**settings)
     src = resolve_source(source)
     comps = parse_components(components, src)
-    vae_cfg = src.module_config("vae_decoder") if "vae" in src.modules else None
-    factor = vae_scale_factor(vae_cfg)
-    res = default_resolution(src) if res is None else int(res)
-    _check_resolution(src, comps, res, factor)
+    factor = vae_scale_factor(_vae_config(src))
+    res = default_resolution(src) if options.res is None else options.res
+    check_resolution(res, {c: src.module_config(c) for c in comps}, factor)
     out_dir = Path(out) if out is not None else Path("models") / src.name
     out_dir.mkdir(parents=True, exist_ok=True)
     recover_staging(out_dir)
@@ -167,12 +169,12 @@ def convert(
             cached = (key, (cached[1][0], 0.0))  # a second component of the same module loaded nothing
             if not (i + 1 < len(comps) and COMPONENT_MODULES[comps[i + 1]] == key):
                 cached = None
+        job = _Job(comp, key, res, factor, options)
         with staged_dir(out_dir / comp) as stage:
-            job = _TorchJob(comp, key, str(stage / MODEL_FILE), res, factor, exporter, opset, check)
-            torch_stage = _torch_stage_in_child(src, job) if isolate else _torch_stage(src, job, holder)
+            path = str(stage / MODEL_FILE)
+            torch_stage = _torch_stage_in_child(src, job, path) if isolate else _torch_stage(src, job, path, holder)
             release_memory()  # the torch weights go before onnxruntime loads the graph's copy
-            result = _export_component(src, comp, torch_stage, stage, res, factor, exporter, opset, check,
-                                       fingerprint, compile, options, outputs)
+            result = _export_component(src, job, torch_stage, stage, fingerprint)
         result.path = out_dir / comp / MODEL_FILE
         results.append(result)
     written = src.write_pipeline_files(out_dir)
@@ -210,15 +212,17 @@ def _load(src: Source, comp: str, key: str) -> tuple[Any, float]:
 
 
 @dataclass(frozen=True)
-class _TorchJob:
+class _Job:
+    """One component's conversion, as both stages read it (the torch stage perhaps in a worker process)."""
+
     component: str
-    key: str
-    path: str
+    key: str  # its diffusers module ("vae" for both VAE halves)
     res: int
-    factor: int
-    exporter: str
-    opset: int
-    check: bool
+    factor: int  # the VAE's scale factor
+    options: ConvertOptions
+
+    def signature(self, config: dict[str, Any]) -> Signature:
+        return signature(self.component, config, self.res, self.factor)
 
 
 @dataclass
@@ -231,99 +235,58 @@ class _TorchStage:
     peak_rss_bytes: int  # of the process that ran it
 
 
-def _torch_stage(src: Source, job: _TorchJob, holder: list[Any]) -> _TorchStage:
+def _torch_stage(src: Source, job: _Job, path: str, holder: list[Any]) -> _TorchStage:
     """Load (unless ``holder`` has the module), run PyTorch on the seeded inputs, export. Every torch
     object lives and dies in here."""
     comp = job.component
     module, load_s = holder.pop() if holder else _load(src, comp, job.key)
     seconds = {"load": round(load_s, 2)}
     config = src.module_config(comp)
-    sig = signature(comp, config, job.res, job.factor)
+    sig = job.signature(config)
     wrapper = build_wrapper(comp, module, config)
     del module
     n_params = sum(p.numel() for p in wrapper.parameters())
     feeds = sample_inputs(sig, config, job.res)
     reference = None
-    if job.check:
+    exporter, opset = job.options.exporter, job.options.opset
+    if job.options.check:
         with step(log, f"[{comp}] running PyTorch on seeded inputs") as t:
             reference = torch_outputs(wrapper, feeds)
         seconds["torch_run"] = round(t.seconds, 2)
-    with step(log, f"[{comp}] exporting with torch's {job.exporter} exporter (opset {job.opset})") as t:
+    with step(log, f"[{comp}] exporting with torch's {exporter} exporter (opset {opset})") as t:
         try:
             export_module(wrapper, tuple(_as_torch(feeds)), [s.name for s in sig.inputs], list(sig.outputs),
-                          Path(job.path), exporter=job.exporter, opset=job.opset)
+                          Path(path), exporter=exporter, opset=opset)
         except SdnpuError:
             raise
         except Exception as e:  # the exporters raise many types; name the component and the exporter
             if isinstance(e, OSError) and (err := storage_error(e)) is not None:
                 raise err from e  # a full or read-only disk while saving is not the exporter's fault
-            raise SdnpuError(f"torch's {job.exporter} exporter failed on {comp}: {type(e).__name__}: {e}",
-                             hint="try --exporter torchscript" if job.exporter == "dynamo" else None) from e
+            raise SdnpuError(f"torch's {exporter} exporter failed on {comp}: {type(e).__name__}: {e}",
+                             hint="try --exporter torchscript" if exporter == "dynamo" else None) from e
     seconds["export"] = round(t.seconds, 2)
     return _TorchStage(reference, n_params, seconds, peak_rss_bytes())
 
 
-def _torch_stage_in_child(src: Source, job: _TorchJob) -> _TorchStage:
-    """``_torch_stage`` in a spawned process; its result (small: PyTorch's outputs) comes back by pipe."""
-    import multiprocessing
-
-    ctx = multiprocessing.get_context("spawn")
-    receiver, sender = ctx.Pipe(duplex=False)
-    source = src.name if src.kind == "preset" else str(src.root)
-    proc = ctx.Process(target=_child_main, args=(sender, source, job, logging.getLogger("sdnpu").getEffectiveLevel()),
-                       name=f"sdnpu-export-{job.component}")
+def _torch_stage_in_child(src: Source, job: _Job, path: str) -> _TorchStage:
+    """``_torch_stage`` in a worker process (``sdnpu.worker``); its result (small: PyTorch's outputs) comes
+    back by pipe."""
     log.info("[%s] exporting in a worker process (%s)", job.component, "weights above 1 GiB")
-    proc.start()
-    sender.close()
-    try:
-        kind, payload = receiver.recv()
-    except EOFError:
-        kind, payload = "died", None
-    finally:
-        proc.join()
-    if kind == "ok":
-        return payload  # type: ignore[no-any-return]
-    if kind == "error":
-        raise SdnpuError(*payload)
-    if kind == "crash":
-        raise SdnpuError(f"exporting {job.component} failed: {payload}")
-    raise SdnpuError(f"the export worker for {job.component} died (exit code {proc.exitcode})",
-                     hint="a negative code is the signal that killed it; -9 is often the kernel's "
-                     "out-of-memory killer: close other large jobs and retry")
+    source = src.name if src.kind == "preset" else str(src.root)
+    return run_in_worker(_torch_stage_from, source, job, path, what=f"exporting {job.component}")
 
 
-def _child_main(conn: Any, source: str, job: _TorchJob, level: int) -> None:
-    import ctypes
-    import signal
-    import traceback
-    import warnings
-
-    try:  # die with the parent (Ctrl-C, SIGKILL): no orphan keeps exporting into a staging folder
-        ctypes.CDLL("libc.so.6").prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
-    except (OSError, AttributeError):
-        pass
-    logging.basicConfig(level=logging.WARNING, format="%(message)s")
-    logging.getLogger("sdnpu").setLevel(level)
-    logging.getLogger("torch.onnx").setLevel(logging.ERROR)
-    warnings.filterwarnings("ignore", category=FutureWarning)
-    warnings.filterwarnings("ignore", category=DeprecationWarning)
-    try:
-        conn.send(("ok", _torch_stage(resolve_source(source), job, [])))
-    except SdnpuError as e:
-        conn.send(("error", (e.message, e.hint)))
-    except BaseException as e:  # a bug: send the traceback, the parent names the component
-        conn.send(("crash", f"{type(e).__name__}: {e}\n{traceback.format_exc()}"))
-    finally:
-        conn.close()
+def _torch_stage_from(source: str, job: _Job, path: str) -> _TorchStage:
+    return _torch_stage(resolve_source(source), job, path, [])
 
 
-def _export_component(src: Source, comp: str, torch_stage: _TorchStage, stage: Path, res: int, factor: int,
-                      exporter: str, opset: int, check: bool, fingerprint: str, compile: bool,
-                      options: CompileOptions, outputs: str) -> ComponentResult:
+def _export_component(src: Source, job: _Job, torch_stage: _TorchStage, stage: Path,
+                      fingerprint: str) -> ComponentResult:
     import onnx
 
+    comp, res, options = job.component, job.res, job.options
     config = src.module_config(comp)
-    sig: Signature = signature(comp, config, res, factor)
+    sig = job.signature(config)
     feeds = sample_inputs(sig, config, res)
     path = stage / MODEL_FILE
     seconds = dict(torch_stage.seconds)
@@ -337,22 +300,24 @@ def _export_component(src: Source, comp: str, torch_stage: _TorchStage, stage: P
     graph = onnx.load(str(path), load_external_data=False)
     check_data = None
     actual = None
-    if check and reference is not None:
+    if options.check and reference is not None:
+        check_fits(path, f"[{comp}] running the exported graph in onnxruntime (the check against PyTorch)",
+                   hint=f"--no-check skips the check, or convert at a smaller RES (now {res})")
         with step(log, f"[{comp}] running the graph in onnxruntime") as t:
             actual = run_onnx(path, feeds, optimize=True)
         seconds["onnx_run"] = round(t.seconds, 2)
         check_data = _check_outputs(comp, sig, reference, actual)
     summary = None
-    if compile:
-        from sdnpu.convert.compile import compile_into, keep_outputs
+    if options.compile:
+        from sdnpu.convert.compile import FidelityCheck, compile_into, keep_outputs
 
-        keep = keep_outputs(outputs, list(sig.outputs), comp, config, "text_encoder_2" in src.modules)
+        keep = keep_outputs(options.outputs, list(sig.outputs), comp, config, "text_encoder_2" in src.modules)
         info = {"component": comp, "source": {"name": src.name, "kind": src.kind, "fingerprint": fingerprint},
                 "resolution": res}
-        fp32 = actual
+        check = FidelityCheck(feeds, reference=actual) if options.check else None
         with step(log, f"[{comp}] compile stage") as t:
-            summary = compile_into(path, stage / "dd", info, feeds, fp32, verify=check,
-                                   options=options, outputs=keep)["summary"]
+            summary = compile_into(path, stage / "dd", info, options.compile_options, outputs=keep,
+                                   check=check)["summary"]
         seconds["compile"] = round(t.seconds, 2)
 
     result = ComponentResult(component=comp, path=path, nodes=len(graph.graph.node), parameters=n_params,
@@ -364,8 +329,8 @@ def _export_component(src: Source, comp: str, torch_stage: _TorchStage, stage: P
         "component": comp,
         "source": {"name": src.name, "kind": src.kind, "path": str(src.root), "fingerprint": fingerprint},
         "module_class": src.classes[COMPONENT_MODULES[comp]],
-        "exporter": exporter,
-        "opset": opset,
+        "exporter": options.exporter,
+        "opset": options.opset,
         "resolution": res,
         "inputs": [s.to_json() for s in sig.inputs],
         "outputs": list(sig.outputs),

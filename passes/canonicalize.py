@@ -287,7 +287,8 @@ def _unflip_concat(graph: ir.Graph) -> int:
             picked.append(cat.inputs[bounds.index(span)])
         else:
             b = Builder(graph, RULE)
-            new = b.op("Concat", picked, {"axis": axis}, dtype=node.outputs[0].dtype, shape=static_shape(node.outputs[0]))
+            new = b.op("Concat", picked, {"axis": axis}, dtype=node.outputs[0].dtype,
+                       shape=static_shape(node.outputs[0]))
             replace(graph, node, [node], b.nodes, [node.outputs[0]], [new.outputs[0]])
             done += 1
     return done
@@ -395,12 +396,13 @@ def canonicalize(model: ir.Model) -> PassResult:
         model.graph.opset_imports[""] = TARGET_OPSET
         counts[f"opset {opset} -> {TARGET_OPSET}"] = 1
     n_before = len(model.graph)
-    common.LiftConstantsToInitializersPass(lift_all_constants=True, size_limit=0)(model)
+    lift = common.LiftConstantsToInitializersPass(lift_all_constants=True, size_limit=0)
+    counts["Constant nodes -> initializers"] += int(lift(model).modified)
     # TorchScript graphs carry no shapes for intermediates; the folder needs them to fold shape
     # arithmetic, and every rule needs static shapes.
     common.ShapeInferencePass(strict_mode=False)(model)
-    onnxscript.optimizer.fold_constants(model)
-    common.LiftConstantsToInitializersPass(lift_all_constants=True, size_limit=0)(model)
+    counts["constant subgraphs folded"] += int(onnxscript.optimizer.fold_constants(model).modified)
+    counts["Constant nodes -> initializers"] += int(lift(model).modified)
     _sync_constant_shapes(model.graph)
     for _ in range(10):  # folding one node can make the next one's inputs constant, or shapes known
         common.ShapeInferencePass(strict_mode=False)(model)
@@ -408,8 +410,9 @@ def canonicalize(model: ir.Model) -> PassResult:
         counts["small constants folded"] += n
         if not n:
             break
-    _drop_identities(model.graph)
-    common.NameFixPass()(model)  # every node named: CPU reasons and regions refer to nodes by name
+    counts["identities dropped"] = _drop_identities(model.graph)
+    # every node named: CPU reasons and regions refer to nodes by name
+    counts["nodes and values named"] = int(common.NameFixPass()(model).modified)
     common.ShapeInferencePass(strict_mode=False)(model)
     counts["squeeze/unsqueeze/flatten -> reshape"] = _to_reshape(model.graph)
     counts["transpose perm written out"] = _explicit_perm(model.graph)
@@ -422,4 +425,5 @@ def canonicalize(model: ir.Model) -> PassResult:
     remove_dead_nodes(model.graph)
     common.RemoveUnusedNodesPass()(model)
     counts["nodes removed"] = max(0, n_before - len(model.graph))
+    # shape annotations alone (ShapeInferencePass) do not count as a change
     return PassResult(modified=bool(sum(counts.values())), counts=dict(counts))

@@ -55,16 +55,19 @@ def contract_violations(target: Target, node: ir.Node) -> list[str]:
 
 
 def attach_functions(model: ir.Model, target: Target) -> int:
+    """Give ``model`` exactly the reference functions its dispatch ops need (those it has stay); returns how
+    many were added or removed."""
     used = {n.op_type for n in model.graph if n.domain == target.domain}
-    for key in [k for k in model.functions if k[0] == target.domain]:
+    before = {k for k in model.functions if k[0] == target.domain}
+    needed = {(p.domain, p.name, p.overload): p for p in functions_for(target, used)}
+    for key in before - needed.keys():
         del model.functions[key]
-    for proto in functions_for(target, used):
-        fn = ir.serde.deserialize_function(proto)
-        model.functions[fn.identifier()] = fn
+    for key in needed.keys() - before:
+        model.functions[key] = ir.serde.deserialize_function(needed[key])
     if used:
         model.opset_imports[target.domain] = target.domain_version
         model.graph.opset_imports[target.domain] = target.domain_version
-    return len(used)
+    return len(before ^ needed.keys())
 
 
 def cleanup(model: ir.Model, target: Target) -> PassResult:
@@ -77,5 +80,6 @@ def cleanup(model: ir.Model, target: Target) -> PassResult:
     if problems:  # a rule wrote a node the target's runtime would refuse: a compiler bug, never the user's
         raise AssertionError(f"{len(problems)} dispatch ops break the {target.name} table: " + "; ".join(problems[:5]))
     counts["reference functions"] = attach_functions(model, target)
+    counts["target recorded"] = int(model.metadata_props.get(TARGET_KEY) != target.name)
     model.metadata_props[TARGET_KEY] = target.name
     return PassResult(modified=bool(sum(counts.values())), counts=dict(counts))

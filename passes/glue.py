@@ -121,6 +121,10 @@ class _Glue:
         if node.op_type in ("Sub", "Div"):
             k = const(c)
             if k is None:
+                if const(a) is not None:  # k - x needs a negation, k / x a reciprocal: the registry has neither
+                    sym = "-" if node.op_type == "Sub" else "/"
+                    return (f"{node.op_type} with the constant first (k {sym} x): only x {sym} k maps onto the "
+                            f"{self.target.name} registry")
                 return f"{node.op_type} of two activations: not in the {self.target.name} registry"
             if node.op_type == "Div" and np.any(k == 0):
                 return "division by zero"

@@ -113,6 +113,7 @@ def _cpu_reason(node: ir.Node, target: Target) -> str:
 
 def partition(model: ir.Model, target: Target) -> PassResult:
     graph = model.graph
+    before = [(n.metadata_props.get(REGION_TAG), n.metadata_props.get(REASON_TAG)) for n in graph]
     regions = propose_regions(graph, target)
     out: list[Region] = []
     for i, grp in enumerate(regions):
@@ -136,5 +137,6 @@ def partition(model: ir.Model, target: Target) -> PassResult:
             node.metadata_props.pop(REGION_TAG, None)
             cpu += 1
     transitions = sum(len(r.inputs) + len(r.outputs) for r in out)
-    return PassResult(modified=True, counts={"NPU regions": len(out), "CPU nodes": cpu, "transitions": transitions},
-                      details={"regions": out})
+    after = [(n.metadata_props.get(REGION_TAG), n.metadata_props.get(REASON_TAG)) for n in graph]
+    counts = {"NPU regions": len(out), "CPU nodes": cpu, "transitions": transitions}
+    return PassResult(modified=after != before, counts=counts, details={"regions": out})

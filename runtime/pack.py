@@ -73,7 +73,7 @@ def pack_model(source: Path, out_dir: Path) -> dict[str, int]:
         spec = target.base_spec(node.op_type)
         attrs = {a.name: onnx.helper.get_attribute_value(a) for a in node.attribute}
 
-        def array(i: int) -> np.ndarray:
+        def array(i: int, node: onnx.NodeProto = node) -> np.ndarray:
             return numpy_helper.to_array(inits[node.input[i]]).astype(np.float32)
 
         if spec.op_type in ("SDConv", "SDGemm"):
@@ -88,7 +88,8 @@ def pack_model(source: Path, out_dir: Path) -> dict[str, int]:
             new_inits[name] = numpy_helper.from_array(np.asarray(blob, np.uint8).reshape(-1), name)
             del node.input[2]  # the bias is inside the blob
             node.input[1] = name
-            counts[f"{spec.op_type} weights -> bfp16ebs8 blob"] = counts.get(f"{spec.op_type} weights -> bfp16ebs8 blob", 0) + 1
+            key = f"{spec.op_type} weights -> bfp16ebs8 blob"
+            counts[key] = counts.get(key, 0) + 1
             continue
         if spec.op_type == "SDMatMul":
             b, m, _ = attrs["input_shape"]

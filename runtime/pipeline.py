@@ -23,6 +23,7 @@ from typing import Any
 import numpy as np
 
 from sdnpu.errors import SdnpuError
+from sdnpu.pipelines import UNET_BATCH, pipeline_outputs, vae_scale_factor
 from sdnpu.progress import release_memory
 from sdnpu.runtime.session import DISPATCH_MODEL, REFERENCE_MODEL, Component, RuntimeOptions, open_component
 
@@ -73,9 +74,11 @@ class Pipeline:
         self.unet_inputs = {i.name for i in unet.graph.input}
         sample = next(i for i in unet.graph.input if i.name == "sample")
         shape = [d.dim_value for d in sample.type.tensor_type.shape.dim]
-        if shape[0] != 2:
-            raise SdnpuError(f"the UNet in {self.folder} runs at batch {shape[0]}; guidance needs batch 2")
+        if shape[0] != UNET_BATCH:
+            raise SdnpuError(f"the UNet in {self.folder} runs at batch {shape[0]}; guidance needs batch {UNET_BATCH}")
         self.latent_shape = (1, *shape[1:])
+        factor = vae_scale_factor(self.vae_config)
+        self.image_size = (factor * shape[2], factor * shape[3])  # (height, width) in pixels
 
     @contextlib.contextmanager
     def _using(self, *names: str) -> Iterator[dict[str, Component]]:
@@ -141,9 +144,9 @@ class Pipeline:
                 neg, neg_pooled = self._encode(parts, opts.negative_prompt)
         feeds: dict[str, np.ndarray] = {"encoder_hidden_states": np.concatenate([neg, pos]).astype(np.float32)}
         if "text_embeds" in self.unet_inputs:
-            h, w = (8 * d for d in self.latent_shape[2:])
+            h, w = self.image_size
             feeds["text_embeds"] = np.concatenate([neg_pooled, pooled]).astype(np.float32)  # type: ignore[list-item]
-            feeds["time_ids"] = np.tile(np.asarray([h, w, 0, 0, h, w], np.float32), (2, 1))
+            feeds["time_ids"] = np.tile(np.asarray([h, w, 0, 0, h, w], np.float32), (UNET_BATCH, 1))
         scheduler = self._scheduler(opts.scheduler)
         scheduler.set_timesteps(opts.steps)
         noise = torch.from_numpy(self.noise(opts.seed))
@@ -179,7 +182,7 @@ class Pipeline:
 
         if not 0 < opts.strength <= 1:
             raise SdnpuError(f"strength must be in (0, 1], not {opts.strength}")
-        h, w = (8 * d for d in self.latent_shape[2:])
+        h, w = self.image_size
         try:
             picture = Image.open(opts.image).convert("RGB").resize((w, h), Image.Resampling.LANCZOS)
         except (OSError, UnidentifiedImageError) as e:
@@ -214,8 +217,6 @@ class Pipeline:
 def _penultimate(component: Component, config_path: Path) -> str:
     """The hidden states SDXL reads from a text encoder: the penultimate layer's (``pipeline_outputs``, from
     the encoder's num_hidden_layers; a dispatch model keeps only that one, the fp32 graph has them all)."""
-    from sdnpu.pipelines import pipeline_outputs
-
     try:
         config = json.loads(config_path.read_text())
         name = pipeline_outputs(component.name, config, sdxl=True)[-1]  # type: ignore[index]

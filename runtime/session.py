@@ -22,6 +22,7 @@ from typing import Any
 import numpy as np
 
 from sdnpu.errors import SdnpuError
+from sdnpu.memory import available_bytes
 
 log = logging.getLogger(__name__)
 
@@ -89,16 +90,6 @@ def _weight_bytes(path: Path) -> int:
     return path.stat().st_size + (data.stat().st_size if data.is_file() else 0)
 
 
-def _available_bytes() -> int | None:
-    try:
-        for line in Path("/proc/meminfo").read_text().splitlines():
-            if line.startswith("MemAvailable:"):
-                return int(line.split()[1]) * 1024
-    except OSError:
-        pass
-    return None
-
-
 def choose_optimize(path: Path, reference: bool) -> bool:
     """Whether onnxruntime's graph optimizations fit. They make a dispatch model run about as fast as the
     fp32 graph on a CPU (the reference bodies are inlined, convolutions go to onnxruntime's blocked layout)
@@ -106,7 +97,7 @@ def choose_optimize(path: Path, reference: bool) -> bool:
     18.3 GB in `sdnpu verify` with them on (14.4 GB off). On where four times the weight bytes (twice for an
     fp32 graph) fit in 80% of the memory available now."""
     need = _weight_bytes(path) * (2 if reference else 4)
-    available = _available_bytes()
+    available = available_bytes()
     return available is not None and need < 0.8 * available
 
 

@@ -19,43 +19,62 @@ import numpy as np
 
 from sdnpu.errors import SdnpuError
 from sdnpu.fileio import atomic_write_json
-from sdnpu.progress import release_memory, step
+from sdnpu.memory import check_fits
+from sdnpu.progress import step
 from sdnpu.reports import report as reports
 from sdnpu.reports.fidelity import RANGE_RUNS, fidelity, pessimistic_model, range_inputs, worst
 from sdnpu.reports.show import COMPONENT_ORDER
 from sdnpu.runtime.pipeline import GenerateOptions, Pipeline
 from sdnpu.runtime.session import RuntimeOptions, open_component, open_component_path
+from sdnpu.worker import run_in_worker
 
 log = logging.getLogger(__name__)
 
 
 def _component(folder: Path, name: str, runs: tuple[tuple[int, float], ...]) -> dict[str, Any]:
-    """The optimistic and pessimistic fidelity of one component, each the worst over ``runs``."""
-    import tempfile
-
+    """The optimistic and pessimistic fidelity of one component, each the worst over ``runs``. Each of the
+    three runs (fp32 graph, dispatch model, pessimistic model) is a worker process of its own: a deleted
+    onnxruntime session leaves gigabytes behind in the process (``sdnpu.worker``)."""
     source = folder / name / "model.onnx"
+    dispatch = folder / name / "dd" / "replaced.onnx"
+    for path in (source, dispatch):
+        check_fits(path, f"[{name}] running {path.name}", hint="verify the other components: sdnpu verify takes a "
+                   "folder, move this one aside; or convert at a smaller RES")
     feeds = [range_inputs(source, seed, t) for seed, t in runs]
     with step(log, f"[{name}] fp32 graph, {len(runs)} inputs"):
-        session = open_component(folder, name, reference=True, options=RuntimeOptions(optimize=True))
-        references = [session.run(f) for f in feeds]
-        del session
-    release_memory()
+        references = run_in_worker(_run, folder, name, "fp32", feeds, what=f"running {name}'s fp32 graph")
     with step(log, f"[{name}] dispatch model (rounding once per op: optimistic)"):
-        session = open_component(folder, name, options=RuntimeOptions(optimize=False))
-        optimistic = worst([fidelity(r, session.run(f)) for r, f in zip(references, feeds, strict=True)])
-        del session
-    release_memory()
-    with tempfile.TemporaryDirectory(prefix="sdnpu-pessimistic-") as tmp:
-        with step(log, f"[{name}] dispatch model with every body intermediate in bf16 (pessimistic)"):
-            path = pessimistic_model(folder / name / "dd" / "replaced.onnx", Path(tmp))
-            session = open_component_path(path, name)
-            pessimistic = worst([fidelity(r, session.run(f)) for r, f in zip(references, feeds, strict=True)])
-            del session
-    release_memory()
+        actual = run_in_worker(_run, folder, name, "dispatch", feeds, what=f"running {name}'s dispatch model")
+        optimistic = worst([fidelity(r, a) for r, a in zip(references, actual, strict=True)])
+    with step(log, f"[{name}] dispatch model with every body intermediate in bf16 (pessimistic)"):
+        actual = run_in_worker(_run, folder, name, "pessimistic", feeds,
+                               what=f"running {name}'s dispatch model with bf16 intermediates")
+        pessimistic = worst([fidelity(r, a) for r, a in zip(references, actual, strict=True)])
     described = ", ".join(f"seed {seed}" + (f" at timestep {t:g}" if "timestep" in feeds[0] else "")
                           for seed, t in runs)
     return {"optimistic": {**optimistic, "inputs": f"worst of {described} (sdnpu verify)"},
             "pessimistic": {**pessimistic, "inputs": f"worst of {described}; every body intermediate in bf16"}}
+
+
+def _run(folder: Path, name: str, model: str, feeds: list[dict[str, np.ndarray]]) -> list[dict[str, np.ndarray]]:
+    """(In a worker.) ``name``'s fp32 graph (onnxruntime's optimizations on), dispatch model (off: they would
+    fold each bf16 weight into an fp32 copy), or pessimistic dispatch model, on each of ``feeds``."""
+    import tempfile
+
+    if model == "fp32":
+        session = open_component(folder, name, reference=True, options=RuntimeOptions(optimize=True))
+        return [session.run(f) for f in feeds]
+    if model == "dispatch":
+        session = open_component(folder, name, options=RuntimeOptions(optimize=False))
+        return [session.run(f) for f in feeds]
+    with tempfile.TemporaryDirectory(prefix="sdnpu-pessimistic-") as tmp:
+        session = open_component_path(pessimistic_model(folder / name / "dd" / "replaced.onnx", Path(tmp)), name)
+        return [session.run(f) for f in feeds]
+
+
+def _generate(folder: Path, reference: bool, opts: GenerateOptions) -> np.ndarray:
+    """(In a worker.) One image through the whole pipeline."""
+    return Pipeline(folder, reference=reference)(opts)
 
 
 def verify(folder: str | Path, steps: int = 3, seed: int = 0, prompt: str = "a photo of a cat",
@@ -72,9 +91,9 @@ def verify(folder: str | Path, steps: int = 3, seed: int = 0, prompt: str = "a p
     if (folder / "model_index.json").is_file() and {"unet", "vae_decoder", "text_encoder"} <= set(present):
         opts = GenerateOptions(prompt, steps=steps, seed=seed)
         with step(log, f"pipeline, {steps} steps, dispatch models"):
-            ours = Pipeline(folder)(opts)
+            ours = run_in_worker(_generate, folder, False, opts, what="running the pipeline (dispatch models)")
         with step(log, f"pipeline, {steps} steps, fp32 graphs"):
-            ref = Pipeline(folder, reference=True)(opts)
+            ref = run_in_worker(_generate, folder, True, opts, what="running the pipeline (fp32 graphs)")
         mse = float(np.mean((ours.astype(np.float64) - ref) ** 2))
         results["pipeline"] = {"prompt": prompt, "steps": steps, "seed": seed,
                                "psnr_db": float(10 * np.log10(255**2 / mse)) if mse else float("inf")}

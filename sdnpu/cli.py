@@ -26,11 +26,12 @@ def _human_bytes(n: float) -> str:
 
 
 def _cmd_convert(args: argparse.Namespace) -> int:
-    from sdnpu.convert import convert
+    from sdnpu.convert import ConvertOptions, convert
 
-    result = convert(args.source, components=args.model, out=args.out, res=args.res, exporter=args.exporter,
-                     opset=args.opset, check=not args.no_check, compile=not args.no_compile,
-                     precision=args.precision, outputs=args.outputs, target=args.target)
+    options = ConvertOptions(res=args.res, exporter=args.exporter, opset=args.opset, check=not args.no_check,
+                             compile=not args.no_compile, outputs=args.outputs, target=args.target,
+                             precision=args.precision)
+    result = convert(args.source, components=args.model, out=args.out, options=options)
     print(f"\n{result.source.name} -> {result.out} ({result.resolution} px)")
     print(f"{'component':<16}{'nodes':>7}{'params':>15}{'export s':>9}{'peak mem':>10}  {'max abs / rel error':<20}"
           f"{'offload':>8}{'CPU':>5}")
@@ -50,6 +51,7 @@ def _cmd_compile(args: argparse.Namespace) -> int:
     from pathlib import Path
 
     from sdnpu.convert.compile import compile_file
+    from sdnpu.passes.pipeline import CompileOptions
     from sdnpu.reports.report import render_text
 
     shapes = {}
@@ -59,9 +61,9 @@ def _cmd_compile(args: argparse.Namespace) -> int:
             shapes[name] = [int(d) for d in dims.split(",") if d] if dims else []
         except ValueError as e:
             raise SdnpuError(f"cannot read --shape {item!r}", hint="write NAME=D,D,... e.g. sample=2,4,128,128") from e
-    report = compile_file(Path(args.model), Path(args.out) if args.out else None, verify=not args.no_verify,
-                          shapes=shapes, res=args.res, precision=args.precision, outputs=args.outputs,
-                          target=args.target)
+    report = compile_file(Path(args.model), Path(args.out) if args.out else None,
+                          CompileOptions.named(args.target, args.precision), verify=not args.no_verify,
+                          shapes=shapes, res=args.res, outputs=args.outputs)
     print(render_text(report), end="")
     return 0
 

@@ -14,8 +14,12 @@ from dataclasses import dataclass
 
 
 def peak_rss_bytes() -> int:
-    """Peak resident memory of this process so far (Linux reports ru_maxrss in KiB)."""
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+    """Peak resident memory so far of this process or of the largest of its finished child processes (the
+    workers of ``sdnpu.worker``, where the heavy runs happen), whichever is larger. Linux reports ru_maxrss in
+    KiB; for RUSAGE_CHILDREN it is the largest child's peak, not a sum."""
+    own = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    children = resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss
+    return max(own, children) * 1024
 
 
 def release_memory() -> None:

@@ -38,6 +38,19 @@ Families (``FAMILIES``):
                an almost-right pattern (a non-causal mask, interleaved heads, a wrong head merge, a scale on
                v or per head, 1.7 for 1.702, erf(x / 1.5), GEGLU's halves swapped or uneven, a reflect /
                non-zero / cropping Pad before a Conv, a neutral constant that raises the rank).
+  mutation     ``MUTATIONS``: each rule's and glue lowering's pattern with what is around it changed, on its
+               own input (ranks 1-5; odd, prime and size-1 dimensions), usually written by a dispatch op:
+               GroupNorm with the batch folded into the groups ([1, B*G, -1]) or the groups on two axes
+               ([B, G, C/G, -1]), rank 3-5; Conv 1-D/2-D/3-D, dilations, groups, strides 1-3, asymmetric
+               pads, auto_pad; attention with prime heads and widths, batch 3, 256 queries (flash SDMHA),
+               Softmax on the last axis written positive or on another axis; LayerNorm on ranks 1-5, any
+               axis, gamma [1, K], statistics read; GEGLU over an odd width (TorchScript's chunk Slices, a
+               dropped column), Split sizes or num_outputs; Gemm alpha/beta/transA/transB and every bias
+               shape, MatMul on ranks 1-5 or with the weight first; Resize given scales (near 2 too) or sizes,
+               with or without axes; SiLU / quick_gelu / Gelu, Add/Sub/Mul/Div in every broadcast, Concat on
+               any axis of ranks 1-5; CLIP's end-of-text pooling (legacy, and ArgMax(Cast(Equal(ids, eos),
+               int)) with GatherND or Gather); a standalone Softmax over logits around 1e4. Intermediates
+               of the pattern are now and then graph outputs or read by another node.
 """
 
 from __future__ import annotations
@@ -597,7 +610,8 @@ def step_resize(g: G, x: str) -> str:
 # ---- element-wise and data selection ---------------------------------------------------------------------------
 
 def _const_operand(g: G, shape: tuple[int, ...], op: str) -> tuple[str, str]:
-    kind = g.pick(["scalar", "one", "last", "channel", "full"] if len(shape) >= 3 else ["scalar", "one", "last", "full"])
+    kinds = ["scalar", "one", "last", "channel", "full"] if len(shape) >= 3 else ["scalar", "one", "last", "full"]
+    kind = g.pick(kinds)
     if kind == "scalar" and op != "Div":
         return g.scalar(float(g.rng.standard_normal()), "k", raise_rank=len(shape) + 1), kind
     shapes = {"scalar": (), "one": (1,), "last": (shape[-1],), "full": shape}
@@ -970,7 +984,7 @@ def step_downsample_block(g: G, x: str) -> str:
     return _conv(g, x, spec, bias=True)
 
 
-# ---- near misses: must not fuse (or must fuse correctly) --------------------------------------------------------------
+# ---- near misses: must not fuse (or must fuse correctly) -------------------------------------------------------------
 
 def nm_silu_sigmoid_shared(g: G, x: str) -> str:
     s = g.op("Sigmoid", [x], g.shape[x])
@@ -1209,7 +1223,519 @@ def nm_neutral_broadcast(g: G, x: str) -> str:
     return g.op(op, [x, c], (1, *s))
 
 
-# ---- families and the case strategy --------------------------------------------------------------------------------------
+# ---- mutations: each rule's pattern with what is around it changed ----------------------------------------------
+#
+# Each step makes its own input (odd, prime and size-1 dimensions, ranks 1 to 5), usually written by an op that
+# becomes a dispatch op (``_feed``: the glue lowers only what touches the NPU), then the pattern of one rule or
+# glue lowering with one thing around it changed. A rule must fuse it correctly or decline with a reason.
+
+_DIMS = (1, 2, 3, 5, 7, 11, 13, 4, 6, 8, 9, 12)
+
+
+def _dim(g: G, hi: int = 13) -> int:
+    """A dimension: size 1, odd and prime sizes first (they shrink towards 1), sometimes even."""
+    return g.pick([d for d in _DIMS if d <= hi])
+
+
+def _mshape(g: G, rank: int, batch: int = 3, hi: int = 13, budget: int = MAX_ELEMS) -> tuple[int, ...]:
+    """A shape of ``rank`` with mutation dimensions (the first one a batch of 1 to ``batch``), shrunk to the budget."""
+    dims = [_dim(g, batch)] + [_dim(g, hi) for _ in range(rank - 1)]
+    while _size(dims) > budget:
+        i = max(range(len(dims)), key=lambda j: dims[j])
+        dims[i] = max(1, dims[i] // 2)
+    return tuple(dims)
+
+
+def _feed(g: G, shape: tuple[int, ...], prefix: str = "x") -> str:
+    """An input of ``shape``, usually through an op that becomes a dispatch op: a Linear on the last axis (SDGemm
+    takes ranks 1 to 4) or a 1x1 Conv on [B, C, H, W]; else the graph input itself (CPU values)."""
+    x = g.input(shape, prefix)
+    kinds = ["input"] + (["linear", "linear"] if 1 <= len(shape) <= 4 else []) + (["conv"] if len(shape) == 4 else [])
+    kind = g.pick(kinds)
+    if kind == "linear":
+        return g.op("MatMul", [x, g.weight((shape[-1], shape[-1]))], shape)
+    if kind == "conv":
+        return g.op("Conv", [x, g.weight((shape[1], shape[1], 1, 1))], shape)
+    return x
+
+
+def _drain(g: G, y: str) -> str:
+    """Now and then a Linear reading the result (a dispatch op after the pattern)."""
+    shape = g.shape[y]
+    if g.types.get(y) != g.dtype or not 1 <= len(shape) <= 4 or g.num(0, 2):
+        return y
+    return g.op("MatMul", [y, g.weight((shape[-1], shape[-1]))], shape)
+
+
+def _share(g: G, inside: list[str], y: str) -> str:
+    """Now and then an intermediate of the pattern is also a graph output, or read by another node too."""
+    inside = [v for v in inside if v != y and g.types.get(v) == g.dtype]
+    if not inside or g.num(0, 2):
+        return y
+    v = g.pick(inside)
+    if g.flag() or g.shape[v] != g.shape[y]:
+        g.output(v)
+        g.desc.append(f"shared: {v} is also an output")
+        return y
+    g.desc.append(f"shared: {v} is also read by an Add")
+    return g.op("Add", [y, v], g.shape[y])
+
+
+def mut_group_norm(g: G, _: Any) -> str:
+    """GroupNorm with the batch folded into the groups ([1, B*G, -1]), the groups split in two axes ([B, G, C/G,
+    -1]), rank 3 / 4 / 5 inputs, odd channels, gamma and beta [C, 1, ..] or [1, C, 1, ..], an intermediate
+    shared."""
+    rank = g.pick([3, 4, 4, 5])
+    b, c = g.pick([1, 2, 3]), g.pick([1, 2, 3, 4, 5, 6, 7, 9, 12])
+    spatial = list(_mshape(g, rank - 1, hi=7, budget=MAX_ELEMS // (b * c)))[1:]
+    shape = (b, c, *spatial)
+    x = _feed(g, shape)
+    groups = g.pick(_divisors(c))
+    rest = _size(shape) // (b * groups)
+    spelling = g.pick(["[B, G, -1]", "[0, G, -1]", "[1, B*G, -1]", "[B, G, C/G, -1]", "[1, B*G, C/G, -1]"])
+    lead = b * groups if "B*G" in spelling else groups
+    if "C/G" in spelling:
+        grouped: tuple[int, ...] = ((1,) if "B*G" in spelling else (b,)) + (lead, c // groups, rest // (c // groups))
+        target = [grouped[0], lead, c // groups, -1]
+    else:
+        grouped = ((1,) if "B*G" in spelling else (b,)) + (lead, rest)
+        target = [0 if spelling.startswith("[0") else grouped[0], lead, -1]
+    eps = g.pick([1e-5, 1e-6, 1e-3])
+    r = g.op("Reshape", [x, g.ints(target)], grouped)
+    inorm = g.op("InstanceNormalization", [r, g.fconst(np.ones(lead)), g.fconst(np.zeros(lead))], grouped, epsilon=eps)
+    if g.flag():
+        shp = g.op("Shape", [x], (rank,))
+        g.types[shp] = T.INT64
+        g.activations.remove(shp)
+    else:
+        shp = g.ints(list(shape))
+    r2 = g.op("Reshape", [inorm, shp], shape)
+    affine = g.pick([(c,) + (1,) * (rank - 2), (1, c) + (1,) * (rank - 2)])
+    gamma, beta = g.weight(affine, 0.3, "gamma", offset=1.0), g.weight(affine, 0.3, "beta")
+    m = g.op("Mul", [r2, gamma] if g.flag() else [gamma, r2], shape)
+    y = g.op("Add", [m, beta] if g.flag() else [beta, m], shape)
+    silu = g.flag()
+    out = _silu(g, y) if silu else y
+    g.desc.append(f"mutation: GroupNorm(x {list(shape)}, groups={groups}, Reshape {spelling} = {target}, "
+                  f"gamma {list(affine)}){'+SiLU' if silu else ''}")
+    return _drain(g, _share(g, [r, inorm, r2, m, y], out))
+
+
+def mut_conv(g: G, _: Any) -> str:
+    """Conv of 1, 2 or 3 spatial axes (1-D and 3-D must decline), odd and size-1 sizes, kernels 1-5 (not square),
+    dilations 1-3, strides 1-3 per axis, groups and depthwise, asymmetric pads, auto_pad, no pads attribute."""
+    nd = g.pick([2, 2, 2, 1, 3])
+    b, c = g.pick([1, 2, 3]), g.pick([1, 2, 3, 4, 5, 6, 7, 8])
+    spatial = list(_mshape(g, nd + 1, hi=9 if nd < 3 else 5, budget=MAX_ELEMS // (b * c)))[1:]
+    x = _feed(g, (b, c, *spatial))
+    group = g.pick(_divisors(c)) if g.num(0, 2) == 0 else 1
+    oc = c if g.num(0, 5) == 0 else group * g.num(1, max(1, 12 // group))
+    if oc == c and g.num(0, 1) == 0:
+        group = c  # depthwise
+    kernel = [g.pick([1, 1, 2, 3, 3, 5]) for _ in range(nd)]
+    if g.num(0, 2):
+        kernel = [kernel[0]] * nd
+    dil = [g.pick([1, 1, 1, 2, 3]) for _ in range(nd)]
+    strides = [g.pick([1, 1, 2, 3]) for _ in range(nd)]
+    if g.num(0, 2):
+        strides = [strides[0]] * nd
+    auto = g.pick(["NOTSET"] * 6 + ["SAME_UPPER", "SAME_LOWER", "VALID", "absent"])
+    pads = [g.pick([0, 0, 1, 2, 3]) for _ in range(2 * nd)]
+    if g.num(0, 2):
+        pads = pads[:nd] * 2
+    if auto in ("VALID", "absent"):
+        pads = [0] * (2 * nd)
+    if auto.startswith("SAME"):
+        dil = [1] * nd  # onnxruntime: "Dilation not supported for AutoPadType::SAME_UPPER or SAME_LOWER"
+    out = []
+    for i, size in enumerate(spatial):
+        span = dil[i] * (kernel[i] - 1) + 1
+        if auto in ("SAME_UPPER", "SAME_LOWER"):
+            out.append(-(-size // strides[i]))
+            continue
+        if size + pads[i] + pads[i + nd] < span:
+            if auto in ("VALID", "absent"):
+                kernel[i], dil[i], span = 1, 1, 1
+            else:
+                pads[i + nd] += span - size - pads[i] - pads[i + nd]
+        out.append((size + pads[i] + pads[i + nd] - span) // strides[i] + 1)
+    while b * oc * _size(out) > MAX_ELEMS and oc > group:
+        oc -= group
+    w = g.weight((oc, c // group, *kernel))
+    ins = [x, w] + ([g.weight((oc,), 0.1, "b")] if g.flag() else [])
+    attrs: dict[str, Any] = {"group": group}
+    if g.flag() or dil != [1] * nd:
+        attrs["dilations"] = dil
+    if g.flag() or strides != [1] * nd:
+        attrs["strides"] = strides
+    if auto == "NOTSET":
+        attrs["pads"] = pads
+    elif auto != "absent":
+        attrs["auto_pad"] = auto
+    if g.flag():
+        attrs["kernel_shape"] = kernel
+    y = g.op("Conv", ins, (b, oc, *out), **attrs)
+    silu = g.flag()
+    z = _silu(g, y) if silu else y
+    g.desc.append(f"mutation: Conv{nd}d(x {[b, c, *spatial]}, oc={oc}, k={kernel}, s={strides}, d={dil}, g={group}, "
+                  f"pads={pads}, auto_pad={auto}){'+SiLU' if silu else ''}")
+    return _drain(g, _share(g, [y], z))
+
+
+def mut_attention(g: G, _: Any) -> str:
+    """Attention with prime head counts and widths, batch 1-3, sequence lengths 1 to 13 (now and then 256 for the
+    flash SDMHA), Softmax on the last axis written positive or on another axis, a non-causal mask, intermediates
+    shared."""
+    big = g.num(0, 9) == 0
+    heads, d = (g.pick([1, 2]), g.pick([1, 2])) if big else (g.pick([1, 2, 3, 5]), g.pick([1, 2, 3, 5, 7]))
+    b, s = (1, 256) if big else (g.pick([1, 2, 3]), g.pick([1, 2, 3, 5, 7, 11, 13]))
+    x = _feed(g, (b, s, g.pick([1, 2, 3, 5, 8])))
+    cross = not big and g.num(0, 2) == 0
+    p: dict[str, Any] = {"heads": heads, "d": d, "cross": cross, "spelling": g.pick(["dynamo", "torchscript", "plain"]),
+                         "causal": not cross and g.num(0, 4) == 0, "kv_shared": g.num(0, 5) == 0,
+                         "softmax_axis": g.pick([-1, -1, 3, 3, -2, 1, 2])}
+    kind = g.pick(["none"] * 6 + ["mask", "softmax_escapes", "q_escapes", "batch_folded", "batch_folded"])
+    if kind == "batch_folded":
+        return _attention_batch_folded(g, x, heads, d)
+    if kind == "mask" and not p["causal"]:
+        p["mask"] = "random"
+    elif kind in ("softmax_escapes", "q_escapes"):
+        p[kind] = True
+    g.desc.append("mutation: Attention(" + ", ".join(f"{k}={v}" for k, v in p.items()) + f", b={b}, s={s})")
+    return attention(g, x, **p)
+
+
+def _attention_batch_folded(g: G, x: str, heads: int, d: int) -> str:
+    """Attention with the heads folded into the batch, as diffusers' AttnProcessor (head_to_batch_dim, baddbmm)
+    and transformers' eager CLIPAttention write it: q, k, v [B*H, S, D], 3-D MatMuls, the scale on the scores
+    or on q before its split, then [B*H, S, D] -> [B, H, S, D] -> [B, S, C]."""
+    b, s, _ = g.shape[x]
+    cm = heads * d
+    where = g.pick(["scores", "q_proj"])
+    q, k, v = _project(g, x, cm), _project(g, x, cm), _project(g, x, cm)
+    if where == "q_proj":
+        q = g.bin("Mul", q, g.scalar(d ** -0.5, "scale"))
+
+    def fold(t: str) -> str:
+        r = g.op("Reshape", [t, g.ints([b, s, heads, d])], (b, s, heads, d))
+        h = g.op("Transpose", [r], (b, heads, s, d), perm=[0, 2, 1, 3])
+        return g.op("Reshape", [h, g.ints([b * heads, s, d])], (b * heads, s, d))
+
+    qf, kf, vf = fold(q), fold(k), fold(v)
+    kt = g.op("Transpose", [kf], (b * heads, d, s), perm=[0, 2, 1])
+    scores = g.op("MatMul", [qf, kt], (b * heads, s, s))
+    if where == "scores":
+        scores = g.bin("Mul", scores, g.scalar(d ** -0.5, "scale"))
+    p = g.op("Softmax", [scores], g.shape[scores], axis=-1)
+    o = g.op("MatMul", [p, vf], (b * heads, s, d))
+    o = g.op("Reshape", [o, g.ints([b, heads, s, d])], (b, heads, s, d))
+    o = g.op("Transpose", [o], (b, s, heads, d), perm=[0, 2, 1, 3])
+    g.desc.append(f"mutation: Attention(heads folded into the batch, heads={heads}, d={d}, b={b}, s={s}, "
+                  f"scale on {where})")
+    return g.op("Reshape", [o, g.ints([b, s, cm])], (b, s, cm))
+
+
+def mut_layer_norm(g: G, _: Any) -> str:
+    """LayerNormalization on ranks 1 to 5, the last axis written -1 or positive, other axes (declined), gamma of
+    rank 1 or 2, no beta, the statistics outputs read, odd and size-1 widths."""
+    rank = g.pick([1, 2, 3, 3, 4, 5])
+    shape = _mshape(g, rank)
+    x = _feed(g, shape)
+    axis = g.pick([-1, -1, rank - 1] + ([-2, 0, 1] if rank >= 2 else []))
+    norm = shape[axis % rank:]
+    gshape = g.pick([norm, (1, *norm)]) if len(norm) == 1 and rank >= 2 else norm
+    ins = [x, g.weight(gshape, 0.3, "gamma", offset=1.0)] + ([g.weight(gshape, 0.3, "beta")] if g.flag() else [])
+    eps = g.pick([1e-5, 1e-6, 1e-3])
+    stats = g.num(0, 5) == 0
+    g.desc.append(f"mutation: LayerNormalization(x {list(shape)}, axis={axis}, gamma {list(gshape)}, "
+                  f"bias={len(ins) == 3}, eps={eps}{', statistics read' if stats else ''})")
+    if stats:
+        stat = tuple(d if i < axis % rank else 1 for i, d in enumerate(shape))
+        y, mean, inv = g.op_n("LayerNormalization", ins, [shape, stat, stat], axis=axis, epsilon=eps)
+        g.types[mean] = g.types[inv] = F32
+        g.output(g.pick([mean, inv]))
+        return y
+    return _drain(g, g.op("LayerNormalization", ins, shape, axis=axis, epsilon=eps))
+
+
+def mut_geglu(g: G, _: Any) -> str:
+    """GEGLU with an odd projection width (TorchScript's Slices of torch.chunk: [0, n+1) and [n+1, end), or the
+    last column dropped), Split with sizes or num_outputs, slice ends written n, 2n or INT64_MAX, positive axes,
+    the halves swapped, ranks 2-4, an intermediate shared."""
+    rank = g.pick([2, 3, 3, 4])
+    lead = _mshape(g, rank - 1, hi=7, budget=64)
+    x = _feed(g, (*lead, _dim(g, 8)))
+    kind = g.pick(["even", "even", "odd_chunk", "odd_drop"])
+    n = g.pick([1, 2, 3, 5, 8])
+    width = {"even": 2 * n, "odd_chunk": 3, "odd_drop": 2 * n + 1}[kind]
+    proj = _project(g, x, width, keep_rank=True)
+    big, axis = np.iinfo(np.int64).max, g.pick([-1, rank - 1])
+    if kind == "odd_chunk":  # torch.chunk(2) of 3 columns: 2 and 1, which broadcast in the product
+        spans = [(0, 2), (2, g.pick([3, big]))]
+    elif kind == "odd_drop":
+        spans = [(0, n), (n, 2 * n)]
+    else:
+        spans = [(0, n), (n, g.pick([2 * n, big]))]
+    sizes = [min(e, width) - s for s, e in spans]
+    halves: list[str]
+    if kind != "odd_drop" and g.flag():
+        split_in = [proj] + ([g.ints(sizes, "split")] if g.flag() else [])
+        extra = {} if len(split_in) == 2 else {"num_outputs": 2}
+        halves = g.op_n("Split", split_in, [(*lead, sz) for sz in sizes], axis=axis, **extra)
+        how = "Split"
+    else:
+        halves = []
+        for (s, e), sz in zip(spans, sizes, strict=True):
+            ins = [proj, g.ints([s], "starts"), g.ints([e], "ends"), g.ints([axis], "axes")]
+            if g.flag():
+                ins.append(g.ints([1], "steps"))
+            halves.append(g.op("Slice", ins, (*lead, sz)))
+        how = "Slices"
+    h, gate = halves if g.num(0, 3) else halves[::-1]
+    approx = g.pick(["none", "none", "tanh"])
+    gl = g.op("Gelu", [gate], g.shape[gate], approximate=approx)
+    y = g.bin("Mul", h, gl) if g.flag() else g.bin("Mul", gl, h)
+    g.desc.append(f"mutation: GEGLU({kind}, width {width}, {how} {spans} axis={axis}, approximate={approx})")
+    return _drain(g, _share(g, [proj, h, gate, gl], y))
+
+
+def mut_gemm(g: G, _: Any) -> str:
+    """Gemm with alpha / beta / transA / transB and every bias shape (none, [N], [1, N], [M, N], [M, 1], [1], a
+    scalar); MatMul on ranks 1 to 5 with N or K of 1, the weight first, the bias raising the rank."""
+    if g.flag():
+        m, k, n = _dim(g, 7), _dim(g), _dim(g)
+        ta, tb = g.flag(), g.flag()
+        x = _feed(g, (k, m) if ta else (m, k))
+        attrs: dict[str, Any] = {}
+        if ta or g.num(0, 3) == 0:
+            attrs["transA"] = int(ta)
+        if tb or g.num(0, 3) == 0:
+            attrs["transB"] = int(tb)
+        for name in ("alpha", "beta"):
+            if g.num(0, 3) == 0:
+                attrs[name] = g.pick([1.0, 0.5, 2.0])
+        bias = g.pick(["none", "[N]", "[N]", "[1, N]", "[M, N]", "[M, 1]", "[1]", "scalar"])
+        bshape = {"[N]": (n,), "[1, N]": (1, n), "[M, N]": (m, n), "[M, 1]": (m, 1), "[1]": (1,), "scalar": ()}
+        ins = [x, g.weight((n, k) if tb else (k, n))] + ([g.weight(bshape[bias], 0.1, "b")] if bias != "none" else [])
+        g.desc.append(f"mutation: Gemm(M={m}, K={k}, N={n}, {attrs}, bias {bias})")
+        return _drain(g, g.op("Gemm", ins, (m, n), **attrs))
+    rank = g.pick([1, 2, 3, 4, 5])
+    shape = _mshape(g, rank)
+    x = _feed(g, shape)
+    n = _dim(g)
+    if rank >= 2 and g.num(0, 4) == 0:  # the constant first: W [P, M] @ x [.., M, K] is no linear layer
+        p = _dim(g)
+        y = g.op("MatMul", [g.weight((p, shape[-2])), x], (*shape[:-2], p, shape[-1]))
+        g.desc.append(f"mutation: MatMul(W {[p, shape[-2]]}, x {list(shape)})")
+        return _drain(g, y)
+    y = mm = g.op("MatMul", [x, g.weight((shape[-1], n))], (*shape[:-1], n))
+    bias = g.pick(["none", "[N]", "[N]", "[1, N]", "[1, 1, N]", "[1]", "scalar"])
+    if bias != "none":
+        bshape = {"[N]": (n,), "[1, N]": (1, n), "[1, 1, N]": (1, 1, n), "[1]": (1,), "scalar": ()}[bias]
+        b = g.weight(bshape, 0.1, "b")
+        y = g.bin("Add", y, b) if g.flag() else g.bin("Add", b, y)
+    g.desc.append(f"mutation: MatMul(x {list(shape)}, W [{shape[-1]}, {n}]) + bias {bias}")
+    return _drain(g, _share(g, [mm], y))
+
+
+def mut_resize(g: G, _: Any) -> str:
+    """Resize given scales or sizes, with or without ``axes`` (positive, negative, reversed), ranks 3 to 5, H or W
+    of 1, factors 1-3 per axis or scales near 2 (2.4 on H = 2 also writes 2H), nearest / linear, every coordinate
+    mode and rounding."""
+    rank = g.pick([3, 4, 4, 4, 4, 5])
+    shape = _mshape(g, rank, hi=7, budget=MAX_ELEMS // 9)
+    x = _feed(g, shape)
+    factors = [1, 1] + [g.pick([1, 2, 2, 2, 3]) for _ in range(rank - 2)]
+    if g.num(0, 3) == 0:
+        factors = [1, 1] + [factors[2]] * (rank - 2)
+    given = g.pick(["scales", "sizes"])
+    axes_kind = g.pick(["none", "none", "spatial", "negative", "reversed", "all"])
+    axes = {"none": None, "all": list(range(rank)), "spatial": list(range(2, rank)),
+            "negative": list(range(2 - rank, 0)), "reversed": list(range(rank - 1, 1, -1))}[axes_kind]
+    picked = [a % rank for a in axes] if axes is not None else list(range(rank))
+    if g.num(0, 9) == 0 and 1 in picked:
+        factors[1] = 2  # channels: not an upsampling of H and W
+    if given == "scales" and g.num(0, 2) == 0:  # near 2: floor(H * s) may still be 2H, the map i / s is not i / 2
+        factors[2:] = [g.pick([2.0000002, 2.1, 2.3, 2.4])] * (rank - 2)
+    factors = [float(np.float32(f)) if f != int(f) else int(f) for f in factors]
+    out = tuple(math.floor(s * f) for s, f in zip(shape, factors, strict=True))
+    if _size(out) > MAX_ELEMS:
+        factors, out = [1] * rank, shape
+    mode = "linear" if rank == 4 and factors[1] == 1 and g.num(0, 5) == 0 else "nearest"
+    coord = g.pick(["asymmetric"] * 4 + ["half_pixel", "pytorch_half_pixel", "align_corners"]
+                   + (["tf_half_pixel_for_nn"] if mode == "nearest" else []))
+    rounding = g.pick(["floor"] * 3 + ["round_prefer_floor", "round_prefer_ceil", "ceil"])
+    if given == "scales":
+        ins = [x, "", g.tensor(np.array([factors[a] for a in picked], np.float32), "scales")]
+    else:
+        ins = [x, "", "", g.ints([out[a] for a in picked], "sizes")]
+    attrs: dict[str, Any] = {"mode": mode, "coordinate_transformation_mode": coord}
+    if mode == "nearest":
+        attrs["nearest_mode"] = rounding
+    if axes is not None:
+        attrs["axes"] = axes
+    # (onnxruntime 1.32 returns the input unresized for a keep_aspect_ratio_policy with negative axes)
+    if given == "sizes" and axes_kind != "negative" and g.num(0, 3) == 0:
+        attrs["keep_aspect_ratio_policy"] = g.pick(["stretch", "not_larger", "not_smaller"])
+        if attrs["keep_aspect_ratio_policy"] != "stretch" and len({factors[a] for a in picked}) > 1:
+            attrs["keep_aspect_ratio_policy"] = "stretch"
+    y = g.op("Resize", ins, out, **attrs)
+    g.desc.append(f"mutation: Resize(x {list(shape)}, {given} {factors}, axes={axes}, {mode}, {coord}"
+                  f"{', ' + rounding if mode == 'nearest' else ''})")
+    return _drain(g, y)
+
+
+def mut_activation_glue(g: G, _: Any) -> str:
+    """SiLU (either operand order, the sigmoid shared), quick_gelu (its 1.702 0-d, [1] or rank-raising), Gelu
+    (none / tanh), on ranks 1 to 5 written by a dispatch op or on CPU values."""
+    rank = g.pick([1, 2, 3, 4, 5])
+    x = _feed(g, _mshape(g, rank))
+    s = g.shape[x]
+    kind = g.pick(["silu", "silu", "quick_gelu", "gelu", "gelu_tanh", "sigmoid_shared"])
+    inside: list[str] = []
+    if kind in ("silu", "sigmoid_shared"):
+        sig = g.op("Sigmoid", [x], s)
+        y = g.op("Mul", [x, sig] if g.flag() else [sig, x], s)
+        inside = [sig] if kind == "sigmoid_shared" else []
+    elif kind == "quick_gelu":
+        c = g.scalar(1.702, raise_rank=rank + 1)
+        inner = g.bin("Mul", x, c) if g.flag() else g.bin("Mul", c, x)
+        sig = g.op("Sigmoid", [inner], g.shape[inner])
+        y = g.bin("Mul", x, sig) if g.flag() else g.bin("Mul", sig, x)
+    else:
+        y = g.op("Gelu", [x], s, approximate="tanh" if kind == "gelu_tanh" else "none")
+    g.desc.append(f"mutation: {kind}(x {list(s)})")
+    if inside and g.flag():
+        y = g.op("Add", [y, inside[0]], s)
+    elif inside:
+        g.output(inside[0])
+    return _drain(g, y)
+
+
+def mut_arithmetic_glue(g: G, _: Any) -> str:
+    """Add / Sub / Mul / Div of an activation and a constant or another activation, every broadcast ([C], [1, C],
+    per channel [C, 1, 1], a scalar, rank-raising [1, 1, ..], a lower-rank activation), either operand first,
+    ranks 1 to 5."""
+    rank = g.pick([1, 2, 3, 4, 5])
+    shape = _mshape(g, rank)
+    x = _feed(g, shape)
+    op = g.pick(["Add", "Sub", "Mul", "Div"])
+    kind = g.pick(["scalar", "[1]", "last", "[1, C]", "channel", "full", "raise", "activation", "activation_bcast"])
+    shapes = {"scalar": (), "[1]": (1,), "last": (shape[-1],), "[1, C]": (1, shape[-1]), "full": shape,
+              "raise": (1,) * (rank + 1), "channel": (shape[1],) + (1,) * (rank - 2) if rank >= 3 else (shape[-1],)}
+    if kind.startswith("activation"):
+        oshape = shape if kind == "activation" else (1,) * (rank - 1) + (shape[-1],)
+        if g.flag() and len(oshape) > 1:
+            oshape = oshape[1:]  # a lower rank
+        other = _feed(g, oshape, "y")
+        if op == "Div":  # away from zero: 0.5 + sigmoid
+            other = g.bin("Add", g.op("Sigmoid", [other], oshape), g.fconst(0.5))
+    elif op == "Div":
+        cs = shapes[kind]
+        other = g.tensor((g.rng.uniform(0.5, 2.0, cs) * g.rng.choice([-1, 1], cs)).astype(g.np_dtype), "divisor")
+    else:
+        other = g.weight(shapes[kind], 1.0, "k")
+    first = op != "Div" and g.flag()  # x is never the divisor: it is not kept away from zero
+    y = g.bin(op, other, x) if first else g.bin(op, x, other)
+    g.desc.append(f"mutation: {op}(x {list(shape)}, {kind} {list(g.shape[other])}{', other first' if first else ''})")
+    return _drain(g, y)
+
+
+def mut_concat_glue(g: G, _: Any) -> str:
+    """Concat of 2 to 4 operands (dispatch outputs, graph inputs, constants, one value twice) on any axis of
+    ranks 1 to 5, written negative or positive."""
+    rank = g.pick([1, 2, 2, 3, 4, 5])
+    shape = _mshape(g, rank, budget=MAX_ELEMS // 8)
+    axis = g.num(-rank, rank - 1)
+    ax = axis % rank
+    x = _feed(g, shape)
+    ins, total = [x], shape[ax]
+    kinds = []
+    for _ in range(g.num(1, 3)):
+        kind = g.pick(["dispatch", "input", "const", "same"])
+        part = list(shape)
+        part[ax] = _dim(g, 5)
+        if kind == "same":
+            v, part[ax] = x, shape[ax]
+        elif kind == "const":
+            v = g.weight(tuple(part), 1.0, "k")
+        else:
+            v = _feed(g, tuple(part), "y") if kind == "dispatch" else g.input(tuple(part), "y")
+        ins.insert(g.num(0, len(ins)), v)
+        total += part[ax]
+        kinds.append(kind)
+    out = list(shape)
+    out[ax] = total
+    g.desc.append(f"mutation: Concat(axis={axis}, x {list(shape)}, {kinds})")
+    return _drain(g, g.op("Concat", ins, out, axis=axis))
+
+
+def mut_text_pooling(g: G, _: Any) -> str:
+    """CLIP's end-of-text pooling in the spellings transformers writes: legacy ArgMax(ids), and the non-legacy
+    ArgMax(Cast(Equal(ids, eos_id), int)) (the bool of Equal cast to int32 / int64 / float: ONNX's ArgMax takes
+    no bool, so there is always a Cast), the rows picked by GatherND or by a Gather on the flattened states,
+    keepdims 0 or 1. The hidden states come from a LayerNorm (SDLayerNorm) of the token embeddings."""
+    b, seq, c, v = g.pick([1, 2, 3]), g.pick([1, 2, 5, 7]), _dim(g, 16), 8
+    ids = g.input((b, seq), "ids")
+    g.types[ids] = T.INT64
+    h = g.op("Gather", [g.weight((v, c), 1.0, "table"), ids], (b, seq, c), axis=0)
+    h = g.op("LayerNormalization", [h, g.weight((c,), 0.3, "gamma", offset=1.0), g.weight((c,), 0.3, "beta")],
+             (b, seq, c), axis=-1, epsilon=1e-5)
+    form = g.pick(["legacy", "eq_int32", "eq_int64", "eq_float", "eq_int32_ids"])
+    ints: list[str] = []
+
+    def int_op(op_type: str, inputs: list[str], shape: tuple[int, ...], dtype: int, **attrs: Any) -> str:
+        out = g.op(op_type, inputs, shape, **attrs)
+        g.activations.remove(out)
+        g.types[out] = dtype
+        ints.append(out)
+        return out
+
+    eos = g.num(0, 7)
+    if form == "legacy":
+        scores = int_op("Cast", [ids], (b, seq), T.INT32, to=T.INT32)
+    else:
+        src, eos_v = ids, g.tensor(np.asarray(eos, np.int64), "eos")
+        if form == "eq_int32_ids":  # input_ids.to(torch.int) == eos_token_id
+            src = int_op("Cast", [ids], (b, seq), T.INT32, to=T.INT32)
+            eos_v = g.tensor(np.asarray(eos, np.int32), "eos")
+        eq = int_op("Equal", [src, eos_v], (b, seq), T.BOOL)
+        to = {"eq_int64": T.INT64, "eq_float": T.FLOAT}.get(form, T.INT32)
+        scores = int_op("Cast", [eq], (b, seq), to, to=to)
+    keep = g.flag()
+    am = int_op("ArgMax", [scores], (b, 1) if keep else (b,), T.INT64, axis=-1, keepdims=int(keep))
+    if g.flag():
+        col = am if keep else int_op("Unsqueeze", [am, g.ints([1], "axes")], (b, 1), T.INT64)
+        idx = int_op("Concat", [g.ints([[i] for i in range(b)], "rows"), col], (b, 2), T.INT64, axis=-1)
+        y = g.op("GatherND", [h, idx], (b, c))
+        how = "GatherND"
+    else:
+        flat = g.op("Reshape", [h, g.ints([b * seq, c])], (b * seq, c))
+        flat_am = am if not keep else int_op("Reshape", [am, g.ints([b])], (b,), T.INT64)
+        pos = int_op("Add", [flat_am, g.ints([i * seq for i in range(b)], "offsets")], (b,), T.INT64)
+        y = g.op("Gather", [flat, pos], (b, c), axis=0)
+        how = "Gather"
+    g.desc.append(f"mutation: TokenPool({form}, eos={eos}, keepdims={int(keep)}, {how}, b={b}, seq={seq}, c={c})")
+    return y
+
+
+def mut_softmax_large(g: G, _: Any) -> str:
+    """A standalone Softmax over large logits, around 1e4 (a constant offset) on any axis: the logits must reach
+    it unrounded, their differences are O(1). The logits are CPU values here: where an NPU op writes them
+    (bf16: a step of 64 at 1e4), no bf16 compile can keep their differences, and the graph's own measured
+    sensitivity to bf16 rounding is then above the oracle's cap (``fuzz_repro.CAP``), by design."""
+    rank = g.pick([1, 2, 3, 4])
+    shape = _mshape(g, rank)
+    x = g.input(shape)
+    offset = g.pick([1e4, -1e4, 3e3, 1.2e4]) if g.dtype == F32 else g.pick([100.0, -100.0])  # fp16: a step of 1/16
+    logits = g.bin("Add", x, g.scalar(offset, "offset")) if g.flag() else g.bin("Add", g.scalar(offset, "offset"), x)
+    axis = g.num(-rank, rank - 1)
+    y = g.op("Softmax", [logits], shape, axis=axis)
+    g.desc.append(f"mutation: Softmax(x {list(shape)} + {offset:g}, axis={axis})")
+    return _drain(g, y)
+
+
+# ---- families and the case strategy ----------------------------------------------------------------------------------
 
 @dataclass(frozen=True)
 class Step:
@@ -1275,6 +1801,21 @@ NEAR_MISSES: dict[str, Step] = {
     "neutral_broadcast": Step(nm_neutral_broadcast, (1, 2, 3)),
 }
 
+MUTATIONS: dict[str, Step] = {  # each makes its own input: ranks (0,)
+    "group_norm": Step(mut_group_norm, (0,), chain=False),
+    "conv": Step(mut_conv, (0,), chain=False),
+    "attention": Step(mut_attention, (0,), chain=False),
+    "layer_norm": Step(mut_layer_norm, (0,), chain=False),
+    "geglu": Step(mut_geglu, (0,), chain=False),
+    "gemm": Step(mut_gemm, (0,), chain=False),
+    "resize": Step(mut_resize, (0,), chain=False),
+    "activation_glue": Step(mut_activation_glue, (0,), chain=False),
+    "arithmetic_glue": Step(mut_arithmetic_glue, (0,), chain=False),
+    "concat_glue": Step(mut_concat_glue, (0,), chain=False),
+    "text_pooling": Step(mut_text_pooling, (0,), chain=False),
+    "softmax_large": Step(mut_softmax_large, (0,), chain=False),
+}
+
 FAMILIES: dict[str, list[str]] = {
     "conv": ["conv"],
     "gemm": ["linear", "gemm", "tied_linear", "matmul_act"],
@@ -1288,6 +1829,7 @@ FAMILIES: dict[str, list[str]] = {
     "block": ["resnet_block", "vae_attention_block", "transformer_block", "upsample_block", "downsample_block",
               "unet_skip_block"],
     "near_miss": list(NEAR_MISSES),
+    "mutation": [f"mut_{name}" for name in MUTATIONS],
 }
 
 
@@ -1304,6 +1846,8 @@ def _start_shape(g: G, rank: int) -> tuple[int, ...]:
 
 
 def _lookup(name: str) -> Step:
+    if name.startswith("mut_"):
+        return MUTATIONS[name[4:]]
     return STEPS[name] if name in STEPS else NEAR_MISSES[name]
 
 

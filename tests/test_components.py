@@ -2,9 +2,9 @@ import json
 
 import pytest
 
-from sdnpu.convert.components import resolution_step, sample_inputs, signature, vae_scale_factor
 from sdnpu.convert.sources import PRESETS_DIR
 from sdnpu.errors import SdnpuError
+from sdnpu.pipelines import default_resolution, resolution_step, sample_inputs, signature, vae_scale_factor
 
 
 def _config(preset: str, module: str) -> dict:
@@ -57,3 +57,28 @@ def test_sample_inputs_are_seeded_and_realistic():
     te = _config("tiny-sdxl", "text_encoder")
     ids = sample_inputs(signature("text_encoder", te, 256), te, 256)["input_ids"]
     assert ids[0, 0] == 49406 and ids[0, -1] == 49407 and ids.dtype.name == "int64"
+
+
+def test_compile_binds_dynamic_axes_by_the_same_resolution_rule(tmp_path):
+    """``sdnpu compile`` on an optimum-style folder (dynamic axes, config.json beside each graph) binds the
+    shapes convert would write, latents included, for a VAE that downsamples by 2 rather than 8."""
+    import onnx
+    from onnx import TensorProto, helper
+
+    from sdnpu.convert.compile import static_shapes
+
+    unet = _config("tiny-sdxl", "unet")
+    vae = dict(_config("tiny-sdxl", "vae"), block_out_channels=[32, 64])
+    assert vae_scale_factor(vae) == 2 and default_resolution(unet, vae) == unet["sample_size"] * 2
+    for name, config in (("unet", unet), ("vae_decoder", vae)):
+        (tmp_path / name).mkdir()
+        (tmp_path / name / "config.json").write_text(json.dumps(config))
+    inputs = [helper.make_tensor_value_info(spec.name, TensorProto.FLOAT, [f"d{i}" for i in range(len(spec.shape))])
+              for spec in signature("unet", unet, 64, 2).inputs]
+    graph = helper.make_graph([helper.make_node("Identity", ["sample"], ["out_sample"])], "g", inputs,
+                              [helper.make_tensor_value_info("out_sample", TensorProto.FLOAT, None)])
+    onnx.save(helper.make_model(graph), tmp_path / "unet" / "model.onnx")
+    for res, side in ((None, unet["sample_size"]), (256, 128)):
+        shapes = static_shapes(tmp_path / "unet" / "model.onnx", res=res)
+        assert shapes["sample"] == [2, unet["in_channels"], side, side]
+        assert shapes == {s.name: list(s.shape) for s in signature("unet", unet, side * 2, 2).inputs if s.shape}

@@ -15,7 +15,8 @@ import pytest
 
 from sdnpu.convert import COMPONENTS, convert, resolve_source
 from sdnpu.convert import driver as driver_mod
-from sdnpu.convert.components import build_wrapper, sample_inputs, signature
+from sdnpu.convert.components import build_wrapper
+from sdnpu.pipelines import sample_inputs, signature
 from sdnpu.convert.compile import run_onnx
 from sdnpu.convert.export import torch_outputs
 from sdnpu.reports.fidelity import fidelity
@@ -209,3 +210,29 @@ def test_resolution_must_fit_the_unet(tmp_path):
     with pytest.raises(SdnpuError, match="RES must be a positive multiple of 32"):
         convert("tiny-sdxl", "unet", out=tmp_path, res=200)
     assert not any(tmp_path.iterdir())
+
+
+def test_a_run_that_cannot_fit_says_so_and_writes_nothing(tmp_path, monkeypatch, capsys):
+    """A conversion whose onnxruntime run cannot fit (here: 1 MB available) stops before the run with one line
+    naming the largest tensor and the fix; the output folder keeps what it had. (It used to be killed: an SD
+    1.5-style UNet at 128 x 128 latents reached 20.5 GB in its attention.)"""
+    from sdnpu import memory
+    from sdnpu.cli import main
+
+    out = tmp_path / "out"
+    assert main(["-q", "convert", "--source", "tiny-sdxl", "--model", "vae_decoder", "--out", str(out)]) == 0
+    before = (out / "vae_decoder" / "model.onnx").read_bytes()
+    monkeypatch.setattr(memory, "available_bytes", lambda: 1_000_000)
+    assert main(["-q", "convert", "--source", "tiny-sdxl", "--model", "vae_decoder", "--out", str(out)]) == 2
+    err = capsys.readouterr().err
+    assert "running the exported graph in onnxruntime (the check against PyTorch) needs at least" in err
+    import re
+
+    assert re.search(r"and 2 x [0-9.]+ GB for \S+ \[1, 32, 256, 256\]\); 0.0 GB is available", err), err
+    lines = err.splitlines()
+    errors = [i for i, line in enumerate(lines) if line.startswith("sdnpu: error:")]
+    assert len(errors) == 1 and lines[errors[0] + 1].startswith("  hint: --no-check skips the check")
+    assert (out / "vae_decoder" / "model.onnx").read_bytes() == before
+    assert main(["-q", "compile", str(out / "vae_decoder" / "model.onnx"), "--out", str(tmp_path / "dd")]) == 2
+    assert "--no-verify skips the fidelity run" in capsys.readouterr().err
+    assert not (tmp_path / "dd").exists()

@@ -6,7 +6,6 @@ from __future__ import annotations
 import numpy as np
 import onnx
 import pytest
-from onnx import TensorProto as T
 from onnx import helper
 
 from sdnpu.ops.tags import DECLINED_TAG, VIEWS_TAG
@@ -82,7 +81,8 @@ def group_norm(silu: bool, rank: int = 4, grouping: list[int] | None = None):
                   "gamma": w(*bshape) + 1, "beta": w(*bshape)})
 
 
-def attention(variant: str, s: int = 5, mask: str | None = None, scale: float | None = None):
+def attention(variant: str, s: int = 5, mask: str | None = None, scale: float | None = None,
+              scale_first: bool = False):
     """Self-attention over x [2, s, 16] with 4 heads, spelled as dynamo or TorchScript write it."""
     b, c, h, d = 2, 16, 4, 4
     nodes = [n("MatMul", ["x", "wq"], ["q"]), n("MatMul", ["x", "wk"], ["k"]), n("MatMul", ["x", "wv"], ["v"])]
@@ -98,7 +98,7 @@ def attention(variant: str, s: int = 5, mask: str | None = None, scale: float | 
     else:  # one Transpose for kᵀ, the scale applied to the scores
         inits["scale"] = np.array(scale if scale is not None else d ** -0.5, np.float32)
         nodes += [n("Transpose", ["kh"], ["kt"], perm=[0, 1, 3, 2]), n("MatMul", ["qh", "kt"], ["sc0"]),
-                  n("Mul", ["sc0", "scale"], ["sc"])]
+                  n("Mul", ["scale", "sc0"] if scale_first else ["sc0", "scale"], ["sc"])]
     if mask == "causal":  # CLIP's text encoders
         inits["mask"] = np.triu(np.full((s, s), np.finfo(np.float32).min, np.float32), k=1)[None, None]
         nodes += [n("Add", ["sc", "mask"], ["scm"]), n("Softmax", ["scm"], ["p"], axis=-1)]
@@ -148,8 +148,13 @@ def upsample(factor: int = 2, mode: str = "nearest"):
      (lambda: group_norm(True), {"SDGroupNorm": 1}),
      (lambda: group_norm(False), {"SDGroupNorm": 1}),
      (lambda: group_norm(True, rank=3), {"SDGroupNorm": 1}),
+     # the batch folded into the rows, [1, B*G, -1], and the groups' channels on an axis of their own: the same
+     # GroupNorm (4 groups); an earlier version read the first as 8 groups, 0.28 off at an output scale of 2.6
+     (lambda: group_norm(False, grouping=[1, 8, -1]), {"SDGroupNorm": 1}),
+     (lambda: group_norm(False, grouping=[2, 4, 2, -1]), {"SDGroupNorm": 1}),
      (lambda: attention("dynamo"), {"SDFlatMHA": 1, "SDGemm": 3}),
      (lambda: attention("torchscript"), {"SDFlatMHA": 1, "SDGemm": 3}),
+     (lambda: attention("torchscript", scale_first=True), {"SDFlatMHA": 1, "SDGemm": 3}),  # Mul(s, scores)
      (linear, {"SDGemm": 2}),
      (geglu, {"SDGemm": 2, "SDMul": 1}),
      (lambda: geglu("torchscript"), {"SDGemm": 2, "SDMul": 1}),
@@ -270,10 +275,16 @@ def group_norm_learned_instance_scale():
     return m
 
 
-def group_norm_batch_folded():
-    """[2, C, H, W] -> [1, 2G, -1]: the batch folded into the groups normalizes each (image, group) as one
-    group of the first image: other numbers. It fused before (max |diff| 0.28 at output scale 2.6)."""
-    return group_norm(False, grouping=[1, 8, -1])
+def group_norm_across_samples():
+    """[2, C, H, W] -> [1, 1, -1] normalizes the whole batch as one row: no GroupNorm computes that."""
+    return group_norm(False, grouping=[1, 1, -1])
+
+
+def sub_from_a_constant():
+    """1 - conv(x) between two convolutions: x - k maps onto SDAdd, k - x would need a negation."""
+    return model([n("Conv", ["x", "w", "b"], ["c"], pads=[1, 1, 1, 1]), n("Sub", ["one", "c"], ["d"]),
+                  n("Conv", ["d", "w2", "b"], ["y"], pads=[1, 1, 1, 1])], {"x": [1, 4, 6, 6]}, {"y": [1, 8, 6, 6]},
+                 {"w": w(8, 4, 3, 3), "w2": w(8, 8, 3, 3), "b": w(8), "one": np.ones(1, np.float32)})
 
 
 def attention_wrong_heads():
@@ -295,8 +306,10 @@ def attention_wrong_heads():
      (conv_stride_three, "Conv", "stride 3: AMD's conv shapes have strides 1 and 2"),
      (group_norm_shared_intermediate, "InstanceNormalization", "is also used outside the pattern"),
      (group_norm_learned_instance_scale, "InstanceNormalization", "learned scale/bias"),
-     (group_norm_batch_folded, "InstanceNormalization", "does not group [2, 8, 4, 4] as [B, G, C/G * H * W]"),
+     (group_norm_across_samples, "InstanceNormalization", "does not cut [2, 8, 4, 4] into whole (sample, group)"),
+     (lambda: group_norm(False, grouping=[2, 16, -1]), "InstanceNormalization", "does not cut"),  # half channels
      (attention_wrong_heads, "Softmax", "not merged back"),
+     (sub_from_a_constant, "Sub", "Sub with the constant first (k - x)"),
      (lambda: attention("torchscript", mask="causal"), "Softmax", "a causal mask varies per query"),
      (lambda: attention("torchscript", scale=0.3), "Softmax", "is not 1/sqrt(4): the kernel has no scale"),
      (lambda: upsample(mode="linear"), "Resize", "only nearest"),
@@ -340,7 +353,8 @@ def test_the_sinusoidal_embedding_is_one_sin_with_a_phase():
                n("Concat", ["s", "c"], ["e"], axis=-1), n("Slice", ["e", "h0", "h1", "ax"], ["e2"]),
                n("Slice", ["e", "z", "h0", "ax"], ["e1"]), n("Concat", ["e2", "e1"], ["y"], axis=-1)],
               {"t": [2, 1]}, {"y": [2, 2 * half]},
-              {"f": freqs, "h0": np.array([half]), "h1": np.array([2 * half]), "z": np.array([0]), "ax": np.array([-1])})
+              {"f": freqs, "h0": np.array([half]), "h1": np.array([2 * half]), "z": np.array([0]),
+               "ax": np.array([-1])})
     irm = to_ir(m)
     canonicalize(irm)
     assert dict(ops(irm)) == {"Mul": 1, "Add": 1, "Sin": 1}

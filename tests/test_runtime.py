@@ -26,7 +26,6 @@ def _extensions_library():
 
 def _contrib_model():
     """A model only a session with onnxruntime-extensions registered can run (StringUpper)."""
-    import onnx
     from onnx import TensorProto as T
     from onnx import helper
 
@@ -165,8 +164,15 @@ def test_verify_fills_the_reports(tiny_conversion, tmp_path, capsys):
     assert set(summary["components"]) == {"text_encoder", "text_encoder_2", "vae_encoder", "vae_decoder", "unet"}
     assert summary["pipeline"]["psnr_db"] > 35
     report = json.loads((folder / "vae_decoder" / "dd" / "report.json").read_text())
-    assert report["fidelity"]["inputs"].endswith("sdnpu verify")
+    assert report["fidelity"]["inputs"] == "worst of seed 0, seed 1, seed 2 (sdnpu verify)"
     assert "psnr_db" in report["fidelity"]["outputs"]["sample"]
+    for name in summary["components"]:  # both ends of the range, for every component
+        both = json.loads((folder / name / "dd" / "report.json").read_text())
+        assert both["fidelity"]["min_cosine"] > 0.99 and both["fidelity_pessimistic"]["min_cosine"] > 0.99
+        assert both["fidelity_pessimistic"]["inputs"].endswith("every body intermediate in bf16")
+    unet = json.loads((folder / "unet" / "dd" / "report.json").read_text())
+    assert unet["fidelity"]["inputs"] == ("worst of seed 0 at timestep 999, seed 1 at timestep 500, "
+                                          "seed 2 at timestep 1 (sdnpu verify)")
     assert "whole pipeline, 2 steps" in (folder / "unet" / "dd" / "onnx_report.txt").read_text()
     from sdnpu.reports.show import validate
 
@@ -204,12 +210,12 @@ def test_graph_optimizations_only_where_they_fit(tiny_conversion, monkeypatch):
 
     path = tiny_conversion.out / "unet" / session.DISPATCH_MODEL
     size = path.stat().st_size
-    monkeypatch.setattr(session, "_available_bytes", lambda: 6 * size)
+    monkeypatch.setattr(session, "available_bytes", lambda: 6 * size)
     assert session.choose_optimize(path, reference=False)
-    monkeypatch.setattr(session, "_available_bytes", lambda: 4 * size)
+    monkeypatch.setattr(session, "available_bytes", lambda: 4 * size)
     assert not session.choose_optimize(path, reference=False)
     assert session.choose_optimize(path, reference=True)  # an fp32 graph needs twice its bytes
-    monkeypatch.setattr(session, "_available_bytes", lambda: None)
+    monkeypatch.setattr(session, "available_bytes", lambda: None)
     assert not session.choose_optimize(path, reference=False)  # unknown: the lean choice
     latent = {"latent_sample": np.ones((1, 4, 32, 32), np.float32)}
     lean = open_component(tiny_conversion.out, "vae_decoder", options=RuntimeOptions(optimize=False)).run(latent)

@@ -113,11 +113,19 @@ class SDMHAFusion(Rule):
             causal = True
             between.append(p)
             p = p.inputs[1 - mask_side[0]].producer()  # type: ignore[union-attr]
-        while p is not None and p.op_type in ("Mul", "Div") and scalar(p.inputs[1]) is not None:
-            s = scalar(p.inputs[1])
+        while p is not None and p.op_type in ("Mul", "Div") and len(p.inputs) == 2:
+            # the scale on either side of a Mul (Mul(s, scores) as well as Mul(scores, s)); a Div's divisor
+            if scalar(p.inputs[1]) is not None:
+                side = 1
+            elif p.op_type == "Mul" and scalar(p.inputs[0]) is not None:
+                side = 0
+            else:
+                break
+            s = scalar(p.inputs[side])
             scale *= s if p.op_type == "Mul" else 1.0 / s  # type: ignore[operator]
             between.append(p)
-            p = p.inputs[0].producer() if p.inputs[0] is not None else None
+            rest = p.inputs[1 - side]
+            p = rest.producer() if rest is not None else None
         if p is None or p.op_type != "MatMul" or p.domain not in ("", "ai.onnx"):
             return None
         qk_mm = p

@@ -8,8 +8,11 @@ GroupNorm as the exporters write it (both torch exporters, opset 17-20):
     ==> Transpose(NCHW->NHWC) -> SDGroupNorm(x', wts [2C] = gamma ++ beta, nonlinear='Silu' with the SiLU)
         -> Transpose back
 
-The first Reshape must keep the batch apart ([B, G, -1]): one folding the batch into the groups
-([1, B*G, -1]) normalizes something else, and is declined.
+InstanceNormalization normalizes each row of its input's first two axes, so any first Reshape whose rows are
+whole (sample, group) blocks is a GroupNorm: [B, G, -1], the batch folded in ([1, B*G, -1]), the groups'
+channels on an axis of their own ([B, G, C/G, H*W]). The group count is rows / B, never the Reshape's second
+axis alone (an earlier version read [1, B*G, -1] as B*G groups and was 0.28 off at an output scale of 2.58).
+A row that straddles two samples or splits a channel is declined.
 
 LayerNorm: one ``LayerNormalization`` over the last axis (opset >= 17) ==> SDLayerNorm on the [B, M, K] view
 of its input, then a view back to the input's rank where that differs.
@@ -20,7 +23,6 @@ from __future__ import annotations
 import numpy as np
 import onnx_ir as ir
 
-from sdnpu.ops.target import prod
 from sdnpu.passes.irutil import Builder, attr, bmk_view, const, producer, static_shape, unview
 from sdnpu.passes.rules.activation import silu_after
 from sdnpu.passes.rules.base import Match, Rule
@@ -58,13 +60,15 @@ class SDGroupNormFusion(Rule):
                gamma: ir.Value | None, beta: ir.Value | None) -> Match | str:
         x = r1.inputs[0]
         x_shape, grouped = static_shape(x), static_shape(r1.outputs[0])
-        if x_shape is None or grouped is None or len(x_shape) not in (3, 4) or len(grouped) != 3:
+        if x_shape is None or grouped is None or len(x_shape) not in (3, 4) or len(grouped) < 3:
             return "GroupNorm input is not a static [B, C, H, W] or [B, C, L] tensor"
         if static_shape((r2 if r2 is not None else inorm).outputs[0]) != x_shape:
             return "the reshape after InstanceNormalization does not restore the input shape"
-        c, groups = x_shape[1], grouped[1]
-        if grouped[0] != x_shape[0] or c % groups or grouped[2] != prod(x_shape) // (x_shape[0] * groups):
-            return f"the reshape to {list(grouped)} does not group {list(x_shape)} as [B, G, C/G * H * W]"
+        rows, c = grouped[0] * grouped[1], x_shape[1]  # InstanceNormalization normalizes each row
+        groups = rows // x_shape[0]
+        if rows % x_shape[0] or not groups or c % groups:
+            return (f"the reshape to {list(grouped)} does not cut {list(x_shape)} into whole (sample, group) "
+                    "rows")
         scale, bias = const(inorm.inputs[1]), const(inorm.inputs[2])
         if scale is None or bias is None or not (np.all(scale == 1) and np.all(bias == 0)):
             return "InstanceNormalization has a learned scale/bias (not the GroupNorm form)"
