@@ -149,6 +149,7 @@ def compile_into(source: Path, dd_dir: Path, info: dict[str, Any], options: Comp
     dispatch model keeps (None: all; see ``keep_outputs``); ``check`` None: no fidelity run."""
     import onnx
 
+    from sdnpu.passes import provenance
     from sdnpu.passes.canonicalize import bind_input_shapes
     from sdnpu.passes.pipeline import compile_model, load, records_json, save
     from sdnpu.reports import report as reports
@@ -165,6 +166,7 @@ def compile_into(source: Path, dd_dir: Path, info: dict[str, Any], options: Comp
     out = dd_dir / REPLACED
     with step(log, f"[{name}] writing {REPLACED} (bf16 weights)"):
         save(model, out)
+    (dd_dir / provenance.FILE).write_text(json.dumps(provenance.record(model.graph, source.name)))
     del model
     release_memory()
     with step(log, f"[{name}] validating {REPLACED} (onnx.checker, full check)"):

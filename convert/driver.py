@@ -27,6 +27,8 @@ from sdnpu.convert.export import (
     torch_outputs,
 )
 from sdnpu.convert.compile import OUTPUT_CHOICES, run_onnx
+from sdnpu.convert.parameters import FILE as PARAMETERS_FILE
+from sdnpu.convert.parameters import map_parameters
 from sdnpu.convert.sources import COMPONENT_MODULES, COMPONENTS, Source, resolve_source
 from sdnpu.errors import SdnpuError, storage_error
 from sdnpu.ops.target import DEFAULT_TARGET
@@ -233,6 +235,7 @@ class _TorchStage:
     parameters: int
     seconds: dict[str, float]
     peak_rss_bytes: int  # of the process that ran it
+    sources: dict[str, Any]  # parameters.json: the parameter each constant of the graph holds
 
 
 def _torch_stage(src: Source, job: _Job, path: str, holder: list[Any]) -> _TorchStage:
@@ -265,7 +268,12 @@ def _torch_stage(src: Source, job: _Job, path: str, holder: list[Any]) -> _Torch
             raise SdnpuError(f"torch's {exporter} exporter failed on {comp}: {type(e).__name__}: {e}",
                              hint="try --exporter torchscript" if exporter == "dynamo" else None) from e
     seconds["export"] = round(t.seconds, 2)
-    return _TorchStage(reference, n_params, seconds, peak_rss_bytes())
+    with step(log, f"[{comp}] matching the graph's constants to the module's parameters") as t:
+        sources = map_parameters(wrapper, Path(path))
+    seconds["parameters"] = round(t.seconds, 2)
+    log.info("[%s] %d of the graph's constants are module parameters (%d ambiguous)", comp,
+             len(sources["initializers"]), sources["ambiguous"])
+    return _TorchStage(reference, n_params, seconds, peak_rss_bytes(), sources)
 
 
 def _torch_stage_in_child(src: Source, job: _Job, path: str) -> _TorchStage:
@@ -325,6 +333,7 @@ def _export_component(src: Source, job: _Job, torch_stage: _TorchStage, stage: P
                              check=check_data, report=summary)
     src_config = src.module_dir(comp) / "config.json"
     (stage / "config.json").write_bytes(src_config.read_bytes())
+    atomic_write_json(stage / PARAMETERS_FILE, torch_stage.sources)
     atomic_write_json(stage / "export.json", {
         "component": comp,
         "source": {"name": src.name, "kind": src.kind, "path": str(src.root), "fingerprint": fingerprint},

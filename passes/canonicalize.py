@@ -27,6 +27,7 @@ import onnx_ir as ir
 import onnx_ir.passes.common as common
 import onnxscript.optimizer
 
+from sdnpu.passes import provenance
 from sdnpu.passes.irutil import Builder, remove_dead_nodes, replace, static_shape
 from sdnpu.passes.manager import PassResult
 
@@ -107,8 +108,12 @@ def _fold_small(graph: ir.Graph) -> int:
         else:
             continue
         b = Builder(graph, RULE)
-        for old, value in zip(outs, values, strict=True):
-            old.replace_all_uses_with(b.const(np.asarray(value), old.name or "folded"))
+        xs = [None if v is None else provenance.origin(v) if v.const_value is not None else provenance.LITERAL
+              for v in node.inputs]  # not constant: the static shape Shape read
+        for i, (old, value) in enumerate(zip(outs, values, strict=True)):
+            new = b.const(np.asarray(value), old.name or "folded")
+            provenance.set_origin(new, provenance.folded(ir.serde.serialize_node(node), i, xs))
+            old.replace_all_uses_with(new)
         folded += 1
     remove_dead_nodes(graph)
     return folded
@@ -397,12 +402,16 @@ def canonicalize(model: ir.Model) -> PassResult:
         counts[f"opset {opset} -> {TARGET_OPSET}"] = 1
     n_before = len(model.graph)
     lift = common.LiftConstantsToInitializersPass(lift_all_constants=True, size_limit=0)
+    provenance.mark_inputs(model.graph)
     counts["Constant nodes -> initializers"] += int(lift(model).modified)
+    provenance.mark_inputs(model.graph)  # the input's Constant nodes, now initializers of the same name
     # TorchScript graphs carry no shapes for intermediates; the folder needs them to fold shape
     # arithmetic, and every rule needs static shapes.
     common.ShapeInferencePass(strict_mode=False)(model)
+    foldable = provenance.constant_subgraph(model.graph)
     counts["constant subgraphs folded"] += int(onnxscript.optimizer.fold_constants(model).modified)
     counts["Constant nodes -> initializers"] += int(lift(model).modified)
+    provenance.mark_folded(model.graph, foldable)
     _sync_constant_shapes(model.graph)
     for _ in range(10):  # folding one node can make the next one's inputs constant, or shapes known
         common.ShapeInferencePass(strict_mode=False)(model)

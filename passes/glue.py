@@ -27,6 +27,7 @@ import onnx_ir as ir
 from sdnpu.ops.tags import DECLINED_TAG
 from sdnpu.ops.target import Target, prod
 from sdnpu.passes.irutil import Builder, bmk_view, const, is_float, producer, replace, scalar, static_shape, unview
+from sdnpu.passes.provenance import step
 from sdnpu.passes.manager import PassResult
 
 RULE = "GlueLowering"
@@ -128,7 +129,7 @@ class _Glue:
                 return f"{node.op_type} of two activations: not in the {self.target.name} registry"
             if node.op_type == "Div" and np.any(k == 0):
                 return "division by zero"
-            c = b.const((-k if node.op_type == "Sub" else 1.0 / k).astype(k.dtype), f"{c.name}_glue")
+            c = b.derived(c, [step("neg" if node.op_type == "Sub" else "reciprocal")], list(k.shape), f"{c.name}_glue")
         if a.const_value is not None and c.const_value is None:
             a, c = c, a
         if a.const_value is not None:
@@ -189,8 +190,10 @@ class _Glue:
         if out != a_shape:
             return f"the result {out} is larger than the first operand {a_shape}"
         if bias and (prod(c_shape) == 1 or (prod(c_shape) == a_shape[-1] and c_shape[-1] == a_shape[-1])):
-            value = np.broadcast_to(np.asarray(const(c), np.float32).reshape(-1), (a_shape[-1],)).copy()
-            c, c_shape = b.const(value, f"{c.name}_c"), [a_shape[-1]]
+            c = b.derived(c, [step("astype", dtype="float32"), step("reshape", shape=[-1]),
+                              step("broadcast", shape=[a_shape[-1]])], [a_shape[-1]], f"{c.name}_c",
+                          dtype=ir.DataType.FLOAT)
+            c_shape = [a_shape[-1]]
         reason, assumed = self.target.spec(op).check({"a": a_shape, "b": c_shape, "b_const": bias,
                                                       "op": op[2:]})
         if reason:

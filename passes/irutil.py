@@ -10,6 +10,8 @@ import onnx_ir as ir
 
 from sdnpu.ops.tags import ASSUMED_TAG, RULE_TAG, VIEWS_TAG
 from sdnpu.ops.target import Target
+from sdnpu.passes import provenance
+from sdnpu.passes.provenance import Step
 
 FLOAT_TYPES = frozenset({ir.DataType.FLOAT, ir.DataType.FLOAT16, ir.DataType.BFLOAT16})
 
@@ -100,6 +102,7 @@ class Builder:
             return existing
         value = ir.Value(name=name, shape=ir.Shape(list(array.shape)), type=ir.TensorType(
             ir.DataType.from_numpy(array.dtype)), const_value=ir.tensor(array, name=name))
+        provenance.set_origin(value, provenance.LITERAL)
         self.graph.register_initializer(value)
         self.initializers.append(value)
         return value
@@ -117,26 +120,46 @@ class Builder:
         self.nodes.append(node)
         return node
 
-    def derived(self, src: ir.Value, fn: Any, shape: Sequence[int], hint: str,
+    def derived(self, src: ir.Value, steps: Sequence[Step], shape: Sequence[int], hint: str,
                 dtype: ir.DataType | None = None) -> ir.Value:
-        """A new initializer computed from ``src``'s weights by ``fn`` (a transpose, a cast) *lazily*: the
-        array is made when the model is saved, one tensor at a time, so weights are never held twice."""
+        """A new initializer computed from ``src``'s weights by ``steps`` (passes/provenance.py: a transpose,
+        a slice, a cast) *lazily*: the array is made when the model is saved, one tensor at a time, so weights
+        are never held twice. Its provenance is ``src``'s with the steps after it."""
         source = src.const_value
         assert source is not None
-        out_dtype = dtype or source.dtype
+        steps = list(steps)
+        return self._lazy(lambda: provenance.apply(steps, source.numpy()), shape, hint, dtype or source.dtype,
+                          provenance.chain(provenance.origin(src), steps))
+
+    def concatenated(self, parts: Sequence[tuple[ir.Value, Sequence[Step]]], shape: Sequence[int], hint: str,
+                     dtype: ir.DataType) -> ir.Value:
+        """A new initializer: each part's weights after its steps, concatenated along axis 0 (lazily, as
+        ``derived``); GroupNorm's ``wts`` = gamma ++ beta."""
+        tensors = [(v.const_value, list(steps)) for v, steps in parts]
+        assert all(t is not None for t, _ in tensors)
+        xs = [provenance.chain(provenance.origin(v), steps) for v, steps in parts]
+        expr = provenance.LITERAL if all(x.get("literal") for x in xs) else {"op": "concat", "axis": 0, "xs": xs}
+        return self._lazy(lambda: np.concatenate([provenance.apply(s, t.numpy()) for t, s in tensors]),  # type: ignore[union-attr]
+                          shape, hint, dtype, expr)
+
+    def _lazy(self, make: Any, shape: Sequence[int], hint: str, dtype: ir.DataType, expr: provenance.Expr
+              ) -> ir.Value:
         name = _unique_name(self.graph, hint)
-        lazy = ir.LazyTensor(lambda: ir.tensor(fn(source.numpy()), name=name), dtype=out_dtype,
-                             shape=ir.Shape(list(shape)), name=name)
-        value = ir.Value(name=name, shape=ir.Shape(list(shape)), type=ir.TensorType(out_dtype), const_value=lazy)
+        lazy = ir.LazyTensor(lambda: ir.tensor(make(), name=name), dtype=dtype, shape=ir.Shape(list(shape)),
+                             name=name)
+        value = ir.Value(name=name, shape=ir.Shape(list(shape)), type=ir.TensorType(dtype), const_value=lazy)
+        provenance.set_origin(value, expr)
         self.graph.register_initializer(value)
         self.initializers.append(value)
         return value
 
     def const(self, array: np.ndarray, hint: str) -> ir.Value:
-        """A new initializer (weights transformed offline: transposed, cast, reshaped)."""
+        """A new initializer made from no weight (a zero bias, a shape, a mask); a constant computed from a
+        weight is ``derived``, which records where it came from."""
         name = _unique_name(self.graph, hint)
         value = ir.Value(name=name, shape=ir.Shape(list(array.shape)), type=ir.TensorType(
             ir.DataType.from_numpy(array.dtype)), const_value=ir.tensor(array, name=name))
+        provenance.set_origin(value, provenance.LITERAL)
         self.graph.register_initializer(value)
         self.initializers.append(value)
         return value

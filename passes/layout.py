@@ -25,6 +25,7 @@ import onnx_ir as ir
 
 from sdnpu.passes import movement
 from sdnpu.passes.irutil import Builder, attr, const, remove_dead_nodes, replace, static_shape
+from sdnpu.passes.provenance import step
 from sdnpu.passes.manager import PassResult
 
 log = logging.getLogger(__name__)
@@ -167,7 +168,7 @@ def cancel_transposes(graph: ir.Graph) -> int:
             done += 1
         elif x.const_value is not None and not out.is_graph_output():
             b = Builder(graph, RULE)
-            folded = b.derived(x, lambda a, p=perm: np.ascontiguousarray(np.transpose(a, p)),
+            folded = b.derived(x, [step("transpose", perm=list(perm))],
                                _permute(static_shape(x), perm), f"{x.name}_t")  # type: ignore[arg-type]
             out.replace_all_uses_with(folded)
             done += 1
@@ -206,8 +207,8 @@ def _push_one(graph: ir.Graph, t: ir.Node, node: ir.Node) -> bool:
             new_inputs.append(p.inputs[0])  # type: ignore[union-attr]
         elif v.const_value is not None and shape is not None and len(shape) <= 4:
             full = (1,) * (4 - len(shape)) + shape
-            new_inputs.append(b.derived(v, lambda a, f=full: np.ascontiguousarray(
-                np.transpose(a.reshape(f), TO_NHWC)), _permute(full, TO_NHWC), f"{v.name}_nhwc"))
+            new_inputs.append(b.derived(v, [step("reshape", shape=list(full)), step("transpose", perm=list(TO_NHWC))],
+                                        _permute(full, TO_NHWC), f"{v.name}_nhwc"))
         elif shape is not None and len(shape) == 4 and _reshape_equivalent(shape, TO_NHWC):
             new_inputs.append(_reshape(b, v, _permute(shape, TO_NHWC)))
         else:

@@ -19,37 +19,17 @@ from __future__ import annotations
 
 from collections import Counter
 
-import ml_dtypes
-import numpy as np
 import onnx_ir as ir
 
 from sdnpu.ops.target import OpSpec, Target
 from sdnpu.passes.irutil import Builder, static_shape
+from sdnpu.passes.provenance import step
 from sdnpu.passes.manager import PassResult
 
 RULE = "PrecisionPass"
 BF16 = ir.DataType.BFLOAT16
 _FLOATS = (ir.DataType.FLOAT, ir.DataType.FLOAT16)
 PRECISIONS = ("bf16", "bfp16")
-
-
-def to_bf16(a: np.ndarray) -> np.ndarray:
-    return a.astype(ml_dtypes.bfloat16)
-
-
-def bfp16_weight(a: np.ndarray, axis: int) -> np.ndarray:
-    """``a`` as AMD's packer stores it: zero-padded along ``axis`` to whole 8-value blocks, rounded, unpadded."""
-    from sdnpu.ops.bfp import BLOCK, round_bfp16
-
-    a = np.asarray(a, np.float32)
-    size = a.shape[axis]
-    pad = -size % BLOCK
-    if pad:
-        widths = [(0, 0)] * a.ndim
-        widths[axis] = (0, pad)
-        a = np.pad(a, widths)
-    r = round_bfp16(a, axis)
-    return np.take(r, np.arange(size), axis=axis) if pad else r
 
 
 def _cast_avx(b: Builder, target: Target, x: ir.Value, to: ir.DataType) -> ir.Value:
@@ -101,13 +81,13 @@ def precision(model: ir.Model, target: Target, mode: str = "bf16") -> PassResult
                         if v.dtype == ir.DataType.FLOAT:
                             constants[key] = v
                         else:
-                            constants[key] = b.derived(v, lambda a: a.astype(np.float32), shape, f"{v.name}_f32",
+                            constants[key] = b.derived(v, [step("astype", dtype="float32")], shape, f"{v.name}_f32",
                                                        dtype=ir.DataType.FLOAT)
                     elif axis is None:
-                        constants[key] = b.derived(v, to_bf16, shape, f"{v.name}_bf16", dtype=BF16)
+                        constants[key] = b.derived(v, [step("bf16")], shape, f"{v.name}_bf16", dtype=BF16)
                         counts["constants -> bf16"] += 1
                     else:
-                        constants[key] = b.derived(v, lambda a, ax=axis: to_bf16(bfp16_weight(a, ax)), shape,
+                        constants[key] = b.derived(v, [step("bfp16", axis=axis)], shape,
                                                    f"{v.name}_bfp16", dtype=BF16)
                         counts["weights -> bfp16 (stored bf16)"] += 1
                 node.replace_input_with(i, constants[key])

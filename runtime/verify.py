@@ -32,23 +32,29 @@ log = logging.getLogger(__name__)
 
 
 def _component(folder: Path, name: str, runs: tuple[tuple[int, float], ...]) -> dict[str, Any]:
-    """The optimistic and pessimistic fidelity of one component, each the worst over ``runs``. Each of the
-    three runs (fp32 graph, dispatch model, pessimistic model) is a worker process of its own: a deleted
-    onnxruntime session leaves gigabytes behind in the process (``sdnpu.worker``)."""
+    """The optimistic and pessimistic fidelity of one component, each the worst over ``runs``. Each run (the
+    fp32 graph, the dispatch model, the pessimistic model, on each input) is a worker process of its own: a
+    deleted onnxruntime session leaves gigabytes behind in the process (``sdnpu.worker``), and three inputs
+    through one session roughly doubled a run's peak (SDXL at 1024 px: the VAE encoder's dispatch model 9.2 GB
+    against 4.9 GB, its pessimistic model 11.4 against 6.2; the VAE decoder's pessimistic run was killed by
+    the kernel on a 24 GB machine, and peaks at 9.2 GB one input at a time)."""
     source = folder / name / "model.onnx"
     dispatch = folder / name / "dd" / "replaced.onnx"
     for path in (source, dispatch):
         check_fits(path, f"[{name}] running {path.name}", hint="verify the other components: sdnpu verify takes a "
                    "folder, move this one aside; or convert at a smaller RES")
     feeds = [range_inputs(source, seed, t) for seed, t in runs]
+
+    def each(model: str, what: str) -> list[dict[str, np.ndarray]]:
+        return [run_in_worker(_run, folder, name, model, [f], what=what)[0] for f in feeds]
+
     with step(log, f"[{name}] fp32 graph, {len(runs)} inputs"):
-        references = run_in_worker(_run, folder, name, "fp32", feeds, what=f"running {name}'s fp32 graph")
+        references = each("fp32", f"running {name}'s fp32 graph")
     with step(log, f"[{name}] dispatch model (rounding once per op: optimistic)"):
-        actual = run_in_worker(_run, folder, name, "dispatch", feeds, what=f"running {name}'s dispatch model")
+        actual = each("dispatch", f"running {name}'s dispatch model")
         optimistic = worst([fidelity(r, a) for r, a in zip(references, actual, strict=True)])
     with step(log, f"[{name}] dispatch model with every body intermediate in bf16 (pessimistic)"):
-        actual = run_in_worker(_run, folder, name, "pessimistic", feeds,
-                               what=f"running {name}'s dispatch model with bf16 intermediates")
+        actual = each("pessimistic", f"running {name}'s dispatch model with bf16 intermediates")
         pessimistic = worst([fidelity(r, a) for r, a in zip(references, actual, strict=True)])
     described = ", ".join(f"seed {seed}" + (f" at timestep {t:g}" if "timestep" in feeds[0] else "")
                           for seed, t in runs)

@@ -382,6 +382,33 @@ def storage_violations(model: onnx.ModelProto, target: Any) -> list[str]:
     return problems
 
 
+def provenance_violations(source: onnx.ModelProto, compiled: ir.Model, final: onnx.ModelProto) -> list[str]:
+    """Every constant of the dispatch model replays from the input graph's constants through the steps its
+    record names, byte for byte (passes/provenance.py: what a LoRA needs); one line per constant that does
+    not, or that a pass made without saying how."""
+    from sdnpu.passes import provenance
+
+    consts = provenance.input_constants(source)
+    record = provenance.record(compiled.graph, "fuzz")["weights"]
+    problems = []
+    for t in final.graph.initializer:
+        expr = record.get(t.name)
+        if expr is None:
+            problems.append(f"constant {t.name!r} has no record")
+            continue
+        if expr.get("literal"):
+            continue
+        try:
+            got = provenance.evaluate(expr, consts.__getitem__)
+        except (KeyError, ValueError) as e:
+            problems.append(f"constant {t.name!r} does not replay: {e}")
+            continue
+        want = onnx.numpy_helper.to_array(t)
+        if (got.dtype, got.shape) != (want.dtype, want.shape) or got.tobytes() != want.tobytes():
+            problems.append(f"constant {t.name!r}: the replay of its record differs from it")
+    return problems
+
+
 def check(model: onnx.ModelProto, precision: str = "bf16") -> Outcome:
     """Compile ``model`` and compare every stage with it; raises ``Mismatch`` (or the compiler's error)."""
     from sdnpu.ops.tags import REASON_TAG, REGION_TAG
@@ -431,6 +458,10 @@ def check(model: onnx.ModelProto, precision: str = "bf16") -> Outcome:
     if problems:
         raise Mismatch(f"dispatch model ({precision}): {len(problems)} breaches of the "
                        f"{target.name} table's precision contract: " + "; ".join(problems[:5]))
+    problems = provenance_violations(model, irm, final)
+    if problems:
+        raise Mismatch(f"dispatch model ({precision}): {len(problems)} constants without a true record of "
+                       "where they came from: " + "; ".join(problems[:5]))
     factor, low = (BFP_FACTOR, LOW_BFP) if precision == "bfp16" else (EMUL_FACTOR, LOW_BF16)
     where = f"dispatch model ({precision})"
 

@@ -97,6 +97,11 @@ def test_torchscript_graphs_compile_to_the_same_dispatch_ops(tmp_path_factory, c
     assert report["offloaded_by_type"] == npu
     assert report["summary"]["cpu_nodes"] == sum(cpu.values())
     assert report["fidelity"]["min_cosine"] > 0.999
+    # TorchScript's Constant nodes and shape arithmetic, folded: every weight still replays from the export
+    from tests.check_provenance import mac_weights_named, replay
+
+    assert replay(out / component / "model.onnx", out / component / "dd")["replayed"] > 0
+    assert mac_weights_named(out / component) > 0
 
 
 @pytest.mark.parametrize("component", ["unet", "vae_decoder"])

@@ -17,6 +17,7 @@ import numpy as np
 import onnx_ir as ir
 
 from sdnpu.passes.irutil import Builder, attr, const, static_shape
+from sdnpu.passes.provenance import step
 from sdnpu.passes.rules.base import Match, Rule
 
 NCHW_TO_NHWC = [0, 2, 3, 1]
@@ -73,7 +74,7 @@ class SDConvFusion(Rule):
         x_shape = static_shape(p.x)
         out_shape = static_shape(m.outputs[0])
         assert w_shape is not None and x_shape is not None and out_shape is not None
-        w = b.derived(p.w, lambda a: np.ascontiguousarray(a.transpose(0, 2, 3, 1)), nhwc_shape(w_shape),
+        w = b.derived(p.w, [step("transpose", perm=[0, 2, 3, 1])], nhwc_shape(w_shape),
                       f"{p.w.name}_ohwi")
         bias = p.b if p.b is not None else b.const(np.zeros(w_shape[0], np.float32), f"{p.w.name}_zero_bias")
         xt = b.op("Transpose", [p.x], {"perm": NCHW_TO_NHWC}, dtype=p.x.dtype, shape=nhwc_shape(x_shape))

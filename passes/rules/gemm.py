@@ -17,6 +17,7 @@ import numpy as np
 import onnx_ir as ir
 
 from sdnpu.passes.irutil import Builder, attr, bmk_view, const, is_float, producer, static_shape, unview
+from sdnpu.passes.provenance import step
 from sdnpu.passes.rules.base import Match, Rule
 
 
@@ -68,12 +69,17 @@ def emit_gemm(b: Builder, p: GemmParams, out_shape: tuple[int, ...] | None, nonl
     cols = columns or slice(0, n)
     width = cols.stop - cols.start
     if p.trans or columns is not None:
-        w = b.derived(w, lambda a, t=p.trans, c=cols: np.ascontiguousarray((a.T if t else a)[:, c]), [p.k, width],
+        steps = [step("transpose", perm=[1, 0])] if p.trans else []
+        if columns is not None:
+            steps.append(step("slice", axis=1, start=cols.start, stop=cols.stop))
+        w = b.derived(w, steps, [p.k, width],
                       f"{w.name}_kn" if columns is None else f"{w.name}_{cols.start}_{cols.stop}")
     if bias is None:
         bias = b.const(np.zeros(width, np.float32), f"{w.name}_zero_bias")
     elif static_shape(bias) != (width,):
-        bias = b.const(np.asarray(const(bias), np.float32).reshape(n)[cols], f"{bias.name}_{cols.start}")
+        bias = b.derived(bias, [step("astype", dtype="float32"), step("reshape", shape=[n]),
+                                step("slice", axis=0, start=cols.start, stop=cols.stop)], [width],
+                         f"{bias.name}_{cols.start}", dtype=ir.DataType.FLOAT)
     attrs: dict[str, object] = {"input_shape": p.view, "output_shape": [*p.view[:2], width],
                                 "weight_shape": [p.k, width], "bias_enable": 1}
     if nonlinear:

@@ -24,6 +24,7 @@ import numpy as np
 import onnx_ir as ir
 
 from sdnpu.passes.irutil import Builder, attr, bmk_view, const, producer, static_shape, unview
+from sdnpu.passes.provenance import step
 from sdnpu.passes.rules.activation import silu_after
 from sdnpu.passes.rules.base import Match, Rule
 from sdnpu.passes.rules.conv import NCHW_TO_NHWC, NHWC_TO_NCHW, nhwc_shape
@@ -85,10 +86,10 @@ class SDGroupNormFusion(Rule):
         reason, assumed = self.target.spec("SDGroupNorm").check({"x": nhwc_shape(x4), "groups": groups})
         if reason:
             return reason
-        return Match(nodes, [out], (x, g, bt, groups, eps, silu is not None, add.name, assumed))
+        return Match(nodes, [out], (x, gamma, beta, groups, eps, silu is not None, add.name, assumed))
 
     def rewrite(self, b: Builder, m: Match) -> list[ir.Value]:
-        x, g, bt, groups, eps, silu, add_name, assumed = m.params
+        x, gamma, beta, groups, eps, silu, add_name, assumed = m.params
         x_shape = static_shape(x)
         assert x_shape is not None
         flat = len(x_shape) == 3  # the VAE's attention norm sees [B, C, H*W]: run it as [B, C, H*W, 1]
@@ -97,7 +98,9 @@ class SDGroupNormFusion(Rule):
             x = b.op("Reshape", [x, b.const(np.asarray(x_shape, np.int64), "shape")], dtype=x.dtype,
                      shape=x_shape).outputs[0]
         c = x_shape[1]
-        wts = b.const(np.concatenate([g, bt]).astype(np.float32), f"{add_name or 'group_norm'}_wts")
+        per_channel = [step("reshape", shape=[c]), step("astype", dtype="float32")]  # as _per_channel reads it
+        wts = b.concatenated([(gamma, per_channel), (beta, per_channel)], [2 * c], f"{add_name or 'group_norm'}_wts",
+                             dtype=ir.DataType.FLOAT)
         xt = b.op("Transpose", [x], {"perm": NCHW_TO_NHWC}, dtype=x.dtype, shape=nhwc_shape(x_shape))
         attrs = {"input_shape": nhwc_shape(x_shape), "output_shape": nhwc_shape(x_shape), "wts_shape": [2 * c],
                  "gamma_shape": [c], "beta_shape": [c], "epsilon": eps, "groups": groups, "activation": 0,
@@ -154,4 +157,5 @@ class SDLayerNormFusion(Rule):
 def _vector(b: Builder, v: ir.Value, k: int) -> ir.Value:
     if static_shape(v) == (k,):
         return v
-    return b.const(np.asarray(const(v), np.float32).reshape(k), f"{v.name}_k")
+    return b.derived(v, [step("astype", dtype="float32"), step("reshape", shape=[k])], [k], f"{v.name}_k",
+                     dtype=ir.DataType.FLOAT)
