@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import json
 import logging
+import tempfile
 from pathlib import Path
 from typing import Any
 
@@ -45,16 +46,18 @@ def _component(folder: Path, name: str, runs: tuple[tuple[int, float], ...]) -> 
                    "folder, move this one aside; or convert at a smaller RES")
     feeds = [range_inputs(source, seed, t) for seed, t in runs]
 
-    def each(model: str, what: str) -> list[dict[str, np.ndarray]]:
-        return [run_in_worker(_run, folder, name, model, [f], what=what)[0] for f in feeds]
+    def each(model: str, what: str, path: Path | None = None) -> list[dict[str, np.ndarray]]:
+        return [run_in_worker(_run, folder, name, model, [f], path, what=what)[0] for f in feeds]
 
     with step(log, f"[{name}] fp32 graph, {len(runs)} inputs"):
         references = each("fp32", f"running {name}'s fp32 graph")
     with step(log, f"[{name}] dispatch model (rounding once per op: optimistic)"):
         actual = each("dispatch", f"running {name}'s dispatch model")
         optimistic = worst([fidelity(r, a) for r, a in zip(references, actual, strict=True)])
-    with step(log, f"[{name}] dispatch model with every body intermediate in bf16 (pessimistic)"):
-        actual = each("pessimistic", f"running {name}'s dispatch model with bf16 intermediates")
+    with step(log, f"[{name}] dispatch model with every body intermediate in bf16 (pessimistic)"), \
+            tempfile.TemporaryDirectory(prefix="sdnpu-pessimistic-") as tmp:
+        path = run_in_worker(pessimistic_model, dispatch, Path(tmp), what=f"writing {name}'s pessimistic model")
+        actual = each("pessimistic", f"running {name}'s dispatch model with bf16 intermediates", path)
         pessimistic = worst([fidelity(r, a) for r, a in zip(references, actual, strict=True)])
     described = ", ".join(f"seed {seed}" + (f" at timestep {t:g}" if "timestep" in feeds[0] else "")
                           for seed, t in runs)
@@ -62,20 +65,19 @@ def _component(folder: Path, name: str, runs: tuple[tuple[int, float], ...]) -> 
             "pessimistic": {**pessimistic, "inputs": f"worst of {described}; every body intermediate in bf16"}}
 
 
-def _run(folder: Path, name: str, model: str, feeds: list[dict[str, np.ndarray]]) -> list[dict[str, np.ndarray]]:
+def _run(folder: Path, name: str, model: str, feeds: list[dict[str, np.ndarray]], pessimistic: Path | None = None
+         ) -> list[dict[str, np.ndarray]]:
     """(In a worker.) ``name``'s fp32 graph (onnxruntime's optimizations on), dispatch model (off: they would
-    fold each bf16 weight into an fp32 copy), or pessimistic dispatch model, on each of ``feeds``."""
-    import tempfile
-
+    fold each bf16 weight into an fp32 copy), or the pessimistic dispatch model written at ``pessimistic``
+    (once per component, in a worker of its own: the SDXL UNet's is 5 GB of weights), on each of ``feeds``."""
     if model == "fp32":
         session = open_component(folder, name, reference=True, options=RuntimeOptions(optimize=True))
-        return [session.run(f) for f in feeds]
-    if model == "dispatch":
+    elif model == "dispatch":
         session = open_component(folder, name, options=RuntimeOptions(optimize=False))
-        return [session.run(f) for f in feeds]
-    with tempfile.TemporaryDirectory(prefix="sdnpu-pessimistic-") as tmp:
-        session = open_component_path(pessimistic_model(folder / name / "dd" / "replaced.onnx", Path(tmp)), name)
-        return [session.run(f) for f in feeds]
+    else:
+        assert pessimistic is not None
+        session = open_component_path(pessimistic, name)
+    return [session.run(f) for f in feeds]
 
 
 def _generate(folder: Path, reference: bool, opts: GenerateOptions) -> np.ndarray:
