@@ -25,7 +25,9 @@ end, ``record`` gathers one per initializer of the dispatch model, and ``compile
     {"unknown": true}                       made by a step that did not say how: no replay (none is known;
                                             tests/test_provenance.py and every fuzz case fail on one)
 
-``evaluate(expr, read)`` replays an expression from the input model's constants (``read(name)``).
+``evaluate(expr, read)`` replays an expression from the input model's constants (``read(name)``;
+``constant_reader`` makes one over a model, a weight at a time); ``check_replay`` replays a whole record
+against the compiled model, byte for byte (the tests, each fuzz case, ``python -m tests.check_provenance``).
 """
 
 from __future__ import annotations
@@ -230,22 +232,65 @@ def _run_node(expr: Expr, arrays: list[np.ndarray | None]) -> np.ndarray:
     return np.asarray(ReferenceEvaluator(model).run(None, feeds)[expr["output"]])
 
 
-def input_constants(model: Any) -> dict[str, np.ndarray]:
-    """An ONNX model's (ModelProto's) constants by name, as ``{"init": name}`` reads them: its initializers
-    and its Constant nodes' values (which canonicalize lifts to initializers of the same name)."""
-    from onnx import helper, numpy_helper
+def _values(tensor: Any) -> np.ndarray:
+    """A tensor's values, copied; an external tensor's file mapping is dropped (else every weight read stays
+    mapped, resident, until the model goes)."""
+    array = np.array(tensor.numpy())
+    if isinstance(tensor, ir.ExternalTensor):
+        tensor.release()
+    return array
 
-    out = {t.name: numpy_helper.to_array(t) for t in model.graph.initializer}
-    for node in model.graph.node:
-        if node.op_type == "Constant" and node.domain in ("", "ai.onnx") and node.attribute:
-            value = helper.get_attribute_value(node.attribute[0])
-            if hasattr(value, "dims"):  # value: a TensorProto
-                out[node.output[0]] = numpy_helper.to_array(value)
-            elif node.attribute[0].name in ("value_float", "value_floats"):
-                out[node.output[0]] = np.asarray(value, np.float32)
-            elif node.attribute[0].name in ("value_int", "value_ints"):
-                out[node.output[0]] = np.asarray(value, np.int64)
-    return out
+
+def constant_reader(model: ir.Model) -> Callable[[str], np.ndarray]:
+    """``read(name)`` over a model's constants, as ``{"init": name}`` names them: its initializers and its
+    Constant nodes' values (which canonicalize lifts to initializers of the same name). Weights are read
+    when asked for, one at a time."""
+    constants = {n.outputs[0].name: n for n in model.graph if n.op_type == "Constant" and n.attributes}
+
+    def read(name: str) -> np.ndarray:
+        v = model.graph.initializers.get(name)
+        if v is not None and v.const_value is not None:
+            return _values(v.const_value)
+        attr = next(iter(constants[name].attributes.values()))
+        if isinstance(attr.value, ir.TensorProtocol):
+            return _values(attr.value)
+        return np.asarray(attr.value, np.float32 if attr.name.startswith("value_float") else np.int64)
+
+    return read
+
+
+def check_replay(weights: dict[str, Expr], compiled: ir.Graph, read: Callable[[str], np.ndarray]
+                 ) -> tuple[dict[str, int], list[str]]:
+    """Replays each expression of ``weights`` (a record's) from ``read`` and compares it, byte for byte,
+    with the initializer of that name in ``compiled``. Returns counts and one line per problem: a constant
+    without an expression, one that does not replay (unknown, or reading a constant the source lacks), one
+    whose replay differs."""
+    counts = {"replayed": 0, "literal": 0, "bytes": 0}
+    problems = [f"the record lists {name!r}, the model has no such constant"
+                for name in sorted(set(weights) - set(compiled.initializers))]
+    for name, v in compiled.initializers.items():
+        expr = weights.get(name)
+        if expr is None:
+            problems.append(f"constant {name!r} has no record")
+            continue
+        if expr.get("literal"):
+            counts["literal"] += 1
+            continue
+        try:
+            got = evaluate(expr, read)
+        except (KeyError, ValueError) as e:
+            problems.append(f"constant {name!r} does not replay: {e!r}")
+            continue
+        want = _values(v.const_value)
+        if (got.dtype, got.shape) != (want.dtype, want.shape):
+            problems.append(f"constant {name!r}: the replay is {got.dtype} {list(got.shape)}, the model's "
+                            f"{want.dtype} {list(want.shape)}")
+        elif got.tobytes() != want.tobytes():
+            problems.append(f"constant {name!r}: the replay differs from the stored values")
+        else:
+            counts["replayed"] += 1
+            counts["bytes"] += want.nbytes
+    return counts, problems
 
 
 def record(graph: ir.Graph, source: str) -> dict[str, Any]:

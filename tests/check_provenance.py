@@ -18,7 +18,6 @@ import time
 from pathlib import Path
 from typing import Any
 
-import numpy as np
 import onnx_ir as ir
 
 from sdnpu.passes import provenance
@@ -26,55 +25,13 @@ from sdnpu.passes import provenance
 MAC_OPS = ("SDConv", "SDGemm", "SDMatMul")  # the ops whose weights a LoRA changes
 
 
-def _copy_and_release(tensor: Any) -> np.ndarray:
-    """The tensor's values, copied; an external tensor's file mapping is dropped (else every mapped weight
-    stays resident until the end)."""
-    array = np.array(tensor.numpy())
-    if isinstance(tensor, ir.ExternalTensor):
-        tensor.release()
-    return array
-
-
-def _reader(model: ir.Model) -> Any:
-    """``read(name)`` over a model's constants: initializers, or Constant nodes' values."""
-    constants = {n.outputs[0].name: n for n in model.graph if n.op_type == "Constant"}
-
-    def read(name: str) -> np.ndarray:
-        v = model.graph.initializers.get(name)
-        if v is not None and v.const_value is not None:
-            return _copy_and_release(v.const_value)
-        node = constants[name]
-        attr = next(iter(node.attributes.values()))
-        value = attr.value
-        if isinstance(value, ir.TensorProtocol):
-            return np.array(value.numpy())
-        return np.asarray(value, np.float32 if attr.name.startswith("value_float") else np.int64)
-
-    return read
-
-
 def replay(source_path: Path, dd: Path, record: dict[str, Any] | None = None) -> dict[str, int]:
     """Replays ``dd/weights.json`` (or ``record``) against ``dd/replaced.onnx`` from the exported graph at
-    ``source_path``; returns counts, raises AssertionError naming the first constant that differs."""
+    ``source_path``; returns counts, raises AssertionError naming the first problem."""
     record = record or provenance.read_record(dd / provenance.FILE)
-    source = ir.load(source_path)
-    compiled = ir.load(dd / "replaced.onnx")
-    read = _reader(source)
-    weights = record["weights"]
-    assert set(weights) == set(compiled.graph.initializers), "the record and the model list other constants"
-    counts = {"replayed": 0, "literal": 0, "bytes": 0}
-    for name, v in compiled.graph.initializers.items():
-        expr = weights[name]
-        if expr.get("literal"):
-            counts["literal"] += 1
-            continue
-        assert "unknown" not in json.dumps(expr), f"{name}: made by a step that did not record itself"
-        got = provenance.evaluate(expr, read)
-        want = _copy_and_release(v.const_value)
-        assert (got.dtype, got.shape) == (want.dtype, want.shape), (name, got.dtype, want.dtype, got.shape)
-        assert got.tobytes() == want.tobytes(), f"{name}: the replay differs from the stored weight"
-        counts["replayed"] += 1
-        counts["bytes"] += want.nbytes
+    read = provenance.constant_reader(ir.load(source_path))
+    counts, problems = provenance.check_replay(record["weights"], ir.load(dd / "replaced.onnx").graph, read)
+    assert not problems, f"{len(problems)} problems, the first: {problems[0]}"
     return counts
 
 

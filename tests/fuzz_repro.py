@@ -388,25 +388,9 @@ def provenance_violations(source: onnx.ModelProto, compiled: ir.Model, final: on
     not, or that a pass made without saying how."""
     from sdnpu.passes import provenance
 
-    consts = provenance.input_constants(source)
-    record = provenance.record(compiled.graph, "fuzz")["weights"]
-    problems = []
-    for t in final.graph.initializer:
-        expr = record.get(t.name)
-        if expr is None:
-            problems.append(f"constant {t.name!r} has no record")
-            continue
-        if expr.get("literal"):
-            continue
-        try:
-            got = provenance.evaluate(expr, consts.__getitem__)
-        except (KeyError, ValueError) as e:
-            problems.append(f"constant {t.name!r} does not replay: {e}")
-            continue
-        want = onnx.numpy_helper.to_array(t)
-        if (got.dtype, got.shape) != (want.dtype, want.shape) or got.tobytes() != want.tobytes():
-            problems.append(f"constant {t.name!r}: the replay of its record differs from it")
-    return problems
+    read = provenance.constant_reader(ir.serde.deserialize_model(source))
+    weights = provenance.record(compiled.graph, "fuzz")["weights"]
+    return provenance.check_replay(weights, ir.serde.deserialize_model(final).graph, read)[1]
 
 
 def check(model: onnx.ModelProto, precision: str = "bf16") -> Outcome:
