@@ -1,6 +1,7 @@
 # sdnpu: every target sets up ./.venv itself (pinned packages, torch 2.13.0 CPU) before doing its job.
 #   make convert MODEL=unet [SOURCE=sdxl-base|tiny-sdxl|path] [OUT=dir] [RES=px] [EXPORTER=dynamo|torchscript]
-#                [PRECISION=bf16|bfp16] [TARGET=amd-xdna2]
+#                [PRECISION=bf16|bfp16] [TARGET=amd-xdna2] [LORA="FILE[:SCALE] ..."]
+#   make lora MODELS=models/sdxl-base LORA="FILE[:SCALE] ..." | make lora-remove MODELS=...
 #   make generate PROMPT="a cat" [MODELS=models/sdxl-base] [STEPS=30] [IMAGE=image.png]
 #   make test | make fuzz [N=10000] [SEED=n] | make bench [FULL=1] | make clean
 
@@ -16,6 +17,7 @@ RES      ?=
 EXPORTER ?=
 PRECISION ?=
 TARGET   ?=
+LORA     ?=
 FULL     ?=
 N        ?= 10000
 SEED     ?=
@@ -29,7 +31,7 @@ MODELS   ?= models/$(notdir $(SOURCE))
 STEPS    ?= 30
 IMAGE    ?= image.png
 
-.PHONY: venv convert generate test fuzz bench clean
+.PHONY: venv convert lora lora-remove generate test fuzz bench clean
 
 venv: $(STAMP)
 
@@ -50,7 +52,15 @@ $(STAMP): requirements.lock pyproject.toml
 convert: $(STAMP)
 	$(BIN)/sdnpu convert --model $(MODEL) --source $(SOURCE) \
 		$(if $(OUT),--out $(OUT)) $(if $(RES),--res $(RES)) $(if $(EXPORTER),--exporter $(EXPORTER)) \
-		$(if $(PRECISION),--precision $(PRECISION)) $(if $(TARGET),--target $(TARGET))
+		$(if $(PRECISION),--precision $(PRECISION)) $(if $(TARGET),--target $(TARGET)) \
+		$(foreach l,$(LORA),--lora $(l))
+
+lora: $(STAMP)
+	@test -n "$(LORA)" || { echo 'make lora MODELS=models/sdxl-base LORA="style.safetensors:0.8 [more.safetensors ...]"'; exit 2; }
+	$(BIN)/sdnpu lora apply $(MODELS) $(foreach l,$(LORA),--lora $(l))
+
+lora-remove: $(STAMP)
+	$(BIN)/sdnpu lora remove $(MODELS)
 
 generate: $(STAMP)
 	@test -n "$(PROMPT)" || { echo 'make generate PROMPT="a cat" [MODELS=models/sdxl-base] [STEPS=30] [IMAGE=image.png]'; exit 2; }
@@ -68,6 +78,7 @@ bench: $(STAMP)
 	$(BIN)/python bench/bench_export.py $(if $(FULL),--full)
 	$(BIN)/python bench/bench_compile.py $(if $(FULL),--sources tiny-sdxl,sdxl-base)
 	$(BIN)/python bench/bench_peers.py $(if $(FULL),--full)
+	$(BIN)/python bench/bench_lora.py $(if $(FULL),--models models/sdxl-base)
 	$(if $(FULL),$(BIN)/python bench/bench_export.py --sources sdxl-base --components unet --compile)
 
 clean:

@@ -2,6 +2,11 @@
 than 1.2x PyTorch's, in max abs error and in 1 - cosine).
 
     python bench/bench_fidelity.py --source sdxl-base --models models/sdxl-base --components vae_decoder
+    python bench/bench_fidelity.py --source sdxl-base --components unet --lora style.safetensors:0.8
+
+With --lora, PyTorch's module has the LoRAs fused (diffusers' fuse_lora) before both of its runs, and the
+dispatch model carries them as the folder has them: fused at conversion, or applied (`sdnpu lora apply`: the
+overlay is used).
 
 Runs the module in PyTorch fp32 and bf16, the dispatch model (`dd/replaced.onnx`: its reference bodies round
 once per op, the optimistic number) and the same model with every body intermediate rounded to bf16 (the
@@ -22,13 +27,24 @@ import numpy as np
 ROOT = Path(__file__).resolve().parent.parent
 
 
-def measure(source: str, models: Path, component: str, res: int | None) -> dict:
+def _run(path: Path, comp_dir: Path, component: str, feeds: dict) -> dict:
+    """The dispatch model at ``path`` on ``feeds``, with the component's LoRA overlay where it has one."""
+    from sdnpu.convert.compile import run_onnx
+    from sdnpu.lora.overlay import read_manifest
+    from sdnpu.runtime.session import RuntimeOptions, open_component_path
+
+    if read_manifest(comp_dir / "dd") is None:
+        return run_onnx(path, feeds)
+    return open_component_path(path, component, options=RuntimeOptions(optimize=False), comp_dir=comp_dir).run(feeds)
+
+
+def measure(source: str, models: Path, component: str, res: int | None, loras: tuple = ()) -> dict:
     import tempfile
 
     import torch
 
     from sdnpu.convert import resolve_source
-    from sdnpu.convert.compile import fidelity, run_onnx
+    from sdnpu.convert.compile import fidelity
     from sdnpu.convert.components import build_wrapper
     from sdnpu.convert.driver import default_resolution
     from sdnpu.pipelines import sample_inputs, signature, vae_scale_factor
@@ -46,7 +62,15 @@ def measure(source: str, models: Path, component: str, res: int | None) -> dict:
             feeds["timestep"] = np.asarray(t, feeds["timestep"].dtype)
         runs.append(feeds)
     key = "vae" if component.startswith("vae") else component
-    wrapper = build_wrapper(component, src.load_module(key), config)
+    module = src.load_module(key)
+    if loras:
+        from sdnpu.lora.adapters import fuse_into, read_lora
+
+        unet_config = src.module_config("unet") if "unet" in src.modules else None
+        files = [read_lora(spec, "text_encoder_2" in src.modules, unet_config) for spec in loras]
+        fuse_into(module, component, files, "text_encoder_2" in src.modules)
+    wrapper = build_wrapper(component, module, config)
+    del module
     seconds = {}
     with torch.no_grad():
         start = time.perf_counter()
@@ -62,12 +86,13 @@ def measure(source: str, models: Path, component: str, res: int | None) -> dict:
     del wrapper
     model = models / component / "dd" / "replaced.onnx"
     start = time.perf_counter()
-    optimistic = [fidelity(r, run_onnx(model, f)) for r, f in zip(refs, runs, strict=True)]
+    optimistic = [fidelity(r, _run(model, models / component, component, f)) for r, f in zip(refs, runs, strict=True)]
     seconds["ours"] = time.perf_counter() - start
     with tempfile.TemporaryDirectory(prefix="sdnpu-pessimistic-") as tmp:
         start = time.perf_counter()
         path = pessimistic_model(model, Path(tmp))
-        pessimistic = [fidelity(r, run_onnx(path, f)) for r, f in zip(refs, runs, strict=True)]
+        pessimistic = [fidelity(r, _run(path, models / component, component, f))
+                       for r, f in zip(refs, runs, strict=True)]
         seconds["ours, pessimistic"] = time.perf_counter() - start
     # the outputs the dispatch model keeps (a text encoder's: what the pipeline reads)
     torch_bf16 = [fidelity(r, {k: v for k, v in zip(sig.outputs, b, strict=True) if k in o["outputs"]})
@@ -91,7 +116,12 @@ def main() -> None:
     parser.add_argument("--models", default=None, help="converted folder (default: models/<source>)")
     parser.add_argument("--components", default="text_encoder,text_encoder_2,vae_encoder,vae_decoder,unet")
     parser.add_argument("--res", type=int, default=None)
+    parser.add_argument("--lora", action="append", default=[], metavar="FILE[:SCALE]",
+                        help="LoRAs fused into PyTorch's module; the folder's models must carry the same")
     args = parser.parse_args()
+    from sdnpu.lora import LoraSpec
+
+    loras = tuple(LoraSpec.parse(x) for x in args.lora)
     models = Path(args.models or ROOT / "models" / args.source)
     sys.path.insert(0, str(ROOT / "bench"))
     from bench_export import write_section  # type: ignore[import-not-found]
@@ -100,15 +130,16 @@ def main() -> None:
             "| PyTorch bf16: 1 - cos | ours: 1 - cos (ratio) | pessimistic: 1 - cos (ratio) | seconds |")
     rows = [head, "|" + "---|" * (head.count("|") - 1)]
     for comp in args.components.split(","):
-        r = measure(args.source, models, comp, args.res)
+        r = measure(args.source, models, comp, args.res, loras)
         rows.append(f"| {comp} | {r['torch_max_abs']:.4g} | {r['optimistic_max_abs']:.4g} "
                     f"({r['optimistic_max_abs_ratio']:.2f}) | {r['pessimistic_max_abs']:.4g} "
                     f"({r['pessimistic_max_abs_ratio']:.2f}) | {r['torch_1mcos']:.3g} | {r['optimistic_1mcos']:.3g} "
                     f"({r['optimistic_1mcos_ratio']:.2f}) | {r['pessimistic_1mcos']:.3g} "
                     f"({r['pessimistic_1mcos_ratio']:.2f}) | {r['seconds']} |")
         print(rows[-1], flush=True)
-        write_section(f"Fidelity: {args.source} (mean of 3 seeded inputs; the UNet at timesteps 999, 500, 1)",
-                      "\n".join(rows))
+        with_lora = f", LoRA {', '.join(spec.path.name + f':{spec.scale:g}' for spec in loras)}" if loras else ""
+        write_section(f"Fidelity: {args.source}{with_lora} (mean of 3 seeded inputs; the UNet at timesteps 999, 500, "
+                      "1)", "\n".join(rows))
 
 
 if __name__ == "__main__":

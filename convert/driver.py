@@ -33,6 +33,8 @@ from sdnpu.convert.sources import COMPONENT_MODULES, COMPONENTS, Source, resolve
 from sdnpu.errors import SdnpuError, storage_error
 from sdnpu.ops.target import DEFAULT_TARGET
 from sdnpu.fileio import atomic_write_json, recover_staging, staged_dir
+from sdnpu.lora.adapters import COMPONENTS as LORA_COMPONENTS
+from sdnpu.lora.adapters import LoraFile, LoraSpec, fuse_into, read_lora
 from sdnpu.memory import check_fits
 from sdnpu.passes.pipeline import CompileOptions
 from sdnpu.pipelines import Signature, check_resolution, sample_inputs, signature, vae_scale_factor
@@ -64,6 +66,7 @@ class ConvertOptions:
     outputs: str = "pipeline"
     target: str = DEFAULT_TARGET
     precision: str = "bf16"
+    loras: tuple[LoraSpec, ...] = ()  # fused into the UNet and text encoders before export (diffusers' fuse_lora)
 
     def __post_init__(self) -> None:
         if self.exporter not in EXPORTERS:
@@ -76,6 +79,7 @@ class ConvertOptions:
             raise SdnpuError(f"resolution {self.res} is not a positive number of pixels",
                              hint="RES is the image's side in pixels, e.g. 1024 for SDXL")
         self.compile_options  # noqa: B018 -- validates target and precision
+        object.__setattr__(self, "loras", tuple(LoraSpec.parse(x) if isinstance(x, str) else x for x in self.loras))
 
     @property
     def compile_options(self) -> CompileOptions:
@@ -156,6 +160,8 @@ def convert(source: str | Path, components: str | Sequence[str] = "all", out: st
              ", ".join(comps))
 
     fingerprint = src.fingerprint()
+    if options.loras:  # a bad LoRA file fails now, before any export
+        _read_loras(src, options.loras)
     results: list[ComponentResult] = []
     cached: tuple[str, Any] | None = None
     for i, comp in enumerate(comps):
@@ -236,6 +242,22 @@ class _TorchStage:
     seconds: dict[str, float]
     peak_rss_bytes: int  # of the process that ran it
     sources: dict[str, Any]  # parameters.json: the parameter each constant of the graph holds
+    lora: dict[str, Any] | None = None  # the LoRAs fused before export
+
+
+def _read_loras(src: Source, specs: Sequence[LoraSpec]) -> list[LoraFile]:
+    unet_config = src.module_config("unet") if "unet" in src.modules else None
+    return [read_lora(spec, "text_encoder_2" in src.modules, unet_config) for spec in specs]
+
+
+def _fuse_loras(src: Source, job: _Job, module: Any) -> dict[str, Any] | None:
+    """``sdnpu convert --lora``: the LoRAs fused into ``module`` by diffusers; what export.json records."""
+    if not job.options.loras or job.component not in LORA_COMPONENTS:
+        return None
+    loras = _read_loras(src, job.options.loras)
+    with step(log, f"[{job.component}] fusing {len(loras)} LoRA(s) into the module (diffusers' fuse_lora)"):
+        modules = fuse_into(module, job.component, loras, "text_encoder_2" in src.modules)
+    return {"fused": [lora.describe() for lora in loras], "modules": modules}
 
 
 def _torch_stage(src: Source, job: _Job, path: str, holder: list[Any]) -> _TorchStage:
@@ -244,6 +266,7 @@ def _torch_stage(src: Source, job: _Job, path: str, holder: list[Any]) -> _Torch
     comp = job.component
     module, load_s = holder.pop() if holder else _load(src, comp, job.key)
     seconds = {"load": round(load_s, 2)}
+    lora = _fuse_loras(src, job, module)
     config = src.module_config(comp)
     sig = job.signature(config)
     wrapper = build_wrapper(comp, module, config)
@@ -273,7 +296,7 @@ def _torch_stage(src: Source, job: _Job, path: str, holder: list[Any]) -> _Torch
     seconds["parameters"] = round(t.seconds, 2)
     log.info("[%s] %d of the graph's constants are module parameters (%d ambiguous)", comp,
              len(sources["initializers"]), sources["ambiguous"])
-    return _TorchStage(reference, n_params, seconds, peak_rss_bytes(), sources)
+    return _TorchStage(reference, n_params, seconds, peak_rss_bytes(), sources, lora)
 
 
 def _torch_stage_in_child(src: Source, job: _Job, path: str) -> _TorchStage:
@@ -322,6 +345,8 @@ def _export_component(src: Source, job: _Job, torch_stage: _TorchStage, stage: P
         keep = keep_outputs(options.outputs, list(sig.outputs), comp, config, "text_encoder_2" in src.modules)
         info = {"component": comp, "source": {"name": src.name, "kind": src.kind, "fingerprint": fingerprint},
                 "resolution": res}
+        if torch_stage.lora:
+            info["lora_fused"] = torch_stage.lora
         check = FidelityCheck(feeds, reference=actual) if options.check else None
         with step(log, f"[{comp}] compile stage") as t:
             summary = compile_into(path, stage / "dd", info, options.compile_options, outputs=keep,
@@ -346,6 +371,7 @@ def _export_component(src: Source, job: _Job, torch_stage: _TorchStage, stage: P
         "nodes": result.nodes,
         "parameters": n_params,
         "check": check_data,
+        "lora_fused": torch_stage.lora,
         "seconds": seconds,
         "peak_rss_bytes": result.peak_rss_bytes,
         "tool": {"sdnpu": __version__, "python": platform.python_version(), **_versions()},

@@ -184,6 +184,35 @@ def _gb(n: int | None) -> str:
     return "n/a" if n is None else f"{n / 1e9:.3f} GB" if n >= 1e8 else f"{n / 1e6:.2f} MB"
 
 
+def _lora_names(loras: list[dict[str, Any]]) -> str:
+    return ", ".join(f"{x['name']}:{x['scale']:g} ({x['format']})" for x in loras)
+
+
+def _lora_lines(r: dict[str, Any]) -> list[str]:
+    """The LoRAs the weights carry: fused at conversion, and/or applied since (``sdnpu lora apply``)."""
+    fused, applied = r.get("lora_fused"), r.get("lora")
+    if not fused and not applied:
+        return []
+    lines = ["LoRA", "-" * 79]
+    if fused:
+        lines += textwrap.wrap(f"fused at conversion (diffusers' fuse_lora, {fused['modules']} modules): "
+                               f"{_lora_names(fused['fused'])}", 77, initial_indent="  ", subsequent_indent="    ")
+    if applied:
+        lines += textwrap.wrap(f"applied (sdnpu lora apply; dd/lora/ over the base weights, which stay as they "
+                               f"are): {_lora_names(applied['applied'])}", 77, initial_indent="  ",
+                               subsequent_indent="    ")
+        lines.append(f"  {applied['modules']} modules changed, {applied['tensors']} dispatch-model weights "
+                     f"replaced ({_gb(applied['bytes'])}); graph, fusions and offload unchanged")
+        for kind, label in (("fidelity", "once per op"), ("fidelity_pessimistic", "bf16 intermediates")):
+            fid = applied.get(kind)
+            if fid:
+                lines.append(f"  against the fp32 graph with the same LoRAs ({label}): min cosine "
+                             f"{fid['min_cosine']:.6f}, max abs {fid['max_abs']:.3e}")
+        if not applied.get("fidelity"):
+            lines.append("  fidelity with the LoRAs: not measured (sdnpu verify measures it)")
+    return lines + [""]
+
+
 def render_text(r: dict[str, Any]) -> str:
     """The report for an 80-column terminal."""
     s = r["summary"]
@@ -214,7 +243,9 @@ def render_text(r: dict[str, Any]) -> str:
               f"NPU regions            {s['npu_regions']}",
               f"CPU<->NPU transitions  {s['transitions']}",
               f"weights                {_gb(s['weight_bytes_before'])} -> {_gb(s['weight_bytes_after'])}",
-              "", "Offloaded ops by type", "-" * 79]
+              ""]
+    lines += _lora_lines(r)
+    lines += ["Offloaded ops by type", "-" * 79]
     lines += [f"  {op:<24}{n:>6}" for op, n in r["offloaded_by_type"].items()]
     lines += ["", "Rules that fired", "-" * 79]
     lines += [f"  {rule:<24}{n:>6}" for rule, n in r["rules_fired"].items()]

@@ -12,6 +12,7 @@ Seeds give the same image twice: the initial noise is drawn with numpy from the 
 from __future__ import annotations
 
 import contextlib
+import inspect
 import json
 import logging
 from collections.abc import Callable, Iterator
@@ -155,6 +156,9 @@ class Pipeline:
             latents = noise * scheduler.init_noise_sigma
         else:
             latents, timesteps = self._start_from_image(opts, scheduler, noise)
+        # a scheduler that draws noise as it steps (LCM, the ancestral ones) draws it from the seed
+        step_kwargs = ({"generator": torch.Generator().manual_seed(opts.seed)}
+                       if "generator" in inspect.signature(scheduler.step).parameters else {})
         with self._using("unet") as parts:
             for i, t in enumerate(timesteps):
                 model_in = scheduler.scale_model_input(torch.cat([latents, latents]), t)
@@ -162,7 +166,7 @@ class Pipeline:
                                           "timestep": np.asarray(float(t), np.float32)}, ["out_sample"])["out_sample"]
                 uncond, cond = pred[:1], pred[1:]
                 guided = torch.from_numpy(uncond + opts.guidance * (cond - uncond))
-                latents = scheduler.step(guided, t, latents, return_dict=False)[0]
+                latents = scheduler.step(guided, t, latents, return_dict=False, **step_kwargs)[0]
                 if progress is not None:
                     progress(i + 1, len(timesteps))
         z = latents.numpy().astype(np.float32) / float(self.vae_config["scaling_factor"])

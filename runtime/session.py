@@ -45,6 +45,7 @@ class RuntimeOptions:
     npu_text_encoders: bool = False
     optimize: bool | None = None
     threads: int | None = None
+    loras: tuple[Any, ...] = ()  # LoraSpecs applied as sessions open, in place of a folder's overlay
 
     @classmethod
     def from_env(cls, custom_ops: str | Path | None = None, **kw: Any) -> RuntimeOptions:
@@ -64,6 +65,8 @@ class Component:
     session: Any
     options: Any = None  # the onnxruntime SessionOptions it was made with
     custom_ops: Path | None = None  # the library registered on it, if any
+    lora: list[dict[str, Any]] | None = None  # the LoRAs its weights carry (None: the base weights)
+    replaced: Any = None  # the arrays behind its replaced initializers (onnxruntime reads them in place)
 
     @property
     def inputs(self) -> dict[str, list[int]]:
@@ -147,8 +150,9 @@ def open_component(folder: Path, component: str, reference: bool = False,
 
 
 def open_component_path(path: Path, component: str, reference: bool = False,
-                        options: RuntimeOptions | None = None) -> Component:
-    """A session over the model at ``path``, the component ``component`` of a converted folder."""
+                        options: RuntimeOptions | None = None, comp_dir: Path | None = None) -> Component:
+    """A session over the model at ``path``, the component ``component`` of a converted folder (at
+    ``comp_dir``, whose LoRAs it gets; default: the folder ``path`` lies in)."""
     import onnxruntime as ort
 
     options = options or RuntimeOptions(optimize=False)
@@ -157,13 +161,88 @@ def open_component_path(path: Path, component: str, reference: bool = False,
     library = options.custom_ops if npu else None
     optimize = options.optimize if options.optimize is not None else choose_optimize(path, reference)
     opts = session_options(path, library, optimize and library is None, options.threads)
+    if comp_dir is None:
+        comp_dir = path.parent if reference else path.parent.parent
+    arrays, loras = lora_initializers(comp_dir, component, reference, options.loras)
     try:
-        session = ort.InferenceSession(str(path), opts, providers=[CPU])
+        model = replace_initializers(path, opts, arrays) if arrays else str(path)
+        session = ort.InferenceSession(model, opts, providers=[CPU])
     except SdnpuError:
         raise
     except Exception as e:  # onnxruntime's own errors: a corrupt file, missing external data, ...
         raise SdnpuError(f"onnxruntime cannot open {path}: {e}") from e
     how = (f"custom ops {library.name}, graph optimizations off" if library is not None else
            f"reference bodies on the CPU, graph optimizations {'on' if optimize else 'off'}")
+    if loras:
+        names = ", ".join(f"{x['name']}:{x['scale']:g}" for x in loras)
+        how += f"; LoRA {names} ({len(arrays)} weights replaced)"
     log.info("%s: %s (%s)", component, path, how)
-    return Component(component, path, session, opts, library)
+    return Component(component, path, session, opts, library, loras, arrays)
+
+
+def lora_initializers(comp_dir: Path, component: str, reference: bool, specs: tuple[Any, ...]
+                      ) -> tuple[dict[str, np.ndarray], list[dict[str, Any]] | None]:
+    """The initializers LoRAs replace in the component at ``comp_dir`` (its dispatch model, or with
+    ``reference`` its fp32 graph) and the LoRAs: ``specs`` computed now, else the component's overlay
+    (``sdnpu lora apply``: mapped from its file for a dispatch model; for the fp32 graph, computed again
+    from the overlay's LoRA files, so that both carry the same LoRAs)."""
+    from sdnpu.lora import overlay
+    from sdnpu.lora.adapters import COMPONENTS, LoraSpec
+
+    if component not in COMPONENTS:
+        return {}, None
+    if not specs:
+        manifest = overlay.read_manifest(comp_dir / "dd")
+        if manifest is None:
+            return {}, None
+        if not reference:
+            return overlay.overlay_initializers(comp_dir / "dd")[0], manifest["loras"]
+        specs = tuple(overlay.manifest_specs(manifest))
+    arrays, loras = overlay.compute_in_memory(comp_dir, [s if isinstance(s, LoraSpec) else LoraSpec.parse(s)
+                                                         for s in specs], reference)
+    return arrays, loras
+
+
+def replace_initializers(path: Path, opts: Any, arrays: dict[str, np.ndarray]) -> str | bytes:
+    """What to open so that ``arrays`` replace the initializers of the same names in the model at ``path``.
+    Those the file keeps in external data are replaced through onnxruntime's external-initializer API
+    (``add_external_initializers``: the arrays are used in place, and must outlive the session), and the
+    model is opened from its path. onnxruntime refuses that for an initializer stored inside the model
+    file (a small model's, or a tensor under 1 KB), so those are written into a copy of the model's
+    protobuf, opened from memory with its external data still read from beside ``path``."""
+    import onnx
+    from onnx import numpy_helper
+
+    proto = onnx.load(str(path), load_external_data=False)
+    inline = {t.name: t for t in proto.graph.initializer if t.data_location != onnx.TensorProto.EXTERNAL}
+    missing = sorted(set(arrays) - {t.name for t in proto.graph.initializer})
+    if missing:
+        raise SdnpuError(f"{path} has no initializer {missing[0]!r} to replace",
+                         hint="the LoRA overlay belongs to another compilation: sdnpu lora remove, then apply again")
+    external = {n: a for n, a in arrays.items() if n not in inline}
+    if external:
+        add_initializers(opts, external)
+    if not arrays.keys() & inline.keys():
+        return str(path)
+    for name, a in arrays.items():
+        if name in inline:
+            inline[name].CopyFrom(numpy_helper.from_array(np.asarray(a), name))
+    opts.add_session_config_entry("session.model_external_initializers_file_folder_path", str(path.parent))
+    return proto.SerializeToString()
+
+
+def add_initializers(opts: Any, arrays: dict[str, np.ndarray]) -> None:
+    """``arrays`` replace the model's (external) initializers of the same names: onnxruntime's
+    external-initializer API. The arrays are used in place and must outlive the session."""
+    import onnxruntime as ort
+    from onnx import TensorProto
+
+    names, values = [], []
+    for name, a in arrays.items():
+        if a.dtype.name == "bfloat16":
+            value = ort.OrtValue.ortvalue_from_numpy_with_onnx_type(a.view(np.uint16), TensorProto.BFLOAT16)
+        else:
+            value = ort.OrtValue.ortvalue_from_numpy(a)
+        names.append(name)
+        values.append(value)
+    opts.add_external_initializers(names, values)

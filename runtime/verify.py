@@ -25,6 +25,8 @@ from sdnpu.progress import step
 from sdnpu.reports import report as reports
 from sdnpu.reports.fidelity import RANGE_RUNS, fidelity, pessimistic_model, range_inputs, worst
 from sdnpu.reports.show import COMPONENT_ORDER
+from sdnpu.lora.adapters import COMPONENTS as LORA_COMPONENTS
+from sdnpu.lora.overlay import read_manifest
 from sdnpu.runtime.pipeline import GenerateOptions, Pipeline
 from sdnpu.runtime.session import RuntimeOptions, open_component, open_component_path
 from sdnpu.worker import run_in_worker
@@ -75,8 +77,8 @@ def _run(folder: Path, name: str, model: str, feeds: list[dict[str, np.ndarray]]
     elif model == "dispatch":
         session = open_component(folder, name, options=RuntimeOptions(optimize=False))
     else:
-        assert pessimistic is not None
-        session = open_component_path(pessimistic, name)
+        assert pessimistic is not None  # with the folder's LoRAs, as the dispatch model has them
+        session = open_component_path(pessimistic, name, comp_dir=folder / name)
     return [session.run(f) for f in feeds]
 
 
@@ -93,7 +95,14 @@ def verify(folder: str | Path, steps: int = 3, seed: int = 0, prompt: str = "a p
     if not present:
         raise SdnpuError(f"no converted component with a dispatch model under {folder}",
                          hint="make convert MODEL=all (OUT=...) first")
-    results: dict[str, Any] = {"components": {}, "pipeline": None}
+    lora = {}
+    for name in present:  # an applied LoRA is in both models of the comparison (runtime.session)
+        manifest = read_manifest(folder / name / "dd") if name in LORA_COMPONENTS else None
+        if manifest is not None:
+            lora[name] = [f"{x['name']}:{x['scale']:g}" for x in manifest["loras"]]
+            log.info("[%s] with the applied LoRAs %s, in the dispatch model and the fp32 graph", name,
+                     ", ".join(lora[name]))
+    results: dict[str, Any] = {"components": {}, "pipeline": None, "lora": lora}
     for name in present:
         results["components"][name] = _component(folder, name, runs)
     if (folder / "model_index.json").is_file() and {"unet", "vae_decoder", "text_encoder"} <= set(present):
@@ -108,8 +117,12 @@ def verify(folder: str | Path, steps: int = 3, seed: int = 0, prompt: str = "a p
     for name, fid in results["components"].items():
         dd = folder / name / "dd"
         report = json.loads((dd / "report.json").read_text())
-        report["fidelity"] = {**fid["optimistic"], "pipeline": results["pipeline"]}
-        report["fidelity_pessimistic"] = fid["pessimistic"]
+        if lora.get(name):  # measured with the applied LoRAs: kept with them (lora remove drops it)
+            report["lora"]["fidelity"] = {**fid["optimistic"], "pipeline": results["pipeline"]}
+            report["lora"]["fidelity_pessimistic"] = fid["pessimistic"]
+        else:
+            report["fidelity"] = {**fid["optimistic"], "pipeline": results["pipeline"]}
+            report["fidelity_pessimistic"] = fid["pessimistic"]
         reports.write(dd, report)
     atomic_write_json(folder / "verify.json", results)
     return results

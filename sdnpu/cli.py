@@ -30,7 +30,7 @@ def _cmd_convert(args: argparse.Namespace) -> int:
 
     options = ConvertOptions(res=args.res, exporter=args.exporter, opset=args.opset, check=not args.no_check,
                              compile=not args.no_compile, outputs=args.outputs, target=args.target,
-                             precision=args.precision)
+                             precision=args.precision, loras=tuple(args.lora or ()))
     result = convert(args.source, components=args.model, out=args.out, options=options)
     print(f"\n{result.source.name} -> {result.out} ({result.resolution} px)")
     print(f"{'component':<16}{'nodes':>7}{'params':>15}{'export s':>9}{'peak mem':>10}  {'max abs / rel error':<20}"
@@ -42,6 +42,8 @@ def _cmd_convert(args: argparse.Namespace) -> int:
         print(f"{c.component:<16}{c.nodes:>7}{c.parameters:>15,}{c.seconds.get('export', 0):>9.1f}"
               f"{_human_bytes(c.peak_rss_bytes):>10}  {err:<20}{rate:>8}{cpu:>5}")
     print("peak mem: the process's peak resident memory up to that component (a worker's, where larger)")
+    if options.loras:
+        print(f"LoRA fused before export (diffusers' fuse_lora): {', '.join(str(s) for s in options.loras)}")
     if result.pipeline_files:
         print(f"pipeline files: {', '.join(result.pipeline_files)}")
     return 0
@@ -114,7 +116,7 @@ def _cmd_generate(args: argparse.Namespace) -> int:
 
     optimize = {"auto": None, "on": True, "off": False}[args.optimize]
     runtime = RuntimeOptions.from_env(args.custom_ops, npu_text_encoders=args.npu_text_encoders, optimize=optimize,
-                                      threads=args.threads)
+                                      threads=args.threads, loras=_lora_specs(args.lora))
     pipe = Pipeline(Path(args.models), reference=args.reference, runtime=runtime)
     opts = GenerateOptions(args.prompt, args.negative_prompt, args.steps, args.guidance, args.seed, args.scheduler,
                            args.image, args.strength)
@@ -129,7 +131,48 @@ def _cmd_generate(args: argparse.Namespace) -> int:
     how = "fp32 graphs" if args.reference else (
         f"dispatch models, custom ops {runtime.custom_ops}" if runtime.custom_ops else
         "dispatch models through their reference bodies on the CPU")
+    if runtime.loras:
+        how += f"; LoRA {', '.join(str(s) for s in runtime.loras)} applied at session open"
+    else:
+        from sdnpu.lora.overlay import applied_names
+
+        names = applied_names(Path(args.models))
+        if names:
+            how += f"; the folder's LoRA {names}"
     print(f"wrote {args.out} ({image.shape[1]}x{image.shape[0]}, {how})")
+    return 0
+
+
+def _lora_specs(items: Sequence[str] | None) -> tuple[object, ...]:
+    from sdnpu.lora import LoraSpec
+
+    return tuple(LoraSpec.parse(x) for x in items or ())
+
+
+def _cmd_lora(args: argparse.Namespace) -> int:
+    from sdnpu.lora import overlay
+
+    if args.action == "apply":
+        if not args.lora:
+            raise SdnpuError("no LoRA given", hint="sdnpu lora apply MODELS --lora FILE[:SCALE] [--lora ...]")
+        results = overlay.apply(args.models, _lora_specs(args.lora))  # type: ignore[arg-type]
+        for r in results:
+            print(f"{r.component:<16}{r.modules:>5} modules  {r.tensors:>5} dispatch-model weights  "
+                  f"{_human_bytes(r.bytes):>9}  {r.seconds:6.1f} s")
+        print("written to <component>/dd/lora/ (the base files are unchanged; `sdnpu lora remove` goes back)")
+        return 0
+    if args.lora:
+        raise SdnpuError(f"`sdnpu lora {args.action}` takes no --lora", hint="sdnpu lora apply MODELS --lora FILE")
+    if args.action == "remove":
+        removed = overlay.remove(args.models)
+        print(f"removed the LoRA overlay of {', '.join(removed)}" if removed else "no LoRA was applied")
+        return 0
+    for comp, manifest in overlay.status(args.models).items():
+        if manifest is None:
+            print(f"{comp:<16}base weights")
+        else:
+            loras = ", ".join(f"{x['name']}:{x['scale']:g} ({x['format']})" for x in manifest["loras"])
+            print(f"{comp:<16}{loras}; {len(manifest['tensors'])} weights, {_human_bytes(manifest['bytes'])}")
     return 0
 
 
@@ -194,6 +237,10 @@ def build_parser() -> argparse.ArgumentParser:
     conv.add_argument("--outputs", choices=("pipeline", "all"), default="pipeline",
                       help="outputs the dispatch models keep: what the diffusers pipeline reads (default; the "
                       "text encoders' other hidden states go) or all; model.onnx always keeps all")
+    conv.add_argument("--lora", action="append", metavar="FILE[:SCALE]",
+                      help="fuse a LoRA (diffusers/PEFT or kohya safetensors) into the UNet and text encoders "
+                      "before export, with diffusers' fuse_lora (repeatable: stacked in order). To switch LoRAs "
+                      "without converting again, use `sdnpu lora apply`")
     conv.set_defaults(func=_cmd_convert)
 
     comp = sub.add_parser("compile", help="compile an ONNX graph into a dispatch model + offload report")
@@ -245,8 +292,22 @@ def build_parser() -> argparse.ArgumentParser:
                      "$SDNPU_CUSTOM_OPS; without one, the CPU runs the ops' reference bodies")
     gen.add_argument("--npu-text-encoders", action="store_true",
                      help="register the custom-op library on the text encoders too (AMD runs them on the CPU)")
+    gen.add_argument("--lora", action="append", metavar="FILE[:SCALE]",
+                     help="apply a LoRA as the sessions open (repeatable: stacked in order), in place of the "
+                     "folder's own (`sdnpu lora apply`); no file changes")
     gen.add_argument("--out", default="image.png")
     gen.set_defaults(func=_cmd_generate)
+
+    lo = sub.add_parser("lora", help="apply LoRAs to a converted folder without converting again, remove them, "
+                        "or show what is applied", description="apply: the LoRAs' changed weights go to "
+                        "<component>/dd/lora/ (replacing what was applied before; the base files are never "
+                        "written). remove: back to the base, byte for byte. show: what is applied.")
+    lo.add_argument("action", choices=("apply", "remove", "show"))
+    lo.add_argument("models", nargs="?", default="models/sdxl-base", help="a converted folder (default: "
+                    "models/sdxl-base) or one of its components")
+    lo.add_argument("--lora", action="append", metavar="FILE[:SCALE]",
+                    help="a LoRA (diffusers/PEFT or kohya safetensors) and its scale (default 1); repeatable")
+    lo.set_defaults(func=_cmd_lora)
 
     pk = sub.add_parser("pack", help="a deployable copy of the dispatch models with AMD's packed weights "
                         "(needs AMD's ryzenai_dynamic_dispatch packer)")
@@ -294,6 +355,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     # Third-party chatter that says nothing to a user of sdnpu (the exporter's optional torchvision ops,
     # deprecation notices inside torch/diffusers); real errors still surface as exceptions.
     logging.getLogger("torch.onnx").setLevel(logging.ERROR)
+    logging.getLogger("diffusers.utils.import_utils").setLevel(logging.ERROR)  # "multiple distributions" of optimum
+    logging.getLogger("diffusers.configuration_utils").setLevel(logging.ERROR)  # a scheduler's unused config keys
     warnings.filterwarnings("ignore", category=FutureWarning)
     warnings.filterwarnings("ignore", category=DeprecationWarning)
     try:

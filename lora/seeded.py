@@ -1,0 +1,114 @@
+"""Seeded LoRA files for a converted folder, in diffusers/PEFT and kohya naming (tests and benchmarks).
+
+There is no model hub here, so the LoRAs sdnpu is measured with are drawn from a seed, in the key layouts
+real files use: diffusers/PEFT (``unet.<module>.lora_A.weight``, ``text_encoder.<module>...``) and kohya
+(``lora_unet_<module>.lora_down.weight`` + ``.alpha``, the SDXL UNet in its original ``input_blocks`` /
+``middle_block`` / ``output_blocks`` layout, ``lora_te1_`` / ``lora_te2_`` for the text encoders). Both files
+of one seed describe the same change: the kohya file stores alpha = rank / 2 and B doubled.
+
+``write_seeded_lora(folder, out, rank=32, naming="diffusers", seed=0)`` covers every attention and
+feed-forward projection of the UNet and the text encoders the folder has (``convs=True`` adds the UNet
+resnets' convolutions, 3x3 LoRAs included).
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from pathlib import Path
+from typing import Any
+
+from sdnpu.errors import SdnpuError
+
+UNET_TARGETS = re.compile(r"(attn[12]\.(to_q|to_k|to_v|to_out\.0)|ff\.net\.0\.proj|ff\.net\.2)$")
+UNET_CONVS = re.compile(r"resnets\.\d+\.(conv1|conv2)$")
+TEXT_TARGETS = re.compile(r"(self_attn\.(q_proj|k_proj|v_proj|out_proj)|mlp\.(fc1|fc2))$")
+KOHYA_TE = {"text_encoder": "lora_te1", "text_encoder_2": "lora_te2"}
+SGM_RESNET = {"conv1": "in_layers_2", "conv2": "out_layers_3"}
+
+
+def _sgm_name(module: str, layers_per_block: int) -> str:
+    """A diffusers SDXL UNet module name in the original (SGM) block layout kohya files use."""
+    n = layers_per_block + 1
+    m = re.match(r"down_blocks\.(\d+)\.(attentions|resnets)\.(\d+)\.(.+)", module)
+    if m:
+        b, kind, j, rest = int(m[1]), m[2], int(m[3]), m[4]
+        return f"input_blocks.{b * n + j + 1}.{1 if kind == 'attentions' else 0}.{_sgm_rest(kind, rest)}"
+    m = re.match(r"up_blocks\.(\d+)\.(attentions|resnets)\.(\d+)\.(.+)", module)
+    if m:
+        b, kind, j, rest = int(m[1]), m[2], int(m[3]), m[4]
+        return f"output_blocks.{b * n + j}.{1 if kind == 'attentions' else 0}.{_sgm_rest(kind, rest)}"
+    m = re.match(r"mid_block\.(attentions|resnets)\.(\d+)\.(.+)", module)
+    if m:
+        kind, j, rest = m[1], int(m[2]), m[3]
+        return f"middle_block.{1 if kind == 'attentions' else 2 * j}.{_sgm_rest(kind, rest)}"
+    return module
+
+
+def _sgm_rest(kind: str, rest: str) -> str:
+    return SGM_RESNET.get(rest, rest) if kind == "resnets" else rest
+
+
+def _targets(folder: Path, component: str, convs: bool) -> list[tuple[str, Any]]:
+    import torch
+
+    from sdnpu.lora.adapters import _skeleton
+
+    pattern = UNET_TARGETS if component == "unet" else TEXT_TARGETS
+    found = []
+    for name, m in _skeleton(folder, component).named_modules():
+        if isinstance(m, torch.nn.Linear) and pattern.search(name):
+            found.append((name, m))
+        elif convs and component == "unet" and isinstance(m, torch.nn.Conv2d) and UNET_CONVS.search(name):
+            found.append((name, m))
+    return found
+
+
+def write_seeded_lora(folder: str | Path, out: str | Path, rank: int = 32, naming: str = "diffusers",
+                      seed: int = 0, convs: bool = False, components: tuple[str, ...] | None = None,
+                      strength: float = 0.1) -> dict[str, int]:
+    """Write the LoRA to ``out`` (safetensors); returns the modules it covers per component. ``strength``:
+    the change's size relative to a unit-variance input projection (each delta is about strength/sqrt(in))."""
+    import torch
+    from safetensors.torch import save_file
+
+    from sdnpu.lora.adapters import COMPONENTS
+
+    folder = Path(folder)
+    if naming not in ("diffusers", "kohya"):
+        raise SdnpuError(f"unknown LoRA naming {naming!r}", hint="diffusers or kohya")
+    unet_config = json.loads((folder / "unet" / "config.json").read_text()) if (folder / "unet").is_dir() else {}
+    sdxl = (folder / "text_encoder_2" / "config.json").is_file()
+    tensors: dict[str, Any] = {}
+    counts: dict[str, int] = {}
+    for comp in components or COMPONENTS:
+        if not (folder / comp / "config.json").is_file():
+            continue
+        targets = _targets(folder, comp, convs)
+        counts[comp] = len(targets)
+        for i, (name, m) in enumerate(targets):
+            g = torch.Generator().manual_seed(seed * 1_000_003 + COMPONENTS.index(comp) * 100_003 + i)
+            if isinstance(m, torch.nn.Conv2d):
+                a_shape, b_shape = (rank, m.in_channels, *m.kernel_size), (m.out_channels, rank, 1, 1)
+                fan_in = m.in_channels * m.kernel_size[0] * m.kernel_size[1]
+            else:
+                a_shape, b_shape, fan_in = (rank, m.in_features), (m.out_features, rank), m.in_features
+            a = torch.randn(a_shape, generator=g) / fan_in ** 0.5
+            b = torch.randn(b_shape, generator=g) * strength / rank ** 0.5
+            if naming == "diffusers":
+                tensors[f"{comp}.{name}.lora_A.weight"] = a.contiguous()
+                tensors[f"{comp}.{name}.lora_B.weight"] = b.contiguous()
+                continue
+            if comp == "unet":
+                sgm = _sgm_name(name, unet_config["layers_per_block"]) if sdxl else name
+                key = "lora_unet_" + sgm.replace(".", "_")
+            else:
+                key = (KOHYA_TE[comp] if sdxl else "lora_te") + "_" + name.replace(".", "_")
+            tensors[f"{key}.lora_down.weight"] = a.contiguous()
+            tensors[f"{key}.lora_up.weight"] = (2 * b).contiguous()  # alpha = rank / 2 halves it back
+            tensors[f"{key}.alpha"] = torch.tensor(rank / 2)
+    if not tensors:
+        raise SdnpuError(f"{folder} has no component a LoRA changes", hint="give a converted SDXL or SD folder")
+    Path(out).parent.mkdir(parents=True, exist_ok=True)
+    save_file(tensors, str(out))
+    return counts
