@@ -18,7 +18,7 @@ from sdnpu.errors import SdnpuError
 from sdnpu.fileio import staged_dir
 from sdnpu.memory import check_fits
 from sdnpu.passes.pipeline import CompileOptions
-from sdnpu.pipelines import default_resolution, pipeline_outputs, signature, vae_scale_factor
+from sdnpu.pipelines import Size, default_resolution, pipeline_outputs, signature, vae_scale_factor
 from sdnpu.progress import peak_rss_bytes, release_memory, step
 from sdnpu.reports.fidelity import fidelity, generic_inputs
 
@@ -60,7 +60,7 @@ def keep_outputs(spec: str, available: list[str], component: str, config: dict[s
     return names
 
 
-def static_shapes(path: Path, overrides: dict[str, list[int]] | None = None, res: int | None = None
+def static_shapes(path: Path, overrides: dict[str, list[int]] | None = None, res: int | str | Size | None = None
                   ) -> dict[str, list[int]]:
     """Static shapes for a graph's inputs where it has dynamic axes (optimum exports them). A component
     folder of an SD pipeline (``unet/model.onnx`` with its ``config.json``, as optimum writes it) gets the
@@ -86,9 +86,8 @@ def static_shapes(path: Path, overrides: dict[str, list[int]] | None = None, res
     if dynamic and component in COMPONENTS and config_path.is_file():
         config = _read_config(config_path)
         vae = _sibling_vae_config(path.parent) or (config if component.startswith("vae") else None)
-        if res is None:
-            res = default_resolution(config if component == "unet" else None, vae)
-        sig = signature(component, config, res, vae_scale_factor(vae))
+        size = Size.of(default_resolution(config if component == "unet" else None, vae) if res is None else res)
+        sig = signature(component, config, size, vae_scale_factor(vae))
         shapes = {spec.name: list(spec.shape) for spec in sig.inputs if spec.name in dynamic}
     shapes.update(overrides or {})
     missing = {k: v for k, v in dynamic.items() if k not in shapes}
@@ -234,7 +233,7 @@ def output_names(path: Path) -> list[str]:
 
 
 def compile_file(source: Path, out: Path | None = None, options: CompileOptions | None = None, *,
-                 verify: bool = True, shapes: dict[str, list[int]] | None = None, res: int | None = None,
+                 verify: bool = True, shapes: dict[str, list[int]] | None = None, res: int | str | Size | None = None,
                  outputs: str = "pipeline") -> dict[str, Any]:
     """``sdnpu compile``: ``source`` -> ``out`` (default: ``dd/`` beside the source), replaced atomically.
     ``options``: target and precision (default: amd-xdna2, bf16); ``shapes`` / ``res``: see

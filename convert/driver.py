@@ -37,7 +37,7 @@ from sdnpu.lora.adapters import COMPONENTS as LORA_COMPONENTS
 from sdnpu.lora.adapters import LoraFile, LoraSpec, fuse_into, read_lora
 from sdnpu.memory import check_fits
 from sdnpu.passes.pipeline import CompileOptions
-from sdnpu.pipelines import Signature, check_resolution, sample_inputs, signature, vae_scale_factor
+from sdnpu.pipelines import Signature, Size, check_resolution, sample_inputs, signature, vae_scale_factor
 from sdnpu.pipelines import default_resolution as resolution_rule
 from sdnpu.progress import peak_rss_bytes, release_memory, step
 from sdnpu.reports.fidelity import fidelity
@@ -53,12 +53,13 @@ class ConvertOptions:
     """How ``convert`` exports, checks and compiles; validated once, when made (a bad value is an
     SdnpuError naming the choices before anything is loaded).
 
-    ``res``: pixels (None: the model's own); ``check``: run the exported graph against PyTorch and the
-    dispatch model against the graph; ``compile``: write ``<component>/dd/``; ``outputs``: "pipeline" (the
-    dispatch models keep what a diffusers pipeline reads) or "all"; ``target``: the NPU whose op contract
-    the dispatch models are written in; ``precision``: bf16 or bfp16."""
+    ``res``: the image size (a ``Size``, a side for a square, or "WxH"; None: the model's own); ``check``:
+    run the exported graph against PyTorch and the dispatch model against the graph; ``compile``: write
+    ``<component>/dd/``; ``outputs``: "pipeline" (the dispatch models keep what a diffusers pipeline reads)
+    or "all"; ``target``: the NPU whose op contract the dispatch models are written in; ``precision``: bf16
+    or bfp16; ``loras``: LoRAs fused into the UNet and text encoders before export."""
 
-    res: int | None = None
+    res: Size | int | str | None = None
     exporter: str = "dynamo"
     opset: int = DEFAULT_OPSET
     check: bool = True
@@ -66,7 +67,7 @@ class ConvertOptions:
     outputs: str = "pipeline"
     target: str = DEFAULT_TARGET
     precision: str = "bf16"
-    loras: tuple[LoraSpec, ...] = ()  # fused into the UNet and text encoders before export (diffusers' fuse_lora)
+    loras: tuple[LoraSpec, ...] = ()  # diffusers' fuse_lora, before export
 
     def __post_init__(self) -> None:
         if self.exporter not in EXPORTERS:
@@ -75,8 +76,10 @@ class ConvertOptions:
             raise SdnpuError(f"opset {self.opset} is too old", hint=f"use opset {MIN_OPSET} or newer")
         if self.outputs not in OUTPUT_CHOICES:
             raise SdnpuError(f"unknown --outputs {self.outputs!r}", hint=f"choose one of: {', '.join(OUTPUT_CHOICES)}")
-        if self.res is not None and self.res <= 0:
-            raise SdnpuError(f"resolution {self.res} is not a positive number of pixels",
+        if self.res is not None:
+            object.__setattr__(self, "res", Size.of(self.res))
+        if self.res is not None and min(self.res) <= 0:
+            raise SdnpuError(f"size {self.res} is not a positive number of pixels",
                              hint="RES is the image's side in pixels, e.g. 1024 for SDXL")
         self.compile_options  # noqa: B018 -- validates target and precision
         object.__setattr__(self, "loras", tuple(LoraSpec.parse(x) if isinstance(x, str) else x for x in self.loras))
@@ -107,7 +110,7 @@ class ComponentResult:
 class ConvertResult:
     source: Source
     out: Path
-    resolution: int
+    resolution: Size
     components: list[ComponentResult]
     pipeline_files: list[str]
 
@@ -147,7 +150,7 @@ def convert(source: str | Path, components: str | Sequence[str] = "all", out: st
     src = resolve_source(source)
     comps = parse_components(components, src)
     factor = vae_scale_factor(_vae_config(src))
-    res = default_resolution(src) if options.res is None else options.res
+    res = Size.of(default_resolution(src)) if options.res is None else Size.of(options.res)
     check_resolution(res, {c: src.module_config(c) for c in comps}, factor)
     out_dir = Path(out) if out is not None else Path("models") / src.name
     out_dir.mkdir(parents=True, exist_ok=True)
@@ -156,7 +159,7 @@ def convert(source: str | Path, components: str | Sequence[str] = "all", out: st
         tempfile.TemporaryFile(dir=out_dir).close()
     except OSError as e:
         raise OSError(e.errno, e.strerror, str(out_dir)) from e
-    log.info("converting %s (%s: %s) -> %s at %d px: %s", src.name, src.kind, src.root, out_dir, res,
+    log.info("converting %s (%s: %s) -> %s at %s px: %s", src.name, src.kind, src.root, out_dir, res,
              ", ".join(comps))
 
     fingerprint = src.fingerprint()
@@ -225,7 +228,7 @@ class _Job:
 
     component: str
     key: str  # its diffusers module ("vae" for both VAE halves)
-    res: int
+    res: Size
     factor: int  # the VAE's scale factor
     options: ConvertOptions
 
@@ -344,7 +347,7 @@ def _export_component(src: Source, job: _Job, torch_stage: _TorchStage, stage: P
 
         keep = keep_outputs(options.outputs, list(sig.outputs), comp, config, "text_encoder_2" in src.modules)
         info = {"component": comp, "source": {"name": src.name, "kind": src.kind, "fingerprint": fingerprint},
-                "resolution": res}
+                **_resolution(res)}
         if torch_stage.lora:
             info["lora_fused"] = torch_stage.lora
         check = FidelityCheck(feeds, reference=actual) if options.check else None
@@ -365,7 +368,7 @@ def _export_component(src: Source, job: _Job, torch_stage: _TorchStage, stage: P
         "module_class": src.classes[COMPONENT_MODULES[comp]],
         "exporter": options.exporter,
         "opset": options.opset,
-        "resolution": res,
+        **_resolution(res),
         "inputs": [s.to_json() for s in sig.inputs],
         "outputs": list(sig.outputs),
         "nodes": result.nodes,
@@ -377,6 +380,12 @@ def _export_component(src: Source, job: _Job, torch_stage: _TorchStage, stage: P
         "tool": {"sdnpu": __version__, "python": platform.python_version(), **_versions()},
     })
     return result
+
+
+def _resolution(res: Size) -> dict[str, Any]:
+    """How export.json and the report name the size: ``resolution`` the side of a square (None otherwise, as
+    before non-square sizes), ``size`` always."""
+    return {"resolution": res.width if res.square else None, "size": res.to_json()}
 
 
 def _check_outputs(comp: str, sig: Signature, reference: list[Any], actual: dict[str, Any]) -> dict[str, Any]:

@@ -224,8 +224,9 @@ def build_parser() -> argparse.ArgumentParser:
     conv.add_argument("--source", "-s", default="sdxl-base",
                       help="a preset (sdxl-base, tiny-sdxl) or a local diffusers folder (default: sdxl-base)")
     conv.add_argument("--out", "-o", default=None, help="output folder (default: models/<source name>)")
-    conv.add_argument("--res", type=int, default=None,
-                      help="image resolution in pixels (default: the model's own, 1024 for SDXL)")
+    conv.add_argument("--res", default=None, metavar="WxH|N",
+                      help="image size in pixels, WxH (1152x896: 1152 wide) or one number for a square (default: "
+                      "the model's own, 1024 for SDXL)")
     conv.add_argument("--exporter", choices=EXPORTERS, default="dynamo", help="torch exporter (default: dynamo)")
     conv.add_argument("--opset", type=int, default=DEFAULT_OPSET, help=f"ONNX opset (default {DEFAULT_OPSET})")
     conv.add_argument("--no-check", action="store_true", help="skip the onnxruntime-vs-PyTorch check")
@@ -250,7 +251,7 @@ def build_parser() -> argparse.ArgumentParser:
     comp.add_argument("--shape", action="append", metavar="NAME=D,D,...",
                       help="static shape for a dynamic input (repeatable); an SD component folder with its "
                       "config.json (as optimum writes it) gets sdnpu's shapes by default")
-    comp.add_argument("--res", type=int, default=None, help="image resolution for those default shapes")
+    comp.add_argument("--res", default=None, metavar="WxH|N", help="image size for those default shapes")
     comp.add_argument("--target", default=DEFAULT_TARGET, choices=target_names(),
                       help=f"the NPU whose op contract the dispatch model is written in (default {DEFAULT_TARGET})")
     comp.add_argument("--precision", choices=("bf16", "bfp16"), default="bf16",

@@ -2,7 +2,8 @@
 benchmarks all read (the runtime never imports the export stage): each component's ONNX signature, the
 resolution rule, the seeded sample inputs, and the outputs a pipeline reads.
 
-Shapes, for a resolution ``R`` (pixels) and a VAE that downsamples by ``f`` (8 for SD/SDXL):
+Shapes, for an image of H x W pixels (``Size``; written WxH on the command line, a square as one number) and a
+VAE that downsamples by ``f`` (8 for SD/SDXL):
 
 =============== ================================================= =====================================
 component       inputs                                            outputs
@@ -11,11 +12,11 @@ text_encoder    input_ids [1, 77] int64                           last_hidden_st
                                                                   pooler_output [1, D], hidden_states.N
 text_encoder_2  input_ids [1, 77] int64                           text_embeds [1, P], last_hidden_state,
                                                                   hidden_states.N
-unet            sample [2, 4, R/f, R/f], timestep [] f32,          out_sample [2, 4, R/f, R/f]
+unet            sample [2, 4, H/f, W/f], timestep [] f32,          out_sample [2, 4, H/f, W/f]
                 encoder_hidden_states [2, 77, X],
                 text_embeds [2, P], time_ids [2, 6] (SDXL only)
-vae_encoder     sample [1, 3, R, R]                                latent_parameters [1, 8, R/f, R/f]
-vae_decoder     latent_sample [1, 4, R/f, R/f]                     sample [1, 3, R, R]
+vae_encoder     sample [1, 3, H, W]                                latent_parameters [1, 8, H/f, W/f]
+vae_decoder     latent_sample [1, 4, H/f, W/f]                     sample [1, 3, H, W]
 =============== ================================================= =====================================
 
 The UNet runs at batch 2 (classifier-free guidance: unconditional and conditional in one call).
@@ -23,8 +24,9 @@ The UNet runs at batch 2 (classifier-free guidance: unconditional and conditiona
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, NamedTuple
 
 import numpy as np
 
@@ -32,6 +34,49 @@ from sdnpu.errors import SdnpuError
 
 UNET_BATCH = 2  # classifier-free guidance runs both halves in one UNet call
 SEQ_LEN = 77  # CLIP's context length
+
+
+class Size(NamedTuple):
+    """An image size in pixels. Written ``WxH`` (width first, as image tools and SDXL's bucket lists write
+    it: ``1152x896`` is 1152 wide, 896 high), or one number for a square."""
+
+    height: int
+    width: int
+
+    def __str__(self) -> str:
+        return f"{self.width}x{self.height}"
+
+    @property
+    def square(self) -> bool:
+        return self.height == self.width
+
+    def to_json(self) -> dict[str, int]:
+        return {"height": self.height, "width": self.width}
+
+    @classmethod
+    def of(cls, res: int | str | tuple[int, int] | Size) -> Size:
+        """``res`` as a Size: a side (a square), ``"WxH"`` or ``"N"``, or (height, width)."""
+        if isinstance(res, cls):
+            return res
+        if isinstance(res, str):
+            return cls.parse(res)
+        if isinstance(res, tuple):
+            return cls(int(res[0]), int(res[1]))
+        return cls(int(res), int(res))
+
+    @classmethod
+    def parse(cls, text: str) -> Size:
+        text = text.strip().lower()
+        if "," in text or text.endswith("buckets"):
+            raise SdnpuError(f"--res {text!r}: one size per conversion for now (sizes sharing one copy of the "
+                             "weights are not built yet)", hint="convert each size into its own OUT, e.g. "
+                             "--res 1152x896 --out models/sdxl-base-1152x896")
+        m = re.fullmatch(r"(\d+)(?:\s*[x\*]\s*(\d+))?", text)
+        if not m:
+            raise SdnpuError(f"cannot read the size {text!r}", hint="write WxH in pixels (1152x896) or one "
+                             "number for a square (1024)")
+        width = int(m[1])
+        return cls(int(m[2]) if m[2] else width, width)
 
 
 @dataclass(frozen=True)
@@ -60,9 +105,10 @@ def unet_text_time(config: dict[str, Any]) -> bool:
     return config.get("addition_embed_type") == "text_time"
 
 
-def signature(component: str, config: dict[str, Any], res: int, vae_factor: int = 8) -> Signature:
-    """The static ONNX signature of ``component`` at resolution ``res`` for a module ``config``."""
-    latent = res // vae_factor
+def signature(component: str, config: dict[str, Any], res: int | Size, vae_factor: int = 8) -> Signature:
+    """The static ONNX signature of ``component`` at image size ``res`` for a module ``config``."""
+    size = Size.of(res)
+    lh, lw = size.height // vae_factor, size.width // vae_factor
     f32, i64 = "float32", "int64"
     if component in ("text_encoder", "text_encoder_2"):
         n_hidden = config["num_hidden_layers"] + 1
@@ -72,7 +118,7 @@ def signature(component: str, config: dict[str, Any], res: int, vae_factor: int 
         return Signature((TensorSpec("input_ids", (1, SEQ_LEN), i64),), first + hidden)
     if component == "unet":
         inputs = [
-            TensorSpec("sample", (UNET_BATCH, config["in_channels"], latent, latent), f32),
+            TensorSpec("sample", (UNET_BATCH, config["in_channels"], lh, lw), f32),
             TensorSpec("timestep", (), f32),
             TensorSpec("encoder_hidden_states", (UNET_BATCH, SEQ_LEN, config["cross_attention_dim"]), f32),
         ]
@@ -89,10 +135,10 @@ def signature(component: str, config: dict[str, Any], res: int, vae_factor: int 
             )
         return Signature(tuple(inputs), ("out_sample",))
     if component == "vae_encoder":
-        return Signature((TensorSpec("sample", (1, config["in_channels"], res, res), f32),),
+        return Signature((TensorSpec("sample", (1, config["in_channels"], size.height, size.width), f32),),
                          ("latent_parameters",))
     if component == "vae_decoder":
-        return Signature((TensorSpec("latent_sample", (1, config["latent_channels"], latent, latent), f32),),
+        return Signature((TensorSpec("latent_sample", (1, config["latent_channels"], lh, lw), f32),),
                          ("sample",))
     raise KeyError(component)
 
@@ -105,9 +151,11 @@ def resolution_step(component: str, config: dict[str, Any], vae_factor: int) -> 
     return vae_factor
 
 
-def sample_inputs(sig: Signature, config: dict[str, Any], res: int, seed: int = 0) -> dict[str, np.ndarray]:
+def sample_inputs(sig: Signature, config: dict[str, Any], res: int | Size, seed: int = 0) -> dict[str, np.ndarray]:
     """Seeded, realistic inputs: Gaussian latents and embeddings, a mid-schedule timestep, SDXL's
-    time_ids for an uncropped ``res`` image, and a CLIP token sequence (BOS, tokens, EOS, padding)."""
+    time_ids for an uncropped image of size ``res`` (original and target (height, width), crop (0, 0), as
+    diffusers writes them), and a CLIP token sequence (BOS, tokens, EOS, padding)."""
+    h, w = Size.of(res)
     rng = np.random.default_rng(seed)
     feeds: dict[str, np.ndarray] = {}
     for spec in sig.inputs:
@@ -122,7 +170,7 @@ def sample_inputs(sig: Signature, config: dict[str, Any], res: int, seed: int = 
         elif spec.name == "timestep":
             feeds[spec.name] = np.array(500.0, dtype=np.float32)
         elif spec.name == "time_ids":
-            feeds[spec.name] = np.tile(np.array([res, res, 0, 0, res, res], np.float32), (spec.shape[0], 1))
+            feeds[spec.name] = np.tile(np.array([h, w, 0, 0, h, w], np.float32), (spec.shape[0], 1))
         elif spec.name == "sample" and len(spec.shape) == 4 and spec.shape[1] == 3:  # an image in [-1, 1]
             feeds[spec.name] = rng.uniform(-1, 1, size=spec.shape).astype(np.float32)
         else:
@@ -140,15 +188,23 @@ def default_resolution(unet_config: dict[str, Any] | None, vae_config: dict[str,
     return 1024
 
 
-def check_resolution(res: int, configs: dict[str, dict[str, Any]], vae_factor: int) -> None:
-    """Stop with the step ``res`` must be a multiple of, when a component in ``configs`` cannot take it."""
+def check_resolution(res: int | Size, configs: dict[str, dict[str, Any]], vae_factor: int) -> None:
+    """Stop, naming the nearest sizes that fit, when a component in ``configs`` cannot take ``res``."""
+    size = Size.of(res)
     for comp, config in configs.items():
         if comp.startswith("text_encoder"):
             continue
-        multiple = resolution_step(comp, config, vae_factor)
-        if res <= 0 or res % multiple:
-            raise SdnpuError(f"resolution {res} does not fit the {comp}",
-                             hint=f"RES must be a positive multiple of {multiple} for this model")
+        m = resolution_step(comp, config, vae_factor)
+        if min(size) > 0 and not size.height % m and not size.width % m:
+            continue
+        if min(size) <= 0:
+            raise SdnpuError(f"size {size} is not a positive number of pixels",
+                             hint="RES is WxH in pixels (1152x896), or one number for a square (1024)")
+        sides = [sorted({max(m, v // m * m), max(m, -(-v // m) * m)}) for v in (size.height, size.width)]
+        near = sorted({Size(h, w) for h in sides[0] for w in sides[1]},
+                      key=lambda s: (abs(s.height - size.height) + abs(s.width - size.width), s.width, s.height))
+        raise SdnpuError(f"size {size} does not fit the {comp}: each side must be a multiple of {m}",
+                         hint=f"the nearest that fit: {', '.join(str(s) for s in near[:4])}")
 
 
 def pipeline_outputs(component: str, config: dict[str, Any], sdxl: bool) -> list[str] | None:

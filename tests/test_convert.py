@@ -38,7 +38,7 @@ def _io(model: onnx.ModelProto, which: str) -> dict[str, tuple[int, list[int]]]:
 def test_all_five_components_export_and_match_pytorch(tiny_conversion):
     src = resolve_source("tiny-sdxl")
     assert [c.component for c in tiny_conversion.components] == list(COMPONENTS)
-    assert tiny_conversion.resolution == 256
+    assert tiny_conversion.resolution == (256, 256) and str(tiny_conversion.resolution) == "256x256"
     for result in tiny_conversion.components:
         path = result.path
         onnx.checker.check_model(str(path), full_check=True)
@@ -207,8 +207,32 @@ def test_sigkill_during_export_keeps_previous_output(tmp_path, tiny_conversion):
 
 
 def test_resolution_must_fit_the_unet(tmp_path):
-    with pytest.raises(SdnpuError, match="RES must be a positive multiple of 32"):
+    with pytest.raises(SdnpuError, match="each side must be a multiple of 32") as e:
         convert("tiny-sdxl", "unet", out=tmp_path, res=200)
+    assert e.value.hint == "the nearest that fit: 192x192, 192x224, 224x192, 224x224"
+    with pytest.raises(SdnpuError, match="size 300x256 does not fit the unet") as e:
+        convert("tiny-sdxl", "unet", out=tmp_path, res="300x256")
+    assert e.value.hint == "the nearest that fit: 288x256, 320x256"
+    assert not any(tmp_path.iterdir())
+
+
+@pytest.mark.parametrize("text, size", [("1152x896", (896, 1152)), ("1024", (1024, 1024)),
+                                        (" 640 X 1536 ", (1536, 640))])
+def test_sizes_are_written_width_by_height(text, size):
+    from sdnpu.pipelines import Size
+
+    assert Size.parse(text) == size and Size.of(size) == size
+
+
+@pytest.mark.parametrize("text, message", [("1152x", "cannot read the size"), ("wide", "cannot read the size"),
+                                           ("1024x1024,1152x896", "one size per conversion for now"),
+                                           ("sdxl-buckets", "one size per conversion for now"),
+                                           ("0x1024", "not a positive number of pixels")])
+def test_bad_sizes_get_one_line(text, message, tmp_path, capsys):
+    from sdnpu.cli import main
+
+    assert main(["convert", "--source", "tiny-sdxl", "--model", "unet", "--res", text, "--out", str(tmp_path)]) == 2
+    assert message in capsys.readouterr().err
     assert not any(tmp_path.iterdir())
 
 

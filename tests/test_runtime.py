@@ -222,3 +222,33 @@ def test_graph_optimizations_only_where_they_fit(tiny_conversion, monkeypatch):
     fast = open_component(tiny_conversion.out, "vae_decoder", options=RuntimeOptions(optimize=True)).run(latent)
     lean, fast = lean["sample"], fast["sample"]
     assert np.max(np.abs(lean - fast)) < 0.05 * np.max(np.abs(lean))  # bf16 rounding may flip, no more
+
+
+def test_a_non_square_size_draws_what_diffusers_draws(tiny_pipeline_folder, tmp_path):
+    """tiny-sdxl converted at 320x256 (320 wide): the UNet, the VAEs and SDXL's time_ids take the real
+    (height, width), and `sdnpu generate --reference` draws what diffusers' own StableDiffusionXLPipeline
+    (PyTorch, the same weights) draws from the same starting latents; the dispatch models stay close."""
+    import torch
+    from diffusers import StableDiffusionXLPipeline
+
+    from sdnpu.convert import convert
+
+    result = convert(tiny_pipeline_folder, "all", out=tmp_path, res="320x256", check=False)
+    assert str(result.resolution) == "320x256"
+    export = json.loads((tmp_path / "unet" / "export.json").read_text())
+    assert export["resolution"] is None and export["size"] == {"height": 256, "width": 320}
+    assert json.loads((tmp_path / "unet" / "dd" / "report.json").read_text())["size"] == export["size"]
+    opts = GenerateOptions("a photo of a cat", negative_prompt="blurry", steps=3, seed=4)
+    ours = Pipeline(tmp_path, reference=True)
+    image = ours(opts)
+    assert image.shape == (256, 320, 3)
+    pipe = StableDiffusionXLPipeline.from_pretrained(tiny_pipeline_folder)
+    out = pipe(opts.prompt, negative_prompt=opts.negative_prompt, num_inference_steps=opts.steps,
+               guidance_scale=opts.guidance, height=256, width=320, latents=torch.from_numpy(ours.noise(opts.seed)),
+               output_type="np").images[0]
+    theirs = (out * 255).round().astype(np.uint8)
+    diff = np.abs(theirs.astype(int) - image.astype(int))
+    assert diff.max() <= 2 and np.mean(diff > 0) < 1e-2, (diff.max(), np.mean(diff > 0))
+    dispatch = Pipeline(tmp_path)(opts)
+    psnr = 10 * np.log10(255**2 / np.mean((dispatch.astype(float) - image) ** 2))
+    assert psnr > 35, psnr
