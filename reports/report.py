@@ -201,13 +201,15 @@ def _lora_lines(r: dict[str, Any]) -> list[str]:
         lines += textwrap.wrap(f"applied (sdnpu lora apply; dd/lora/ over the base weights, which stay as they "
                                f"are): {_lora_names(applied['applied'])}", 77, initial_indent="  ",
                                subsequent_indent="    ")
-        lines.append(f"  {applied['modules']} modules changed, {applied['tensors']} dispatch-model weights "
-                     f"replaced ({_gb(applied['bytes'])}); graph, fusions and offload unchanged")
+        lines += textwrap.wrap(f"{applied['modules']} modules changed, {applied['tensors']} dispatch-model weights "
+                               f"replaced ({_gb(applied['bytes'])}); graph, fusions and offload unchanged", 77,
+                               initial_indent="  ", subsequent_indent="    ")
         for kind, label in (("fidelity", "once per op"), ("fidelity_pessimistic", "bf16 intermediates")):
             fid = applied.get(kind)
             if fid:
-                lines.append(f"  against the fp32 graph with the same LoRAs ({label}): min cosine "
-                             f"{fid['min_cosine']:.6f}, max abs {fid['max_abs']:.3e}")
+                lines += textwrap.wrap(f"against the fp32 graph with the same LoRAs ({label}): min cosine "
+                                       f"{fid['min_cosine']:.6f}, max abs {fid['max_abs']:.3e}", 77,
+                                       initial_indent="  ", subsequent_indent="    ")
         if not applied.get("fidelity"):
             lines.append("  fidelity with the LoRAs: not measured (sdnpu verify measures it)")
     return lines + [""]
