@@ -118,6 +118,12 @@ def _cmd_generate(args: argparse.Namespace) -> int:
     runtime = RuntimeOptions.from_env(args.custom_ops, npu_text_encoders=args.npu_text_encoders, optimize=optimize,
                                       threads=args.threads, loras=_lora_specs(args.lora))
     pipe = Pipeline(Path(args.models), reference=args.reference, runtime=runtime)
+    height, width = pipe.image_size
+    if (args.width or width, args.height or height) != (width, height):
+        raise SdnpuError(f"{args.models} is converted for {width}x{height} only, not "
+                         f"{args.width or width}x{args.height or height}",
+                         hint=f"convert that size into its own folder: make convert RES={args.width or width}x"
+                         f"{args.height or height} OUT=... (each folder holds one size for now)")
     opts = GenerateOptions(args.prompt, args.negative_prompt, args.steps, args.guidance, args.seed, args.scheduler,
                            args.image, args.strength)
 
@@ -276,6 +282,9 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--models", default="models/sdxl-base", help="a converted folder (default: models/sdxl-base)")
     gen.add_argument("--prompt", required=True)
     gen.add_argument("--negative-prompt", default="")
+    gen.add_argument("--width", type=int, default=None, help="image width (default and only choice: the "
+                     "folder's converted size)")
+    gen.add_argument("--height", type=int, default=None, help="image height (as --width)")
     gen.add_argument("--steps", type=int, default=30)
     gen.add_argument("--guidance", type=float, default=5.0)
     gen.add_argument("--seed", type=int, default=0)

@@ -227,7 +227,8 @@ def test_graph_optimizations_only_where_they_fit(tiny_conversion, monkeypatch):
 def test_a_non_square_size_draws_what_diffusers_draws(tiny_pipeline_folder, tmp_path):
     """tiny-sdxl converted at 320x256 (320 wide): the UNet, the VAEs and SDXL's time_ids take the real
     (height, width), and `sdnpu generate --reference` draws what diffusers' own StableDiffusionXLPipeline
-    (PyTorch, the same weights) draws from the same starting latents; the dispatch models stay close."""
+    (PyTorch, the same weights) draws from the same starting latents, as optimum's pipeline does for the square
+    folder; the dispatch models stay close."""
     import torch
     from diffusers import StableDiffusionXLPipeline
 
@@ -248,7 +249,20 @@ def test_a_non_square_size_draws_what_diffusers_draws(tiny_pipeline_folder, tmp_
                output_type="np").images[0]
     theirs = (out * 255).round().astype(np.uint8)
     diff = np.abs(theirs.astype(int) - image.astype(int))
-    assert diff.max() <= 2 and np.mean(diff > 0) < 1e-2, (diff.max(), np.mean(diff > 0))
+    # measured: 1 level at most, on 0.009% of the values (rounding)
+    assert diff.max() <= 1 and np.mean(diff > 0) < 1e-3, (diff.max(), np.mean(diff > 0))
     dispatch = Pipeline(tmp_path)(opts)
     psnr = 10 * np.log10(255**2 / np.mean((dispatch.astype(float) - image) ** 2))
     assert psnr > 35, psnr
+
+
+def test_generate_refuses_a_size_the_folder_was_not_converted_for(tiny_conversion, tmp_path, capsys):
+    from sdnpu.cli import main
+
+    argv = ["generate", "--models", str(tiny_conversion.out), "--prompt", "a cat", "--steps", "1",
+            "--out", str(tmp_path / "x.png")]
+    assert main([*argv, "--width", "320"]) == 2
+    err = capsys.readouterr().err
+    assert "is converted for 256x256 only, not 320x256" in err and "RES=320x256" in err
+    assert not (tmp_path / "x.png").exists()
+    assert main([*argv, "--width", "256", "--height", "256"]) == 0
