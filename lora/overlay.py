@@ -11,10 +11,11 @@ are never written; the overlay folder is swapped in whole (``fileio.staged_dir``
 leaves the previous state, and ``remove`` (deleting the folder and the report's ``lora`` entry) returns
 every file to its bytes from before.
 
-A session uses the overlay through onnxruntime's external-initializer API (``SessionOptions.
-add_external_initializers``): the overlay's tensors replace the model's initializers of the same names, so
-no model file changes (``overlay_initializers``); ``sdnpu generate --lora`` computes the same tensors in
-memory instead (``compute``).
+A session reads the overlay in place: the replaced tensors' external-data entries in the model's protobuf
+point at ``lora/weights.data`` (``runtime.session.relocate_to_overlay``), so onnxruntime maps it as it maps
+the base data. ``sdnpu generate --lora`` computes the same tensors in memory (``compute_in_memory``) and
+hands them to onnxruntime's external-initializer API (``SessionOptions.add_external_initializers``); so does
+a model that is not the component's own (``sdnpu verify``'s pessimistic copy: ``overlay_initializers``).
 """
 
 from __future__ import annotations

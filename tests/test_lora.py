@@ -227,15 +227,17 @@ def test_runtime_lora_overlay_and_fused_conversion_draw_the_same_image(folder, l
     np.testing.assert_array_equal(Pipeline(folder, reference=True)(opts), Pipeline(fused, reference=True)(opts))
 
 
-def test_external_initializers_replace_weights_in_a_model_with_external_data(folder, loras, tmp_path):
-    """Full-size dispatch models keep their weights in replaced.onnx.data: there the overlay goes through
-    onnxruntime's external-initializer API (the tiny ones are inline, replaced in a copy of the protobuf)."""
+def test_both_replacement_paths_on_a_model_with_external_data(folder, loras):
+    """Full-size dispatch models keep their weights in replaced.onnx.data. The folder's overlay is read in
+    place (each replaced tensor's external-data entry pointed at dd/lora/weights.data); `--lora` goes through
+    onnxruntime's external-initializer API. Both give what the inline tiny model gives."""
     from sdnpu.runtime import open_component
     from sdnpu.runtime.session import RuntimeOptions
 
-    overlay.apply(folder, [LoraSpec(loras["diffusers"], 0.7)])
+    spec = LoraSpec(loras["diffusers"], 0.7)
+    overlay.apply(folder, [spec])
     dd = folder / "unet" / "dd"
-    inline = open_component(folder, "unet", options=RuntimeOptions(optimize=False))
+    inline = open_component(folder, "unet", options=RuntimeOptions(optimize=False))  # its tensors made external
     model = onnx.load(str(dd / "replaced.onnx"))
     onnx.save_model(model, str(dd / "replaced.onnx"), save_as_external_data=True, location="replaced.onnx.data",
                     size_threshold=1024)
@@ -243,15 +245,19 @@ def test_external_initializers_replace_weights_in_a_model_with_external_data(fol
     kinds = {t.name: t.data_location for t in graph.initializer}
     replaced = overlay.read_manifest(dd)["tensors"]
     assert any(kinds[n] == onnx.TensorProto.EXTERNAL for n in replaced)
-    external = open_component(folder, "unet", options=RuntimeOptions(optimize=False))
+    in_place = open_component(folder, "unet", options=RuntimeOptions(optimize=False))
+    at_open = open_component(folder, "unet", options=RuntimeOptions(optimize=False, loras=(spec,)))
+    assert not in_place.replaced and len(at_open.replaced) == len(replaced)
     rng = np.random.default_rng(0)
     feeds = {}
     for i in inline.session.get_inputs():
         shape = [d if isinstance(d, int) else 1 for d in i.shape]
         feeds[i.name] = (rng.standard_normal(shape) if "float" in i.type else np.ones(shape)).astype(
             np.float32 if "float" in i.type else np.int64)
-    np.testing.assert_array_equal(inline.run(feeds)["out_sample"], external.run(feeds)["out_sample"])
-    assert external.lora and external.lora[0]["scale"] == 0.7
+    want = inline.run(feeds)["out_sample"]
+    np.testing.assert_array_equal(in_place.run(feeds)["out_sample"], want)
+    np.testing.assert_array_equal(at_open.run(feeds)["out_sample"], want)
+    assert in_place.lora and in_place.lora[0]["scale"] == 0.7
 
 
 def test_an_interrupted_apply_leaves_the_previous_overlay(folder, loras, monkeypatch):
