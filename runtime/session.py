@@ -66,7 +66,7 @@ class Component:
     options: Any = None  # the onnxruntime SessionOptions it was made with
     custom_ops: Path | None = None  # the library registered on it, if any
     lora: list[dict[str, Any]] | None = None  # the LoRAs its weights carry (None: the base weights)
-    replaced: Any = None  # the arrays behind its replaced initializers (onnxruntime reads them in place)
+    replaced: Any = None  # arrays handed to the external-initializer API (they must live as long as the session)
 
     @property
     def inputs(self) -> dict[str, list[int]]:
