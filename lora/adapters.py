@@ -66,8 +66,8 @@ def sha256(path: Path) -> str:
 
 @dataclass
 class LoraFile:
-    """A LoRA file as diffusers normalized it: per component, the state dict (diffusers' keys), the
-    network alphas (kohya files) and the adapter metadata (diffusers files that carry it)."""
+    """A LoRA file as diffusers normalized it: the state dict (diffusers' keys, each prefixed by its
+    component), the network alphas (kohya files) and the adapter metadata (diffusers files that carry it)."""
 
     spec: LoraSpec
     format: str  # "kohya" or "diffusers"
