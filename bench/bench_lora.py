@@ -100,31 +100,16 @@ def _write_loras(folder: Path, work: Path, rank: int) -> dict[str, Path]:
     return files
 
 
-def _concatenate(paths: list[Path], scales: list[float], out: Path) -> None:
-    """One diffusers-format LoRA whose change is the sum of ``paths``' (same modules, same ranks, alpha = rank)
-    at ``scales``: A's stacked, scaled B's side by side (rank 3r, alpha 3r: scaling 1)."""
-    import torch
-    from safetensors.torch import load_file, save_file
-
-    parts = [load_file(str(p)) for p in paths]
-    merged = {}
-    for key in parts[0]:
-        if key.endswith("lora_A.weight"):
-            merged[key] = torch.cat([p[key] for p in parts], 0).contiguous()
-        elif key.endswith("lora_B.weight"):
-            merged[key] = torch.cat([sc * p[key] for sc, p in zip(scales, parts, strict=True)], 1).contiguous()
-    save_file(merged, str(out))
-
-
 def compare_stacked_with_sum(folder: Path, files: list[Path], scales: list[float], work: Path) -> str:
     """(In a child process.) Apply the three LoRAs stacked, set the overlays aside, apply one LoRA holding
     their sum, and compare every replaced weight: bf16 steps apart, and how many values differ."""
     import ml_dtypes
 
     from sdnpu.lora import LoraSpec, overlay
+    from sdnpu.lora.seeded import write_summed_lora
 
     total = work / "sum.safetensors"
-    _concatenate(files, scales, total)
+    write_summed_lora(files, scales, total)
     overlay.apply(folder, [LoraSpec(f, sc) for f, sc in zip(files, scales, strict=True)])
     aside = {}
     for comp in COMPONENTS:

@@ -80,7 +80,7 @@ class ConvertOptions:
             object.__setattr__(self, "res", Size.of(self.res))
         if self.res is not None and min(self.res) <= 0:
             raise SdnpuError(f"size {self.res} is not a positive number of pixels",
-                             hint="RES is the image's side in pixels, e.g. 1024 for SDXL")
+                             hint="RES is WxH in pixels (1152x896), or one number for a square (1024)")
         self.compile_options  # noqa: B018 -- validates target and precision
         object.__setattr__(self, "loras", tuple(LoraSpec.parse(x) if isinstance(x, str) else x for x in self.loras))
 

@@ -136,41 +136,15 @@ def compute(comp_dir: Path, adapters: Adapters, reference: bool = False) -> Iter
     src = _sources(comp_dir)
     changed = _changed_constants(src, adapters)
     model = ir.load(comp_dir / "model.onnx")
-    constant = constant_reader(model)
-    files: dict[Path, Any] = {}
+    read = constant_reader(model)
 
     def offset(name: str) -> int:
         tensor = model.graph.initializers[name].const_value
         return tensor.offset or 0 if isinstance(tensor, ir.ExternalTensor) else 0
 
-    def read(name: str) -> np.ndarray:
-        """A constant of the fp32 graph, in an array of its own: an external one read from its file with
-        one read() into the array (faster than faulting in a mapping, and no second copy)."""
-        v = model.graph.initializers.get(name)
-        tensor = v.const_value if v is not None else None
-        if not isinstance(tensor, ir.ExternalTensor) or tensor.dtype != ir.DataType.FLOAT:
-            return constant(name)
-        path = Path(tensor.base_dir) / tensor.location
-        if path not in files:
-            files[path] = open(path, "rb", buffering=0)  # noqa: SIM115 -- closed below
-        out = np.empty(tensor.shape.numpy(), np.float32)
-        f = files[path]
-        f.seek(tensor.offset or 0)
-        view, got = memoryview(out.reshape(-1)).cast("B"), 0
-        while got < out.nbytes:
-            n = f.readinto(view[got:])
-            if not n:
-                raise SdnpuError(f"{path} is truncated: {name} ends past its end", hint="convert the component again")
-            got += n
-        return out
-
     # in the order the weights lie in the data file: one sequential read where it is not cached
     changed = dict(sorted(changed.items(), key=lambda item: offset(item[0])))
-    try:
-        yield from _compute(src, changed, adapters, read, reference)
-    finally:
-        for f in files.values():
-            f.close()
+    yield from _compute(src, changed, adapters, read, reference)
 
 
 def _compute(src: _Sources, changed: dict[str, tuple[str, str]], adapters: Adapters,

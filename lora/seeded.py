@@ -8,7 +8,8 @@ of one seed describe the same change: the kohya file stores alpha = rank / 2 and
 
 ``write_seeded_lora(folder, out, rank=32, naming="diffusers", seed=0)`` covers every attention and
 feed-forward projection of the UNet and the text encoders the folder has (``convs=True`` adds the UNet
-resnets' convolutions, 3x3 LoRAs included).
+resnets' convolutions, 3x3 LoRAs included). ``write_summed_lora`` writes one LoRA holding the sum of
+several: what stacking them must equal.
 """
 
 from __future__ import annotations
@@ -112,3 +113,19 @@ def write_seeded_lora(folder: str | Path, out: str | Path, rank: int = 32, namin
     Path(out).parent.mkdir(parents=True, exist_ok=True)
     save_file(tensors, str(out))
     return counts
+
+
+def write_summed_lora(paths: list[Path], scales: list[float], out: str | Path) -> None:
+    """One diffusers-format LoRA whose change is the sum of ``paths``' at ``scales`` (files of the same
+    modules, with no alphas: scaling 1): their A matrices stacked, their scaled B matrices side by side."""
+    import torch
+    from safetensors.torch import load_file, save_file
+
+    parts = [load_file(str(p)) for p in paths]
+    merged = {}
+    for key in parts[0]:
+        if key.endswith("lora_A.weight"):
+            merged[key] = torch.cat([p[key] for p in parts], 0).contiguous()
+        elif key.endswith("lora_B.weight"):
+            merged[key] = torch.cat([sc * p[key] for sc, p in zip(scales, parts, strict=True)], 1).contiguous()
+    save_file(merged, str(out))

@@ -233,12 +233,26 @@ def _run_node(expr: Expr, arrays: list[np.ndarray | None]) -> np.ndarray:
 
 
 def _values(tensor: Any) -> np.ndarray:
-    """A tensor's values, copied; an external tensor's file mapping is dropped (else every weight read stays
-    mapped, resident, until the model goes)."""
-    array = np.array(tensor.numpy())
-    if isinstance(tensor, ir.ExternalTensor):
+    """A tensor's values, in an array of its own. An external tensor is read from its file with read()
+    calls straight into the array: nothing stays mapped (a mapping keeps every weight read resident until
+    the model goes), and cold, it is about twice as fast as faulting the pages of a mapping in (the SDXL
+    UNet's LoRA weights, `sdnpu lora apply`). Packed dtypes (int4, ...) go through onnx-ir's own reader."""
+    if not isinstance(tensor, ir.ExternalTensor):
+        return np.array(tensor.numpy())
+    out = np.empty(tensor.shape.numpy(), tensor.dtype.numpy())
+    if out.nbytes != tensor.nbytes:
+        array = np.array(tensor.numpy())
         tensor.release()
-    return array
+        return array
+    with open(tensor.path, "rb", buffering=0) as f:
+        f.seek(tensor.offset or 0)
+        view, got = memoryview(out.reshape(-1).view(np.uint8)), 0
+        while got < out.nbytes:
+            n = f.readinto(view[got:])
+            if not n:
+                raise ValueError(f"{tensor.path} ends inside {tensor.name}")
+            got += n
+    return out
 
 
 def constant_reader(model: ir.Model) -> Callable[[str], np.ndarray]:

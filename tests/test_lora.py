@@ -17,7 +17,7 @@ from sdnpu.cli import main
 from sdnpu.errors import SdnpuError
 from sdnpu.lora import LoraSpec
 from sdnpu.lora import overlay
-from sdnpu.lora.seeded import write_seeded_lora
+from sdnpu.lora.seeded import write_seeded_lora, write_summed_lora
 
 LORA_COMPONENTS = ("unet", "text_encoder", "text_encoder_2")
 PRESETS = Path(__file__).resolve().parents[1] / "convert" / "presets"
@@ -141,24 +141,6 @@ def test_kohya_naming_gives_the_same_overlay(folder, loras):
     assert overlay.status(folder)["unet"]["loras"][0]["format"] == "kohya"
 
 
-def _concatenated(paths: list[Path], scales: list[float], out: Path) -> Path:
-    """One LoRA whose change is the sum of ``paths``' at ``scales``: A's stacked, B's side by side."""
-    from safetensors.torch import load_file, save_file
-
-    parts = [load_file(str(p)) for p in paths]
-    merged = {}
-    for key in parts[0]:
-        if key.endswith("lora_A.weight"):
-            merged[key] = np.concatenate([p[key].numpy() for p in parts], axis=0)
-        elif key.endswith("lora_B.weight"):
-            merged[key] = np.concatenate([s * p[key].numpy() for s, p in zip(scales, parts, strict=True)], axis=1)
-    # rank 3r with alpha defaulting to the rank: scaling 1, as each part's
-    import torch
-
-    save_file({k: torch.from_numpy(np.ascontiguousarray(v)) for k, v in merged.items()}, str(out))
-    return out
-
-
 def test_three_stacked_loras_match_their_sum(folder, loras, tmp_path):
     """a:0.5 + b:0.25 + c:1.0 stacked equals one LoRA holding their sum, to within fp32 summation order
     (bf16 weights within one bf16 step, in a handful of values)."""
@@ -166,7 +148,8 @@ def test_three_stacked_loras_match_their_sum(folder, loras, tmp_path):
     overlay.apply(folder, specs)
     stacked = {c: overlay.overlay_initializers(folder / c / "dd")[0] for c in LORA_COMPONENTS}
     stacked = {c: {n: np.asarray(a).astype(np.float32) for n, a in a_.items()} for c, a_ in stacked.items()}
-    total = _concatenated([loras["diffusers"], loras["b"], loras["c"]], [0.5, 0.25, 1.0], tmp_path / "sum.safetensors")
+    total = tmp_path / "sum.safetensors"
+    write_summed_lora([loras["diffusers"], loras["b"], loras["c"]], [0.5, 0.25, 1.0], total)
     overlay.apply(folder, [LoraSpec(total)])
     for comp in LORA_COMPONENTS:
         arrays = overlay.overlay_initializers(folder / comp / "dd")[0]
