@@ -1,5 +1,5 @@
 # sdnpu: every target sets up ./.venv itself (pinned packages, torch 2.13.0 CPU) before doing its job.
-#   make convert MODEL=unet [SOURCE=sdxl-base|tiny-sdxl|path] [OUT=dir] [RES=WxH|px] [EXPORTER=dynamo|torchscript]
+#   make convert MODEL=unet [SOURCE=sdxl-base|tiny-sdxl|path] [OUT=dir] [RES=WxH|px[,...]|sdxl-buckets] [ADD=1] [EXPORTER=dynamo|torchscript]
 #                [PRECISION=bf16|bfp16] [TARGET=amd-xdna2] [LORA="FILE[:SCALE] ..."]
 #   make lora MODELS=models/sdxl-base LORA="FILE[:SCALE] ..." | make lora-remove MODELS=...
 #   make generate PROMPT="a cat" [MODELS=models/sdxl-base] [STEPS=30] [IMAGE=image.png]
@@ -51,7 +51,7 @@ $(STAMP): requirements.lock pyproject.toml
 
 convert: $(STAMP)
 	$(BIN)/sdnpu convert --model $(MODEL) --source $(SOURCE) \
-		$(if $(OUT),--out $(OUT)) $(if $(RES),--res $(RES)) $(if $(EXPORTER),--exporter $(EXPORTER)) \
+		$(if $(OUT),--out $(OUT)) $(if $(RES),--res $(RES)) $(if $(ADD),--add) $(if $(EXPORTER),--exporter $(EXPORTER)) \
 		$(if $(PRECISION),--precision $(PRECISION)) $(if $(TARGET),--target $(TARGET)) \
 		$(foreach l,$(LORA),--lora $(l))
 

@@ -232,6 +232,22 @@ def output_names(path: Path) -> list[str]:
     return [o.name for o in onnx.load(str(path), load_external_data=False).graph.output]
 
 
+def _refuse_shared_dd(dd_dir: Path) -> None:
+    """``sdnpu compile`` replaces its output folder whole: refuse a component's ``dd/`` that holds the
+    dispatch models of several sizes over one data file (``sdnpu.convert.shared``), which it would drop."""
+    from sdnpu.sizes import sizes_of
+
+    if dd_dir.name != "dd" or not dd_dir.is_dir():
+        return
+    sizes = sizes_of(dd_dir.parent)
+    if len(sizes) > 1:
+        raise SdnpuError(f"{dd_dir} holds the dispatch models of {len(sizes)} sizes "
+                         f"({', '.join(str(f.size) for f in sizes)}) over one copy of the weights; compiling "
+                         "into it would replace them all",
+                         hint="give --out DIR for this compile, or convert the component again (sdnpu convert "
+                         "--res ...)")
+
+
 def compile_file(source: Path, out: Path | None = None, options: CompileOptions | None = None, *,
                  verify: bool = True, shapes: dict[str, list[int]] | None = None, res: int | str | Size | None = None,
                  outputs: str = "pipeline") -> dict[str, Any]:
@@ -248,6 +264,7 @@ def compile_file(source: Path, out: Path | None = None, options: CompileOptions 
     config = _read_config(config_path) if config_path.is_file() else None
     keep = keep_outputs(outputs, output_names(source), source.parent.name, config, _pipeline_kind(source))
     dd_dir = Path(out) if out is not None else source.parent / "dd"
+    _refuse_shared_dd(dd_dir)
     with staged_dir(dd_dir) as stage:
         return compile_into(source, stage, {"component": source.parent.name,
                                             "source": {"name": str(source), "kind": "onnx"}}, options,

@@ -17,6 +17,7 @@ from pathlib import Path
 from typing import Any
 
 from sdnpu import __version__
+from sdnpu.convert import shared
 from sdnpu.convert.components import build_wrapper
 from sdnpu.convert.export import (
     CHECK_RTOL,
@@ -32,14 +33,24 @@ from sdnpu.convert.parameters import map_parameters
 from sdnpu.convert.sources import COMPONENT_MODULES, COMPONENTS, Source, resolve_source
 from sdnpu.errors import SdnpuError, storage_error
 from sdnpu.ops.target import DEFAULT_TARGET
-from sdnpu.fileio import atomic_write_json, recover_staging, staged_dir
+from sdnpu.fileio import atomic_write_bytes, atomic_write_json, recover_staging, staged_dir
 from sdnpu.lora.adapters import COMPONENTS as LORA_COMPONENTS
 from sdnpu.lora.adapters import LoraFile, LoraSpec, fuse_into, read_lora
 from sdnpu.memory import check_fits
 from sdnpu.passes.pipeline import CompileOptions
-from sdnpu.pipelines import Signature, Size, check_resolution, sample_inputs, signature, vae_scale_factor
+from sdnpu.pipelines import (
+    SIZED,
+    Signature,
+    Size,
+    check_resolution,
+    parse_sizes,
+    sample_inputs,
+    signature,
+    vae_scale_factor,
+)
 from sdnpu.pipelines import default_resolution as resolution_rule
 from sdnpu.progress import peak_rss_bytes, release_memory, step
+from sdnpu.sizes import SizeFiles, read_manifest, sizes_of, write_manifest
 from sdnpu.reports.fidelity import fidelity
 from sdnpu.worker import run_in_worker
 
@@ -53,13 +64,15 @@ class ConvertOptions:
     """How ``convert`` exports, checks and compiles; validated once, when made (a bad value is an
     SdnpuError naming the choices before anything is loaded).
 
-    ``res``: the image size (a ``Size``, a side for a square, or "WxH"; None: the model's own); ``check``:
+    ``res``: the image sizes (``parse_sizes``: a ``Size``, a side, "WxH", a comma-separated list or
+    "sdxl-buckets"; None: the model's own), the first the primary (see ``sdnpu.convert.shared``); ``add``:
+    add the sizes to the conversion already in OUT, writing only theirs; ``check``:
     run the exported graph against PyTorch and the dispatch model against the graph; ``compile``: write
     ``<component>/dd/``; ``outputs``: "pipeline" (the dispatch models keep what a diffusers pipeline reads)
     or "all"; ``target``: the NPU whose op contract the dispatch models are written in; ``precision``: bf16
     or bfp16; ``loras``: LoRAs fused into the UNet and text encoders before export."""
 
-    res: Size | int | str | None = None
+    res: Size | int | str | Sequence[Size | int | str] | None = None
     exporter: str = "dynamo"
     opset: int = DEFAULT_OPSET
     check: bool = True
@@ -68,6 +81,7 @@ class ConvertOptions:
     target: str = DEFAULT_TARGET
     precision: str = "bf16"
     loras: tuple[LoraSpec, ...] = ()  # diffusers' fuse_lora, before export
+    add: bool = False
 
     def __post_init__(self) -> None:
         if self.exporter not in EXPORTERS:
@@ -77,16 +91,21 @@ class ConvertOptions:
         if self.outputs not in OUTPUT_CHOICES:
             raise SdnpuError(f"unknown --outputs {self.outputs!r}", hint=f"choose one of: {', '.join(OUTPUT_CHOICES)}")
         if self.res is not None:
-            object.__setattr__(self, "res", Size.of(self.res))
-        if self.res is not None and min(self.res) <= 0:
-            raise SdnpuError(f"size {self.res} is not a positive number of pixels",
-                             hint="RES is WxH in pixels (1152x896), or one number for a square (1024)")
+            object.__setattr__(self, "res", tuple(parse_sizes(self.res)))  # type: ignore[arg-type]
+            for size in self.res:  # type: ignore[union-attr]
+                if min(size) <= 0:
+                    raise SdnpuError(f"size {size} is not a positive number of pixels",
+                                     hint="RES is WxH in pixels (1152x896), or one number for a square (1024)")
         self.compile_options  # noqa: B018 -- validates target and precision
         object.__setattr__(self, "loras", tuple(LoraSpec.parse(x) if isinstance(x, str) else x for x in self.loras))
 
     @property
     def compile_options(self) -> CompileOptions:
         return CompileOptions.named(self.target, self.precision)
+
+    @property
+    def sizes(self) -> tuple[Size, ...] | None:
+        return self.res  # type: ignore[return-value]
 
 
 @dataclass
@@ -99,6 +118,7 @@ class ComponentResult:
     peak_rss_bytes: int = 0
     check: dict[str, Any] | None = None  # worst errors and per-output errors vs PyTorch
     report: dict[str, Any] | None = None  # the offload report's summary, when compiled
+    size: str = ""  # WxH
 
     def to_json(self) -> dict[str, Any]:
         data = asdict(self)
@@ -110,9 +130,10 @@ class ComponentResult:
 class ConvertResult:
     source: Source
     out: Path
-    resolution: Size
+    resolution: Size  # the primary size
     components: list[ComponentResult]
     pipeline_files: list[str]
+    sizes: list[Size] = field(default_factory=list)  # every size converted (or, with --add, added)
 
 
 def parse_components(spec: str | Sequence[str], source: Source) -> list[str]:
@@ -150,25 +171,38 @@ def convert(source: str | Path, components: str | Sequence[str] = "all", out: st
     src = resolve_source(source)
     comps = parse_components(components, src)
     factor = vae_scale_factor(_vae_config(src))
-    res = Size.of(default_resolution(src)) if options.res is None else Size.of(options.res)
-    check_resolution(res, {c: src.module_config(c) for c in comps}, factor)
+    sizes = list(options.sizes or [Size.of(default_resolution(src))])
+    configs = {c: src.module_config(c) for c in comps}
+    for size in sizes:
+        check_resolution(size, configs, factor)
+    res = sizes[0]
     out_dir = Path(out) if out is not None else Path("models") / src.name
+    if options.add and not out_dir.is_dir():
+        raise SdnpuError(f"--add: {out_dir} holds no conversion to add sizes to",
+                         hint="convert it first without --add (the first size given is the primary)")
     out_dir.mkdir(parents=True, exist_ok=True)
     recover_staging(out_dir)
     try:  # a read-only or forbidden --out fails now, not after loading the module
         tempfile.TemporaryFile(dir=out_dir).close()
     except OSError as e:
         raise OSError(e.errno, e.strerror, str(out_dir)) from e
-    log.info("converting %s (%s: %s) -> %s at %s px: %s", src.name, src.kind, src.root, out_dir, res,
-             ", ".join(comps))
+    log.info("converting %s (%s: %s) -> %s at %s px: %s", src.name, src.kind, src.root, out_dir,
+             ", ".join(str(s) for s in sizes), ", ".join(comps))
 
     fingerprint = src.fingerprint()
     if options.loras:  # a bad LoRA file fails now, before any export
         _read_loras(src, options.loras)
+    if options.add:
+        for comp in comps:  # every refusal before any export
+            _check_addable(src, comp, out_dir / comp, options, fingerprint)
     results: list[ComponentResult] = []
     cached: tuple[str, Any] | None = None
     for i, comp in enumerate(comps):
         key = COMPONENT_MODULES[comp]
+        comp_sizes = sizes if comp in SIZED else sizes[:1]
+        if options.add:
+            results += _add_sizes(src, comp, out_dir / comp, comp_sizes, factor, options, fingerprint)
+            continue
         isolate = module_bytes(src, key) > ISOLATE_BYTES
         holder: list[Any] = []
         if not isolate:
@@ -186,10 +220,169 @@ def convert(source: str | Path, components: str | Sequence[str] = "all", out: st
             torch_stage = _torch_stage_in_child(src, job, path) if isolate else _torch_stage(src, job, path, holder)
             release_memory()  # the torch weights go before onnxruntime loads the graph's copy
             result = _export_component(src, job, torch_stage, stage, fingerprint)
-        result.path = out_dir / comp / MODEL_FILE
+            result.path = out_dir / comp / MODEL_FILE
+            extra: list[ComponentResult] = []
+            added: dict[Size, dict[str, Any]] = {}
+            for size in comp_sizes[1:]:
+                r, added[size] = _convert_size(src, replace(job, res=size), stage, fingerprint)
+                r.path = out_dir / comp / SizeFiles(size, False).model
+                extra.append(r)
+            if comp in SIZED:
+                _finish_sizes(stage, comp, added)
+        results += [result, *extra]
+    written = [] if options.add else src.write_pipeline_files(out_dir)
+    return ConvertResult(source=src, out=out_dir, resolution=res, components=results, pipeline_files=written,
+                         sizes=sizes)
+
+
+def _check_addable(src: Source, comp: str, comp_dir: Path, options: ConvertOptions, fingerprint: str) -> None:
+    """``--add``: refuse, before any export, a component whose folder is missing or was converted from other
+    weights or with other settings than this run's (its sizes could not share them)."""
+    import json
+
+    export = comp_dir / "export.json"
+    if not export.is_file():
+        raise SdnpuError(f"--add: {comp_dir} holds no converted {comp}",
+                         hint=f"convert it first without --add: make convert MODEL={comp} OUT={comp_dir.parent}")
+    try:
+        done = json.loads(export.read_text())
+    except (OSError, ValueError) as e:
+        raise SdnpuError(f"--add: cannot read {export}: {e}", hint="convert the component again without --add") from e
+    theirs = {"weights (source fingerprint)": done.get("source", {}).get("fingerprint"),
+              "exporter": done.get("exporter"), "opset": done.get("opset"),
+              "LoRAs fused": [f"{x.get('name')}:{x.get('scale'):g} (sha256 {str(x.get('sha256'))[:12]})"
+                              for x in (done.get("lora_fused") or {}).get("fused", [])]}
+    ours = {"weights (source fingerprint)": fingerprint, "exporter": options.exporter, "opset": options.opset,
+            "LoRAs fused": [f"{d['name']}:{d['scale']:g} (sha256 {str(d['sha256'])[:12]})"
+                            for d in (x.describe() for x in _read_loras(src, options.loras))]
+            if options.loras and comp in LORA_COMPONENTS else []}
+    report = comp_dir / "dd" / "report.json"
+    if options.compile:
+        if not report.is_file():
+            raise SdnpuError(f"--add: {comp_dir} has no dispatch model (it was converted with --no-compile)",
+                             hint="add with --no-compile too, or convert again without --add")
+        r = json.loads(report.read_text())
+        theirs.update({"target": r.get("target"), "precision": r.get("precision", "bf16")})
+        ours.update({"target": options.target, "precision": options.precision})
+    for what, value in ours.items():
+        if theirs[what] != value:
+            raise SdnpuError(f"--add: {comp_dir} was converted with {what} {theirs[what]}, this run has {value}",
+                             hint="sizes share weights only with the same settings: give the same ones, or "
+                             "convert again without --add")
+
+
+def _add_sizes(src: Source, comp: str, comp_dir: Path, sizes: list[Size], factor: int, options: ConvertOptions,
+               fingerprint: str) -> list[ComponentResult]:
+    """``--add``: convert the sizes ``comp_dir`` lacks beside the ones it has; only their files are written
+    (each atomically), then ``sizes.json``. The shared data files are read, never written."""
+    import shutil
+
+    for leftover in [*comp_dir.glob(".size-*.partial"), *comp_dir.glob("**/*.partial")]:
+        log.info("removing %s, left by an add that did not finish", leftover)
+        shutil.rmtree(leftover) if leftover.is_dir() else leftover.unlink(missing_ok=True)
+    have = {f.size for f in sizes_of(comp_dir)}
+    new = [s for s in sizes if s not in have]
+    if comp not in SIZED or not new:
+        log.info("[%s] %s: nothing to add (%s)", comp, comp_dir,
+                 "it does not depend on the size" if comp not in SIZED else
+                 "it has " + ", ".join(str(s) for s in sizes))
+        return []
+    results = []
+    job = _Job(comp, COMPONENT_MODULES[comp], new[0], factor, options)
+    for size in new:
+        result, stats = _convert_size(src, replace(job, res=size), comp_dir, fingerprint)
+        result.path = comp_dir / SizeFiles(size, False).model
         results.append(result)
-    written = src.write_pipeline_files(out_dir)
-    return ConvertResult(source=src, out=out_dir, resolution=res, components=results, pipeline_files=written)
+        _finish_sizes(comp_dir, comp, {size: stats})
+    return results
+
+
+def _convert_size(src: Source, job: _Job, comp_dir: Path, fingerprint: str
+                  ) -> tuple[ComponentResult, dict[str, Any]]:
+    """Convert ``job`` (one more size of a component whose primary is in ``comp_dir``) in a scratch folder
+    beside it, then write its graphs into ``comp_dir`` pointing at the primary's data files
+    (``shared.write_sized``), and its reports and records under their size's names."""
+    import json
+    import shutil
+
+    import onnx
+
+    from sdnpu.convert.compile import REPLACED
+
+    comp, size = job.component, job.res
+    files = SizeFiles(size, False)
+    scratch = comp_dir / f".size-{size}.partial"
+    shutil.rmtree(scratch, ignore_errors=True)
+    scratch.mkdir()
+    try:
+        log.info("[%s] size %s (sharing the weights of %s)", comp, size, comp_dir)
+        path = str(scratch / MODEL_FILE)
+        if module_bytes(src, job.key) > ISOLATE_BYTES:
+            torch_stage = _torch_stage_in_child(src, job, path)
+        else:
+            torch_stage = _torch_stage(src, job, path, [])
+        release_memory()
+        result = _export_component(src, job, torch_stage, scratch, fingerprint)
+        cache = shared.read_digest_cache(comp_dir)
+        cached = json.dumps(cache, sort_keys=True)
+        graphs = [(MODEL_FILE, files.model)]
+        if job.options.compile:
+            graphs.append((f"dd/{REPLACED}", files.dispatch))
+        stats: dict[str, Any] = {}
+        with step(log, f"[{comp}] {size}: writing its graphs over the shared weights") as t:
+            for primary, name in graphs:
+                if shared.make_shareable(comp_dir / primary):
+                    cache.pop(primary + ".data", None)
+                index = shared.digests(comp_dir / primary, cache.setdefault(primary + ".data", {}))
+                s = shared.write_sized(scratch / primary, comp_dir / name, index, Path(primary).name + ".data")
+                stats["model" if primary == MODEL_FILE else "dispatch"] = s.to_json()
+                log.info("[%s] %s: %s -> %d tensors (%s) in the shared file, %d (%s) its own, graph %s", comp,
+                         size, name, s.shared, _human(s.shared_bytes), s.own, _human(s.own_bytes),
+                         _human(s.graph_bytes))
+            if json.dumps(cache, sort_keys=True) != cached:
+                shared.write_digest_cache(comp_dir, cache)
+        result.seconds["share"] = round(t.seconds, 2)
+        if job.options.compile:
+            with step(log, f"[{comp}] {size}: validating {files.dispatch} (onnx.checker, full check)"):
+                onnx.checker.check_model(str(comp_dir / files.dispatch), full_check=True)
+        plain = SizeFiles(size, True)
+        moves = [(plain.export, files.export), (plain.parameters, files.parameters)]
+        if job.options.compile:
+            moves += [(plain.report, files.report), (plain.text_report, files.text_report),
+                      (plain.weights, files.weights)]
+        for a, b in moves:
+            data = (scratch / a).read_bytes()
+            if a in (plain.export, plain.report):
+                record = {**json.loads(data), "shared": stats}
+                if a == plain.export:
+                    record["seconds"] = result.seconds
+                data = (json.dumps(record, indent=2, sort_keys=True) + "\n").encode()
+            atomic_write_bytes(comp_dir / b, data)
+    finally:
+        shutil.rmtree(scratch, ignore_errors=True)
+    return result, stats
+
+
+def _finish_sizes(comp_dir: Path, comp: str, added: dict[Size, dict[str, Any]]) -> None:
+    """``sizes.json`` for what ``comp_dir`` holds: its sizes so far (the primary first), then ``added`` (size
+    -> what its graphs share), and the sizes table of the primary's report. Written after the sizes' own
+    files: a size is listed only once its graphs are whole."""
+    from sdnpu.reports import report as reports
+
+    manifest = read_manifest(comp_dir)
+    stats: dict[str, Any] = {e["size"]: e.get("shared") for e in (manifest or {}).get("sizes", [])}
+    listed = sizes_of(comp_dir)
+    for size, value in added.items():
+        stats[str(size)] = value
+        if size not in {f.size for f in listed}:
+            listed.append(SizeFiles(size, False))
+    write_manifest(comp_dir, comp, listed, stats)
+    if (comp_dir / "dd" / "report.json").is_file():
+        reports.write_sizes(comp_dir, read_manifest(comp_dir) or {})
+
+
+def _human(n: int) -> str:
+    return f"{n / 1e9:.2f} GB" if n >= 1e8 else f"{n / 1e6:.2f} MB" if n >= 1e5 else f"{n / 1e3:.1f} kB"
 
 
 # Modules above this many bytes of fp32 weights are exported in a child process: torch 2.13's exporter
@@ -358,7 +551,8 @@ def _export_component(src: Source, job: _Job, torch_stage: _TorchStage, stage: P
 
     result = ComponentResult(component=comp, path=path, nodes=len(graph.graph.node), parameters=n_params,
                              seconds=seconds, peak_rss_bytes=max(peak_rss_bytes(), torch_stage.peak_rss_bytes),
-                             check=check_data, report=summary)
+                             check=check_data, report=summary,
+                             size=str(res) if comp in SIZED else "")
     src_config = src.module_dir(comp) / "config.json"
     (stage / "config.json").write_bytes(src_config.read_bytes())
     atomic_write_json(stage / PARAMETERS_FILE, torch_stage.sources)

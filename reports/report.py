@@ -287,6 +287,7 @@ def render_text(r: dict[str, Any]) -> str:
         if pipe:
             lines.append(f"  whole pipeline, {pipe['steps']} steps, seed {pipe['seed']}: image PSNR "
                          f"{pipe['psnr_db']:.1f} dB against the fp32 graphs")
+    lines += _size_lines(r)
     lines += ["", "Passes", "-" * 79]
     for p in r["passes"]:
         counts = ", ".join(f"{k} {v}" for k, v in p["counts"].items() if v)
@@ -297,3 +298,60 @@ def render_text(r: dict[str, Any]) -> str:
 def write(dd_dir: Path, report: dict[str, Any]) -> None:
     atomic_write_text(dd_dir / "report.json", json.dumps(report, indent=2, default=str) + "\n")
     atomic_write_text(dd_dir / "onnx_report.txt", render_text(report))
+
+
+def _file_bytes(path: Path) -> int:
+    return path.stat().st_size if path.is_file() else 0
+
+
+def write_sizes(comp_dir: Path, manifest: dict[str, Any]) -> dict[str, Any]:
+    """Add the sizes table (one entry per size of ``sizes.json``, and the total) to the primary size's
+    report (``dd/report.json``, ``dd/onnx_report.txt``), and return it."""
+    dd = comp_dir / "dd"
+    primary = json.loads((dd / "report.json").read_text())
+    rows = []
+    total = {"graph_bytes": 0, "own_data_bytes": 0}
+    for entry in manifest.get("sizes", []):
+        path = comp_dir / entry["report"]
+        r = primary if entry["report"] == "dd/report.json" else json.loads(path.read_text())
+        graph = comp_dir / entry["dispatch"]
+        s = r["summary"]
+        row = {"size": entry["size"], "report": entry["report"], "offload_rate": s["offload_rate"],
+               "offloaded_nodes": s["offloaded_nodes"], "cpu_nodes": s["cpu_nodes"], "npu_regions": s["npu_regions"],
+               "graph_bytes": _file_bytes(graph),
+               "own_data_bytes": 0 if entry["report"] == "dd/report.json" else
+               _file_bytes(graph.with_name(graph.name + ".data"))}
+        rows.append(row)
+        total["graph_bytes"] += row["graph_bytes"]
+        total["own_data_bytes"] += row["own_data_bytes"]
+    shared_data = dd / "replaced.onnx.data"
+    table = {"sizes": rows, "shared_data": shared_data.name if shared_data.is_file() else None,
+             "shared_data_bytes": _file_bytes(shared_data), **total,
+             "total_bytes": _file_bytes(shared_data) + total["graph_bytes"] + total["own_data_bytes"]}
+    primary["sizes"] = table
+    write(dd, primary)
+    return table
+
+
+def _size_lines(r: dict[str, Any]) -> list[str]:
+    t = r.get("sizes")
+    if not t or len(t["sizes"]) < 2:
+        return []
+    lines = ["", f"Sizes ({len(t['sizes'])}; one copy of the weights, "
+             f"{t['shared_data'] or 'inside the primary graph'}: {_gb(t['shared_data_bytes'])})", "-" * 79,
+             f"  {'size':<11}{'offload':>9}{'dispatch':>10}{'CPU':>6}{'regions':>9}{'graph':>12}{'own data':>12}"]
+    for row in t["sizes"]:
+        lines.append(f"  {row['size']:<11}{100 * row['offload_rate']:>8.2f}%{row['offloaded_nodes']:>10}"
+                     f"{row['cpu_nodes']:>6}{row['npu_regions']:>9}{_mb(row['graph_bytes']):>12}"
+                     f"{_mb(row['own_data_bytes']):>12}")
+    npu = sum(x["offloaded_nodes"] for x in t["sizes"])
+    cpu = sum(x["cpu_nodes"] for x in t["sizes"])
+    lines.append(f"  {'total':<11}{100 * npu / (npu + cpu) if npu + cpu else 0:>8.2f}%{npu:>10}{cpu:>6}{'':>9}"
+                 f"{_mb(t['graph_bytes']):>12}{_mb(t['own_data_bytes']):>12}")
+    lines.append(f"  on disk: {_gb(t['total_bytes'])} for {len(t['sizes'])} sizes (the shared data, every graph "
+                 "and its own data)")
+    return lines
+
+
+def _mb(n: int) -> str:
+    return f"{n / 1e6:.2f} MB"

@@ -57,7 +57,15 @@ def find(path: Path) -> list[tuple[str, dict[str, Any]]]:
 
 def _named(found: list[tuple[str, dict[str, Any], Path]]) -> list[tuple[str, dict[str, Any], Path]]:
     """Each report is named by the component it records, the folder name only where it has none."""
-    return [(str(r.get("component") or name), r, m) for name, r, m in found]
+    out = []
+    for name, r, m in found:
+        label = str(r.get("component") or name)
+        size = r.get("size")
+        several = m.name != "replaced.onnx" or len((r.get("sizes") or {}).get("sizes", [])) > 1
+        if several and size:  # a component converted at several sizes: each line names its size
+            label += f" {size['width']}x{size['height']}"
+        out.append((label, r, m))
+    return out
 
 
 def find_with_models(path: Path) -> list[tuple[str, dict[str, Any], Path]]:
@@ -71,26 +79,39 @@ def _find(path: Path) -> list[tuple[str, dict[str, Any], Path]]:
         raise SdnpuError(f"{path} does not exist", hint="give an output folder, a component folder or a report")
     if path.is_file():
         if path.suffix == ".json":
-            return [(path.parent.parent.name, _read(path), path.with_name("replaced.onnx"))]
+            return [(path.parent.parent.name, _read(path), path.with_name(path.name.replace("report", "replaced", 1)
+                                                                          .removesuffix(".json") + ".onnx"))]
         if path.suffix == ".onnx":
-            beside = path.with_name("report.json")
+            beside = path.with_name(path.name.replace("replaced", "report", 1).removesuffix(".onnx") + ".json")
             return [(path.parent.parent.name, _read(beside) if beside.exists() else _from_onnx(path), path)]
         raise SdnpuError(f"{path} is neither a report.json nor an .onnx file")
     for candidate in (path / "report.json", path / "dd" / "report.json"):
         if candidate.is_file():
             name = path.name if candidate.parent != path else path.parent.name
-            return [(name, _read(candidate), candidate.with_name("replaced.onnx"))]
+            comp_dir = candidate.parent.parent
+            return [(name, _read(candidate), candidate.with_name("replaced.onnx")), *_other_sizes(comp_dir, name)]
     found = sorted((p.parent.parent.name, p) for p in path.glob("*/dd/report.json"))
     if not found:
         raise SdnpuError(f"no offload report under {path}",
                          hint="reports are written by `sdnpu convert` (OUT/<component>/dd/report.json)")
     order = {c: i for i, c in enumerate(COMPONENT_ORDER)}
     found.sort(key=lambda item: (order.get(item[0], len(order)), item[0]))
-    return [(name, _read(p), p.with_name("replaced.onnx")) for name, p in found]
+    out = []
+    for name, p in found:  # each component's primary size, then its other sizes (sizes.json)
+        out.append((name, _read(p), p.with_name("replaced.onnx")))
+        out += _other_sizes(p.parent.parent, name)
+    return out
+
+
+def _other_sizes(comp_dir: Path, name: str) -> list[tuple[str, dict[str, Any], Path]]:
+    from sdnpu.sizes import sizes_of
+
+    return [(name, _read(comp_dir / f.report), comp_dir / f.dispatch) for f in sizes_of(comp_dir) if not f.primary]
 
 
 def summary_lines(reports: list[tuple[str, dict[str, Any]]]) -> str:
-    head = (f"{'component':<16}{'offload':>9}{'dispatch':>10}{'CPU':>6}{'regions':>9}{'MACs on NPU':>13}"
+    width = max([16, *(len(name) + 2 for name, _ in reports)])
+    head = (f"{'component':<{width}}{'offload':>9}{'dispatch':>10}{'CPU':>6}{'regions':>9}{'MACs on NPU':>13}"
             f"{'min cosine':>12}")
     lines = [head, "-" * len(head)]
     tot_npu = tot_cpu = 0
@@ -100,18 +121,23 @@ def summary_lines(reports: list[tuple[str, dict[str, Any]]]) -> str:
         cos = f"{fid['min_cosine']:.6f}" if fid else "-"
         share = s.get("macs_offloaded_share")
         macs = f"{100 * share:>12.2f}%" if share is not None else f"{'unknown':>13}"
-        lines.append(f"{name:<16}{100 * s['offload_rate']:>8.2f}%{s['offloaded_nodes']:>10}{s['cpu_nodes']:>6}"
+        lines.append(f"{name:<{width}}{100 * s['offload_rate']:>8.2f}%{s['offloaded_nodes']:>10}{s['cpu_nodes']:>6}"
                      f"{s['npu_regions']:>9}{macs}{cos:>12}")
         tot_npu += s["offloaded_nodes"]
         tot_cpu += s["cpu_nodes"]
     total = tot_npu + tot_cpu
-    lines.append(f"{'total':<16}{100 * tot_npu / total if total else 0:>8.2f}%{tot_npu:>10}{tot_cpu:>6}")
+    lines.append(f"{'total':<{width}}{100 * tot_npu / total if total else 0:>8.2f}%{tot_npu:>10}{tot_cpu:>6}")
     return "\n".join(lines) + "\n"
 
 
 def diff(a: list[tuple[str, dict[str, Any]]], b: list[tuple[str, dict[str, Any]]]) -> str:
-    """What changed from A to B, per component present in either."""
+    """What changed from A to B, per component present in either (two sizes of one component compare as
+    that component: ``sdnpu report diff unet/dd/report.json unet/dd/report.1152x896.json``)."""
     da, db = dict(a), dict(b)
+    if da.keys() != db.keys():
+        base_a, base_b = {n.split(" ")[0]: r for n, r in a}, {n.split(" ")[0]: r for n, r in b}
+        if len(base_a) == len(a) and len(base_b) == len(b):
+            da, db = base_a, base_b
     lines: list[str] = []
     for name in sorted(set(da) | set(db), key=lambda n: (COMPONENT_ORDER.index(n) if n in COMPONENT_ORDER else 9, n)):
         if name not in da or name not in db:
@@ -119,6 +145,9 @@ def diff(a: list[tuple[str, dict[str, Any]]], b: list[tuple[str, dict[str, Any]]
             continue
         ra, rb = da[name], db[name]
         sa, sb = ra["summary"], rb["summary"]
+        sizes = [f"{r['size']['width']}x{r['size']['height']}" if r.get("size") else None for r in (ra, rb)]
+        if sizes[0] != sizes[1] and all(sizes):
+            lines.append(f"{name}: {sizes[0]} -> {sizes[1]}")
         lines.append(f"{name}: offload {100 * sa['offload_rate']:.2f}% -> {100 * sb['offload_rate']:.2f}% "
                      f"({100 * (sb['offload_rate'] - sa['offload_rate']):+.2f} pts), CPU nodes {sa['cpu_nodes']} -> "
                      f"{sb['cpu_nodes']}, regions {sa['npu_regions']} -> {sb['npu_regions']}")

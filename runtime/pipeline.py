@@ -24,9 +24,9 @@ from typing import Any
 import numpy as np
 
 from sdnpu.errors import SdnpuError
-from sdnpu.pipelines import UNET_BATCH, pipeline_outputs, vae_scale_factor
+from sdnpu.pipelines import UNET_BATCH, Size, pipeline_outputs, vae_scale_factor
 from sdnpu.progress import release_memory
-from sdnpu.runtime.session import DISPATCH_MODEL, REFERENCE_MODEL, Component, RuntimeOptions, open_component
+from sdnpu.runtime.session import Component, RuntimeOptions, component_path, open_component
 
 log = logging.getLogger(__name__)
 
@@ -53,7 +53,7 @@ class Pipeline:
     optimizations, threads; see ``sdnpu.runtime.session.RuntimeOptions``)."""
 
     def __init__(self, folder: str | Path, reference: bool = False, keep_sessions: bool = False,
-                 runtime: RuntimeOptions | None = None) -> None:
+                 runtime: RuntimeOptions | None = None, size: Any = None) -> None:
         import onnx
 
         self.folder = Path(folder)
@@ -64,14 +64,11 @@ class Pipeline:
         self.index = json.loads((self.folder / "model_index.json").read_text())
         self.sdxl = "text_encoder_2" in self.index and self.index["text_encoder_2"][1] is not None
         needed = ["text_encoder", "unet", "vae_decoder"] + (["text_encoder_2"] if self.sdxl else [])
-        for name in needed:
-            path = self.folder / name / (REFERENCE_MODEL if reference else DISPATCH_MODEL)
-            if not path.is_file():
-                raise SdnpuError(f"{path} not found", hint=f"convert it first: make convert MODEL={name}")
+        self.size = Size.of(size) if size is not None else None  # None: the folder's primary size
+        paths = {name: component_path(self.folder, name, reference, self.size) for name in needed}
         self.parts: dict[str, Component] = {}
         self.vae_config = json.loads((self.folder / "vae_decoder" / "config.json").read_text())
-        unet = onnx.load(str(self.folder / "unet" / (REFERENCE_MODEL if reference else DISPATCH_MODEL)),
-                         load_external_data=False)
+        unet = onnx.load(str(paths["unet"]), load_external_data=False)
         self.unet_inputs = {i.name for i in unet.graph.input}
         sample = next(i for i in unet.graph.input if i.name == "sample")
         shape = [d.dim_value for d in sample.type.tensor_type.shape.dim]
@@ -84,7 +81,7 @@ class Pipeline:
     @contextlib.contextmanager
     def _using(self, *names: str) -> Iterator[dict[str, Component]]:
         """Sessions for ``names`` for the length of a stage (kept when ``keep_sessions``)."""
-        parts = {n: self.parts.get(n) or open_component(self.folder, n, self.reference, self.runtime)
+        parts = {n: self.parts.get(n) or open_component(self.folder, n, self.reference, self.runtime, self.size)
                  for n in names}
         if self.keep:
             self.parts.update(parts)

@@ -139,20 +139,138 @@ def session_options(model: Path, custom_ops: Path | None, optimize: bool, thread
     return opts
 
 
-def open_component(folder: Path, component: str, reference: bool = False,
-                   options: RuntimeOptions | None = None) -> Component:
-    """``folder/<component>``'s dispatch model (or with ``reference``, its fp32 graph) in a session."""
-    path = Path(folder) / component / (REFERENCE_MODEL if reference else DISPATCH_MODEL)
+def component_path(folder: Path, component: str, reference: bool = False, size: Any = None) -> Path:
+    """The graph to open for ``folder/<component>``: its dispatch model (or with ``reference``, its fp32
+    graph) at ``size`` (a ``Size``; None: the primary, the folder's first). A size the component was not
+    converted at is an error listing those it was."""
+    comp_dir = Path(folder) / component
+    if size is None or component in TEXT_ENCODERS:
+        path = comp_dir / (REFERENCE_MODEL if reference else DISPATCH_MODEL)
+    else:
+        from sdnpu.sizes import sizes_of
+        from sdnpu.pipelines import Size
+
+        size = Size.of(size)
+        have = sizes_of(comp_dir)
+        match = next((f for f in have if f.size == size), None)
+        if match is None:
+            listed = ", ".join(str(f.size) for f in have) or "none recorded"
+            raise SdnpuError(f"{comp_dir} is not converted at {size} (converted: {listed})",
+                             hint=f"add the size: sdnpu convert --source {_source_of(comp_dir)} --model "
+                             f"{','.join(_sized_components(Path(folder)) or [component])} --out {Path(folder)} "
+                             f"--res {size} --add")
+        path = comp_dir / (match.model if reference else match.dispatch)
     if not path.is_file():
         raise SdnpuError(f"{path} not found",
                          hint=f"convert it first: make convert MODEL={component} (OUT={Path(folder)})")
-    return open_component_path(path, component, reference, options or RuntimeOptions())
+    return path
+
+
+def _sized_components(folder: Path) -> list[str]:
+    """The components of a converted folder whose graphs depend on the image size."""
+    from sdnpu.pipelines import SIZED
+
+    return [c for c in SIZED if (folder / c / "export.json").is_file()]
+
+
+def _source_of(comp_dir: Path) -> str:
+    """The --source a component folder was converted from (its export.json), for a hint."""
+    import json
+
+    try:
+        src = json.loads((comp_dir / "export.json").read_text())["source"]
+        return str(src["name"] if src.get("kind") == "preset" else src["path"])
+    except (OSError, ValueError, KeyError):
+        return "SOURCE"
+
+
+def open_component(folder: Path, component: str, reference: bool = False,
+                   options: RuntimeOptions | None = None, size: Any = None,
+                   shared: SharedWeights | None = None) -> Component:
+    """``folder/<component>``'s dispatch model (or with ``reference``, its fp32 graph) in a session, at
+    ``size`` (None: the primary); ``shared``: weights shared with the other sessions given the same."""
+    path = component_path(folder, component, reference, size)
+    return open_component_path(path, component, reference, options or RuntimeOptions(),
+                               comp_dir=Path(folder) / component, shared=shared)
+
+
+_ARENA: list[bool] = []
+
+
+def _register_shared_arena() -> None:
+    """Register, once per process, a CPU arena in onnxruntime's environment that sessions opened with
+    ``session.use_env_allocators`` use instead of an arena of their own (onnxruntime's way to share an
+    allocator between sessions)."""
+    if _ARENA:
+        return
+    import onnxruntime as ort
+
+    info = ort.OrtMemoryInfo("Cpu", ort.OrtAllocatorType.ORT_ARENA_ALLOCATOR, 0, ort.OrtMemType.DEFAULT)
+    ort.create_and_register_allocator(info, ort.OrtArenaCfg(0, -1, -1, -1))
+    _ARENA.append(True)
+
+
+class SharedWeights:
+    """One copy in memory of the weights that several sessions read from the same data files: the sizes of a
+    component (``sdnpu.convert.shared``) point their graphs into one file, and this hands each session the
+    same onnxruntime values for them (``SessionOptions.add_initializer``, onnxruntime's way to share
+    initializers between sessions: the value's buffer is used in place, not copied), and one arena for their
+    activations (``_register_shared_arena``). The buffers are read-only maps of the files, kept here for as
+    long as this object lives, which must be as long as the sessions."""
+
+    def __init__(self) -> None:
+        self._maps: dict[str, np.ndarray] = {}
+        self._values: dict[tuple[Any, ...], Any] = {}
+        _register_shared_arena()
+
+    def add_to(self, path: Path, opts: Any, skip: set[str] | frozenset[str] = frozenset()) -> int:
+        """Give ``opts`` the shared value of every external initializer of the model at ``path`` (but those in
+        ``skip``); returns how many."""
+        import onnx
+        import onnxruntime as ort
+
+        proto = onnx.load(str(path), load_external_data=False)
+        n = 0
+        for t in proto.graph.initializer:
+            if t.data_location != onnx.TensorProto.EXTERNAL or t.name in skip:
+                continue
+            info = {e.key: e.value for e in t.external_data}
+            if "length" not in info:
+                continue
+            file = os.path.realpath(path.parent / info["location"])
+            offset, length = int(info.get("offset", 0)), int(info["length"])
+            key = (file, offset, length, t.data_type, tuple(t.dims))
+            value = self._values.get(key)
+            if value is None:
+                whole = self._maps.get(file)
+                if whole is None:
+                    whole = self._maps[file] = np.memmap(file, dtype=np.uint8, mode="r")
+                raw = whole[offset:offset + length]
+                if t.data_type == onnx.TensorProto.BFLOAT16:
+                    value = ort.OrtValue.ortvalue_from_numpy_with_onnx_type(
+                        raw.view(np.uint16).reshape(tuple(t.dims)), onnx.TensorProto.BFLOAT16)
+                else:
+                    dtype = onnx.helper.tensor_dtype_to_np_dtype(t.data_type)
+                    value = ort.OrtValue.ortvalue_from_numpy(raw.view(dtype).reshape(tuple(t.dims)))
+                self._values[key] = value
+            opts.add_initializer(t.name, value)
+            n += 1
+        # one arena for the activations of every session, where each would keep its own, grown to its
+        # largest run: two UNet sizes sharing the weights but not the arena peaked at 1.43x one size
+        opts.add_session_config_entry("session.use_env_allocators", "1")
+        return n
+
+    @property
+    def tensors(self) -> int:
+        return len(self._values)
 
 
 def open_component_path(path: Path, component: str, reference: bool = False,
-                        options: RuntimeOptions | None = None, comp_dir: Path | None = None) -> Component:
+                        options: RuntimeOptions | None = None, comp_dir: Path | None = None,
+                        shared: SharedWeights | None = None) -> Component:
     """A session over the model at ``path``, the component ``component`` of a converted folder (at
-    ``comp_dir``, whose LoRAs it gets; default: the folder ``path`` lies in)."""
+    ``comp_dir``, whose LoRAs it gets; default: the folder ``path`` lies in); ``shared``: see
+    ``SharedWeights``."""
     import onnxruntime as ort
 
     options = options or RuntimeOptions(optimize=False)
@@ -167,13 +285,15 @@ def open_component_path(path: Path, component: str, reference: bool = False,
     if manifest is not None:  # the folder's overlay, read in place: the session maps it as it maps the base
         arrays, loras, replaced = {}, manifest["loras"], len(manifest["tensors"])
     else:
-        arrays, loras = lora_initializers(comp_dir, component, reference, options.loras)
+        arrays, loras = lora_initializers(comp_dir, component, reference, options.loras, path)
         replaced = len(arrays)
     try:
         if manifest is not None:
             model: str | bytes = relocate_to_overlay(path, opts, manifest)
         else:
             model = replace_initializers(path, opts, arrays) if arrays else str(path)
+        if shared is not None:  # after the LoRAs: the tensors they replace are not the shared ones
+            shared.add_to(path, opts, skip=set(arrays) | set(manifest["tensors"] if manifest else ()))
         session = ort.InferenceSession(model, opts, providers=[CPU])
     except SdnpuError:
         raise
@@ -194,11 +314,35 @@ def _overlay_beside(path: Path, comp_dir: Path, component: str, reference: bool,
     place: the component's own ``dd/replaced.onnx`` (its ``dd/lora/`` lies below it), no LoRAs given."""
     from sdnpu.lora.adapters import COMPONENTS
 
-    if reference or specs or component not in COMPONENTS or path.resolve() != (comp_dir / DISPATCH_MODEL).resolve():
+    if reference or specs or component not in COMPONENTS or path.resolve().parent != (comp_dir / "dd").resolve():
         return None
     from sdnpu.lora.overlay import read_manifest
 
-    return read_manifest(comp_dir / "dd")
+    manifest = read_manifest(comp_dir / "dd")
+    if manifest is None or path.resolve() == (comp_dir / DISPATCH_MODEL).resolve():
+        return manifest
+    names = primary_names(comp_dir / DISPATCH_MODEL, path)  # another size: its own names for the same tensors
+    return {**manifest, "tensors": {names.get(k, k): v for k, v in manifest["tensors"].items()}}
+
+
+def primary_names(primary: Path, path: Path) -> dict[str, str]:
+    """For a graph of another size (``path``), which shares the primary graph's data file: the primary's name
+    of each tensor -> its name in ``path``, matched by the place in the shared file (by name where a tensor
+    is stored inside the graph)."""
+    import onnx
+
+    def places(p: Path) -> dict[tuple[str, ...], str]:
+        out = {}
+        for t in onnx.load(str(p), load_external_data=False).graph.initializer:
+            if t.data_location == onnx.TensorProto.EXTERNAL:
+                info = {e.key: e.value for e in t.external_data}
+                out[(os.path.realpath(p.parent / info["location"]), info.get("offset", "0"))] = t.name
+            else:
+                out[("inline", t.name)] = t.name
+        return out
+
+    theirs = places(path)
+    return {name: theirs[place] for place, name in places(primary).items() if place in theirs}
 
 
 def relocate_to_overlay(path: Path, opts: Any, manifest: dict[str, Any]) -> bytes:
@@ -237,8 +381,8 @@ def relocate_to_overlay(path: Path, opts: Any, manifest: dict[str, Any]) -> byte
     return proto.SerializeToString()
 
 
-def lora_initializers(comp_dir: Path, component: str, reference: bool, specs: tuple[Any, ...]
-                      ) -> tuple[dict[str, np.ndarray], list[dict[str, Any]] | None]:
+def lora_initializers(comp_dir: Path, component: str, reference: bool, specs: tuple[Any, ...],
+                      path: Path | None = None) -> tuple[dict[str, np.ndarray], list[dict[str, Any]] | None]:
     """The initializers LoRAs replace in the component at ``comp_dir`` (its dispatch model, or with
     ``reference`` its fp32 graph) and the LoRAs: ``specs`` computed now, else the component's overlay
     (``sdnpu lora apply``: mapped from its file for a dispatch model; for the fp32 graph, computed again
@@ -253,11 +397,22 @@ def lora_initializers(comp_dir: Path, component: str, reference: bool, specs: tu
         if manifest is None:
             return {}, None
         if not reference:
-            return overlay.overlay_initializers(comp_dir / "dd")[0], manifest["loras"]
+            return _renamed(overlay.overlay_initializers(comp_dir / "dd")[0], comp_dir, path), manifest["loras"]
         specs = tuple(overlay.manifest_specs(manifest))
     arrays, loras = overlay.compute_in_memory(comp_dir, [s if isinstance(s, LoraSpec) else LoraSpec.parse(s)
                                                          for s in specs], reference)
-    return arrays, loras
+    return _renamed(arrays, comp_dir, path), loras
+
+
+def _renamed(arrays: dict[str, np.ndarray], comp_dir: Path, path: Path | None) -> dict[str, np.ndarray]:
+    """``arrays`` (by the primary graph's names) by the names of the graph at ``path`` (another size's)."""
+    if path is None or not arrays:
+        return arrays
+    primary = comp_dir / (REFERENCE_MODEL if path.parent.resolve() == comp_dir.resolve() else DISPATCH_MODEL)
+    if path.resolve() == primary.resolve():
+        return arrays
+    names = primary_names(primary, path)
+    return {names.get(k, k): v for k, v in arrays.items()}
 
 
 def replace_initializers(path: Path, opts: Any, arrays: dict[str, np.ndarray]) -> str | bytes:

@@ -30,16 +30,19 @@ def _cmd_convert(args: argparse.Namespace) -> int:
 
     options = ConvertOptions(res=args.res, exporter=args.exporter, opset=args.opset, check=not args.no_check,
                              compile=not args.no_compile, outputs=args.outputs, target=args.target,
-                             precision=args.precision, loras=tuple(args.lora or ()))
+                             precision=args.precision, loras=tuple(args.lora or ()), add=args.add)
     result = convert(args.source, components=args.model, out=args.out, options=options)
-    print(f"\n{result.source.name} -> {result.out} ({result.resolution} px)")
-    print(f"{'component':<16}{'nodes':>7}{'params':>15}{'export s':>9}{'peak mem':>10}  {'max abs / rel error':<20}"
-          f"{'offload':>8}{'CPU':>5}")
+    sizes = ", ".join(str(s) for s in result.sizes)
+    print(f"\n{result.source.name} -> {result.out} ({sizes} px{', added' if args.add else ''})")
+    if not result.components:
+        print("nothing to add: every size given is converted already")
+    print(f"{'component':<16}{'size':>10}{'nodes':>7}{'params':>15}{'export s':>9}{'peak mem':>10}  "
+          f"{'max abs / rel error':<20}{'offload':>8}{'CPU':>5}")
     for c in result.components:
         err = (f"{c.check['max_abs_error']:.2e} / {c.check['max_rel_error']:.2e}" if c.check else "not checked")
         rate = f"{100 * c.report['offload_rate']:.2f}%" if c.report else "-"
         cpu = str(c.report["cpu_nodes"]) if c.report else "-"
-        print(f"{c.component:<16}{c.nodes:>7}{c.parameters:>15,}{c.seconds.get('export', 0):>9.1f}"
+        print(f"{c.component:<16}{c.size:>10}{c.nodes:>7}{c.parameters:>15,}{c.seconds.get('export', 0):>9.1f}"
               f"{_human_bytes(c.peak_rss_bytes):>10}  {err:<20}{rate:>8}{cpu:>5}")
     print("peak mem: the process's peak resident memory up to that component (a worker's, where larger)")
     if options.loras:
@@ -119,11 +122,11 @@ def _cmd_generate(args: argparse.Namespace) -> int:
                                       threads=args.threads, loras=_lora_specs(args.lora))
     pipe = Pipeline(Path(args.models), reference=args.reference, runtime=runtime)
     height, width = pipe.image_size
-    if (args.width or width, args.height or height) != (width, height):
-        raise SdnpuError(f"{args.models} is converted for {width}x{height} only, not "
-                         f"{args.width or width}x{args.height or height}",
-                         hint=f"convert that size into its own folder: make convert RES={args.width or width}x"
-                         f"{args.height or height} OUT=... (each folder holds one size for now)")
+    if (args.width or width, args.height or height) != (width, height):  # another of the folder's sizes
+        from sdnpu.pipelines import Size
+
+        pipe = Pipeline(Path(args.models), reference=args.reference, runtime=runtime,
+                        size=Size(args.height or height, args.width or width))
     opts = GenerateOptions(args.prompt, args.negative_prompt, args.steps, args.guidance, args.seed, args.scheduler,
                            args.image, args.strength)
 
@@ -230,9 +233,13 @@ def build_parser() -> argparse.ArgumentParser:
     conv.add_argument("--source", "-s", default="sdxl-base",
                       help="a preset (sdxl-base, tiny-sdxl) or a local diffusers folder (default: sdxl-base)")
     conv.add_argument("--out", "-o", default=None, help="output folder (default: models/<source name>)")
-    conv.add_argument("--res", default=None, metavar="WxH|N",
-                      help="image size in pixels, WxH (1152x896: 1152 wide) or one number for a square (default: "
-                      "the model's own, 1024 for SDXL)")
+    conv.add_argument("--add", action="store_true",
+                      help="add the --res sizes to the conversion already in --out: only their graphs are written, "
+                      "over the weights the folder has (same source and settings)")
+    conv.add_argument("--res", default=None, metavar="WxH|N[,...]|sdxl-buckets",
+                      help="image sizes in pixels, WxH (1152x896: 1152 wide) or one number for a square, comma-"
+                      "separated, or sdxl-buckets (SDXL's nine); the UNet and VAEs get a graph per size over one "
+                      "copy of the weights (default: the model's own, 1024 for SDXL)")
     conv.add_argument("--exporter", choices=EXPORTERS, default="dynamo", help="torch exporter (default: dynamo)")
     conv.add_argument("--opset", type=int, default=DEFAULT_OPSET, help=f"ONNX opset (default {DEFAULT_OPSET})")
     conv.add_argument("--no-check", action="store_true", help="skip the onnxruntime-vs-PyTorch check")
@@ -282,8 +289,8 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--models", default="models/sdxl-base", help="a converted folder (default: models/sdxl-base)")
     gen.add_argument("--prompt", required=True)
     gen.add_argument("--negative-prompt", default="")
-    gen.add_argument("--width", type=int, default=None, help="image width (default and only choice: the "
-                     "folder's converted size)")
+    gen.add_argument("--width", type=int, default=None, help="image width: one of the sizes the folder is converted "
+                     "at (default: its first)")
     gen.add_argument("--height", type=int, default=None, help="image height (as --width)")
     gen.add_argument("--steps", type=int, default=30)
     gen.add_argument("--guidance", type=float, default=5.0)

@@ -25,6 +25,7 @@ The UNet runs at batch 2 (classifier-free guidance: unconditional and conditiona
 from __future__ import annotations
 
 import re
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any, NamedTuple
 
@@ -67,16 +68,52 @@ class Size(NamedTuple):
     @classmethod
     def parse(cls, text: str) -> Size:
         text = text.strip().lower()
-        if "," in text or text.endswith("buckets"):
-            raise SdnpuError(f"--res {text!r}: one size per conversion for now (sizes sharing one copy of the "
-                             "weights are not built yet)", hint="convert each size into its own OUT, e.g. "
-                             "--res 1152x896 --out models/sdxl-base-1152x896")
+        if "," in text or text in SIZE_LISTS:
+            raise SdnpuError(f"{text!r} is a list of sizes; one size is taken here",
+                             hint="give one size, WxH (1152x896) or a side (1024); `sdnpu convert --res` takes lists")
         m = re.fullmatch(r"(\d+)(?:\s*[x\*]\s*(\d+))?", text)
         if not m:
             raise SdnpuError(f"cannot read the size {text!r}", hint="write WxH in pixels (1152x896) or one "
                              "number for a square (1024)")
         width = int(m[1])
         return cls(int(m[2]) if m[2] else width, width)
+
+
+# SDXL's standard aspect-ratio buckets (WxH), the square first: the nine of the sizes issue, each about one
+# megapixel, each side a multiple of 64.
+SDXL_BUCKETS = ("1024x1024", "1152x896", "896x1152", "1216x832", "832x1216", "1344x768", "768x1344",
+                "1536x640", "640x1536")
+SIZE_LISTS = {"sdxl-buckets": SDXL_BUCKETS}
+# The components whose graphs depend on the image size: converted at every size of --res (the text encoders
+# once).
+SIZED = ("unet", "vae_encoder", "vae_decoder")
+
+
+def parse_sizes(spec: int | str | Size | Sequence[int | str | Size]) -> list[Size]:
+    """``--res`` -> the sizes, in the order given, each once: one size, a comma-separated list of them, or a
+    named list (``sdxl-buckets``), which may be mixed (``sdxl-buckets,1024x576``)."""
+    items: list[int | str | Size]
+    if isinstance(spec, str):
+        items = []
+        for part in spec.split(","):
+            part = part.strip().lower()
+            if not part:
+                continue
+            items.extend(SIZE_LISTS.get(part, (part,)))
+    elif isinstance(spec, (int, Size)) or (isinstance(spec, tuple) and len(spec) == 2
+                                           and all(isinstance(x, int) for x in spec)):
+        items = [spec]  # type: ignore[list-item]
+    else:
+        items = list(spec)  # type: ignore[arg-type]
+    if not items:
+        raise SdnpuError(f"--res {spec!r} names no size",
+                         hint="WxH (1152x896), a side (1024), a comma-separated list, or " + ", ".join(SIZE_LISTS))
+    sizes: list[Size] = []
+    for item in items:
+        size = Size.of(item)
+        if size not in sizes:
+            sizes.append(size)
+    return sizes
 
 
 @dataclass(frozen=True)

@@ -225,8 +225,9 @@ def test_sizes_are_written_width_by_height(text, size):
 
 
 @pytest.mark.parametrize("text, message", [("1152x", "cannot read the size"), ("wide", "cannot read the size"),
-                                           ("1024x1024,1152x896", "one size per conversion for now"),
-                                           ("sdxl-buckets", "one size per conversion for now"),
+                                           ("256x256,1152x", "cannot read the size '1152x'"),
+                                           (",", "names no size"),
+                                           ("256x256,250x256", "size 250x256 does not fit the unet"),
                                            ("0x1024", "not a positive number of pixels")])
 def test_bad_sizes_get_one_line(text, message, tmp_path, capsys):
     from sdnpu.cli import main

@@ -263,6 +263,7 @@ def test_generate_refuses_a_size_the_folder_was_not_converted_for(tiny_conversio
             "--out", str(tmp_path / "x.png")]
     assert main([*argv, "--width", "320"]) == 2
     err = capsys.readouterr().err
-    assert "is converted for 256x256 only, not 320x256" in err and "RES=320x256" in err
+    assert "is not converted at 320x256 (converted: 256x256)" in err
+    assert "--source tiny-sdxl --model unet,vae_encoder,vae_decoder" in err and "--res 320x256 --add" in err
     assert not (tmp_path / "x.png").exists()
     assert main([*argv, "--width", "256", "--height", "256"]) == 0

@@ -1,0 +1,261 @@
+"""One copy of the weights for many image sizes: per-size graphs that refer to a shared data file by offset.
+
+A component converted at several sizes (``sdnpu convert --res 1024x1024,1152x896``) keeps one fp32 graph and
+one dispatch model per size, but their weights do not depend on the size, only the graphs do. The first size
+(the *primary*) owns the data files, ``model.onnx.data`` and ``dd/replaced.onnx.data``; each other size's
+graph, ``model.WxH.onnx`` and ``dd/replaced.WxH.onnx``, lies in the same folder and points its tensors into
+them (ONNX external data: location, offset, length). onnx's loader and checker and onnxruntime all refuse an
+external-data location outside the model's own folder (``../``), which is why the per-size graphs sit beside
+the shared file rather than in folders of their own. A tensor that no other size has (a size-dependent
+constant: an attention mask, a shape) goes to the size's own small ``<graph>.data``, or stays in the graph
+under 1 KB.
+
+Tensors are matched by content: the BLAKE2b digest (128 bits) of their bytes against the digests of the
+shared file's tensors, which ``.digests.json`` caches with the data file's size and modification time, so adding
+a size reads the shared file only when the cache is stale. Nothing here writes into a shared data file once
+it exists: ``write_sized`` writes a new size's own files (data first, then the graph), each atomically.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import os
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from sdnpu.errors import SdnpuError
+from sdnpu.fileio import atomic_write_json
+
+log = logging.getLogger(__name__)
+
+INLINE_MAX = 1024  # tensors up to this many bytes stay inside the graph (onnx-ir's save threshold, as ours)
+ALIGN = 1 << 16  # offsets of own data, as onnx-ir aligns large tensors: onnxruntime maps them in place
+
+
+@dataclass
+class ShareStats:
+    """What ``write_sized`` wrote: tensors (and bytes) pointed into the shared file, written to the size's
+    own data file, and kept inside the graph."""
+
+    shared: int = 0
+    shared_bytes: int = 0
+    own: int = 0
+    own_bytes: int = 0
+    inline: int = 0
+    graph_bytes: int = 0
+
+    def to_json(self) -> dict[str, int]:
+        return dict(vars(self))
+
+
+def data_name(graph: Path) -> str:
+    return graph.name + ".data"
+
+
+def _initializers(proto: Any) -> list[Any]:
+    return list(proto.graph.initializer)
+
+
+def _is_external(t: Any) -> bool:
+    import onnx
+
+    return bool(t.data_location == onnx.TensorProto.EXTERNAL)
+
+
+def _external(t: Any) -> tuple[str, int, int | None]:
+    info = {e.key: e.value for e in t.external_data}
+    length = info.get("length")
+    return info["location"], int(info.get("offset", 0)), int(length) if length is not None else None
+
+
+def _read_external(folder: Path, t: Any, handles: dict[str, Any]) -> bytes:
+    location, offset, length = _external(t)
+    f = handles.get(location)
+    if f is None:
+        f = handles[location] = open(folder / location, "rb")  # noqa: SIM115 - closed by the caller
+    f.seek(offset)
+    if length is None:
+        import numpy as np
+        import onnx
+
+        length = int(np.prod(t.dims, dtype=np.int64)) * onnx.helper.tensor_dtype_to_np_dtype(t.data_type).itemsize
+    data = f.read(length)
+    if len(data) != length:
+        raise SdnpuError(f"{folder / location} is truncated: {t.name} needs {length:,} bytes at {offset:,}",
+                         hint="the copy is incomplete: copy it again, or convert again")
+    return data
+
+
+def _inline_bytes(t: Any) -> bytes:
+    from onnx import numpy_helper
+
+    if t.HasField("raw_data"):
+        return bytes(t.raw_data)
+    return bytes(numpy_helper.to_array(t).tobytes())
+
+
+def _digest(data: bytes) -> str:
+    return hashlib.blake2b(data, digest_size=16).hexdigest()
+
+
+def _stamp(path: Path) -> list[int]:
+    st = path.stat()
+    return [st.st_size, st.st_mtime_ns]
+
+
+def digests(graph: Path, cache: dict[str, Any] | None = None) -> dict[str, list[int]]:
+    """``digest -> [offset, length]`` for the tensors that ``graph`` keeps in its own data file
+    (``<graph>.data``); ``cache`` (``.digests.json``'s entry for that file) is used while the file's size and
+    time match, and refreshed otherwise."""
+    import onnx
+
+    data = graph.with_name(data_name(graph))
+    if not data.is_file():
+        return {}
+    if cache is not None and cache.get("stamp") == _stamp(data):
+        return dict(cache["digests"])
+    proto = onnx.load(str(graph), load_external_data=False)
+    out: dict[str, list[int]] = {}
+    with open(data, "rb") as f:
+        for t in _initializers(proto):
+            if not _is_external(t):
+                continue
+            location, offset, length = _external(t)
+            if location != data.name or length is None:
+                continue
+            f.seek(offset)
+            out.setdefault(_digest(f.read(length)), [offset, length])
+    if cache is not None:
+        cache.clear()
+        cache.update({"stamp": _stamp(data), "digests": out})
+    return out
+
+
+def _point(t: Any, location: str, offset: int, length: int) -> None:
+    import onnx
+
+    for name in ("raw_data", "float_data", "int32_data", "int64_data", "double_data", "uint64_data"):
+        t.ClearField(name)
+    del t.external_data[:]
+    t.data_location = onnx.TensorProto.EXTERNAL
+    for key, value in (("location", location), ("offset", offset), ("length", length)):
+        item = t.external_data.add()
+        item.key, item.value = key, str(value)
+
+
+def _inline(t: Any, data: bytes) -> None:
+    import onnx
+
+    del t.external_data[:]
+    t.data_location = onnx.TensorProto.DEFAULT
+    for name in ("float_data", "int32_data", "int64_data", "double_data", "uint64_data"):
+        t.ClearField(name)
+    t.raw_data = data
+
+
+def write_sized(src: Path, dest: Path, shared: dict[str, list[int]] | None, shared_location: str | None
+                ) -> ShareStats:
+    """Write the graph at ``src`` (with its data, wherever it keeps it) to ``dest``: every tensor whose bytes
+    the shared data file holds (``shared``: its digests, ``shared_location``: its name, in ``dest``'s folder)
+    points there; the others go to ``dest``'s own data file (or stay in the graph under 1 KB). With
+    ``shared`` None, ``dest`` owns its data: every tensor above 1 KB goes to ``<dest>.data`` (how an inline
+    primary graph is made shareable). The data file is written first and the graph last, each under a
+    temporary name renamed into place, so a reader sees the old graph or the whole new one."""
+    import onnx
+
+    proto = onnx.load(str(src), load_external_data=False)
+    own = data_name(dest)
+    stats = ShareStats()
+    handles: dict[str, Any] = {}
+    tmp_data = dest.with_name(own + ".partial")
+    tmp_graph = dest.with_name(dest.name + ".partial")
+    try:
+        with open(tmp_data, "wb") as out:
+            for t in _initializers(proto):
+                if t.data_type == onnx.TensorProto.STRING:
+                    stats.inline += 1
+                    continue
+                data = _read_external(src.parent, t, handles) if _is_external(t) else _inline_bytes(t)
+                if len(data) <= INLINE_MAX:
+                    _inline(t, data)
+                    stats.inline += 1
+                    continue
+                hit = shared.get(_digest(data)) if shared else None
+                if hit is not None and hit[1] == len(data) and shared_location is not None:
+                    _point(t, shared_location, hit[0], hit[1])
+                    stats.shared += 1
+                    stats.shared_bytes += len(data)
+                    continue
+                pad = -out.tell() % ALIGN if len(data) >= ALIGN else 0
+                out.write(b"\0" * pad)
+                _point(t, own, out.tell(), len(data))
+                out.write(data)
+                stats.own += 1
+                stats.own_bytes += len(data)
+            out.flush()
+            os.fsync(out.fileno())
+        for f in handles.values():
+            f.close()
+        handles.clear()
+        if stats.own:
+            os.replace(tmp_data, dest.with_name(own))
+        else:
+            tmp_data.unlink()
+            dest.with_name(own).unlink(missing_ok=True)
+        blob = proto.SerializeToString()
+        with open(tmp_graph, "wb") as f:
+            f.write(blob)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp_graph, dest)
+        stats.graph_bytes = len(blob)
+    finally:
+        for f in handles.values():
+            f.close()
+        for tmp in (tmp_data, tmp_graph):
+            tmp.unlink(missing_ok=True)
+    return stats
+
+
+def owns_its_data(graph: Path) -> bool:
+    """Whether every tensor of ``graph`` above 1 KB lies in its own ``<graph>.data`` (a graph others can
+    share)."""
+    import onnx
+
+    proto = onnx.load(str(graph), load_external_data=False)
+    own = data_name(graph)
+    for t in _initializers(proto):
+        if _is_external(t):
+            if _external(t)[0] != own:
+                return False
+        elif t.data_type != onnx.TensorProto.STRING and len(_inline_bytes(t)) > INLINE_MAX:
+            return False
+    return True
+
+
+def make_shareable(graph: Path) -> bool:
+    """Move ``graph``'s tensors above 1 KB into ``<graph>.data`` where they are not there yet (a small model
+    keeps them inside the graph). Returns whether it rewrote the graph."""
+    if owns_its_data(graph):
+        return False
+    log.info("%s: moving its weights into %s, so that other sizes can share them", graph, data_name(graph))
+    write_sized(graph, graph, None, None)
+    return True
+
+
+DIGESTS = ".digests.json"  # cache: the shared data files' tensor digests (see ``digests``)
+
+
+def read_digest_cache(comp_dir: Path) -> dict[str, Any]:
+    import json
+
+    try:
+        return json.loads((Path(comp_dir) / DIGESTS).read_text())  # type: ignore[no-any-return]
+    except (OSError, ValueError):
+        return {}
+
+
+def write_digest_cache(comp_dir: Path, cache: dict[str, Any]) -> None:
+    atomic_write_json(Path(comp_dir) / DIGESTS, cache)
