@@ -348,8 +348,8 @@ def _size_lines(r: dict[str, Any]) -> list[str]:
     cpu = sum(x["cpu_nodes"] for x in t["sizes"])
     lines.append(f"  {'total':<11}{100 * npu / (npu + cpu) if npu + cpu else 0:>8.2f}%{npu:>10}{cpu:>6}{'':>9}"
                  f"{_mb(t['graph_bytes']):>12}{_mb(t['own_data_bytes']):>12}")
-    lines.append(f"  on disk: {_gb(t['total_bytes'])} for {len(t['sizes'])} sizes (the shared data, every graph "
-                 "and its own data)")
+    lines.append(f"  dispatch models on disk: {_gb(t['total_bytes'])} for {len(t['sizes'])} sizes (the shared data, "
+                 "every graph and its own data)")
     return lines
 
 

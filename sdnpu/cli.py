@@ -34,8 +34,9 @@ def _cmd_convert(args: argparse.Namespace) -> int:
     result = convert(args.source, components=args.model, out=args.out, options=options)
     sizes = ", ".join(str(s) for s in result.sizes)
     print(f"\n{result.source.name} -> {result.out} ({sizes} px{', added' if args.add else ''})")
-    if not result.components:
+    if args.add and not result.components:
         print("nothing to add: every size given is converted already")
+        return 0
     print(f"{'component':<16}{'size':>10}{'nodes':>7}{'params':>15}{'export s':>9}{'peak mem':>10}  "
           f"{'max abs / rel error':<20}{'offload':>8}{'CPU':>5}")
     for c in result.components:
