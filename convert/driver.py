@@ -103,10 +103,6 @@ class ConvertOptions:
     def compile_options(self) -> CompileOptions:
         return CompileOptions.named(self.target, self.precision)
 
-    @property
-    def sizes(self) -> tuple[Size, ...] | None:
-        return self.res  # type: ignore[return-value]
-
 
 @dataclass
 class ComponentResult:
@@ -171,7 +167,7 @@ def convert(source: str | Path, components: str | Sequence[str] = "all", out: st
     src = resolve_source(source)
     comps = parse_components(components, src)
     factor = vae_scale_factor(_vae_config(src))
-    sizes = list(options.sizes or [Size.of(default_resolution(src))])
+    sizes = list(options.res or [Size.of(default_resolution(src))])  # type: ignore[arg-type]
     configs = {c: src.module_config(c) for c in comps}
     for size in sizes:
         check_resolution(size, configs, factor)
@@ -277,7 +273,7 @@ def _add_sizes(src: Source, comp: str, comp_dir: Path, sizes: list[Size], factor
     (each atomically), then ``sizes.json``. The shared data files are read, never written."""
     import shutil
 
-    for leftover in [*comp_dir.glob(".size-*.partial"), *comp_dir.glob("**/*.partial")]:
+    for leftover in [*comp_dir.glob("*.partial"), *(comp_dir / "dd").glob("*.partial")]:
         log.info("removing %s, left by an add that did not finish", leftover)
         shutil.rmtree(leftover) if leftover.is_dir() else leftover.unlink(missing_ok=True)
     have = {f.size for f in sizes_of(comp_dir)}

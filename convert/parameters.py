@@ -22,6 +22,8 @@ from typing import Any
 
 import numpy as np
 
+from sdnpu import external
+
 FORMAT, VERSION = "sdnpu-parameters", 1
 FILE = "parameters.json"
 SAMPLE = 64
@@ -45,11 +47,11 @@ def _tensor_samples(t: Any, folder: Path) -> bytes | None:
 
     dtype = np.dtype(helper.tensor_dtype_to_np_dtype(t.data_type))
     n = prod(t.dims)
-    if t.data_location == 1:  # EXTERNAL
-        info = {e.key: e.value for e in t.external_data}
-        base = int(info.get("offset", 0))
+    where = external.place(t)
+    if where is not None:
+        location, base, _ = where
         out = []
-        with open(folder / info["location"], "rb") as f:
+        with open(folder / location, "rb") as f:
             for a, b in _spans(n):
                 f.seek(base + a * dtype.itemsize)
                 out.append(f.read((b - a) * dtype.itemsize))

@@ -25,6 +25,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from sdnpu import external
 from sdnpu.errors import SdnpuError
 from sdnpu.fileio import atomic_write_json
 
@@ -58,20 +59,8 @@ def _initializers(proto: Any) -> list[Any]:
     return list(proto.graph.initializer)
 
 
-def _is_external(t: Any) -> bool:
-    import onnx
-
-    return bool(t.data_location == onnx.TensorProto.EXTERNAL)
-
-
-def _external(t: Any) -> tuple[str, int, int | None]:
-    info = {e.key: e.value for e in t.external_data}
-    length = info.get("length")
-    return info["location"], int(info.get("offset", 0)), int(length) if length is not None else None
-
-
 def _read_external(folder: Path, t: Any, handles: dict[str, Any]) -> bytes:
-    location, offset, length = _external(t)
+    location, offset, length = external.place(t)  # type: ignore[misc]
     f = handles.get(location)
     if f is None:
         f = handles[location] = open(folder / location, "rb")  # noqa: SIM115 - closed by the caller
@@ -120,11 +109,10 @@ def digests(graph: Path, cache: dict[str, Any] | None = None) -> dict[str, list[
     out: dict[str, list[int]] = {}
     with open(data, "rb") as f:
         for t in _initializers(proto):
-            if not _is_external(t):
+            where = external.place(t)
+            if where is None or where[0] != data.name or where[2] is None:
                 continue
-            location, offset, length = _external(t)
-            if location != data.name or length is None:
-                continue
+            offset, length = where[1], where[2]
             f.seek(offset)
             out.setdefault(_digest(f.read(length)), [offset, length])
     if cache is not None:
@@ -133,24 +121,12 @@ def digests(graph: Path, cache: dict[str, Any] | None = None) -> dict[str, list[
     return out
 
 
-def _point(t: Any, location: str, offset: int, length: int) -> None:
-    import onnx
-
-    for name in ("raw_data", "float_data", "int32_data", "int64_data", "double_data", "uint64_data"):
-        t.ClearField(name)
-    del t.external_data[:]
-    t.data_location = onnx.TensorProto.EXTERNAL
-    for key, value in (("location", location), ("offset", offset), ("length", length)):
-        item = t.external_data.add()
-        item.key, item.value = key, str(value)
-
-
 def _inline(t: Any, data: bytes) -> None:
     import onnx
 
     del t.external_data[:]
     t.data_location = onnx.TensorProto.DEFAULT
-    for name in ("float_data", "int32_data", "int64_data", "double_data", "uint64_data"):
+    for name in external.VALUE_FIELDS:
         t.ClearField(name)
     t.raw_data = data
 
@@ -177,20 +153,20 @@ def write_sized(src: Path, dest: Path, shared: dict[str, list[int]] | None, shar
                 if t.data_type == onnx.TensorProto.STRING:
                     stats.inline += 1
                     continue
-                data = _read_external(src.parent, t, handles) if _is_external(t) else _inline_bytes(t)
+                data = _read_external(src.parent, t, handles) if external.place(t) else _inline_bytes(t)
                 if len(data) <= INLINE_MAX:
                     _inline(t, data)
                     stats.inline += 1
                     continue
                 hit = shared.get(_digest(data)) if shared else None
                 if hit is not None and hit[1] == len(data) and shared_location is not None:
-                    _point(t, shared_location, hit[0], hit[1])
+                    external.point(t, shared_location, hit[0], hit[1])
                     stats.shared += 1
                     stats.shared_bytes += len(data)
                     continue
                 pad = -out.tell() % ALIGN if len(data) >= ALIGN else 0
                 out.write(b"\0" * pad)
-                _point(t, own, out.tell(), len(data))
+                external.point(t, own, out.tell(), len(data))
                 out.write(data)
                 stats.own += 1
                 stats.own_bytes += len(data)
@@ -227,8 +203,9 @@ def owns_its_data(graph: Path) -> bool:
     proto = onnx.load(str(graph), load_external_data=False)
     own = data_name(graph)
     for t in _initializers(proto):
-        if _is_external(t):
-            if _external(t)[0] != own:
+        where = external.place(t)
+        if where is not None:
+            if where[0] != own:
                 return False
         elif t.data_type != onnx.TensorProto.STRING and len(_inline_bytes(t)) > INLINE_MAX:
             return False

@@ -21,6 +21,7 @@ from typing import Any
 
 import numpy as np
 
+from sdnpu import external
 from sdnpu.errors import SdnpuError
 from sdnpu.memory import available_bytes
 
@@ -232,13 +233,11 @@ class SharedWeights:
         proto = onnx.load(str(path), load_external_data=False)
         n = 0
         for t in proto.graph.initializer:
-            if t.data_location != onnx.TensorProto.EXTERNAL or t.name in skip:
+            where = external.place(t)
+            if where is None or where[2] is None or t.name in skip:
                 continue
-            info = {e.key: e.value for e in t.external_data}
-            if "length" not in info:
-                continue
-            file = os.path.realpath(path.parent / info["location"])
-            offset, length = int(info.get("offset", 0)), int(info["length"])
+            file = os.path.realpath(path.parent / where[0])
+            offset, length = where[1], where[2]
             key = (file, offset, length, t.data_type, tuple(t.dims))
             value = self._values.get(key)
             if value is None:
@@ -334,9 +333,9 @@ def primary_names(primary: Path, path: Path) -> dict[str, str]:
     def places(p: Path) -> dict[tuple[str, ...], str]:
         out = {}
         for t in onnx.load(str(p), load_external_data=False).graph.initializer:
-            if t.data_location == onnx.TensorProto.EXTERNAL:
-                info = {e.key: e.value for e in t.external_data}
-                out[(os.path.realpath(p.parent / info["location"]), info.get("offset", "0"))] = t.name
+            where = external.place(t)
+            if where is not None:
+                out[(os.path.realpath(p.parent / where[0]), str(where[1]))] = t.name
             else:
                 out[("inline", t.name)] = t.name
         return out
@@ -365,14 +364,7 @@ def relocate_to_overlay(path: Path, opts: Any, manifest: dict[str, Any]) -> byte
         if t.data_type != entry["data_type"] or list(t.dims) != entry["shape"]:
             raise SdnpuError(f"the LoRA overlay's {t.name} does not match {path}",
                              hint="sdnpu lora remove, then apply the LoRAs again")
-        for field in ("raw_data", "float_data", "int32_data", "int64_data", "double_data", "uint64_data"):
-            t.ClearField(field)
-        del t.external_data[:]
-        t.data_location = onnx.TensorProto.EXTERNAL
-        for key, value in (("location", f"{OVERLAY_DIR}/{DATA}"), ("offset", entry["offset"]),
-                           ("length", entry["length"])):
-            item = t.external_data.add()
-            item.key, item.value = key, str(value)
+        external.point(t, f"{OVERLAY_DIR}/{DATA}", entry["offset"], entry["length"])
         found += 1
     if found != len(tensors):
         raise SdnpuError(f"{path} lacks {len(tensors) - found} of the LoRA overlay's tensors",
