@@ -203,6 +203,86 @@ def compile_into(source: Path, dd_dir: Path, info: dict[str, Any], options: Comp
     return report
 
 
+def plan_specialization(primary: Path, source: Path, target: Any) -> Any:
+    """The dispatch model ``primary`` (a compiled size of a component) re-derived for the input shapes of
+    the exported graph ``source`` (another size of it), in memory (``sdnpu.passes.specialize``); its outputs
+    must have the shapes ``source``'s have. Raises CannotSpecialize with the reason."""
+    import onnx
+
+    from sdnpu.convert import shared
+    from sdnpu.passes.specialize import CannotSpecialize, specialize
+
+    model = onnx.load(str(primary), load_external_data=False)
+    src = onnx.load(str(source), load_external_data=False)
+    inits = {t.name for t in src.graph.initializer}
+    dims = {vi.name: [int(d.dim_value) for d in vi.type.tensor_type.shape.dim]
+            for vi in [*src.graph.input, *src.graph.output] if vi.name not in inits}
+    handles: dict[str, Any] = {}
+    try:
+        plan = specialize(model, target, dims, lambda t: shared.tensor_bytes(primary.parent, t, handles))
+    finally:
+        for f in handles.values():
+            f.close()
+    for vi in plan.model.graph.output:
+        shape = [int(d.dim_value) for d in vi.type.tensor_type.shape.dim]
+        if vi.name in dims and dims[vi.name] != shape:
+            raise CannotSpecialize(f"its output {vi.name} comes out {shape}, the exported graph's is {dims[vi.name]}")
+    return plan
+
+
+def write_specialized(plan: Any, primary: Path, source: Path, dest: Path, dd_dir: Path, info: dict[str, Any],
+                      options: CompileOptions, check: FidelityCheck | None, seconds: float
+                      ) -> tuple[dict[str, Any], Any]:
+    """Write a specialized dispatch model (``plan_specialization``) to ``dest``, beside ``primary`` whose data
+    it reads, validate it, and write its report and weight record into ``dd_dir`` as a compile does (with
+    ``check``, the fidelity run against ``source``). Returns (the report, what the graph shares)."""
+    import onnx
+
+    from sdnpu.convert import shared
+    from sdnpu.passes import provenance
+    from sdnpu.reports import report as reports
+
+    name = info.get("component", source.parent.name)
+    stats = shared.write_proto(plan.model, dest)
+    with step(log, f"[{name}] validating {dest.name} (onnx.checker, full check)"):
+        try:
+            onnx.checker.check_model(str(dest), full_check=True)
+        except (onnx.checker.ValidationError, onnx.shape_inference.InferenceError) as e:
+            raise SdnpuError(f"the dispatch model specialized from {primary} is not valid ONNX: {str(e)[:600]}",
+                             hint="this is a compiler bug worth reporting with the model; meanwhile convert "
+                             "this size on its own (sdnpu convert --res WxH)") from e
+    fid = None
+    if check is not None:
+        feeds = check.feeds if check.feeds is not None else generic_inputs(source)
+        reference = check.reference
+        if reference is None:
+            with step(log, f"[{name}] running the fp32 graph for the fidelity check"):
+                reference = run_onnx(source, feeds, optimize=True)
+        with step(log, f"[{name}] running {dest.name} (reference bodies) for the fidelity check"):
+            actual = run_onnx(dest, feeds)
+        fid = fidelity(reference, actual)
+        log.info("[%s] dispatch vs fp32: min cosine %.6f, max abs error %.3g", name, fid["min_cosine"],
+                 fid["max_abs"])
+    first = json.loads((primary.parent / "report.json").read_text())
+    counts = {f"from {_size_name(first)}: nodes re-shaped": plan.reshaped, "masks made": len(plan.new_masks)}
+    passes = [{"name": "specialize", "seconds": round(seconds, 3), "counts": counts},
+              *[{**p, "seconds": 0.0} for p in first.get("passes", []) if p["name"] == "partition"]]
+    extra = {"target": options.target.name, "precision": options.precision, "peak_rss_bytes": peak_rss_bytes(),
+             "specialized_from": _size_name(first)}
+    report = reports.build(dest, source, passes, {**info, **extra}, fid, options.target)
+    reports.write(dd_dir, report)
+    record = json.loads((primary.parent / provenance.FILE).read_text())
+    weights = {k: v for k, v in record["weights"].items() if k not in set(plan.dropped)}
+    weights.update({k: provenance.LITERAL for k in plan.new_masks})
+    (dd_dir / provenance.FILE).write_text(json.dumps({**record, "source": source.name, "weights": weights}))
+    return report, stats
+
+
+def _size_name(report: dict[str, Any]) -> str:
+    size = report.get("size") or {}
+    return f"{size.get('width')}x{size.get('height')}" if size else "the primary"
+
+
 def _drop_outputs(model: Any, keep: list[str], name: str) -> list[str]:
     """Remove the graph outputs not in ``keep`` (canonicalize then removes the nodes only they needed)."""
     dropped = [v.name for v in model.graph.outputs if v.name not in keep]

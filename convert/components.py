@@ -56,8 +56,26 @@ def _wrapper_classes() -> dict[str, Any]:
         def forward(self, latent_sample: torch.Tensor) -> tuple[torch.Tensor]:  # type: ignore[override]
             return (self.vae.decode(latent_sample, return_dict=False)[0],)
 
+    class ControlNet(torch.nn.Module):
+        """diffusers' ControlNetModel: (sample, timestep, encoder_hidden_states, [text_embeds, time_ids],
+        controlnet_cond, conditioning_scale) -> the down-block residuals, then the mid-block's."""
+
+        def __init__(self, controlnet: Any, text_time: bool) -> None:
+            super().__init__()
+            self.controlnet = controlnet
+            self.text_time = text_time
+
+        def forward(self, *args: torch.Tensor) -> tuple[torch.Tensor, ...]:
+            sample, timestep, encoder_hidden_states = args[:3]
+            added = {"text_embeds": args[3], "time_ids": args[4]} if self.text_time else None
+            controlnet_cond, conditioning_scale = args[-2:]
+            down, mid = self.controlnet(sample, timestep, encoder_hidden_states, controlnet_cond=controlnet_cond,
+                                        conditioning_scale=conditioning_scale, added_cond_kwargs=added,
+                                        return_dict=False)
+            return (*down, mid)
+
     return {"TextEncoder": TextEncoder, "UNet": UNet, "UNetTextTime": UNetTextTime, "VaeEncoder": VaeEncoder,
-            "VaeDecoder": VaeDecoder}
+            "VaeDecoder": VaeDecoder, "ControlNet": ControlNet}
 
 
 def build_wrapper(component: str, module: Any, config: dict[str, Any]) -> Any:
@@ -71,6 +89,8 @@ def build_wrapper(component: str, module: Any, config: dict[str, Any]) -> Any:
         wrapper = classes["VaeEncoder"](module)
     elif component == "vae_decoder":
         wrapper = classes["VaeDecoder"](module)
+    elif component == "controlnet":
+        wrapper = classes["ControlNet"](module, text_time=unet_text_time(config))
     else:
         raise KeyError(component)
     return wrapper.eval()

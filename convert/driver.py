@@ -11,6 +11,7 @@ from __future__ import annotations
 import logging
 import platform
 import tempfile
+import time
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
@@ -46,6 +47,7 @@ from sdnpu.pipelines import (
     parse_sizes,
     sample_inputs,
     signature,
+    unet_text_time,
     vae_scale_factor,
 )
 from sdnpu.pipelines import default_resolution as resolution_rule
@@ -150,7 +152,10 @@ def parse_components(spec: str | Sequence[str], source: Source) -> list[str]:
 
 
 def default_resolution(source: Source) -> int:
-    """The resolution ``source`` was trained at (``sdnpu.pipelines.default_resolution``: 1024 for SDXL)."""
+    """The resolution ``source`` was trained at (``sdnpu.pipelines.default_resolution``: 1024 for SDXL; a
+    ControlNet alone: 1024 for SDXL's, 512 for SD 1.x's)."""
+    if "unet" not in source.modules and "controlnet" in source.modules:
+        return 1024 if unet_text_time(source.module_config("controlnet")) else 512
     return resolution_rule(source.module_config("unet") if "unet" in source.modules else None, _vae_config(source))
 
 
@@ -303,7 +308,8 @@ def _convert_size(src: Source, job: _Job, comp_dir: Path, fingerprint: str
 
     import onnx
 
-    from sdnpu.convert.compile import REPLACED
+    from sdnpu.convert.compile import REPLACED, FidelityCheck, plan_specialization, write_specialized
+    from sdnpu.passes.specialize import CannotSpecialize
 
     comp, size = job.component, job.res
     files = SizeFiles(size, False)
@@ -318,11 +324,27 @@ def _convert_size(src: Source, job: _Job, comp_dir: Path, fingerprint: str
         else:
             torch_stage = _torch_stage(src, job, path, [])
         release_memory()
-        result = _export_component(src, job, torch_stage, scratch, fingerprint)
+        dd_primary = comp_dir / "dd" / REPLACED
+        reuse = job.options.compile and dd_primary.is_file()
+        kept: dict[str, Any] = {}
+        result = _export_component(src, job, torch_stage, scratch, fingerprint, compile=not reuse, keep=kept)
         cache = shared.read_digest_cache(comp_dir)
         cached = json.dumps(cache, sort_keys=True)
+        plan, started = None, time.perf_counter()
+        if reuse:
+            if shared.make_shareable(dd_primary):
+                cache.pop(f"dd/{REPLACED}.data", None)
+            try:
+                plan = plan_specialization(dd_primary, scratch / MODEL_FILE, job.options.compile_options.target)
+            except CannotSpecialize as e:
+                log.warning("[%s] %s: the dispatch model of %s cannot be re-derived for this size (%s); compiling "
+                            "it in full", comp, size, comp_dir, e)
+                with step(log, f"[{comp}] compile stage") as t:
+                    result.report = _compile_stage(src, job, scratch, fingerprint, kept["feeds"], kept["actual"],
+                                                   kept["lora"])["summary"]
+                result.seconds["compile"] = round(t.seconds, 2)
         graphs = [(MODEL_FILE, files.model)]
-        if job.options.compile:
+        if job.options.compile and plan is None:
             graphs.append((f"dd/{REPLACED}", files.dispatch))
         stats: dict[str, Any] = {}
         with step(log, f"[{comp}] {size}: writing its graphs over the shared weights") as t:
@@ -338,7 +360,21 @@ def _convert_size(src: Source, job: _Job, comp_dir: Path, fingerprint: str
             if json.dumps(cache, sort_keys=True) != cached:
                 shared.write_digest_cache(comp_dir, cache)
         result.seconds["share"] = round(t.seconds, 2)
-        if job.options.compile:
+        if plan is not None:
+            planned = time.perf_counter() - started
+            with step(log, f"[{comp}] {size}: writing {files.dispatch}, re-derived from the primary's "
+                           f"({plan.reshaped} nodes re-shaped, {len(plan.new_masks)} masks made)") as t:
+                check = FidelityCheck(kept["feeds"], reference=kept["actual"]) if job.options.check else None
+                report, s = write_specialized(plan, dd_primary, scratch / MODEL_FILE, comp_dir / files.dispatch,
+                                              scratch / "dd", _compile_info(src, job, fingerprint, kept["lora"]),
+                                              job.options.compile_options, check, planned)
+            stats["dispatch"] = s.to_json()
+            result.report = report["summary"]
+            result.seconds["compile"] = round(planned + t.seconds, 2)
+            log.info("[%s] %s: offload rate %.2f%% (%d dispatch ops, %d CPU nodes)", comp, size,
+                     100 * result.report["offload_rate"], result.report["offloaded_nodes"],
+                     result.report["cpu_nodes"])
+        elif job.options.compile:
             with step(log, f"[{comp}] {size}: validating {files.dispatch} (onnx.checker, full check)"):
                 onnx.checker.check_model(str(comp_dir / files.dispatch), full_check=True)
         plain = SizeFiles(size, True)
@@ -504,7 +540,9 @@ def _torch_stage_from(source: str, job: _Job, path: str) -> _TorchStage:
 
 
 def _export_component(src: Source, job: _Job, torch_stage: _TorchStage, stage: Path,
-                      fingerprint: str) -> ComponentResult:
+                      fingerprint: str, compile: bool = True, keep: dict[str, Any] | None = None) -> ComponentResult:
+    """Check the exported graph in ``stage`` and, with ``compile`` (and the job's options), compile it into
+    ``stage/dd``; ``keep`` (when given) receives what a later compile of the same graph needs."""
     import onnx
 
     comp, res, options = job.component, job.res, job.options
@@ -531,18 +569,11 @@ def _export_component(src: Source, job: _Job, torch_stage: _TorchStage, stage: P
         seconds["onnx_run"] = round(t.seconds, 2)
         check_data = _check_outputs(comp, sig, reference, actual)
     summary = None
-    if options.compile:
-        from sdnpu.convert.compile import FidelityCheck, compile_into, keep_outputs
-
-        keep = keep_outputs(options.outputs, list(sig.outputs), comp, config, "text_encoder_2" in src.modules)
-        info = {"component": comp, "source": {"name": src.name, "kind": src.kind, "fingerprint": fingerprint},
-                **_resolution(res)}
-        if torch_stage.lora:
-            info["lora_fused"] = torch_stage.lora
-        check = FidelityCheck(feeds, reference=actual) if options.check else None
+    if keep is not None:
+        keep.update(feeds=feeds, actual=actual, lora=torch_stage.lora)
+    if options.compile and compile:
         with step(log, f"[{comp}] compile stage") as t:
-            summary = compile_into(path, stage / "dd", info, options.compile_options, outputs=keep,
-                                   check=check)["summary"]
+            summary = _compile_stage(src, job, stage, fingerprint, feeds, actual, torch_stage.lora)["summary"]
         seconds["compile"] = round(t.seconds, 2)
 
     result = ComponentResult(component=comp, path=path, nodes=len(graph.graph.node), parameters=n_params,
@@ -570,6 +601,29 @@ def _export_component(src: Source, job: _Job, torch_stage: _TorchStage, stage: P
         "tool": {"sdnpu": __version__, "python": platform.python_version(), **_versions()},
     })
     return result
+
+
+def _compile_info(src: Source, job: _Job, fingerprint: str, lora: dict[str, Any] | None) -> dict[str, Any]:
+    info = {"component": job.component, "source": {"name": src.name, "kind": src.kind, "fingerprint": fingerprint},
+            **_resolution(job.res)}
+    if lora:
+        info["lora_fused"] = lora
+    return info
+
+
+def _compile_stage(src: Source, job: _Job, stage: Path, fingerprint: str, feeds: dict[str, Any],
+                   actual: dict[str, Any] | None, lora: dict[str, Any] | None) -> dict[str, Any]:
+    """Compile ``stage/model.onnx`` into ``stage/dd`` (with the fidelity run when the job checks). Returns
+    the report."""
+    from sdnpu.convert.compile import FidelityCheck, compile_into, keep_outputs
+
+    comp, options = job.component, job.options
+    config = src.module_config(comp)
+    keep = keep_outputs(options.outputs, list(job.signature(config).outputs), comp, config,
+                        "text_encoder_2" in src.modules)
+    check = FidelityCheck(feeds, reference=actual) if options.check else None
+    return compile_into(stage / MODEL_FILE, stage / "dd", _compile_info(src, job, fingerprint, lora),
+                        options.compile_options, outputs=keep, check=check)
 
 
 def _resolution(res: Size) -> dict[str, Any]:

@@ -131,6 +131,12 @@ def _inline(t: Any, data: bytes) -> None:
     t.raw_data = data
 
 
+def tensor_bytes(folder: Path, t: Any, handles: dict[str, Any]) -> bytes:
+    """A tensor's bytes, from the graph or from its external data file in ``folder`` (``handles``: open
+    files, kept for the next call; the caller closes them)."""
+    return _read_external(folder, t, handles) if external.place(t) else _inline_bytes(t)
+
+
 def write_sized(src: Path, dest: Path, shared: dict[str, list[int]] | None, shared_location: str | None
                 ) -> ShareStats:
     """Write the graph at ``src`` (with its data, wherever it keeps it) to ``dest``: every tensor whose bytes
@@ -142,9 +148,51 @@ def write_sized(src: Path, dest: Path, shared: dict[str, list[int]] | None, shar
     import onnx
 
     proto = onnx.load(str(src), load_external_data=False)
+    handles: dict[str, Any] = {}
+
+    def place(t: Any, stats: ShareStats) -> bytes | None:
+        data = tensor_bytes(src.parent, t, handles)
+        hit = shared.get(_digest(data)) if shared and len(data) > INLINE_MAX else None
+        if hit is not None and hit[1] == len(data) and shared_location is not None:
+            external.point(t, shared_location, hit[0], hit[1])
+            stats.shared += 1
+            stats.shared_bytes += len(data)
+            return None
+        return data
+
+    try:
+        return _write(proto, dest, place)
+    finally:
+        for f in handles.values():
+            f.close()
+
+
+def write_proto(proto: Any, dest: Path) -> ShareStats:
+    """Write ``proto`` (a graph whose external tensors already point into data files in ``dest``'s folder:
+    a specialized size's dispatch model) to ``dest``, its tensors in the graph above 1 KB to ``dest``'s own
+    data file; atomically, as ``write_sized``."""
+    def place(t: Any, stats: ShareStats) -> bytes | None:
+        where = external.place(t)
+        if where is None:
+            return _inline_bytes(t)
+        if where[2] is None or not (dest.parent / where[0]).is_file() or where[0] == data_name(dest):
+            raise SdnpuError(f"{t.name} points at {where[0]}, which is not a shared data file beside {dest}",
+                             hint="convert the component again")
+        stats.shared += 1
+        stats.shared_bytes += where[2]
+        return None
+
+    return _write(proto, dest, place)
+
+
+def _write(proto: Any, dest: Path, place: Any) -> ShareStats:
+    """The writer of ``write_sized`` and ``write_proto``: ``place(tensor, stats)`` points a tensor that
+    stays where it is and returns None, or returns its bytes (kept in the graph up to 1 KB, else written to
+    ``dest``'s own data file)."""
+    import onnx
+
     own = data_name(dest)
     stats = ShareStats()
-    handles: dict[str, Any] = {}
     tmp_data = dest.with_name(own + ".partial")
     tmp_graph = dest.with_name(dest.name + ".partial")
     try:
@@ -153,16 +201,12 @@ def write_sized(src: Path, dest: Path, shared: dict[str, list[int]] | None, shar
                 if t.data_type == onnx.TensorProto.STRING:
                     stats.inline += 1
                     continue
-                data = _read_external(src.parent, t, handles) if external.place(t) else _inline_bytes(t)
+                data = place(t, stats)
+                if data is None:
+                    continue
                 if len(data) <= INLINE_MAX:
                     _inline(t, data)
                     stats.inline += 1
-                    continue
-                hit = shared.get(_digest(data)) if shared else None
-                if hit is not None and hit[1] == len(data) and shared_location is not None:
-                    external.point(t, shared_location, hit[0], hit[1])
-                    stats.shared += 1
-                    stats.shared_bytes += len(data)
                     continue
                 pad = -out.tell() % ALIGN if len(data) >= ALIGN else 0
                 out.write(b"\0" * pad)
@@ -172,9 +216,6 @@ def write_sized(src: Path, dest: Path, shared: dict[str, list[int]] | None, shar
                 stats.own_bytes += len(data)
             out.flush()
             os.fsync(out.fileno())
-        for f in handles.values():
-            f.close()
-        handles.clear()
         if stats.own:
             os.replace(tmp_data, dest.with_name(own))
         else:
@@ -188,8 +229,6 @@ def write_sized(src: Path, dest: Path, shared: dict[str, list[int]] | None, shar
         os.replace(tmp_graph, dest)
         stats.graph_bytes = len(blob)
     finally:
-        for f in handles.values():
-            f.close()
         for tmp in (tmp_data, tmp_graph):
             tmp.unlink(missing_ok=True)
     return stats

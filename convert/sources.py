@@ -1,9 +1,10 @@
 """Where modules come from: a built-in preset or a local diffusers folder.
 
-A *preset* is a diffusers pipeline config shipped in ``convert/presets/<name>/`` whose weights are drawn
-from a fixed seed (no model hub here). A *pipeline folder* has ``model_index.json`` (as
-``save_pretrained`` or a hub snapshot writes it). A *component folder* is one module's folder
-(``config.json`` plus weights), for example ``sdxl/unet``. All three take the same export path.
+A *preset* is a diffusers config shipped in ``convert/presets/<name>/`` whose weights are drawn from a fixed
+seed (no model hub here): a pipeline's (``model_index.json``) or one module's (``config.json``: the
+ControlNets). A *pipeline folder* has ``model_index.json`` (as ``save_pretrained`` or a hub snapshot writes
+it; a ControlNet pipeline's lists its ``controlnet``). A *component folder* is one module's folder
+(``config.json`` plus weights), for example ``sdxl/unet`` or a ControlNet. All take the same export path.
 """
 
 from __future__ import annotations
@@ -34,6 +35,7 @@ COMPONENT_MODULES: dict[str, str] = {
     "vae_encoder": "vae",
     "vae_decoder": "vae",
     "unet": "unet",
+    "controlnet": "controlnet",
 }
 COMPONENTS: tuple[str, ...] = tuple(COMPONENT_MODULES)
 
@@ -43,19 +45,22 @@ _CLASSES: dict[str, tuple[str, str]] = {
     "AutoencoderKL": ("diffusers", "AutoencoderKL"),
     "CLIPTextModel": ("transformers", "CLIPTextModel"),
     "CLIPTextModelWithProjection": ("transformers", "CLIPTextModelWithProjection"),
+    "ControlNetModel": ("diffusers", "ControlNetModel"),
 }
 _CLASS_MODULES: dict[str, tuple[str, ...]] = {
     "UNet2DConditionModel": ("unet",),
     "AutoencoderKL": ("vae",),
     "CLIPTextModel": ("text_encoder",),
     "CLIPTextModelWithProjection": ("text_encoder_2",),
+    "ControlNetModel": ("controlnet",),
 }
 _WEIGHT_SUFFIXES = (".safetensors", ".bin")
 _PIPELINE_FOLDERS = ("scheduler", "tokenizer", "tokenizer_2")
 
 
 def preset_names() -> list[str]:
-    return sorted(p.name for p in PRESETS_DIR.iterdir() if (p / "model_index.json").is_file())
+    return sorted(p.name for p in PRESETS_DIR.iterdir()
+                  if (p / "model_index.json").is_file() or (p / "config.json").is_file())
 
 
 def _read_json(path: Path) -> dict[str, Any]:
@@ -93,7 +98,7 @@ class Source:
     def module_dir(self, component: str) -> Path:
         key = COMPONENT_MODULES[component]
         if key not in self.modules:
-            if self.kind == "component":
+            if self.kind == "component" or not (self.root / "model_index.json").is_file():
                 raise SdnpuError(
                     f"{self.root} is a single {self.classes.get(next(iter(self.modules)), '')} folder: "
                     f"it has no {key!r} module for component {component!r}",
@@ -143,6 +148,8 @@ class Source:
                     module = cls(CLIPTextConfig(**{k: v for k, v in config.items() if k != "architectures"}))
             except (ValueError, KeyError, TypeError, AttributeError) as e:
                 raise SdnpuError(f"cannot build {cls_name} from {folder / 'config.json'}: {e}") from e
+            if cls_name == "ControlNetModel":
+                _unzero(module)
         else:
             module = _load_pretrained(cls, library, folder)
         if any(p.dtype != torch.float32 for p in module.parameters()):
@@ -152,8 +159,8 @@ class Source:
     def write_pipeline_files(self, out: Path) -> list[str]:
         """Copy what a runtime needs beside the graphs: model_index.json, scheduler/, tokenizer/,
         tokenizer_2/ (for presets the tokenizers are built from CLIP's BPE merges). Returns what it wrote."""
-        if self.kind == "component":
-            return []
+        if self.kind == "component" or not (self.root / "model_index.json").is_file():
+            return []  # one module (a ControlNet): it joins a pipeline folder, whose files are not its own
         written = []
         index = _read_json(self.root / "model_index.json")
         atomic_write_bytes(out / "model_index.json", (self.root / "model_index.json").read_bytes())
@@ -175,6 +182,20 @@ class Source:
                     shutil.copytree(src, stage, dirs_exist_ok=True)
                 written.append(name)
         return written
+
+
+def _unzero(module: Any) -> None:
+    """A new ControlNet's output convolutions start at zero (diffusers' ``zero_module``: training grows them
+    from the UNet's copy), so every residual it writes would be 0 and every comparison trivially exact. A
+    seeded preset gets them drawn like any other convolution (torch's default init), as a trained one has
+    them non-zero."""
+    import torch
+
+    for name, m in module.named_modules():
+        zeroed = name.startswith(("controlnet_down_blocks.", "controlnet_mid_block")) or \
+            name == "controlnet_cond_embedding.conv_out"
+        if zeroed and isinstance(m, torch.nn.Conv2d):
+            m.reset_parameters()
 
 
 def _load_pretrained(cls: Any, library: str, folder: Path) -> Any:
@@ -202,6 +223,8 @@ def resolve_source(source: str | os.PathLike[str]) -> Source:
     """A preset name or a folder path -> Source, or an SdnpuError saying what was expected."""
     text = str(source)
     if text in preset_names():
+        if not (PRESETS_DIR / text / "model_index.json").is_file():
+            return _module_source(text, "preset", PRESETS_DIR / text)
         return _pipeline_source(text, "preset", PRESETS_DIR / text)
     path = Path(text).expanduser()
     if not path.exists():
@@ -219,19 +242,24 @@ def resolve_source(source: str | os.PathLike[str]) -> Source:
     if (path / "model_index.json").is_file():
         return _pipeline_source(path.name, "pipeline", path)
     if (path / "config.json").is_file():
-        cls = _module_class(_read_json(path / "config.json"))
-        if cls not in _CLASS_MODULES:
-            raise SdnpuError(
-                f"{path} holds a {cls or 'unknown'} module, which sdnpu cannot export",
-                hint=f"supported module classes: {', '.join(_CLASSES)}",
-            )
-        (key,) = _CLASS_MODULES[cls]
-        return Source(name=path.name, kind="component", root=path, modules={key: path}, classes={key: cls})
+        return _module_source(path.name, "component", path)
     raise SdnpuError(
         f"{path} is not a diffusers folder: it has neither model_index.json nor config.json",
         hint="give a pipeline folder as `save_pretrained` or a hub snapshot writes it "
         "(model_index.json, unet/, vae/, text_encoder/, ...) or one module's folder",
     )
+
+
+def _module_source(name: str, kind: Literal["preset", "component"], path: Path) -> Source:
+    """One module's folder (``config.json``): a component folder, or a one-module preset."""
+    cls = _module_class(_read_json(path / "config.json"))
+    if cls not in _CLASS_MODULES:
+        raise SdnpuError(
+            f"{path} holds a {cls or 'unknown'} module, which sdnpu cannot export",
+            hint=f"supported module classes: {', '.join(_CLASSES)}",
+        )
+    (key,) = _CLASS_MODULES[cls]
+    return Source(name=name, kind=kind, root=path, modules={key: path}, classes={key: cls})
 
 
 def _pipeline_source(name: str, kind: Literal["preset", "pipeline"], root: Path) -> Source:

@@ -22,6 +22,8 @@ Weights are stored bf16 (fp32 for SDConv's bias, as the registry says) in the la
 
 from __future__ import annotations
 
+from typing import Any
+
 from sdnpu.ops.target import (FLOAT, INT, INTS, STRING, STRINGS, Attr, Input, Limit, OpSpec, Params, Target,
                               prod, register)
 
@@ -165,6 +167,45 @@ def _mha_macs(a: Params) -> int:
     return 2 * b * m * n * k  # Q·Kᵀ and P·V
 
 
+# --- output shapes (from the attributes) ---------------------------------------------------------------------
+
+def _conv_out(a: Params) -> list[int]:
+    b, h, w, _ = a["input_shape"]
+    oc, kh, kw, _ = a["weight_shape"]
+    (sh, sw), (dh, dw) = a["strides"], a.get("dilations", (1, 1))
+    top, left, bottom, right = a["pads"]
+    return [b, (h + top + bottom - dh * (kh - 1) - 1) // sh + 1, (w + left + right - dw * (kw - 1) - 1) // sw + 1, oc]
+
+
+def _gemm_out(a: Params) -> list[int]:
+    return [*a["input_shape"][:-1], a["weight_shape"][-1]]
+
+
+def _same_out(a: Params) -> list[int]:
+    return list(a["input_shape"])
+
+
+def _mha_out(a: Params) -> list[int]:
+    return list(a["input_shape"][:3])
+
+
+def _resize_out(a: Params) -> list[int]:
+    b, h, w, c = a["a_shape"]
+    return [b, 2 * h, 2 * w, c]
+
+
+def _broadcast_out(a: Params) -> list[int]:
+    import numpy as np
+
+    return [int(d) for d in np.broadcast_shapes(tuple(a["a_shape"]), tuple(a["b_shape"]))]
+
+
+def _concat_out(a: Params) -> list[int]:
+    x, y = list(a["a_shape"]), list(a["b_shape"])
+    axis = a["axis"] % len(x)
+    return [d + y[axis] if i == axis else d for i, d in enumerate(x)]
+
+
 # --- the table ----------------------------------------------------------------------------------------------
 
 _CONV = OpSpec(
@@ -201,7 +242,7 @@ _CONV = OpSpec(
                   "ROU conv_to_sd_conv2d (index 67074667776) sd3 vae_encoder shapes", _asymmetric_pads,
                   assumed=True)),
     views=(("input_shape", 0),), exact_inputs=(("weight_shape", 1),), exact_outputs=(("output_shape", 0),),
-    macs=_conv_macs, bfp="SDConv_bfp", bfp_in_dtypes=(BFP, BFP, F32))
+    macs=_conv_macs, output=_conv_out, bfp="SDConv_bfp", bfp_in_dtypes=(BFP, BFP, F32))
 
 _GEMM = OpSpec(
     "SDGemm",
@@ -223,7 +264,7 @@ _GEMM = OpSpec(
              "ROU passes.sd15.matmul_add_to_sd_gemm (index 66571986511) L236-275: fake bias, nonlinear='Gelu'"),
     limits=(_rank((3,)),),
     views=(("input_shape", 0),), exact_inputs=(("weight_shape", 1),), exact_outputs=(("output_shape", 0),),
-    macs=_gemm_macs, bfp="SDGemm_bfp", bfp_in_dtypes=(BFP, BFP, BF16))
+    macs=_gemm_macs, output=_gemm_out, bfp="SDGemm_bfp", bfp_in_dtypes=(BFP, BFP, BF16))
 
 _MATMUL = OpSpec(
     "SDMatMul",
@@ -238,7 +279,7 @@ _MATMUL = OpSpec(
              "ROU passes.sd15.matmul_to_sd_matmul (index 66541020914)"),
     limits=(_rank((3,)),),
     views=(("input_shape", 0),), exact_inputs=(("weight_shape", 1),), exact_outputs=(("output_shape", 0),),
-    macs=_gemm_macs)
+    macs=_gemm_macs, output=_gemm_out)
 
 _MHA_DOC = ("softmax(Q Kᵀ / sqrt(K / num_heads) + mask) V per head. Q: [B, M, K], K, V: [B, N, K] bf16, mask: "
             "[L] bf16 (0 for the N keys, -inf for padding up to L) -> [B, M, K].")
@@ -266,7 +307,8 @@ def _mha(op: str, version: str, flag: str | None, doc: str, bfp: str | None = No
                  "num_heads INT)", "DD src/ops/sd/mha.cpp:139-219",
                  "ROU passes.sd15.mha_to_sd_mha (index 66997991739) L160-277: op_version v1.0 -> SDMHA_VAE, "
                  "v1.1 -> SDFlatMHA, v2 -> SDMHA (M >= 256 and N >= 128); mask 0 / -inf"),
-        limits=_MHA_LIMITS, exact_outputs=(), macs=_mha_macs, bfp=bfp, bfp_in_dtypes=(BFP, BF16) if bfp else ())
+        limits=_MHA_LIMITS, exact_outputs=(), macs=_mha_macs, output=_mha_out, bfp=bfp,
+        bfp_in_dtypes=(BFP, BF16) if bfp else ())
 
 
 _LAYER_NORM = OpSpec(
@@ -286,7 +328,7 @@ _LAYER_NORM = OpSpec(
     limits=(_rank((3,)), Limit("last axis", "normalizes over the last axis only", "ROU index 67074094816",
                                _ln_last_axis)),
     views=(("input_shape", 0),), exact_inputs=(("gamma_shape", 1), ("beta_shape", 2)),
-    exact_outputs=(("output_shape", 0),))
+    exact_outputs=(("output_shape", 0),), output=_same_out)
 
 _GROUP_NORM = OpSpec(
     "SDGroupNorm",
@@ -306,7 +348,8 @@ _GROUP_NORM = OpSpec(
              "ROU SDGroupNorm pass (index 66800325324) L144-233: channels_last, copies the GroupNorm's "
              "attributes, gamma_shape/beta_shape, nonlinear='Silu' for GroupNorm -> Sigmoid -> Mul"),
     limits=(_rank((4,)), Limit("groups", "C divides into groups", "ROU index 66800325324", _gn_groups)),
-    views=(("input_shape", 0),), exact_inputs=(("wts_shape", 1),), exact_outputs=(("output_shape", 0),))
+    views=(("input_shape", 0),), exact_inputs=(("wts_shape", 1),), exact_outputs=(("output_shape", 0),),
+    output=_same_out)
 
 _DUMMY_SILU = Input("wts", "dummy", "uint8", "[128]", dummy_shape=(128,))
 _SILU = OpSpec(
@@ -319,7 +362,8 @@ _SILU = OpSpec(
              "DD src/ops/sd/silu.cpp:145-197 (shapes incl. [2, 1280], the time embedding)",
              "ROU SDSilu pass (index 66439740860)"),
     limits=(_rank((2, 3, 4)),),
-    views=(("input_shape", 0),), exact_inputs=(("weight_shape", 1),), exact_outputs=(("output_shape", 0),))
+    views=(("input_shape", 0),), exact_inputs=(("weight_shape", 1),), exact_outputs=(("output_shape", 0),),
+    output=_same_out)
 
 _GELU = OpSpec(
     "SDGelu", "GELU. X: [B, M, N] bf16; w: a 128-byte buffer the kernel needs.",
@@ -332,7 +376,7 @@ _GELU = OpSpec(
     limits=(_rank((3,)), Limit("tanh GELU", "the tanh approximation: AMD lists SD3's GELU shapes (SD3 uses tanh "
                                "GELU) but no source says the kernel computes it", "ROU index 66602077881",
                                _gelu_tanh, assumed=True)),
-    views=(("input_shape", 0),), exact_outputs=(("output_shape", 0),))
+    views=(("input_shape", 0),), exact_outputs=(("output_shape", 0),), output=_same_out)
 
 _RESIZE = OpSpec(
     "SDResize", "2x nearest-neighbour upsampling in NHWC. A: [B, H, W, C] bf16 -> [B, 2H, 2W, C]; w: a 128-byte "
@@ -344,18 +388,18 @@ _RESIZE = OpSpec(
              "ROU SDResize pass (index 67086530820): scales [1, 2, 2, 1], mode nearest, nearest_mode floor"),
     limits=(Limit("2x nearest", "nearest (asymmetric, floor), H and W doubled", "ROU index 67086530820",
                   _resize_2x),),
-    views=(("a_shape", 0),), exact_outputs=(("c_shape", 0),))
+    views=(("a_shape", 0),), exact_outputs=(("c_shape", 0),), output=_resize_out)
 
 
 def _binary(op: str, doc: str, sources: tuple[str, ...], extra: tuple[Attr, ...] = (),
-            limits: tuple[Limit, ...] = ()) -> OpSpec:
+            limits: tuple[Limit, ...] = (), output: Any = _broadcast_out) -> OpSpec:
     return OpSpec(
         op, doc, inputs=(Input("A", "activation", BF16, "[..]"), Input("B", "activation", BF16, "[..]")),
         attrs=(_shape("a_shape", "the view of A"), _shape("b_shape", "the view of B"),
                _shape("c_shape", "the output's shape"), *_DTYPES, *extra),
         in_dtypes=(BF16, BF16), out_dtypes=(BF16,), layout="any", sources=sources,
         limits=(Limit("rank", "rank 2 to 4", sources[0], _elementwise_rank), *limits),
-        views=(("a_shape", 0), ("b_shape", 1)), exact_outputs=(("c_shape", 0),))
+        views=(("a_shape", 0), ("b_shape", 1)), exact_outputs=(("c_shape", 0),), output=output)
 
 
 _BROADCAST = Limit("broadcast", "B equals A, or is A's shape with some axes 1 ([B, 1, 1, C], [B, 1, C], "
@@ -379,7 +423,7 @@ _CONCAT = _binary(
      "DD tests/cpp/sd_concat/model.py:40-63", "DD src/ops/sd/concat.cpp:159-185, 253 (axis, two tensors)",
      "ROU passes.sd15.concat_to_sd_concat (index 66831085692): two activations, not both 2-D, copies axis"),
     extra=(Attr("axis", INT, "the Concat's axis", "copied"),),
-    limits=(Limit("not 2-D", "not both operands 2-D", "ROU index 66831085692", _not_both_2d),))
+    limits=(Limit("not 2-D", "not both operands 2-D", "ROU index 66831085692", _not_both_2d),), output=_concat_out)
 _SLICE = OpSpec(
     "SDSlice", "A slice keyed only by its (input, output) shapes: the kernel has no start/end attributes, and "
     "AMD's passes use it for SD3's joint-attention splits only. The rules do not emit it.",

@@ -92,6 +92,9 @@ class OpSpec:
     # (attribute, output index): the attribute equals that output's shape exactly
     exact_outputs: tuple[tuple[str, int], ...] = ()
     macs: Callable[[Params], int] | None = None  # from the node's attributes
+    # the output's shape from the node's attributes (None: they do not say it); the size specializer
+    # (sdnpu.passes.specialize) re-derives a compiled graph's shapes with it
+    output: Callable[[Params], list[int]] | None = None
     bfp: str | None = None  # this op's BFP16 variant, where the target has one
     bfp_in_dtypes: tuple[str, ...] = ()
 
@@ -104,6 +107,18 @@ class OpSpec:
             b, m, k, n = attrs["input_shape"]
             return {0: [b, m, k], 1: [b, n, k], 2: [b, n, k]}
         return {i: list(attrs[a]) for a, i in self.views if a in attrs}
+
+    def with_views(self, attrs: Params, views: Mapping[int, Sequence[int]]) -> dict[str, Any]:
+        """``attrs`` with the view attributes set from ``views`` (input index -> shape): the inverse of
+        ``input_views``."""
+        out = dict(attrs)
+        if "input_shape" in attrs and len(self.inputs) >= 3 and self.inputs[1].name == "K":  # the MHA ops
+            out["input_shape"] = [*views[0], list(views[1])[1]]
+            return out
+        for a, i in self.views:
+            if a in attrs and i in views:
+                out[a] = [int(d) for d in views[i]]
+        return out
 
     @property
     def activation_inputs(self) -> tuple[int, ...]:

@@ -295,9 +295,10 @@ def render_text(r: dict[str, Any]) -> str:
     return "\n".join(lines) + "\n"
 
 
-def write(dd_dir: Path, report: dict[str, Any]) -> None:
-    atomic_write_text(dd_dir / "report.json", json.dumps(report, indent=2, default=str) + "\n")
-    atomic_write_text(dd_dir / "onnx_report.txt", render_text(report))
+def write(dd_dir: Path, report: dict[str, Any], name: str = "report.json", text: str = "onnx_report.txt") -> None:
+    """The report as JSON and as text, in ``dd_dir`` (another size's: its ``WxH`` names, ``sdnpu.sizes``)."""
+    atomic_write_text(dd_dir / name, json.dumps(report, indent=2, default=str) + "\n")
+    atomic_write_text(dd_dir / text, render_text(report))
 
 
 def _file_bytes(path: Path) -> int:

@@ -119,8 +119,13 @@ def pack_model(source: Path, out_dir: Path) -> dict[str, int]:
 
 
 def pack(folder: str | Path) -> dict[str, dict[str, int]]:
-    """Pack every component's dispatch model under ``folder`` (a converted folder or one component's) into
-    ``<component>/dd/packed/``, each folder replaced atomically."""
+    """Pack every component's dispatch models under ``folder`` (a converted folder or one component's) into
+    ``<component>/dd/packed/``, each folder replaced atomically. A component converted at several sizes gets
+    every size's model under its own name (``replaced.WxH.onnx``), each with its own packed weights: AMD's
+    packing follows per-shape layer parameters, so one size's blobs are not assumed to fit another's.
+    Returns counts by component (``"<component> WxH"`` for the sizes after the first)."""
+    from sdnpu.sizes import sizes_of
+
     folder = Path(folder)
     sources = sorted(folder.glob("*/dd/replaced.onnx")) or sorted(folder.glob("dd/replaced.onnx"))
     if not sources:
@@ -128,9 +133,14 @@ def pack(folder: str | Path) -> dict[str, dict[str, int]]:
     amd_packer()  # fail before anything is written
     results = {}
     for source in sources:
-        name = source.parent.parent.name
+        comp_dir = source.parent.parent
+        name = comp_dir.name
+        sizes = sizes_of(comp_dir)
+        graphs = [(name if f.primary else f"{name} {f.size}", comp_dir / f.dispatch) for f in sizes]
         with staged_dir(source.parent / PACKED_DIR) as stage:
-            results[name] = pack_model(source, stage)
-        log.info("[%s] packed into %s: %s", name, source.parent / PACKED_DIR,
-                 ", ".join(f"{k} {v}" for k, v in results[name].items()))
+            for key, graph in graphs or [(name, source)]:
+                results[key] = pack_model(graph, stage)
+        for key, _ in graphs or [(name, source)]:
+            log.info("[%s] packed into %s: %s", key, source.parent / PACKED_DIR,
+                     ", ".join(f"{k} {v}" for k, v in results[key].items()))
     return results

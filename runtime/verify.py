@@ -28,28 +28,35 @@ from sdnpu.reports.show import COMPONENT_ORDER
 from sdnpu.lora.adapters import COMPONENTS as LORA_COMPONENTS
 from sdnpu.lora.overlay import read_manifest
 from sdnpu.runtime.pipeline import GenerateOptions, Pipeline
-from sdnpu.runtime.session import RuntimeOptions, open_component, open_component_path
+from sdnpu.pipelines import SIZED, Size
+from sdnpu.runtime.session import RuntimeOptions, component_path, open_component, open_component_path
+from sdnpu.sizes import SizeFiles, sizes_of
 from sdnpu.worker import run_in_worker
 
 log = logging.getLogger(__name__)
 
+ONE_WORKER_BELOW = 1 << 30  # bytes (memory.estimate): a smaller model runs all its inputs in one worker
 
-def _component(folder: Path, name: str, runs: tuple[tuple[int, float], ...]) -> dict[str, Any]:
+
+def _component(folder: Path, name: str, runs: tuple[tuple[int, float], ...], size: Any = None) -> dict[str, Any]:
     """The optimistic and pessimistic fidelity of one component, each the worst over ``runs``. Each run (the
     fp32 graph, the dispatch model, the pessimistic model, on each input) is a worker process of its own: a
     deleted onnxruntime session leaves gigabytes behind in the process (``sdnpu.worker``), and three inputs
     through one session roughly doubled a run's peak (SDXL at 1024 px: the VAE encoder's dispatch model 9.2 GB
     against 4.9 GB, its pessimistic model 11.4 against 6.2; the VAE decoder's pessimistic run was killed by
-    the kernel on a 24 GB machine, and peaks at 9.2 GB one input at a time)."""
-    source = folder / name / "model.onnx"
-    dispatch = folder / name / "dd" / "replaced.onnx"
-    for path in (source, dispatch):
-        check_fits(path, f"[{name}] running {path.name}", hint="verify the other components: sdnpu verify takes a "
-                   "folder, move this one aside; or convert at a smaller RES")
+    the kernel on a 24 GB machine, and peaks at 9.2 GB one input at a time). A model estimated under
+    ``ONE_WORKER_BELOW`` runs its inputs in one worker: starting a process costs more than such a run."""
+    source = component_path(folder, name, True, size)
+    dispatch = component_path(folder, name, False, size)
+    peak = max(check_fits(path, f"[{name}] running {path.name}", hint="verify the other components: sdnpu verify "
+                          "takes a folder, move this one aside; or convert at a smaller RES").bytes
+               for path in (source, dispatch))
     feeds = [range_inputs(source, seed, t) for seed, t in runs]
 
     def each(model: str, what: str, path: Path | None = None) -> list[dict[str, np.ndarray]]:
-        return [run_in_worker(_run, folder, name, model, [f], path, what=what)[0] for f in feeds]
+        if peak < ONE_WORKER_BELOW:
+            return run_in_worker(_run, folder, name, model, feeds, path, size, what=what)  # type: ignore[no-any-return]
+        return [run_in_worker(_run, folder, name, model, [f], path, size, what=what)[0] for f in feeds]
 
     with step(log, f"[{name}] fp32 graph, {len(runs)} inputs"):
         references = each("fp32", f"running {name}'s fp32 graph")
@@ -67,34 +74,58 @@ def _component(folder: Path, name: str, runs: tuple[tuple[int, float], ...]) -> 
             "pessimistic": {**pessimistic, "inputs": f"worst of {described}; every body intermediate in bf16"}}
 
 
-def _run(folder: Path, name: str, model: str, feeds: list[dict[str, np.ndarray]], pessimistic: Path | None = None
-         ) -> list[dict[str, np.ndarray]]:
+def _run(folder: Path, name: str, model: str, feeds: list[dict[str, np.ndarray]], pessimistic: Path | None = None,
+         size: Any = None) -> list[dict[str, np.ndarray]]:
     """(In a worker.) ``name``'s fp32 graph (onnxruntime's optimizations on), dispatch model (off: they would
     fold each bf16 weight into an fp32 copy), or the pessimistic dispatch model written at ``pessimistic``
     (once per component, in a worker of its own: the SDXL UNet's is 5 GB of weights), on each of ``feeds``."""
     if model == "fp32":
-        session = open_component(folder, name, reference=True, options=RuntimeOptions(optimize=True))
+        session = open_component(folder, name, reference=True, options=RuntimeOptions(optimize=True), size=size)
     elif model == "dispatch":
-        session = open_component(folder, name, options=RuntimeOptions(optimize=False))
+        session = open_component(folder, name, options=RuntimeOptions(optimize=False), size=size)
     else:
         assert pessimistic is not None  # with the folder's LoRAs, as the dispatch model has them
         session = open_component_path(pessimistic, name, comp_dir=folder / name)
     return [session.run(f) for f in feeds]
 
 
-def _generate(folder: Path, reference: bool, opts: GenerateOptions) -> np.ndarray:
+def _generate(folder: Path, reference: bool, opts: GenerateOptions, size: Any = None) -> np.ndarray:
     """(In a worker.) One image through the whole pipeline."""
-    return Pipeline(folder, reference=reference)(opts)
+    return Pipeline(folder, reference=reference, size=size)(opts)
+
+
+def _files(folder: Path, name: str, size: Any) -> SizeFiles:
+    """``name``'s files at ``size`` (None, or a component that does not depend on it: the primary's)."""
+    if size is not None and name in SIZED:
+        match = next((f for f in sizes_of(folder / name) if f.size == size), None)
+        if match is not None:
+            return match
+    return SizeFiles(size or Size(0, 0), True)
 
 
 def verify(folder: str | Path, steps: int = 3, seed: int = 0, prompt: str = "a photo of a cat",
-           runs: tuple[tuple[int, float], ...] = RANGE_RUNS) -> dict[str, Any]:
+           runs: tuple[tuple[int, float], ...] = RANGE_RUNS, size: Any = None) -> dict[str, Any]:
+    """Verify the dispatch models under ``folder`` (see the module's doc). ``size``: one of the sizes the folder
+    is converted at (None: the primary); at another size, the components that depend on it (the UNet, the
+    VAEs) are verified at it and the pipeline runs at it; their reports of that size get the results."""
     folder = Path(folder)
+    size = Size.of(size) if size is not None else None
     present = [c for c in COMPONENT_ORDER if (folder / c / "dd" / "report.json").is_file()
                and (folder / c / "model.onnx").is_file()]
     if not present:
         raise SdnpuError(f"no converted component with a dispatch model under {folder}",
                          hint="make convert MODEL=all (OUT=...) first")
+    if size is not None:
+        have = [c for c in present if c in SIZED and any(f.size == size for f in sizes_of(folder / c))]
+        for name in sorted(present, key=lambda c: (c != "unet", c != "vae_decoder")):  # the UNet's refusal first
+            if name in SIZED and name not in have:
+                if name in ("unet", "vae_decoder") or not have:  # what the pipeline needs: the list, the --add hint
+                    component_path(folder, name, False, size)
+                log.info("[%s] not converted at %s: not verified", name, size)
+        if all(_files(folder, name, size).primary for name in have):
+            size = None  # the primary's
+        else:
+            present = have
     lora = {}
     for name in present:  # an applied LoRA is in both models of the comparison (runtime.session)
         manifest = read_manifest(folder / name / "dd") if name in LORA_COMPONENTS else None
@@ -104,25 +135,29 @@ def verify(folder: str | Path, steps: int = 3, seed: int = 0, prompt: str = "a p
                      ", ".join(lora[name]))
     results: dict[str, Any] = {"components": {}, "pipeline": None, "lora": lora}
     for name in present:
-        results["components"][name] = _component(folder, name, runs)
-    if (folder / "model_index.json").is_file() and {"unet", "vae_decoder", "text_encoder"} <= set(present):
+        results["components"][name] = _component(folder, name, runs, size)
+    pipeline = {"unet", "vae_decoder"} <= set(present) and (folder / "text_encoder" / "dd" / "report.json").is_file()
+    if (folder / "model_index.json").is_file() and pipeline:
         opts = GenerateOptions(prompt, steps=steps, seed=seed)
         with step(log, f"pipeline, {steps} steps, dispatch models"):
-            ours = run_in_worker(_generate, folder, False, opts, what="running the pipeline (dispatch models)")
+            ours = run_in_worker(_generate, folder, False, opts, size, what="running the pipeline (dispatch models)")
         with step(log, f"pipeline, {steps} steps, fp32 graphs"):
-            ref = run_in_worker(_generate, folder, True, opts, what="running the pipeline (fp32 graphs)")
+            ref = run_in_worker(_generate, folder, True, opts, size, what="running the pipeline (fp32 graphs)")
         mse = float(np.mean((ours.astype(np.float64) - ref) ** 2))
         results["pipeline"] = {"prompt": prompt, "steps": steps, "seed": seed,
                                "psnr_db": float(10 * np.log10(255**2 / mse)) if mse else float("inf")}
+    if size is not None:
+        results["size"] = str(size)
     for name, fid in results["components"].items():
         dd = folder / name / "dd"
-        report = json.loads((dd / "report.json").read_text())
+        files = _files(folder, name, size)
+        report = json.loads((folder / name / files.report).read_text())
         if lora.get(name):  # measured with the applied LoRAs: kept with them (lora remove drops it)
             report["lora"]["fidelity"] = {**fid["optimistic"], "pipeline": results["pipeline"]}
             report["lora"]["fidelity_pessimistic"] = fid["pessimistic"]
         else:
             report["fidelity"] = {**fid["optimistic"], "pipeline": results["pipeline"]}
             report["fidelity_pessimistic"] = fid["pessimistic"]
-        reports.write(dd, report)
-    atomic_write_json(folder / "verify.json", results)
+        reports.write(dd, report, Path(files.report).name, Path(files.text_report).name)
+    atomic_write_json(folder / (f"verify.{size}.json" if size is not None else "verify.json"), results)
     return results

@@ -192,14 +192,23 @@ def _cmd_pack(args: argparse.Namespace) -> int:
     results = pack(args.models)
     for name, counts in results.items():
         print(f"{name:<16}{', '.join(f'{k} {v}' for k, v in counts.items()) or 'nothing to pack'}")
-    print(f"written to <component>/dd/{PACKED_DIR}/replaced.onnx (for AMD's custom ops only: no reference bodies)")
+    print(f"written to <component>/dd/{PACKED_DIR}/replaced.onnx, and replaced.WxH.onnx for each other size (for "
+          "AMD's custom ops only: no reference bodies)")
     return 0
 
 
 def _cmd_verify(args: argparse.Namespace) -> int:
     from sdnpu.runtime import verify
 
-    results = verify(args.models, steps=args.steps, seed=args.seed)
+    size = None
+    if args.width or args.height:
+        from sdnpu.pipelines import Size
+
+        if not (args.width and args.height):
+            raise SdnpuError("--width and --height go together in sdnpu verify",
+                             hint="give both: the size to verify, one the folder is converted at")
+        size = Size(args.height, args.width)
+    results = verify(args.models, steps=args.steps, seed=args.seed, size=size)
     print("worst over 3 seeded inputs (the UNet's at timesteps 999, 500, 1), against the fp32 graphs:")
     print(f"{'component':<16}{'min cosine':>24}{'max abs':>24}  PSNR (images)")
     print(f"{'':<16}{'optimistic':>12}{'pessimistic':>12}{'optimistic':>12}{'pessimistic':>12}")
@@ -214,7 +223,8 @@ def _cmd_verify(args: argparse.Namespace) -> int:
     if pipe:
         print(f"pipeline ({pipe['steps']} steps, seed {pipe['seed']}): image PSNR {pipe['psnr_db']:.1f} dB, "
               "dispatch models against the fp32 graphs")
-    print(f"written into each dd/report.json and {args.models}/verify.json")
+    where = f"report.{size}.json" if results.get("size") else "report.json"
+    print(f"written into each dd/{where} and {args.models}/verify{'.' + str(size) if results.get('size') else ''}.json")
     return 0
 
 
@@ -337,6 +347,9 @@ def build_parser() -> argparse.ArgumentParser:
     ver.add_argument("models", nargs="?", default="models/sdxl-base")
     ver.add_argument("--steps", type=int, default=3, help="denoising steps of the pipeline comparison")
     ver.add_argument("--seed", type=int, default=0)
+    ver.add_argument("--width", type=int, default=None, help="verify another of the sizes the folder is converted "
+                     "at (with --height): the UNet and the VAEs at it, and the pipeline")
+    ver.add_argument("--height", type=int, default=None)
     ver.set_defaults(func=_cmd_verify)
     return parser
 

@@ -86,7 +86,7 @@ SDXL_BUCKETS = ("1024x1024", "1152x896", "896x1152", "1216x832", "832x1216", "13
 SIZE_LISTS = {"sdxl-buckets": SDXL_BUCKETS}
 # The components whose graphs depend on the image size: converted at every size of --res (the text encoders
 # once).
-SIZED = ("unet", "vae_encoder", "vae_decoder")
+SIZED = ("unet", "vae_encoder", "vae_decoder", "controlnet")
 
 
 def parse_sizes(spec: int | str | Size | Sequence[int | str | Size]) -> list[Size]:
@@ -171,6 +171,13 @@ def signature(component: str, config: dict[str, Any], res: int | Size, vae_facto
                 hint="sdnpu exports SD 1.x/2.x UNets (no added conditioning) and SDXL's text_time UNet",
             )
         return Signature(tuple(inputs), ("out_sample",))
+    if component == "controlnet":  # the UNet's inputs, the control image and its scale (an input: no recompile)
+        base = signature("unet", config, size, vae_factor)
+        inputs = [*base.inputs,
+                  TensorSpec("controlnet_cond", (UNET_BATCH, config.get("conditioning_channels", 3), size.height,
+                                                 size.width), f32),
+                  TensorSpec("conditioning_scale", (), f32)]
+        return Signature(tuple(inputs), controlnet_outputs(config))
     if component == "vae_encoder":
         return Signature((TensorSpec("sample", (1, config["in_channels"], size.height, size.width), f32),),
                          ("latent_parameters",))
@@ -180,10 +187,21 @@ def signature(component: str, config: dict[str, Any], res: int | Size, vae_facto
     raise KeyError(component)
 
 
+def controlnet_outputs(config: dict[str, Any]) -> tuple[str, ...]:
+    """A ControlNet's outputs, in the order diffusers passes them to the UNet (``down_block_additional_residuals``
+    then ``mid_block_additional_residual``): one residual for conv_in, one per resnet of each down block and
+    one per downsampler (every block but the last), then the mid block's."""
+    n_blocks = len(config["down_block_types"])
+    layers = config["layers_per_block"]
+    per_block = list(layers) if isinstance(layers, (list, tuple)) else [layers] * n_blocks
+    n = 1 + sum(per_block[i] + (i < n_blocks - 1) for i in range(n_blocks))
+    return (*(f"down_block_res_samples.{i}" for i in range(n)), "mid_block_res_sample")
+
+
 def resolution_step(component: str, config: dict[str, Any], vae_factor: int) -> int:
     """The resolution must be a multiple of this (each down block halves the latent, and the UNet's
     skip connections need the halves to line up again)."""
-    if component == "unet":
+    if component in ("unet", "controlnet"):
         return vae_factor * 2 ** (len(config["block_out_channels"]) - 1)
     return vae_factor
 
@@ -210,6 +228,10 @@ def sample_inputs(sig: Signature, config: dict[str, Any], res: int | Size, seed:
             feeds[spec.name] = np.tile(np.array([h, w, 0, 0, h, w], np.float32), (spec.shape[0], 1))
         elif spec.name == "sample" and len(spec.shape) == 4 and spec.shape[1] == 3:  # an image in [-1, 1]
             feeds[spec.name] = rng.uniform(-1, 1, size=spec.shape).astype(np.float32)
+        elif spec.name == "controlnet_cond":  # a control image in [0, 1], as diffusers prepares it
+            feeds[spec.name] = rng.uniform(0, 1, size=spec.shape).astype(np.float32)
+        elif spec.name == "conditioning_scale":
+            feeds[spec.name] = np.array(0.8, dtype=np.float32)
         else:
             feeds[spec.name] = rng.standard_normal(spec.shape, dtype=np.float32)
     return feeds

@@ -2,8 +2,12 @@
 
 from __future__ import annotations
 
+import hashlib
 import os
+import shutil
 from pathlib import Path
+
+import numpy as np
 
 import pytest
 
@@ -40,4 +44,45 @@ def tiny_pipeline_folder(tmp_path_factory: pytest.TempPathFactory) -> Path:
     )
     folder = tmp_path_factory.mktemp("local") / "my-sdxl"
     pipe.save_pretrained(folder)
+    return folder
+
+
+def _digest(path: Path) -> str:
+    return hashlib.sha256(path.read_bytes()).hexdigest()
+
+
+def _tree(folder: Path) -> dict[str, str]:
+    return {str(p.relative_to(folder)): _digest(p) for p in sorted(folder.rglob("*")) if p.is_file()}
+
+
+def _arrays(path: Path) -> dict[str, np.ndarray]:
+    import onnx
+    from onnx import numpy_helper
+
+    model = onnx.load(str(path))
+    return {t.name: numpy_helper.to_array(t) for t in model.graph.initializer}
+
+
+@pytest.fixture(scope="session")
+def two_sizes(tiny_conversion, tmp_path_factory) -> Path:
+    """The session's tiny-sdxl conversion (256x256) copied, and 320x256 added to its UNet and VAE decoder
+    (their dispatch models re-derived from the primary's: sdnpu.passes.specialize). Read-only: copy it first."""
+    from sdnpu.convert import convert
+
+    folder = tmp_path_factory.mktemp("sizes") / "tiny-sdxl"
+    shutil.copytree(tiny_conversion.out, folder)
+    before = _tree(folder)
+    result = convert("tiny-sdxl", "unet,vae_decoder", out=folder, res="320x256", add=True)
+    assert [(c.component, c.size) for c in result.components] == [("vae_decoder", "320x256"), ("unet", "320x256")]
+    after = _tree(folder)
+    changed = {k for k in before if before[k] != after.get(k)}
+    # tiny-sdxl keeps its weights inside the graph: the first added size moves them, once, into the data files
+    # that the sizes then share; nothing else that was there changes but the reports' sizes tables
+    assert changed <= {f"{c}/{f}" for c in ("unet", "vae_decoder")
+                       for f in ("model.onnx", "dd/replaced.onnx", "dd/report.json", "dd/onnx_report.txt",
+                                 "sizes.json")}
+    for comp in ("unet", "vae_decoder"):
+        for graph in ("model.onnx", "dd/replaced.onnx"):  # the same tensors, now in the data file
+            a, b = _arrays(tiny_conversion.out / comp / graph), _arrays(folder / comp / graph)
+            assert a.keys() == b.keys() and all(np.array_equal(a[k], b[k]) for k in a)
     return folder

@@ -73,3 +73,21 @@ def test_pack_feeds_the_packer_what_it_takes(tiny_conversion, tmp_path, monkeypa
         if node.op_type == "SDMHA_VAE":
             assert inits[node.input[3]].data_type == onnx.TensorProto.UINT16
     onnx.checker.check_model(packed)
+
+
+def test_pack_packs_every_size(two_sizes, tmp_path, monkeypatch):
+    folder = tmp_path / "conv"
+    shutil.copytree(two_sizes / "vae_decoder", folder / "vae_decoder")
+    calls: list = []
+    parent = types.ModuleType("ryzenai_dynamic_dispatch")
+    parent.sd = _stand_in(calls)
+    monkeypatch.setitem(sys.modules, "ryzenai_dynamic_dispatch", parent)
+    monkeypatch.setitem(sys.modules, "ryzenai_dynamic_dispatch.sd", parent.sd)
+    counts = pack(folder)
+    assert set(counts) == {"vae_decoder", "vae_decoder 320x256"}
+    assert counts["vae_decoder 320x256"] == counts["vae_decoder"]
+    packed = folder / "vae_decoder" / "dd" / "packed"
+    for name, width in (("replaced.onnx", 256), ("replaced.320x256.onnx", 320)):
+        model = onnx.load(str(packed / name))
+        onnx.checker.check_model(model)
+        assert model.graph.input[0].type.tensor_type.shape.dim[3].dim_value == width // 8

@@ -224,23 +224,21 @@ def test_graph_optimizations_only_where_they_fit(tiny_conversion, monkeypatch):
     assert np.max(np.abs(lean - fast)) < 0.05 * np.max(np.abs(lean))  # bf16 rounding may flip, no more
 
 
-def test_a_non_square_size_draws_what_diffusers_draws(tiny_pipeline_folder, tmp_path):
-    """tiny-sdxl converted at 320x256 (320 wide): the UNet, the VAEs and SDXL's time_ids take the real
-    (height, width), and `sdnpu generate --reference` draws what diffusers' own StableDiffusionXLPipeline
-    (PyTorch, the same weights) draws from the same starting latents, as optimum's pipeline does for the square
-    folder; the dispatch models stay close."""
+def test_a_non_square_size_draws_what_diffusers_draws(two_sizes, tiny_pipeline_folder):
+    """tiny-sdxl with 320x256 (320 wide) added: the UNet and the VAE decoder take the real (height, width), as
+    SDXL's time_ids do, and `sdnpu generate --reference` at that size draws what diffusers' own
+    StableDiffusionXLPipeline (PyTorch, the same weights) draws from the same starting latents, as optimum's
+    pipeline does for the square folder; the dispatch models (re-derived from the primary's) stay close."""
     import torch
     from diffusers import StableDiffusionXLPipeline
 
-    from sdnpu.convert import convert
+    from sdnpu.pipelines import Size
 
-    result = convert(tiny_pipeline_folder, "all", out=tmp_path, res="320x256", check=False)
-    assert str(result.resolution) == "320x256"
-    export = json.loads((tmp_path / "unet" / "export.json").read_text())
+    export = json.loads((two_sizes / "unet" / "export.320x256.json").read_text())
     assert export["resolution"] is None and export["size"] == {"height": 256, "width": 320}
-    assert json.loads((tmp_path / "unet" / "dd" / "report.json").read_text())["size"] == export["size"]
+    assert json.loads((two_sizes / "unet" / "dd" / "report.320x256.json").read_text())["size"] == export["size"]
     opts = GenerateOptions("a photo of a cat", negative_prompt="blurry", steps=3, seed=4)
-    ours = Pipeline(tmp_path, reference=True)
+    ours = Pipeline(two_sizes, reference=True, size=Size(256, 320))
     image = ours(opts)
     assert image.shape == (256, 320, 3)
     pipe = StableDiffusionXLPipeline.from_pretrained(tiny_pipeline_folder)
@@ -251,7 +249,7 @@ def test_a_non_square_size_draws_what_diffusers_draws(tiny_pipeline_folder, tmp_
     diff = np.abs(theirs.astype(int) - image.astype(int))
     # measured: 1 level at most, on 0.009% of the values (rounding)
     assert diff.max() <= 1 and np.mean(diff > 0) < 1e-3, (diff.max(), np.mean(diff > 0))
-    dispatch = Pipeline(tmp_path)(opts)
+    dispatch = Pipeline(two_sizes, size=Size(256, 320))(opts)
     psnr = 10 * np.log10(255**2 / np.mean((dispatch.astype(float) - image) ** 2))
     assert psnr > 35, psnr
 

@@ -3,7 +3,6 @@ files, adding a size, choosing one at run time, the per-size reports, the LoRA o
 
 from __future__ import annotations
 
-import hashlib
 import json
 import shutil
 from pathlib import Path
@@ -21,6 +20,7 @@ from sdnpu.pipelines import SDXL_BUCKETS, Size, parse_sizes
 from sdnpu.runtime import GenerateOptions, Pipeline, RuntimeOptions, open_component
 from sdnpu.runtime.session import SharedWeights
 from sdnpu.sizes import read_manifest, sizes_of
+from tests.conftest import _arrays, _tree
 
 WIDE = Size(256, 320)  # 320x256
 
@@ -34,43 +34,6 @@ def test_res_takes_lists_and_the_sdxl_buckets():
     assert parse_sizes(256) == [Size(256, 256)] and parse_sizes(["256", Size(256, 320)]) == [Size(256, 256), WIDE]
     with pytest.raises(SdnpuError, match="is a list of sizes; one size is taken here"):
         Size.parse("256,320")
-
-
-def _digest(path: Path) -> str:
-    return hashlib.sha256(path.read_bytes()).hexdigest()
-
-
-def _tree(folder: Path) -> dict[str, str]:
-    return {str(p.relative_to(folder)): _digest(p) for p in sorted(folder.rglob("*")) if p.is_file()}
-
-
-def _arrays(path: Path) -> dict[str, np.ndarray]:
-    from onnx import numpy_helper
-
-    model = onnx.load(str(path))
-    return {t.name: numpy_helper.to_array(t) for t in model.graph.initializer}
-
-
-@pytest.fixture(scope="module")
-def two_sizes(tiny_conversion, tmp_path_factory) -> Path:
-    """The session's tiny-sdxl conversion (256x256) copied, and 320x256 added to its UNet and VAE decoder."""
-    folder = tmp_path_factory.mktemp("sizes") / "tiny-sdxl"
-    shutil.copytree(tiny_conversion.out, folder)
-    before = _tree(folder)
-    result = convert("tiny-sdxl", "unet,vae_decoder", out=folder, res="320x256", add=True)
-    assert [(c.component, c.size) for c in result.components] == [("vae_decoder", "320x256"), ("unet", "320x256")]
-    after = _tree(folder)
-    changed = {k for k in before if before[k] != after.get(k)}
-    # tiny-sdxl keeps its weights inside the graph: the first added size moves them, once, into the data files
-    # that the sizes then share; nothing else that was there changes but the reports' sizes tables
-    assert changed <= {f"{c}/{f}" for c in ("unet", "vae_decoder")
-                       for f in ("model.onnx", "dd/replaced.onnx", "dd/report.json", "dd/onnx_report.txt",
-                                 "sizes.json")}
-    for comp in ("unet", "vae_decoder"):
-        for graph in ("model.onnx", "dd/replaced.onnx"):  # the same tensors, now in the data file
-            a, b = _arrays(tiny_conversion.out / comp / graph), _arrays(folder / comp / graph)
-            assert a.keys() == b.keys() and all(np.array_equal(a[k], b[k]) for k in a)
-    return folder
 
 
 def test_sizes_share_one_copy_of_the_weights(two_sizes):
@@ -187,14 +150,14 @@ def test_an_add_that_fails_leaves_the_folder_as_it_was(two_sizes, tmp_path, monk
     folder = tmp_path / "m"
     shutil.copytree(two_sizes, folder)
     before = _tree(folder)
-    real = shared.write_sized
+    real = shared._write
 
-    def dies_on_the_dispatch_model(src, dest, *a):
+    def dies_on_the_dispatch_model(proto, dest, *a):
         if dest.name.startswith("replaced"):
             raise OSError(28, "No space left on device", str(dest))
-        return real(src, dest, *a)
+        return real(proto, dest, *a)
 
-    monkeypatch.setattr(shared, "write_sized", dies_on_the_dispatch_model)
+    monkeypatch.setattr(shared, "_write", dies_on_the_dispatch_model)
     with pytest.raises(OSError, match="No space left"):
         convert("tiny-sdxl", "vae_decoder", out=folder, res="288x256", add=True, check=False)
     after = _tree(folder)
@@ -228,12 +191,17 @@ def test_add_refuses_a_folder_without_a_conversion(tmp_path, capsys):
 
 
 def test_a_list_converts_every_size_in_one_run(tmp_path, capsys):
-    assert main(["-q", "convert", "--source", "tiny-sdxl", "--model", "vae_decoder", "--res", "256x256,320x256",
+    assert main(["-q", "convert", "--source", "tiny-sdxl", "--model", "vae_decoder", "--res", "320x256,256x256",
                  "--out", str(tmp_path), "--no-check"]) == 0
     out = capsys.readouterr().out
-    assert "(256x256, 320x256 px)" in out and "vae_decoder        320x256" in out
+    assert "(320x256, 256x256 px)" in out and "vae_decoder        256x256" in out
     comp_dir = tmp_path / "vae_decoder"
-    assert [str(f.size) for f in sizes_of(comp_dir)] == ["256x256", "320x256"]
+    assert [str(f.size) for f in sizes_of(comp_dir)] == ["320x256", "256x256"]
+    # a non-square primary: its records name the size (resolution is a square's side only)
+    export = json.loads((comp_dir / "export.json").read_text())
+    assert export["resolution"] is None and export["size"] == {"height": 256, "width": 320}
+    assert json.loads((comp_dir / "dd" / "report.json").read_text())["size"] == export["size"]
+    assert json.loads((comp_dir / "dd" / "report.256x256.json").read_text())["specialized_from"] == "320x256"
     assert (comp_dir / "dd" / "replaced.onnx.data").is_file() and not list(tmp_path.glob(".*"))
     assert not list(comp_dir.glob(".size-*"))
 
@@ -274,3 +242,98 @@ def test_compile_refuses_to_replace_the_dispatch_models_of_several_sizes(two_siz
     assert report["inputs"]["sample"] == [2, 4, 32, 40]
     assert report["summary"]["offload_rate"] == json.loads(
         (two_sizes / "unet" / "dd" / "report.320x256.json").read_text())["summary"]["offload_rate"]
+
+
+def _graph_parts(path: Path) -> dict[str, object]:
+    """Everything in a dispatch model but where its tensors' bytes lie: nodes (attributes, metadata), value
+    shapes, inputs and outputs, and every initializer's name, type and values."""
+    model = onnx.load(str(path), load_external_data=False)
+    g = model.graph
+    return {"nodes": [n.SerializeToString() for n in g.node],
+            "value_info": sorted(v.SerializeToString() for v in g.value_info),
+            "io": [v.SerializeToString() for v in [*g.input, *g.output]],
+            "initializers": {k: (v.dtype, v.shape, v.tobytes()) for k, v in _arrays(path).items()}}
+
+
+@pytest.mark.parametrize("comp", ["unet", "vae_decoder"])
+def test_an_added_size_is_what_a_full_compile_of_it_writes(two_sizes, tmp_path, comp):
+    """The added size's dispatch model was re-derived from the primary's (passes/specialize.py), not compiled:
+    compiling its exported graph in full gives the same graph, tensor for tensor."""
+    from sdnpu.convert.compile import compile_file
+
+    report = json.loads((two_sizes / comp / "dd" / "report.320x256.json").read_text())
+    assert report["specialized_from"] == "256x256" and report["passes"][0]["name"] == "specialize"
+    compile_file(two_sizes / comp / "model.320x256.onnx", tmp_path / comp, verify=False)
+    full = _graph_parts(tmp_path / comp / "replaced.onnx")
+    specialized = _graph_parts(two_sizes / comp / "dd" / "replaced.320x256.onnx")
+    for part in full:
+        assert specialized[part] == full[part], part
+    ours = json.loads((tmp_path / comp / "report.json").read_text())["summary"]
+    assert {k: report["summary"][k] for k in ("offloaded_nodes", "cpu_nodes", "offload_rate", "npu_regions",
+                                              "transitions", "macs_total")} == \
+        {k: ours[k] for k in ("offloaded_nodes", "cpu_nodes", "offload_rate", "npu_regions", "transitions",
+                              "macs_total")}
+
+
+def test_specializing_refuses_what_it_cannot_rederive(two_sizes):
+    from sdnpu.convert import shared as sh
+    from sdnpu.ops.target import get_target
+    from sdnpu.passes.specialize import CannotSpecialize, regroup, specialize
+
+    # views: merged dims multiply, a split takes its parts from the other operand, or is refused
+    assert regroup([2, 64, 64, 640], [2, 4096, 640], [2, 56, 72, 640]) == [2, 4032, 640]
+    assert regroup([2, 4096, 640], [2, 64, 64, 640], [2, 4032, 640], hint=[2, 56, 72, 640]) == [2, 56, 72, 640]
+    assert regroup([2, 1280], [2, 1, 1280], [2, 1280]) == [2, 1, 1280]
+    with pytest.raises(CannotSpecialize, match="nothing says how"):
+        regroup([2, 4096, 640], [2, 64, 64, 640], [2, 4032, 640])
+    # a size whose attention takes another AMD variant (Q length 16 < 256: SDFlatMHA) is compiled in full
+    path = two_sizes / "unet" / "dd" / "replaced.onnx"
+    model = onnx.load(str(path), load_external_data=False)
+    inputs = {v.name: [d.dim_value for d in v.type.tensor_type.shape.dim] for v in model.graph.input}
+    inputs["sample"] = [*inputs["sample"][:2], 8, 8]
+    handles: dict = {}
+    with pytest.raises(CannotSpecialize, match="take SDFlatMHA, not SDMHA"):
+        specialize(model, get_target(), inputs, lambda t: sh.tensor_bytes(path.parent, t, handles))
+    inputs["sample"] = [*inputs["sample"][:2], 32, 1]  # a dimension of 1 where the primary has more
+    with pytest.raises(CannotSpecialize):
+        specialize(model, get_target(), inputs, lambda t: sh.tensor_bytes(path.parent, t, handles))
+    for f in handles.values():
+        f.close()
+
+
+def test_a_size_that_cannot_be_specialized_is_compiled_in_full(two_sizes, tmp_path, monkeypatch, caplog):
+    import sdnpu.convert.compile as compile_module
+    from sdnpu.passes.specialize import CannotSpecialize
+
+    folder = tmp_path / "m"
+    shutil.copytree(two_sizes, folder)
+
+    def refuses(*a):
+        raise CannotSpecialize("a test says no")
+
+    monkeypatch.setattr(compile_module, "plan_specialization", refuses)
+    with caplog.at_level("WARNING"):
+        convert("tiny-sdxl", "vae_decoder", out=folder, res="288x256", add=True, check=False)
+    assert "cannot be re-derived for this size (a test says no); compiling it in full" in caplog.text
+    report = json.loads((folder / "vae_decoder" / "dd" / "report.288x256.json").read_text())
+    assert "specialized_from" not in report and report["passes"][0]["name"] == "canonicalize"
+    assert [str(f.size) for f in sizes_of(folder / "vae_decoder")] == ["256x256", "320x256", "288x256"]
+
+
+def test_verify_at_another_size(two_sizes, tmp_path, capsys):
+    folder = tmp_path / "m"
+    shutil.copytree(two_sizes, folder)
+    before = {c: (folder / c / "dd" / "report.json").read_text() for c in ("unet", "vae_decoder")}
+    assert main(["-q", "verify", str(folder), "--steps", "1", "--width", "320", "--height", "256"]) == 0
+    out = capsys.readouterr().out
+    assert "pipeline (1 steps, seed 0): image PSNR" in out and "report.320x256.json" in out
+    summary = json.loads((folder / "verify.320x256.json").read_text())
+    assert summary["size"] == "320x256" and set(summary["components"]) == {"unet", "vae_decoder"}
+    assert summary["pipeline"]["psnr_db"] > 35
+    for comp in ("unet", "vae_decoder"):
+        report = json.loads((folder / comp / "dd" / "report.320x256.json").read_text())
+        assert report["fidelity"]["min_cosine"] > 0.99 and report["fidelity_pessimistic"]["min_cosine"] > 0.99
+        assert "(sdnpu verify)" in report["fidelity"]["inputs"]
+        assert (folder / comp / "dd" / "report.json").read_text() == before[comp]  # the primary's untouched
+    assert main(["verify", str(folder), "--width", "384", "--height", "256"]) == 2
+    assert "is not converted at 384x256 (converted: 256x256, 320x256)" in capsys.readouterr().err

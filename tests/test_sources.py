@@ -8,11 +8,16 @@ from sdnpu.convert import COMPONENTS, parse_components, preset_names, resolve_so
 from sdnpu.errors import SdnpuError
 
 
+FIVE = ["text_encoder", "text_encoder_2", "vae_encoder", "vae_decoder", "unet"]
+
+
 def test_presets_provide_all_five_components():
-    assert {"sdxl-base", "tiny-sdxl"} <= set(preset_names())
+    assert {"sdxl-base", "tiny-sdxl", "controlnet-sdxl", "tiny-controlnet-sd15"} <= set(preset_names())
     for name in ("sdxl-base", "tiny-sdxl"):
         src = resolve_source(name)
-        assert src.kind == "preset" and src.components == list(COMPONENTS)
+        assert src.kind == "preset" and src.components == FIVE
+    assert COMPONENTS == (*FIVE, "controlnet")
+    assert resolve_source("controlnet-sdxl").components == ["controlnet"]
 
 
 def test_fingerprint_depends_on_config(tmp_path):
@@ -72,7 +77,7 @@ def test_component_folder_without_weights(tmp_path):
 
 @pytest.mark.parametrize(
     ("spec", "expected"),
-    [("all", list(COMPONENTS)), ("unet", ["unet"]), ("vae_decoder, unet", ["vae_decoder", "unet"]),
+    [("all", FIVE), ("unet", ["unet"]), ("vae_decoder, unet", ["vae_decoder", "unet"]),
      (["text_encoder_2", "text_encoder"], ["text_encoder", "text_encoder_2"])],
 )
 def test_parse_components(spec, expected):
