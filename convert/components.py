@@ -56,6 +56,24 @@ def _wrapper_classes() -> dict[str, Any]:
         def forward(self, latent_sample: torch.Tensor) -> tuple[torch.Tensor]:  # type: ignore[override]
             return (self.vae.decode(latent_sample, return_dict=False)[0],)
 
+    class UNetResiduals(torch.nn.Module):
+        """The UNet taking a ControlNet's residuals: (sample, timestep, encoder_hidden_states, [text_embeds,
+        time_ids], down_block_additional_residuals..., mid_block_additional_residual) -> out_sample."""
+
+        def __init__(self, unet: Any, text_time: bool) -> None:
+            super().__init__()
+            self.unet = unet
+            self.text_time = text_time
+
+        def forward(self, *args: torch.Tensor) -> tuple[torch.Tensor]:
+            n = 5 if self.text_time else 3
+            sample, timestep, encoder_hidden_states = args[:3]
+            added = {"text_embeds": args[3], "time_ids": args[4]} if self.text_time else None
+            residuals = args[n:]
+            return (self.unet(sample, timestep, encoder_hidden_states, added_cond_kwargs=added,
+                              down_block_additional_residuals=tuple(residuals[:-1]),
+                              mid_block_additional_residual=residuals[-1], return_dict=False)[0],)
+
     class ControlNet(torch.nn.Module):
         """diffusers' ControlNetModel: (sample, timestep, encoder_hidden_states, [text_embeds, time_ids],
         controlnet_cond, conditioning_scale) -> the down-block residuals, then the mid-block's."""
@@ -75,7 +93,7 @@ def _wrapper_classes() -> dict[str, Any]:
             return (*down, mid)
 
     return {"TextEncoder": TextEncoder, "UNet": UNet, "UNetTextTime": UNetTextTime, "VaeEncoder": VaeEncoder,
-            "VaeDecoder": VaeDecoder, "ControlNet": ControlNet}
+            "VaeDecoder": VaeDecoder, "ControlNet": ControlNet, "UNetResiduals": UNetResiduals}
 
 
 def build_wrapper(component: str, module: Any, config: dict[str, Any]) -> Any:
@@ -91,6 +109,8 @@ def build_wrapper(component: str, module: Any, config: dict[str, Any]) -> Any:
         wrapper = classes["VaeDecoder"](module)
     elif component == "controlnet":
         wrapper = classes["ControlNet"](module, text_time=unet_text_time(config))
+    elif component == "unet_controlnet":
+        wrapper = classes["UNetResiduals"](module, text_time=unet_text_time(config))
     else:
         raise KeyError(component)
     return wrapper.eval()

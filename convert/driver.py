@@ -300,9 +300,12 @@ def _add_sizes(src: Source, comp: str, comp_dir: Path, sizes: list[Size], factor
 
 def _convert_size(src: Source, job: _Job, comp_dir: Path, fingerprint: str
                   ) -> tuple[ComponentResult, dict[str, Any]]:
-    """Convert ``job`` (one more size of a component whose primary is in ``comp_dir``) in a scratch folder
-    beside it, then write its graphs into ``comp_dir`` pointing at the primary's data files
-    (``shared.write_sized``), and its reports and records under their size's names."""
+    """Convert ``job`` (one more size of a component whose primary is in ``comp_dir``): export it in a scratch
+    folder beside it and write its fp32 graph into ``comp_dir`` pointing at the primary's data file
+    (``shared.write_sized``); its dispatch model is the primary's re-derived for its shapes
+    (``sdnpu.passes.specialize``, written by ``shared.write_proto``), or, where that is refused, compiled in
+    full in the scratch folder and written like the fp32 graph. Its reports and records get their size's
+    names."""
     import json
     import shutil
 
@@ -330,12 +333,13 @@ def _convert_size(src: Source, job: _Job, comp_dir: Path, fingerprint: str
         result = _export_component(src, job, torch_stage, scratch, fingerprint, compile=not reuse, keep=kept)
         cache = shared.read_digest_cache(comp_dir)
         cached = json.dumps(cache, sort_keys=True)
-        plan, started = None, time.perf_counter()
+        plan, started, planned = None, time.perf_counter(), 0.0
         if reuse:
             if shared.make_shareable(dd_primary):
                 cache.pop(f"dd/{REPLACED}.data", None)
             try:
                 plan = plan_specialization(dd_primary, scratch / MODEL_FILE, job.options.compile_options.target)
+                planned = time.perf_counter() - started  # the compile's first part; the graph's write is later
             except CannotSpecialize as e:
                 log.warning("[%s] %s: the dispatch model of %s cannot be re-derived for this size (%s); compiling "
                             "it in full", comp, size, comp_dir, e)
@@ -361,7 +365,6 @@ def _convert_size(src: Source, job: _Job, comp_dir: Path, fingerprint: str
                 shared.write_digest_cache(comp_dir, cache)
         result.seconds["share"] = round(t.seconds, 2)
         if plan is not None:
-            planned = time.perf_counter() - started
             with step(log, f"[{comp}] {size}: writing {files.dispatch}, re-derived from the primary's "
                            f"({plan.reshaped} nodes re-shaped, {len(plan.new_masks)} masks made)") as t:
                 check = FidelityCheck(kept["feeds"], reference=kept["actual"]) if job.options.check else None

@@ -35,6 +35,7 @@ COMPONENT_MODULES: dict[str, str] = {
     "vae_encoder": "vae",
     "vae_decoder": "vae",
     "unet": "unet",
+    "unet_controlnet": "unet",  # the UNet taking a ControlNet's residuals
     "controlnet": "controlnet",
 }
 COMPONENTS: tuple[str, ...] = tuple(COMPONENT_MODULES)
@@ -92,8 +93,10 @@ class Source:
 
     @property
     def components(self) -> list[str]:
-        """The exportable components this source provides, in the canonical order."""
-        return [c for c in COMPONENTS if COMPONENT_MODULES[c] in self.modules]
+        """The exportable components this source provides, in the canonical order (the UNet that takes a
+        ControlNet's residuals where the source has a ControlNet too; asked for by name, any UNet gives it)."""
+        return [c for c in COMPONENTS if COMPONENT_MODULES[c] in self.modules
+                and (c != "unet_controlnet" or "controlnet" in self.modules)]
 
     def module_dir(self, component: str) -> Path:
         key = COMPONENT_MODULES[component]

@@ -11,7 +11,9 @@ removes those boundaries wherever two NHWC ops meet, by three rewrites run to a 
    constant is folded (lazily) into the constant;
 3. *push*: ``op(T(a), T(b), const)`` for a layout-agnostic ``op`` (element-wise, Concat, Split, Slice)
    becomes ``T(op'(a, b, const'))`` with the axes remapped and constants permuted offline, so the NHWC->NCHW
-   Transpose after one dispatch op travels down until it meets the NCHW->NHWC Transpose of the next. The
+   Transpose after one dispatch op travels down until it meets the NCHW->NHWC Transpose of the next. A 4-D
+   graph input among the operands (a ControlNet's residual entering the UNet) gets its own NCHW->NHWC
+   Transpose at the edge instead. The
    element-wise ops are still plain ONNX here (the glue pass lowers them after this one).
 """
 
@@ -211,6 +213,8 @@ def _push_one(graph: ir.Graph, t: ir.Node, node: ir.Node) -> bool:
                                         _permute(full, TO_NHWC), f"{v.name}_nhwc"))
         elif shape is not None and len(shape) == 4 and _reshape_equivalent(shape, TO_NHWC):
             new_inputs.append(_reshape(b, v, _permute(shape, TO_NHWC)))
+        elif shape is not None and len(shape) == 4 and v.is_graph_input():
+            new_inputs.append(_to_nhwc(b, v, shape))  # an NCHW input meets NHWC values: it turns, they stay
         else:
             return False
     attrs = {k: a.value for k, a in node.attributes.items()}
@@ -240,6 +244,16 @@ def _push_one(graph: ir.Graph, t: ir.Node, node: ir.Node) -> bool:
                          shape=static_shape(old)).outputs[0])
     replace(graph, node, [node], b.nodes, list(node.outputs), news)
     return True
+
+
+def _to_nhwc(b: Builder, v: ir.Value, shape: tuple[int, ...]) -> ir.Value:
+    """A graph input's NCHW->NHWC Transpose: the one it has already, or a new one (which runs on the CPU at the
+    graph's edge, as the sample's does, instead of turning the NPU's values back to NCHW)."""
+    for use in v.uses():
+        if _is_transpose(use.node, TO_NHWC) and use.node.graph is not None:
+            return use.node.outputs[0]
+    return b.op("Transpose", [v], {"perm": list(TO_NHWC)}, domain="", dtype=v.dtype,
+                shape=_permute(shape, TO_NHWC)).outputs[0]
 
 
 def push_transposes(graph: ir.Graph) -> int:

@@ -15,6 +15,11 @@ text_encoder_2  input_ids [1, 77] int64                           text_embeds [1
 unet            sample [2, 4, H/f, W/f], timestep [] f32,          out_sample [2, 4, H/f, W/f]
                 encoder_hidden_states [2, 77, X],
                 text_embeds [2, P], time_ids [2, 6] (SDXL only)
+unet_controlnet the UNet's, then down_block_additional_residuals.N,   out_sample [2, 4, H/f, W/f]
+                mid_block_additional_residual (what a ControlNet
+                writes, added where diffusers adds them)
+controlnet      the UNet's, then controlnet_cond [2, 3, H, W],      down_block_res_samples.N,
+                conditioning_scale [] f32                          mid_block_res_sample
 vae_encoder     sample [1, 3, H, W]                                latent_parameters [1, 8, H/f, W/f]
 vae_decoder     latent_sample [1, 4, H/f, W/f]                     sample [1, 3, H, W]
 =============== ================================================= =====================================
@@ -86,7 +91,7 @@ SDXL_BUCKETS = ("1024x1024", "1152x896", "896x1152", "1216x832", "832x1216", "13
 SIZE_LISTS = {"sdxl-buckets": SDXL_BUCKETS}
 # The components whose graphs depend on the image size: converted at every size of --res (the text encoders
 # once).
-SIZED = ("unet", "vae_encoder", "vae_decoder", "controlnet")
+SIZED = ("unet", "unet_controlnet", "vae_encoder", "vae_decoder", "controlnet")
 
 
 def parse_sizes(spec: int | str | Size | Sequence[int | str | Size]) -> list[Size]:
@@ -171,6 +176,13 @@ def signature(component: str, config: dict[str, Any], res: int | Size, vae_facto
                 hint="sdnpu exports SD 1.x/2.x UNets (no added conditioning) and SDXL's text_time UNet",
             )
         return Signature(tuple(inputs), ("out_sample",))
+    if component == "unet_controlnet":  # the UNet, and the residuals a ControlNet adds to it
+        base = signature("unet", config, size, vae_factor)
+        shapes = residual_shapes(config, lh, lw)
+        names = [n.replace("res_samples", "additional_residuals").replace("res_sample", "additional_residual")
+                 for n in controlnet_outputs(config)]
+        return Signature((*base.inputs, *(TensorSpec(n, s, f32) for n, s in zip(names, shapes, strict=True))),
+                         base.outputs)
     if component == "controlnet":  # the UNet's inputs, the control image and its scale (an input: no recompile)
         base = signature("unet", config, size, vae_factor)
         inputs = [*base.inputs,
@@ -198,10 +210,27 @@ def controlnet_outputs(config: dict[str, Any]) -> tuple[str, ...]:
     return (*(f"down_block_res_samples.{i}" for i in range(n)), "mid_block_res_sample")
 
 
+def residual_shapes(config: dict[str, Any], lh: int, lw: int) -> list[tuple[int, ...]]:
+    """The shapes of a ControlNet's residuals (``controlnet_outputs``' order) for latents of lh x lw: each down
+    block's resnets at its resolution and channels, its downsampler at half, the mid block's at the last."""
+    channels = list(config["block_out_channels"])
+    n_blocks = len(config["down_block_types"])
+    layers = config["layers_per_block"]
+    per_block = list(layers) if isinstance(layers, (list, tuple)) else [layers] * n_blocks
+    shapes = [(UNET_BATCH, channels[0], lh, lw)]
+    h, w = lh, lw
+    for i in range(n_blocks):
+        shapes += [(UNET_BATCH, channels[i], h, w)] * per_block[i]
+        if i < n_blocks - 1:
+            h, w = -(-h // 2), -(-w // 2)
+            shapes.append((UNET_BATCH, channels[i], h, w))
+    return [*shapes, (UNET_BATCH, channels[-1], h, w)]
+
+
 def resolution_step(component: str, config: dict[str, Any], vae_factor: int) -> int:
     """The resolution must be a multiple of this (each down block halves the latent, and the UNet's
     skip connections need the halves to line up again)."""
-    if component in ("unet", "controlnet"):
+    if component in ("unet", "unet_controlnet", "controlnet"):
         return vae_factor * 2 ** (len(config["block_out_channels"]) - 1)
     return vae_factor
 

@@ -84,3 +84,51 @@ def test_controlnet_folders_alone_and_beside_a_pipeline(tmp_path, tiny_pipeline_
 def test_a_controlnet_takes_the_unets_sizes(tmp_path):
     with pytest.raises(SdnpuError, match="does not fit the controlnet: each side must be a multiple of 32"):
         convert("tiny-controlnet-sdxl", "controlnet", out=tmp_path, res="250x256")
+
+
+def test_the_unet_that_takes_the_residuals(tmp_path):
+    """``unet_controlnet``: the UNet with a ControlNet's residuals as inputs, added where diffusers adds them.
+    Chained through onnxruntime, the fp32 ControlNet and this UNet give what diffusers' UNet gives with the
+    ControlNet's residuals in PyTorch; the dispatch model's residual additions are dispatch ops, and its CPU
+    nodes are the plain UNet's plus each residual's NHWC transpose and bf16 cast at the graph's edge."""
+    import torch
+
+    from sdnpu.pipelines import residual_shapes
+
+    out = tmp_path / "m"
+    cn = convert("tiny-controlnet-sdxl", "controlnet", out=out, res="320x256", check=False, compile=False)
+    unet = convert("tiny-sdxl", "unet,unet_controlnet", out=out, res="320x256", check=True)
+    (plain, with_res) = unet.components
+    assert with_res.component == "unet_controlnet" and with_res.check["max_rel_error"] < 1e-4
+    config = resolve_source("tiny-sdxl").module_config("unet")
+    sig = signature("unet_controlnet", config, "320x256")
+    names = [s.name for s in sig.inputs]
+    assert names[5:] == [*(f"down_block_additional_residuals.{i}" for i in range(6)), "mid_block_additional_residual"]
+    assert [s.shape for s in sig.inputs[5:]] == residual_shapes(config, 32, 40)
+    # the ControlNet's residuals into the UNet, both fp32 graphs, against diffusers in PyTorch
+    cn_config = resolve_source("tiny-controlnet-sdxl").module_config("controlnet")
+    feeds = sample_inputs(signature("controlnet", cn_config, "320x256"), cn_config, "320x256")
+    residuals = run_onnx(cn.out / "controlnet" / "model.onnx", feeds)
+    unet_feeds = {k: v for k, v in feeds.items() if k in names}
+    unet_feeds.update({n: residuals[o] for n, o in zip(names[5:], controlnet_outputs(cn_config), strict=True)})
+    ours = run_onnx(out / "unet_controlnet" / "model.onnx", unet_feeds)["out_sample"]
+    src = resolve_source("tiny-sdxl")
+    module = src.load_module("unet")
+    controlnet = resolve_source("tiny-controlnet-sdxl").load_module("controlnet")
+    t = {k: torch.from_numpy(v) for k, v in feeds.items()}
+    added = {"text_embeds": t["text_embeds"], "time_ids": t["time_ids"]}
+    with torch.no_grad():
+        down, mid = controlnet(t["sample"], t["timestep"], t["encoder_hidden_states"], controlnet_cond=t["controlnet_cond"],
+                               conditioning_scale=float(feeds["conditioning_scale"]), added_cond_kwargs=added,
+                               return_dict=False)
+        theirs = module(t["sample"], t["timestep"], t["encoder_hidden_states"], added_cond_kwargs=added,
+                        down_block_additional_residuals=down, mid_block_additional_residual=mid,
+                        return_dict=False)[0].numpy()
+    np.testing.assert_allclose(ours, theirs, rtol=1e-4, atol=1e-4 * np.abs(theirs).max())
+    assert np.abs(ours - run_onnx(out / "unet" / "model.onnx", {k: unet_feeds[k] for k in names[:5]})["out_sample"]
+                  ).max() > 1e-3  # the residuals change the result
+    summary, base = with_res.report, plain.report
+    assert summary["offloaded_nodes"] == base["offloaded_nodes"] + 7  # one SDAdd per residual
+    assert summary["cpu_nodes"] == base["cpu_nodes"] + 2 * 7  # each residual's Transpose and CastAvx
+    report = json.loads((out / "unet_controlnet" / "dd" / "report.json").read_text())
+    assert report["fidelity"]["min_cosine"] > 0.999 and summary["npu_regions"] == 1

@@ -16,7 +16,7 @@ def test_presets_provide_all_five_components():
     for name in ("sdxl-base", "tiny-sdxl"):
         src = resolve_source(name)
         assert src.kind == "preset" and src.components == FIVE
-    assert COMPONENTS == (*FIVE, "controlnet")
+    assert COMPONENTS == (*FIVE, "unet_controlnet", "controlnet")
     assert resolve_source("controlnet-sdxl").components == ["controlnet"]
 
 
