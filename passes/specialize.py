@@ -146,8 +146,9 @@ def _mask(length: int, n: int, data_type: int) -> bytes:
 
 
 class _Walk:
-    """One pass over the primary's graph with new input shapes: ``shapes`` (every value's new shape) and
-    ``attrs`` (node index -> its new attributes, where they change), the masks to make and the views."""
+    """One pass over the primary's graph with new input shapes: ``new`` (every value's new shape; ``old``:
+    the primary's), ``attrs`` (node index -> its attributes that change), ``views`` (node index -> its
+    ``sdnpu.views`` record), the masks to make and the mask inputs they replace."""
 
     def __init__(self, model: Any, target: Target, inputs: Mapping[str, Shape],
                  read: Callable[[Any], bytes]) -> None:
@@ -338,6 +339,8 @@ def specialize(model: Any, target: Target, inputs: Mapping[str, Sequence[int]],
     for k, changed in walk.attrs.items():
         for a in g.node[k].attribute:
             if a.name in changed:
+                if a.type != onnx.AttributeProto.INTS:
+                    raise CannotSpecialize(f"node {g.node[k].name}: {a.name} would change, and it is not a shape")
                 a.ints[:] = [int(x) for x in changed[a.name]]
     for (k, i), name in walk.mask_inputs.items():
         g.node[k].input[i] = name

@@ -11,7 +11,8 @@ import numpy as np
 
 def generic_inputs(path: Path, seed: int = 0, shapes: dict[str, list[int]] | None = None) -> dict[str, np.ndarray]:
     """Seeded inputs from a graph's signature when the caller has no better ones: Gaussian floats, a
-    mid-schedule scalar timestep, token ids below 1000 (valid for any CLIP vocabulary)."""
+    mid-schedule scalar timestep, token ids below 1000 (valid for any CLIP vocabulary), a ControlNet's control
+    image in [0, 1] and scale 1."""
     import onnx
 
     model = onnx.load(str(path), load_external_data=False)
@@ -27,6 +28,10 @@ def generic_inputs(path: Path, seed: int = 0, shapes: dict[str, list[int]] | Non
         dtype = onnx.helper.tensor_dtype_to_np_dtype(t.elem_type)
         if np.issubdtype(dtype, np.integer):
             feeds[vi.name] = rng.integers(0, 1000, size=shape).astype(dtype)
+        elif vi.name == "conditioning_scale":  # a ControlNet's: its residuals at full strength
+            feeds[vi.name] = np.array(1.0, dtype=dtype)
+        elif vi.name == "controlnet_cond":  # a control image, in [0, 1] as diffusers prepares it
+            feeds[vi.name] = rng.uniform(0, 1, size=shape).astype(dtype)
         elif not shape:
             feeds[vi.name] = np.array(500.0, dtype=dtype)
         else:

@@ -55,6 +55,11 @@ def test_the_residuals_are_not_zero_and_follow_the_scale(converted):
     for k, v in full.items():
         assert np.std(v) > 1e-3, k
         np.testing.assert_allclose(part[k], 0.4 * v, rtol=1e-5, atol=1e-6)
+    from sdnpu.reports.fidelity import generic_inputs  # what sdnpu compile and verify feed it: realistic too
+
+    generic = generic_inputs(model)
+    cond = generic["controlnet_cond"]
+    assert generic["conditioning_scale"] == 1.0 and 0 <= cond.min() < cond.max() <= 1
 
 
 def test_controlnet_folders_alone_and_beside_a_pipeline(tmp_path, tiny_pipeline_folder):
@@ -118,9 +123,9 @@ def test_the_unet_that_takes_the_residuals(tmp_path):
     t = {k: torch.from_numpy(v) for k, v in feeds.items()}
     added = {"text_embeds": t["text_embeds"], "time_ids": t["time_ids"]}
     with torch.no_grad():
-        down, mid = controlnet(t["sample"], t["timestep"], t["encoder_hidden_states"], controlnet_cond=t["controlnet_cond"],
-                               conditioning_scale=float(feeds["conditioning_scale"]), added_cond_kwargs=added,
-                               return_dict=False)
+        down, mid = controlnet(t["sample"], t["timestep"], t["encoder_hidden_states"],
+                               controlnet_cond=t["controlnet_cond"], added_cond_kwargs=added,
+                               conditioning_scale=float(feeds["conditioning_scale"]), return_dict=False)
         theirs = module(t["sample"], t["timestep"], t["encoder_hidden_states"], added_cond_kwargs=added,
                         down_block_additional_residuals=down, mid_block_additional_residual=mid,
                         return_dict=False)[0].numpy()
