@@ -26,6 +26,8 @@ import numpy as np
 from sdnpu.errors import SdnpuError
 from sdnpu.pipelines import UNET_BATCH, Size, pipeline_outputs, vae_scale_factor
 from sdnpu.progress import release_memory
+from sdnpu.runtime.controlnet import ControlSpec, check_compatible, control_image, controlnet_folder, keep
+from sdnpu.runtime.controlnet import residual_inputs
 from sdnpu.runtime.session import Component, RuntimeOptions, component_path, open_component
 
 log = logging.getLogger(__name__)
@@ -41,6 +43,7 @@ class GenerateOptions:
     scheduler: str | None = None  # a diffusers scheduler class name; default: the folder's
     image: str | Path | None = None  # image-to-image: the starting picture
     strength: float = 0.3  # how much of the schedule runs over it (1.0: all of it, as text-to-image)
+    controlnets: tuple[ControlSpec, ...] = ()  # ControlNets and their control images (runtime/controlnet.py)
 
 
 class Pipeline:
@@ -156,11 +159,20 @@ class Pipeline:
         # a scheduler that draws noise as it steps (LCM, the ancestral ones) draws it from the seed
         step_kwargs = ({"generator": torch.Generator().manual_seed(opts.seed)}
                        if "generator" in inspect.signature(scheduler.step).parameters else {})
-        with self._using("unet") as parts:
+        controls = self._controls(opts)
+        unet_name = "unet_controlnet" if controls else "unet"
+        with self._using(unet_name) as parts, self._control_sessions(controls) as nets:
             for i, t in enumerate(timesteps):
                 model_in = scheduler.scale_model_input(torch.cat([latents, latents]), t)
-                pred = parts["unet"].run({**feeds, "sample": model_in.numpy().astype(np.float32),
-                                          "timestep": np.asarray(float(t), np.float32)}, ["out_sample"])["out_sample"]
+                step_feeds = {**feeds, "sample": model_in.numpy().astype(np.float32),
+                              "timestep": np.asarray(float(t), np.float32)}
+                for (spec, cond, names), net in zip(controls, nets, strict=True):
+                    scale = np.asarray(spec.scale * keep(i, len(timesteps), spec), np.float32)
+                    out = net.run({**{k: step_feeds[k] for k in net.inputs if k in step_feeds},
+                                   "controlnet_cond": cond, "conditioning_scale": scale}, list(names))
+                    for o, name in names.items():  # several ControlNets: their residuals summed
+                        step_feeds[name] = step_feeds[name] + out[o] if name in step_feeds else out[o]
+                pred = parts[unet_name].run(step_feeds, ["out_sample"])["out_sample"]
                 uncond, cond = pred[:1], pred[1:]
                 guided = torch.from_numpy(uncond + opts.guidance * (cond - uncond))
                 latents = scheduler.step(guided, t, latents, return_dict=False, **step_kwargs)[0]
@@ -170,6 +182,32 @@ class Pipeline:
         with self._using("vae_decoder") as parts:
             image = parts["vae_decoder"].run({"latent_sample": z}, ["sample"])["sample"][0]
         return (np.clip(image.transpose(1, 2, 0) / 2 + 0.5, 0, 1) * 255).round().astype(np.uint8)
+
+    def _controls(self, opts: GenerateOptions) -> list[tuple[ControlSpec, np.ndarray, dict[str, str]]]:
+        """Each ControlNet of ``opts``, checked against this pipeline: (spec, its control image as the
+        ControlNet takes it, its output -> the UNet input it feeds)."""
+        if not opts.controlnets:
+            return []
+        component_path(self.folder, "unet_controlnet", self.reference, self.size)  # refused, with the fix, if absent
+        controls = []
+        for spec in opts.controlnets:
+            folder = controlnet_folder(spec.folder)
+            check_compatible(folder, self.folder)
+            component_path(folder, "controlnet", self.reference, self.size)  # converted at this size
+            config = json.loads((folder / "controlnet" / "config.json").read_text())
+            controls.append((spec, control_image(spec.image, self.image_size), residual_inputs(config)))
+        return controls
+
+    @contextlib.contextmanager
+    def _control_sessions(self, controls: list[tuple[ControlSpec, np.ndarray, dict[str, str]]]
+                          ) -> Iterator[list[Component]]:
+        """The ControlNets' sessions, for the UNet's stage."""
+        nets = [open_component(controlnet_folder(spec.folder), "controlnet", self.reference, self.runtime, self.size)
+                for spec, _, _ in controls]
+        try:
+            yield nets
+        finally:
+            nets.clear()
 
     def noise(self, seed: int) -> np.ndarray:
         """The starting noise for ``seed`` (unscaled; other pipelines take it as their ``latents``)."""

@@ -9,6 +9,7 @@ import os
 import sys
 import warnings
 from collections.abc import Sequence
+from typing import Any
 
 from sdnpu import __version__
 from sdnpu.errors import SdnpuError, storage_error
@@ -111,6 +112,33 @@ def _cmd_report(args: argparse.Namespace) -> int:
     return 0
 
 
+def _control_specs(args: argparse.Namespace) -> tuple[Any, ...]:
+    """--controlnet DIR (repeated) with one --control-image each; --control-scale/-start/-end once for all, or
+    once per ControlNet."""
+    from sdnpu.runtime.controlnet import ControlSpec
+
+    nets, images = args.controlnet or [], args.control_image or []
+    if len(images) != len(nets):
+        raise SdnpuError(f"{len(nets)} --controlnet and {len(images)} --control-image",
+                         hint="give one --control-image per --controlnet, in the same order")
+
+    def each(values: list[float] | None, default: float, flag: str) -> list[float]:
+        if not values:
+            return [default] * len(nets)
+        if len(values) == 1:
+            return values * len(nets)
+        if len(values) != len(nets):
+            raise SdnpuError(f"{len(values)} {flag} for {len(nets)} --controlnet",
+                             hint=f"give {flag} once (for all) or once per --controlnet")
+        return values
+
+    scales = each(args.control_scale, 1.0, "--control-scale")
+    starts = each(args.control_start, 0.0, "--control-start")
+    ends = each(args.control_end, 1.0, "--control-end")
+    return tuple(ControlSpec(n, i, sc, st, en) for n, i, sc, st, en in zip(nets, images, scales, starts, ends,
+                                                                          strict=True))
+
+
 def _cmd_generate(args: argparse.Namespace) -> int:
     from pathlib import Path
 
@@ -129,7 +157,7 @@ def _cmd_generate(args: argparse.Namespace) -> int:
         pipe = Pipeline(Path(args.models), reference=args.reference, runtime=runtime,
                         size=Size(args.height or height, args.width or width))
     opts = GenerateOptions(args.prompt, args.negative_prompt, args.steps, args.guidance, args.seed, args.scheduler,
-                           args.image, args.strength)
+                           args.image, args.strength, _control_specs(args))
 
     with tqdm(total=args.steps, desc="denoising", unit="step", disable=args.quiet) as bar:
         def advance(i: int, n: int) -> None:
@@ -309,6 +337,17 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--scheduler", default=None, help="a diffusers scheduler class (default: the folder's)")
     gen.add_argument("--image", default=None, help="image-to-image: start from this picture")
     gen.add_argument("--strength", type=float, default=0.3, help="image-to-image: share of the schedule to run")
+    gen.add_argument("--controlnet", action="append", default=None, metavar="DIR",
+                     help="a converted ControlNet (OUT of `sdnpu convert --model controlnet`); repeat for several, "
+                     "whose residuals are summed. Needs the folder's unet_controlnet")
+    gen.add_argument("--control-image", action="append", default=None, metavar="FILE",
+                     help="the control image of each --controlnet (edges, depth, ...), resized to the image size")
+    gen.add_argument("--control-scale", action="append", type=float, default=None,
+                     help="the residuals' scale (default 1.0), once for all or once per --controlnet")
+    gen.add_argument("--control-start", action="append", type=float, default=None,
+                     help="the share of the steps before the ControlNet acts (default 0)")
+    gen.add_argument("--control-end", action="append", type=float, default=None,
+                     help="the share of the steps after which it stops (default 1)")
     gen.add_argument("--reference", action="store_true", help="run the fp32 graphs instead of the dispatch models")
     gen.add_argument("--threads", type=int, default=None, help="onnxruntime intra-op threads")
     gen.add_argument("--optimize", choices=("auto", "on", "off"), default="auto",

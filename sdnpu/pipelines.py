@@ -179,8 +179,7 @@ def signature(component: str, config: dict[str, Any], res: int | Size, vae_facto
     if component == "unet_controlnet":  # the UNet, and the residuals a ControlNet adds to it
         base = signature("unet", config, size, vae_factor)
         shapes = residual_shapes(config, lh, lw)
-        names = [n.replace("res_samples", "additional_residuals").replace("res_sample", "additional_residual")
-                 for n in controlnet_outputs(config)]
+        names = [residual_input(n) for n in controlnet_outputs(config)]
         return Signature((*base.inputs, *(TensorSpec(n, s, f32) for n, s in zip(names, shapes, strict=True))),
                          base.outputs)
     if component == "controlnet":  # the UNet's inputs, the control image and its scale (an input: no recompile)
@@ -208,6 +207,12 @@ def controlnet_outputs(config: dict[str, Any]) -> tuple[str, ...]:
     per_block = list(layers) if isinstance(layers, (list, tuple)) else [layers] * n_blocks
     n = 1 + sum(per_block[i] + (i < n_blocks - 1) for i in range(n_blocks))
     return (*(f"down_block_res_samples.{i}" for i in range(n)), "mid_block_res_sample")
+
+
+def residual_input(output: str) -> str:
+    """A ControlNet output's name as ``unet_controlnet``'s input: diffusers' argument names
+    (``down_block_res_samples.3`` -> ``down_block_additional_residuals.3``)."""
+    return output.replace("res_samples", "additional_residuals").replace("res_sample", "additional_residual")
 
 
 def residual_shapes(config: dict[str, Any], lh: int, lw: int) -> list[tuple[int, ...]]:

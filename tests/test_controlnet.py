@@ -91,7 +91,122 @@ def test_a_controlnet_takes_the_unets_sizes(tmp_path):
         convert("tiny-controlnet-sdxl", "controlnet", out=tmp_path, res="250x256")
 
 
-def test_the_unet_that_takes_the_residuals(tmp_path):
+@pytest.fixture(scope="module")
+def control_setup(tiny_conversion, tmp_path_factory):
+    """tiny-sdxl's conversion with its unet_controlnet added; the tiny SDXL ControlNet converted, and a second
+    one (other seeded output convolutions) from a local folder; a control image (white edges on black)."""
+    import torch
+    from PIL import Image
+
+    root = tmp_path_factory.mktemp("control")
+    folder = root / "tiny-sdxl"
+    shutil.copytree(tiny_conversion.out, folder)
+    convert("tiny-sdxl", "unet_controlnet", out=folder, res=256)  # checked against PyTorch, fidelity run
+    first = convert("tiny-controlnet-sdxl", "controlnet", out=root / "cn1", res=256, check=False).out
+    module = resolve_source("tiny-controlnet-sdxl").load_module("controlnet")
+    torch.manual_seed(1)
+    for name, m in module.named_modules():
+        if name.startswith("controlnet_down_blocks.") or name == "controlnet_mid_block":
+            m.reset_parameters()
+    module.save_pretrained(root / "cn2-module")
+    second = convert(root / "cn2-module", "controlnet", out=root / "cn2", res=256, check=False).out
+    rng = np.random.default_rng(0)
+    edges = np.zeros((256, 256), np.uint8)
+    edges[rng.integers(0, 256, 40), :] = 255
+    edges[:, rng.integers(0, 256, 40)] = 255
+    image = root / "edges.png"
+    Image.fromarray(edges).convert("RGB").save(image)
+    return folder, first, second, image, module
+
+
+def _diffusers_controlnet(tiny_pipeline_folder, controlnet, opts, latents, image, scale, start, end):
+    import torch
+    from diffusers import StableDiffusionXLControlNetPipeline
+    from PIL import Image
+
+    pipe = StableDiffusionXLControlNetPipeline.from_pretrained(tiny_pipeline_folder, controlnet=controlnet)
+    images = [Image.open(i).convert("RGB") for i in image] if isinstance(image, list) else \
+        Image.open(image).convert("RGB")
+    out = pipe(opts.prompt, negative_prompt=opts.negative_prompt or None,  # None: SDXL's zeros, as ours
+               image=images, num_inference_steps=opts.steps,
+               guidance_scale=opts.guidance, height=256, width=256, latents=torch.from_numpy(latents),
+               controlnet_conditioning_scale=scale, control_guidance_start=start, control_guidance_end=end,
+               output_type="np").images[0]
+    return (out * 255).round().astype(np.uint8)
+
+
+def test_generate_with_a_controlnet_draws_what_diffusers_draws(control_setup, tiny_pipeline_folder):
+    """`sdnpu generate --controlnet ... --reference` against diffusers' StableDiffusionXLControlNetPipeline on
+    the same weights, control image, seed and starting latents; the dispatch models stay close."""
+    from sdnpu.runtime import ControlSpec, GenerateOptions, Pipeline
+
+    folder, first, _, image, _ = control_setup
+    spec = ControlSpec(first, image, scale=0.8, start=0.0, end=0.7)
+    opts = GenerateOptions("a photo of a cat", negative_prompt="blurry", steps=3, seed=5, controlnets=(spec,))
+    ours = Pipeline(folder, reference=True)
+    drawn = ours(opts)
+    controlnet = resolve_source("tiny-controlnet-sdxl").load_module("controlnet")
+    theirs = _diffusers_controlnet(tiny_pipeline_folder, controlnet, opts, ours.noise(5), image, 0.8, 0.0, 0.7)
+    diff = np.abs(theirs.astype(int) - drawn.astype(int))
+    # measured: 1 level at most, on 0.006% of the values (rounding); the dispatch models 48.5 dB
+    assert diff.max() <= 1 and np.mean(diff > 0) < 1e-3, (diff.max(), np.mean(diff > 0))
+    plain = Pipeline(folder, reference=True)(GenerateOptions("a photo of a cat", negative_prompt="blurry", steps=3,
+                                                             seed=5))
+    assert np.abs(plain.astype(int) - drawn.astype(int)).max() > 10  # the ControlNet changed the picture
+    dispatch = Pipeline(folder)(opts)
+    psnr = 10 * np.log10(255**2 / np.mean((dispatch.astype(float) - drawn) ** 2))
+    assert psnr > 40, psnr
+
+
+def test_several_controlnets_are_summed_as_diffusers_does(control_setup, tiny_pipeline_folder):
+    from sdnpu.runtime import ControlSpec, GenerateOptions, Pipeline
+
+    folder, first, second, image, module = control_setup
+    specs = (ControlSpec(first, image, scale=0.7), ControlSpec(second, image, scale=0.5, start=0.3))
+    opts = GenerateOptions("a photo of a cat", steps=3, seed=6, controlnets=specs)
+    ours = Pipeline(folder, reference=True)
+    drawn = ours(opts)
+    nets = [resolve_source("tiny-controlnet-sdxl").load_module("controlnet"), module]
+    theirs = _diffusers_controlnet(tiny_pipeline_folder, nets, opts, ours.noise(6), [image, image], [0.7, 0.5],
+                                   [0.0, 0.3], [1.0, 1.0])
+    diff = np.abs(theirs.astype(int) - drawn.astype(int))
+    assert diff.max() <= 1 and np.mean(diff > 0) < 1e-3, (diff.max(), np.mean(diff > 0))  # measured: 0.008%
+
+
+def test_controlnet_bad_inputs(control_setup, tiny_conversion, tmp_path, capsys):
+    from PIL import Image
+
+    from sdnpu.cli import main
+
+    folder, first, _, image, _ = control_setup
+    argv = ["generate", "--models", str(folder), "--prompt", "a cat", "--steps", "1", "--out", str(tmp_path / "x.png")]
+    # a ControlNet for another base model (SD 1.5's text width and blocks)
+    other = convert("tiny-controlnet-sd15", "controlnet", out=tmp_path / "sd15", res=256, check=False, compile=False)
+    assert main([*argv, "--reference", "--controlnet", str(other.out), "--control-image", str(image)]) == 2
+    assert "was made for another base model: its cross_attention_dim (the text width) is 32" in capsys.readouterr().err
+    # a control image that cannot be read, and one of another aspect ratio
+    (tmp_path / "bad.png").write_bytes(b"not a png")
+    assert main([*argv, "--controlnet", str(first), "--control-image", str(tmp_path / "bad.png")]) == 2
+    assert "cannot read the control image" in capsys.readouterr().err
+    Image.new("RGB", (300, 200)).save(tmp_path / "wide.png")
+    assert main([*argv, "--controlnet", str(first), "--control-image", str(tmp_path / "wide.png")]) == 2
+    err = capsys.readouterr().err
+    assert "is 300x200, the image is 256x256: another aspect ratio" in err and "crop it to 256:256" in err
+    # counts that do not pair up; a folder without the UNet that takes the residuals; not a ControlNet
+    assert main([*argv, "--controlnet", str(first)]) == 2
+    assert "1 --controlnet and 0 --control-image" in capsys.readouterr().err
+    assert main([*argv[:2], str(tiny_conversion.out), *argv[3:], "--controlnet", str(first), "--control-image",
+                 str(image)]) == 2
+    assert "unet_controlnet" in capsys.readouterr().err
+    assert main([*argv, "--controlnet", str(folder), "--control-image", str(image)]) == 2
+    assert "holds no converted ControlNet" in capsys.readouterr().err
+    assert not (tmp_path / "x.png").exists()
+    assert main([*argv, "--reference", "--controlnet", str(first / "controlnet"), "--control-image", str(image),
+                 "--control-scale", "0.5", "--control-end", "0.5"]) == 0  # the component folder names it too
+    assert (tmp_path / "x.png").is_file()
+
+
+def test_the_unet_that_takes_the_residuals(control_setup, tiny_conversion):
     """``unet_controlnet``: the UNet with a ControlNet's residuals as inputs, added where diffusers adds them.
     Chained through onnxruntime, the fp32 ControlNet and this UNet give what diffusers' UNet gives with the
     ControlNet's residuals in PyTorch; the dispatch model's residual additions are dispatch ops, and its CPU
@@ -100,25 +215,22 @@ def test_the_unet_that_takes_the_residuals(tmp_path):
 
     from sdnpu.pipelines import residual_shapes
 
-    out = tmp_path / "m"
-    cn = convert("tiny-controlnet-sdxl", "controlnet", out=out, res="320x256", check=False, compile=False)
-    unet = convert("tiny-sdxl", "unet,unet_controlnet", out=out, res="320x256", check=True)
-    (plain, with_res) = unet.components
-    assert with_res.component == "unet_controlnet" and with_res.check["max_rel_error"] < 1e-4
+    folder, first, _, _, _ = control_setup
+    export = json.loads((folder / "unet_controlnet" / "export.json").read_text())
+    assert export["check"]["max_rel_error"] < 1e-4  # against PyTorch
     config = resolve_source("tiny-sdxl").module_config("unet")
-    sig = signature("unet_controlnet", config, "320x256")
+    sig = signature("unet_controlnet", config, 256)
     names = [s.name for s in sig.inputs]
     assert names[5:] == [*(f"down_block_additional_residuals.{i}" for i in range(6)), "mid_block_additional_residual"]
-    assert [s.shape for s in sig.inputs[5:]] == residual_shapes(config, 32, 40)
+    assert [s.shape for s in sig.inputs[5:]] == residual_shapes(config, 32, 32)
     # the ControlNet's residuals into the UNet, both fp32 graphs, against diffusers in PyTorch
     cn_config = resolve_source("tiny-controlnet-sdxl").module_config("controlnet")
-    feeds = sample_inputs(signature("controlnet", cn_config, "320x256"), cn_config, "320x256")
-    residuals = run_onnx(cn.out / "controlnet" / "model.onnx", feeds)
+    feeds = sample_inputs(signature("controlnet", cn_config, 256), cn_config, 256)
+    residuals = run_onnx(first / "controlnet" / "model.onnx", feeds)
     unet_feeds = {k: v for k, v in feeds.items() if k in names}
     unet_feeds.update({n: residuals[o] for n, o in zip(names[5:], controlnet_outputs(cn_config), strict=True)})
-    ours = run_onnx(out / "unet_controlnet" / "model.onnx", unet_feeds)["out_sample"]
-    src = resolve_source("tiny-sdxl")
-    module = src.load_module("unet")
+    ours = run_onnx(folder / "unet_controlnet" / "model.onnx", unet_feeds)["out_sample"]
+    module = resolve_source("tiny-sdxl").load_module("unet")
     controlnet = resolve_source("tiny-controlnet-sdxl").load_module("controlnet")
     t = {k: torch.from_numpy(v) for k, v in feeds.items()}
     added = {"text_embeds": t["text_embeds"], "time_ids": t["time_ids"]}
@@ -130,10 +242,11 @@ def test_the_unet_that_takes_the_residuals(tmp_path):
                         down_block_additional_residuals=down, mid_block_additional_residual=mid,
                         return_dict=False)[0].numpy()
     np.testing.assert_allclose(ours, theirs, rtol=1e-4, atol=1e-4 * np.abs(theirs).max())
-    assert np.abs(ours - run_onnx(out / "unet" / "model.onnx", {k: unet_feeds[k] for k in names[:5]})["out_sample"]
-                  ).max() > 1e-3  # the residuals change the result
-    summary, base = with_res.report, plain.report
+    plain = run_onnx(tiny_conversion.out / "unet" / "model.onnx", {k: unet_feeds[k] for k in names[:5]})
+    assert np.abs(ours - plain["out_sample"]).max() > 1e-3  # the residuals change the result
+    report = json.loads((folder / "unet_controlnet" / "dd" / "report.json").read_text())
+    base = json.loads((tiny_conversion.out / "unet" / "dd" / "report.json").read_text())["summary"]
+    summary = report["summary"]
     assert summary["offloaded_nodes"] == base["offloaded_nodes"] + 7  # one SDAdd per residual
     assert summary["cpu_nodes"] == base["cpu_nodes"] + 2 * 7  # each residual's Transpose and CastAvx
-    report = json.loads((out / "unet_controlnet" / "dd" / "report.json").read_text())
     assert report["fidelity"]["min_cosine"] > 0.999 and summary["npu_regions"] == 1
