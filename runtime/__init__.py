@@ -5,4 +5,5 @@ from sdnpu.runtime.pipeline import GenerateOptions, Pipeline, save_png
 from sdnpu.runtime.session import Component, RuntimeOptions, open_component
 from sdnpu.runtime.verify import verify
 
-__all__ = ["Component", "ControlSpec", "GenerateOptions", "Pipeline", "RuntimeOptions", "open_component", "save_png", "verify"]
+__all__ = ["Component", "ControlSpec", "GenerateOptions", "Pipeline", "RuntimeOptions", "open_component", "save_png",
+           "verify"]

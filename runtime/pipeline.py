@@ -3,7 +3,8 @@
     prompt -> tokenizer(s) -> text encoder(s): penultimate hidden states (concatenated for SDXL's two) and
     text_encoder_2's pooled text_embeds -> UNet at batch 2 (negative, positive) with SDXL's time_ids ->
     classifier-free guidance -> scheduler step -> ... -> latents / scaling_factor -> VAE decoder -> PNG
-    (image-to-image: the picture through the VAE encoder, noised to where ``strength`` of the schedule is left)
+    (image-to-image: the picture through the VAE encoder, noised to where ``strength`` of the schedule is left;
+    with ControlNets, each step runs them first and the UNet that takes their residuals: runtime/controlnet.py)
 
 The scheduler is the folder's (``scheduler/``) through diffusers, or any other diffusers scheduler by name.
 Seeds give the same image twice: the initial noise is drawn with numpy from the seed.
@@ -137,6 +138,7 @@ class Pipeline:
             raise SdnpuError("the prompt is empty", hint='say what to draw: --prompt "a cat"')
         if opts.steps < 1:
             raise SdnpuError(f"steps must be at least 1, not {opts.steps}")
+        controls = self._controls(opts)  # every ControlNet and control image checked before any work
         with self._using(*self._encoders()) as parts:
             pos, pooled = self._encode(parts, opts.prompt)
             if self.sdxl and not opts.negative_prompt and self.index.get("force_zeros_for_empty_prompt", True):
@@ -159,7 +161,6 @@ class Pipeline:
         # a scheduler that draws noise as it steps (LCM, the ancestral ones) draws it from the seed
         step_kwargs = ({"generator": torch.Generator().manual_seed(opts.seed)}
                        if "generator" in inspect.signature(scheduler.step).parameters else {})
-        controls = self._controls(opts)
         unet_name = "unet_controlnet" if controls else "unet"
         with self._using(unet_name) as parts, self._control_sessions(controls) as nets:
             for i, t in enumerate(timesteps):

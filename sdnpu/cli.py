@@ -177,6 +177,8 @@ def _cmd_generate(args: argparse.Namespace) -> int:
         names = applied_names(Path(args.models))
         if names:
             how += f"; the folder's LoRA {names}"
+    for spec in opts.controlnets:
+        how += f"; ControlNet {spec.folder} on {spec.image} at {spec.scale:g} ({spec.start:g}-{spec.end:g} of steps)"
     print(f"wrote {args.out} ({image.shape[1]}x{image.shape[0]}, {how})")
     return 0
 
