@@ -146,7 +146,6 @@ def compile_into(source: Path, dd_dir: Path, info: dict[str, Any], options: Comp
     """Compile ``source`` into the folder ``dd_dir`` (which the caller stages). Returns the report.
     ``shapes`` fixes dynamic input axes (see ``static_shapes``); ``outputs``: the graph outputs the
     dispatch model keeps (None: all; see ``keep_outputs``); ``check`` None: no fidelity run."""
-    import onnx
 
     from sdnpu.passes import provenance
     from sdnpu.passes.canonicalize import bind_input_shapes
@@ -168,29 +167,8 @@ def compile_into(source: Path, dd_dir: Path, info: dict[str, Any], options: Comp
     (dd_dir / provenance.FILE).write_text(json.dumps(provenance.record(model.graph, source.name)))
     del model
     release_memory()
-    with step(log, f"[{name}] validating {REPLACED} (onnx.checker, full check)"):
-        try:
-            onnx.checker.check_model(str(out), full_check=True)
-        except (onnx.checker.ValidationError, onnx.shape_inference.InferenceError) as e:
-            raise SdnpuError(f"the dispatch model compiled from {source} is not valid ONNX: {str(e)[:600]}",
-                             hint="this is a compiler bug worth reporting with the model; meanwhile "
-                             "`--no-compile` keeps the exported graph") from e
-    fid = None
-    if check is not None:
-        hint = "--no-verify skips the fidelity run, or convert at a smaller RES"
-        reference = check.reference
-        if reference is None:
-            check_fits(source, f"[{name}] the fidelity run of the fp32 graph", hint)
-        check_fits(out, f"[{name}] the fidelity run of {REPLACED}", hint)
-        feeds = check.feeds if check.feeds is not None else generic_inputs(source, shapes=shapes)
-        if reference is None:
-            with step(log, f"[{name}] running the fp32 graph for the fidelity check"):
-                reference = run_onnx(source, feeds, optimize=True)
-        with step(log, f"[{name}] running {REPLACED} (reference bodies) for the fidelity check"):
-            actual = run_onnx(out, feeds)
-        fid = fidelity(reference, actual)
-        log.info("[%s] dispatch vs fp32: min cosine %.6f, max abs error %.3g", name, fid["min_cosine"],
-                 fid["max_abs"])
+    _validate(out, name, f"compiled from {source}", "`--no-compile` keeps the exported graph")
+    fid = _fidelity_run(name, source, out, check, shapes) if check is not None else None
     extra: dict[str, Any] = {"target": options.target.name, "precision": options.precision,
                              "peak_rss_bytes": peak_rss_bytes()}
     if dropped:
@@ -236,7 +214,6 @@ def write_specialized(plan: Any, primary: Path, source: Path, dest: Path, dd_dir
     """Write a specialized dispatch model (``plan_specialization``) to ``dest``, beside ``primary`` whose data
     it reads, validate it, and write its report and weight record into ``dd_dir`` as a compile does (with
     ``check``, the fidelity run against ``source``). Returns (the report, what the graph shares)."""
-    import onnx
 
     from sdnpu.convert import shared
     from sdnpu.passes import provenance
@@ -244,25 +221,8 @@ def write_specialized(plan: Any, primary: Path, source: Path, dest: Path, dd_dir
 
     name = info.get("component", source.parent.name)
     stats = shared.write_proto(plan.model, dest)
-    with step(log, f"[{name}] validating {dest.name} (onnx.checker, full check)"):
-        try:
-            onnx.checker.check_model(str(dest), full_check=True)
-        except (onnx.checker.ValidationError, onnx.shape_inference.InferenceError) as e:
-            raise SdnpuError(f"the dispatch model specialized from {primary} is not valid ONNX: {str(e)[:600]}",
-                             hint="this is a compiler bug worth reporting with the model; meanwhile convert "
-                             "this size on its own (sdnpu convert --res WxH)") from e
-    fid = None
-    if check is not None:
-        feeds = check.feeds if check.feeds is not None else generic_inputs(source)
-        reference = check.reference
-        if reference is None:
-            with step(log, f"[{name}] running the fp32 graph for the fidelity check"):
-                reference = run_onnx(source, feeds, optimize=True)
-        with step(log, f"[{name}] running {dest.name} (reference bodies) for the fidelity check"):
-            actual = run_onnx(dest, feeds)
-        fid = fidelity(reference, actual)
-        log.info("[%s] dispatch vs fp32: min cosine %.6f, max abs error %.3g", name, fid["min_cosine"],
-                 fid["max_abs"])
+    _validate(dest, name, f"specialized from {primary}", "convert this size on its own (sdnpu convert --res WxH)")
+    fid = _fidelity_run(name, source, dest, check) if check is not None else None
     first = json.loads((primary.parent / "report.json").read_text())
     counts = {f"from {_size_name(first)}: nodes re-shaped": plan.reshaped, "masks made": len(plan.new_masks)}
     passes = [{"name": "specialize", "seconds": round(seconds, 3), "counts": counts},
@@ -276,6 +236,39 @@ def write_specialized(plan: Any, primary: Path, source: Path, dest: Path, dd_dir
     weights.update({k: provenance.LITERAL for k in plan.new_masks})
     (dd_dir / provenance.FILE).write_text(json.dumps({**record, "source": source.name, "weights": weights}))
     return report, stats
+
+
+def _validate(path: Path, name: str, made: str, meanwhile: str) -> None:
+    """onnx's full check of a dispatch model just written; a failure is one line (a compiler bug)."""
+    import onnx
+
+    with step(log, f"[{name}] validating {path.name} (onnx.checker, full check)"):
+        try:
+            onnx.checker.check_model(str(path), full_check=True)
+        except (onnx.checker.ValidationError, onnx.shape_inference.InferenceError) as e:
+            raise SdnpuError(f"the dispatch model {made} is not valid ONNX: {str(e)[:600]}",
+                             hint=f"this is a compiler bug worth reporting with the model; meanwhile {meanwhile}"
+                             ) from e
+
+
+def _fidelity_run(name: str, source: Path, out: Path, check: FidelityCheck,
+                  shapes: dict[str, list[int]] | None = None) -> dict[str, Any]:
+    """The dispatch model ``out`` against the fp32 graph ``source`` on ``check``'s inputs (seeded generic
+    ones where it has none), each run checked to fit in memory first."""
+    hint = "--no-verify skips the fidelity run, or convert at a smaller RES"
+    reference = check.reference
+    if reference is None:
+        check_fits(source, f"[{name}] the fidelity run of the fp32 graph", hint)
+    check_fits(out, f"[{name}] the fidelity run of {out.name}", hint)
+    feeds = check.feeds if check.feeds is not None else generic_inputs(source, shapes=shapes)
+    if reference is None:
+        with step(log, f"[{name}] running the fp32 graph for the fidelity check"):
+            reference = run_onnx(source, feeds, optimize=True)
+    with step(log, f"[{name}] running {out.name} (reference bodies) for the fidelity check"):
+        actual = run_onnx(out, feeds)
+    fid = fidelity(reference, actual)
+    log.info("[%s] dispatch vs fp32: min cosine %.6f, max abs error %.3g", name, fid["min_cosine"], fid["max_abs"])
+    return fid
 
 
 def _size_name(report: dict[str, Any]) -> str:
