@@ -214,7 +214,6 @@ def write_specialized(plan: Any, primary: Path, source: Path, dest: Path, dd_dir
     """Write a specialized dispatch model (``plan_specialization``) to ``dest``, beside ``primary`` whose data
     it reads, validate it, and write its report and weight record into ``dd_dir`` as a compile does (with
     ``check``, the fidelity run against ``source``). Returns (the report, what the graph shares)."""
-
     from sdnpu.convert import shared
     from sdnpu.passes import provenance
     from sdnpu.reports import report as reports
