@@ -21,7 +21,8 @@ import numpy as np
 from sdnpu.errors import SdnpuError
 from sdnpu.pipelines import UNET_BATCH, controlnet_outputs, residual_input, residual_shapes
 
-__all__ = ["ControlSpec", "control_image", "controlnet_folder", "check_compatible", "keep", "residual_inputs"]
+__all__ = ["ControlSpec", "check_compatible", "config_of", "control_image", "controlnet_folder", "keep",
+           "residual_inputs"]
 
 
 @dataclass(frozen=True)
@@ -54,7 +55,8 @@ def controlnet_folder(path: str | Path) -> Path:
                      "--out DIR, then give --controlnet DIR")
 
 
-def _config(folder: Path, component: str) -> dict[str, Any]:
+def config_of(folder: Path, component: str) -> dict[str, Any]:
+    """``folder/<component>/config.json``, or one line saying it cannot be read."""
     try:
         return json.loads((folder / component / "config.json").read_text())  # type: ignore[no-any-return]
     except (OSError, ValueError) as e:
@@ -65,7 +67,7 @@ def _config(folder: Path, component: str) -> dict[str, Any]:
 def check_compatible(controlnet: Path, pipeline: Path) -> None:
     """Refuse a ControlNet made for another base model than the pipeline's UNet: its text width, added
     conditioning or residuals (channels per block, layers) differ, so the UNet could not take them."""
-    cn, unet = _config(controlnet, "controlnet"), _config(pipeline, "unet")
+    cn, unet = config_of(controlnet, "controlnet"), config_of(pipeline, "unet")
     checks = [("cross_attention_dim (the text width)", cn.get("cross_attention_dim"), unet.get("cross_attention_dim")),
               ("addition_embed_type", cn.get("addition_embed_type"), unet.get("addition_embed_type")),
               ("residuals (channels and count per block)", residual_shapes(cn, 8, 8), residual_shapes(unet, 8, 8))]

@@ -27,7 +27,7 @@ import numpy as np
 from sdnpu.errors import SdnpuError
 from sdnpu.pipelines import UNET_BATCH, Size, pipeline_outputs, vae_scale_factor
 from sdnpu.progress import release_memory
-from sdnpu.runtime.controlnet import ControlSpec, check_compatible, control_image, controlnet_folder, keep
+from sdnpu.runtime.controlnet import ControlSpec, check_compatible, config_of, control_image, controlnet_folder, keep
 from sdnpu.runtime.controlnet import residual_inputs
 from sdnpu.runtime.session import Component, RuntimeOptions, component_path, open_component
 
@@ -195,8 +195,8 @@ class Pipeline:
             folder = controlnet_folder(spec.folder)
             check_compatible(folder, self.folder)
             component_path(folder, "controlnet", self.reference, self.size)  # converted at this size
-            config = json.loads((folder / "controlnet" / "config.json").read_text())
-            controls.append((spec, control_image(spec.image, self.image_size), residual_inputs(config)))
+            names = residual_inputs(config_of(folder, "controlnet"))
+            controls.append((spec, control_image(spec.image, self.image_size), names))
         return controls
 
     @contextlib.contextmanager

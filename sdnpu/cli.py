@@ -272,15 +272,16 @@ def build_parser() -> argparse.ArgumentParser:
     conv.add_argument("--model", "-m", default="all",
                       help=f"component(s), comma-separated: {', '.join(COMPONENTS)} or all (default)")
     conv.add_argument("--source", "-s", default="sdxl-base",
-                      help="a preset (sdxl-base, tiny-sdxl) or a local diffusers folder (default: sdxl-base)")
+                      help="a preset (sdxl-base, tiny-sdxl, controlnet-sdxl, ...) or a local diffusers folder "
+                      "(default: sdxl-base)")
     conv.add_argument("--out", "-o", default=None, help="output folder (default: models/<source name>)")
     conv.add_argument("--add", action="store_true",
                       help="add the --res sizes to the conversion already in --out: only their graphs are written, "
                       "over the weights the folder has (same source and settings)")
     conv.add_argument("--res", default=None, metavar="WxH|N[,...]|sdxl-buckets",
                       help="image sizes in pixels, WxH (1152x896: 1152 wide) or one number for a square, comma-"
-                      "separated, or sdxl-buckets (SDXL's nine); the UNet and VAEs get a graph per size over one "
-                      "copy of the weights (default: the model's own, 1024 for SDXL)")
+                      "separated, or sdxl-buckets (SDXL's nine); the UNets, VAEs and ControlNets get a graph per size "
+                      "over one copy of the weights (default: the model's own, 1024 for SDXL)")
     conv.add_argument("--exporter", choices=EXPORTERS, default="dynamo", help="torch exporter (default: dynamo)")
     conv.add_argument("--opset", type=int, default=DEFAULT_OPSET, help=f"ONNX opset (default {DEFAULT_OPSET})")
     conv.add_argument("--no-check", action="store_true", help="skip the onnxruntime-vs-PyTorch check")
