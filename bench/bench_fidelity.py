@@ -3,6 +3,7 @@ than 1.2x PyTorch's, in max abs error and in 1 - cosine).
 
     python bench/bench_fidelity.py --source sdxl-base --models models/sdxl-base --components vae_decoder
     python bench/bench_fidelity.py --source sdxl-base --components unet --lora style.safetensors:0.8
+    python bench/bench_fidelity.py --source controlnet-sdxl --models models/controlnet-sdxl --components controlnet
 
 With --lora, PyTorch's module has the LoRAs fused (diffusers' fuse_lora) before both of its runs, and the
 dispatch model carries them as the folder has them: fused at conversion, or applied (`sdnpu lora apply`: the
@@ -25,6 +26,7 @@ from pathlib import Path
 import numpy as np
 
 ROOT = Path(__file__).resolve().parent.parent
+DEFAULT_COMPONENTS = "text_encoder,text_encoder_2,vae_encoder,vae_decoder,unet"
 
 
 def _run(path: Path, comp_dir: Path, component: str, feeds: dict) -> dict:
@@ -61,8 +63,9 @@ def measure(source: str, models: Path, component: str, res: int | None, loras: t
         if "timestep" in feeds:
             feeds["timestep"] = np.asarray(t, feeds["timestep"].dtype)
         runs.append(feeds)
-    key = "vae" if component.startswith("vae") else component
-    module = src.load_module(key)
+    from sdnpu.convert.sources import COMPONENT_MODULES
+
+    module = src.load_module(COMPONENT_MODULES[component])
     if loras:
         from sdnpu.lora.adapters import fuse_into, read_lora
 
@@ -114,7 +117,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--source", default="tiny-sdxl")
     parser.add_argument("--models", default=None, help="converted folder (default: models/<source>)")
-    parser.add_argument("--components", default="text_encoder,text_encoder_2,vae_encoder,vae_decoder,unet")
+    parser.add_argument("--components", default=DEFAULT_COMPONENTS)
     parser.add_argument("--res", type=int, default=None)
     parser.add_argument("--lora", action="append", default=[], metavar="FILE[:SCALE]",
                         help="LoRAs fused into PyTorch's module; the folder's models must carry the same")
@@ -138,8 +141,9 @@ def main() -> None:
                     f"({r['pessimistic_1mcos_ratio']:.2f}) | {r['seconds']} |")
         print(rows[-1], flush=True)
         with_lora = f", LoRA {', '.join(spec.path.name + f':{spec.scale:g}' for spec in loras)}" if loras else ""
-        write_section(f"Fidelity: {args.source}{with_lora} (mean of 3 seeded inputs; the UNet at timesteps 999, 500, "
-                      "1)", "\n".join(rows))
+        only = "" if args.components == DEFAULT_COMPONENTS else f", {args.components}"  # its own section
+        write_section(f"Fidelity: {args.source}{only}{with_lora} (mean of 3 seeded inputs; the UNet at timesteps 999, "
+                      "500, 1)", "\n".join(rows))
 
 
 if __name__ == "__main__":

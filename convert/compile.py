@@ -6,6 +6,7 @@ Used by ``sdnpu convert`` (after export, inside the component's staging folder) 
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import logging
 from dataclasses import dataclass
@@ -17,8 +18,9 @@ import numpy as np
 from sdnpu.errors import SdnpuError
 from sdnpu.fileio import staged_dir
 from sdnpu.memory import check_fits
+from sdnpu.ops import handoff
 from sdnpu.passes.pipeline import CompileOptions
-from sdnpu.pipelines import Size, default_resolution, pipeline_outputs, signature, vae_scale_factor
+from sdnpu.pipelines import Size, default_resolution, handoff_values, pipeline_outputs, signature, vae_scale_factor
 from sdnpu.progress import peak_rss_bytes, release_memory, step
 from sdnpu.reports.fidelity import fidelity, generic_inputs
 
@@ -102,7 +104,8 @@ def static_shapes(path: Path, overrides: dict[str, list[int]] | None = None, res
 def run_onnx(path: Path, feeds: dict[str, np.ndarray], optimize: bool = False) -> dict[str, np.ndarray]:
     """Run a graph on onnxruntime's CPU provider; dispatch ops run through their reference bodies.
     Graph optimizations are off by default: they would fold every weight's bf16->fp32 cast into an fp32
-    copy (twice the memory) and can reorder float math."""
+    copy (twice the memory) and can reorder float math. Handoff values (``sdnpu.ops.handoff``) are taken
+    and given in the fp32 graph's form."""
     import onnxruntime as ort
 
     opts = ort.SessionOptions()
@@ -111,7 +114,7 @@ def run_onnx(path: Path, feeds: dict[str, np.ndarray], optimize: bool = False) -
     opts.log_severity_level = 3
     sess = ort.InferenceSession(str(path), opts, providers=["CPUExecutionProvider"])
     names = [o.name for o in sess.get_outputs()]
-    return dict(zip(names, sess.run(names, feeds), strict=True))
+    return dict(zip(names, handoff.run(sess, names, feeds), strict=True))
 
 
 def _read_config(path: Path) -> dict[str, Any]:
@@ -195,6 +198,9 @@ def plan_specialization(primary: Path, source: Path, target: Any) -> Any:
     inits = {t.name for t in src.graph.initializer}
     dims = {vi.name: [int(d.dim_value) for d in vi.type.tensor_type.shape.dim]
             for vi in [*src.graph.input, *src.graph.output] if vi.name not in inits}
+    for name, to_reference in handoff.of_proto(model).items():  # kept in the NPU's layout
+        if name in dims:
+            dims[name] = handoff.graph_shape(dims[name], to_reference)
     handles: dict[str, Any] = {}
     try:
         plan = specialize(model, target, dims, lambda t: shared.tensor_bytes(primary.parent, t, handles))
@@ -335,6 +341,8 @@ def compile_file(source: Path, out: Path | None = None, options: CompileOptions 
     config_path = source.parent / "config.json"
     config = _read_config(config_path) if config_path.is_file() else None
     keep = keep_outputs(outputs, output_names(source), source.parent.name, config, _pipeline_kind(source))
+    if config is not None and not options.handoff:  # a ControlNet's residuals, the residual UNet's inputs for them
+        options = dataclasses.replace(options, handoff=handoff_values(source.parent.name, config))
     dd_dir = Path(out) if out is not None else source.parent / "dd"
     _refuse_shared_dd(dd_dir)
     with staged_dir(dd_dir) as stage:

@@ -8,6 +8,7 @@ module is dropped before onnxruntime loads the graph: at full SDXL size the two 
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import platform
 import tempfile
@@ -44,6 +45,7 @@ from sdnpu.pipelines import (
     Signature,
     Size,
     check_resolution,
+    handoff_values,
     parse_sizes,
     sample_inputs,
     signature,
@@ -625,8 +627,9 @@ def _compile_stage(src: Source, job: _Job, stage: Path, fingerprint: str, feeds:
     keep = keep_outputs(options.outputs, list(job.signature(config).outputs), comp, config,
                         "text_encoder_2" in src.modules)
     check = FidelityCheck(feeds, reference=actual) if options.check else None
+    compile_options = dataclasses.replace(options.compile_options, handoff=handoff_values(comp, config))
     return compile_into(stage / MODEL_FILE, stage / "dd", _compile_info(src, job, fingerprint, lora),
-                        options.compile_options, outputs=keep, check=check)
+                        compile_options, outputs=keep, check=check)
 
 
 def _resolution(res: Size) -> dict[str, Any]:

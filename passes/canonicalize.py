@@ -14,7 +14,8 @@
   sin(a + pi/2): the same numbers to fp32 rounding of the argument (|a| <= ~1000 rad: below 1e-4), in three
   CPU nodes instead of four to seven (Sin and Cos have no dispatch op; these run on the CPU in fp32);
 - a chain of Reshape/Expand nodes broadcasting one value (the UNet's scalar timestep to the batch) is one
-  Expand.
+  Expand, and where a constant is all it meets (the sinusoid's frequencies), none: the constant is
+  broadcast offline.
 """
 
 from __future__ import annotations
@@ -367,6 +368,37 @@ def _scalar_broadcast(graph: ir.Graph) -> int:
     return done
 
 
+def _expand_into_constant(graph: ir.Graph) -> int:
+    """Mul/Add(Expand(s), c) with ``s`` one value and ``c`` a small constant -> Mul/Add(s, c broadcast to the
+    result's shape), the broadcast done once offline: the UNet's timestep expanded to the batch, times the
+    sinusoid's frequencies, is one CPU node instead of two. The same numbers (each element is s op c)."""
+    from sdnpu.passes.irutil import const, producer
+    from sdnpu.passes.provenance import step
+
+    done = 0
+    for node in list(graph):
+        if node.op_type not in ("Mul", "Add") or node.domain not in ("", "ai.onnx") or node.graph is None:
+            continue
+        out_shape = static_shape(node.outputs[0])
+        for i in (0, 1):
+            e, c = producer(node.inputs[i], "Expand"), node.inputs[1 - i]
+            if e is None or c is None or const(c) is None or out_shape is None or int(np.prod(out_shape)) > 1 << 16:
+                continue
+            src, src_shape = e.inputs[0], static_shape(e.inputs[0])
+            if src is None or src_shape is None or int(np.prod(src_shape)) != 1 or len(src_shape) > len(out_shape):
+                continue
+            if len(e.outputs[0].uses()) != 1 or e.outputs[0].is_graph_output():
+                continue
+            b = Builder(graph, RULE)
+            big = b.derived(c, [step("broadcast", shape=list(out_shape))], list(out_shape), f"{c.name}_b")
+            operands = [src, big] if i == 0 else [big, src]
+            new = b.op(node.op_type, operands, dtype=node.outputs[0].dtype, shape=out_shape)
+            replace(graph, node, [node], b.nodes, [node.outputs[0]], [new.outputs[0]])
+            done += 1
+            break
+    return done
+
+
 def bind_input_shapes(model: ir.Model, shapes: dict[str, list[int]]) -> None:
     """Give graph inputs static shapes (an NPU needs them; optimum exports dynamic axes). Shape inference
     in ``canonicalize`` then carries them through the graph."""
@@ -431,6 +463,8 @@ def canonicalize(model: ir.Model) -> PassResult:
     counts["sin/cos halves reordered"] = _unflip_concat(model.graph)
     counts["sinusoids -> one Sin"] = _sincos(model.graph)
     counts["broadcast chains -> Expand"] = _scalar_broadcast(model.graph)
+    remove_dead_nodes(model.graph)  # the sinusoids' old halves still read the timestep's Expand
+    counts["expands folded into constants"] = _expand_into_constant(model.graph)
     remove_dead_nodes(model.graph)
     common.RemoveUnusedNodesPass()(model)
     counts["nodes removed"] = max(0, n_before - len(model.graph))

@@ -5,7 +5,9 @@ region is not cut by an Add, a SiLU or a Concat.
     x · sigmoid(1.702 x)           ==> SDMul(x, 1.702) -> SDSilu -> SDMul(., 1/1.702)   (CLIP's quick_gelu)
     Gelu(x)                        ==> SDGelu on the [B, M, N] view of x
     Add(a, b), Sub(a, c)           ==> SDAdd (a constant operand second, as a bias: is_bias_add=1; -c)
-    Mul(a, b), Div(a, c)           ==> SDMul (the larger operand first; 1/c)
+    Mul(a, b), Div(a, c)           ==> SDMul (the larger operand first; 1/c; a runtime scalar b spread
+                                       to [N, 1, 1, C] by one shared CPU Expand, the kernels taking no
+                                       scalar; twice that width by SDConcat of it with itself)
     Concat(a, b, ...)              ==> SDConcat pairs (2-D operands along their last axis read as
                                        [B, 1, 1, C]: the NHWC channel concatenation the kernel takes)
 
@@ -43,6 +45,7 @@ class _Glue:
         self.graph = graph
         self.target = target
         self.counts: Counter[str] = Counter()
+        self.spreads: dict[tuple[int, int, int], dict[int, ir.Value]] = {}  # (scalar, N, rank) -> width -> value
 
     def dispatch(self, node: ir.Node | None) -> bool:
         return node is not None and self.target.is_dispatch(node.domain, node.op_type)
@@ -175,6 +178,42 @@ class _Glue:
         c = static_shape(like)[-1]  # type: ignore[index]
         return b.const(np.full(c, value, np.float32), f"glue_{value:.6g}")
 
+    def spread(self, b: Builder, c: ir.Value, a_shape: list[int]) -> tuple[ir.Value, list[int]]:
+        """A runtime scalar (a ControlNet's conditioning scale) as the [N, 1, .., C] operand the element-wise
+        kernels broadcast (they take no scalar): one CPU Expand, shared by every op that needs it; a width
+        that doubles one made already (SD's 320 -> 640 -> 1280 channels) is SDConcat of it with itself on the
+        NPU instead of another Expand and cast."""
+        shape = [a_shape[0], *([1] * (len(a_shape) - 2)), a_shape[-1]]
+        made = self.spreads.setdefault((id(c), shape[0], len(shape)), {})
+        for width in [w for w, v in made.items() if v.producer().graph is None]:  # type: ignore[union-attr]
+            del made[width]  # made for a lowering that was refused
+        width = shape[-1]
+        if width in made:
+            return made[width], shape
+        half = width // 2
+        while half and half not in made and half % 2 == 0:
+            half //= 2
+        if half in made and width % half == 0 and (width // half) & (width // half - 1) == 0:
+            v, w = made[half], half
+            while w < width:
+                part = [*shape[:-1], w]
+                full = [*shape[:-1], 2 * w]
+                reason, _ = self.target.spec("SDConcat").check({"a": part, "b": part, "op": "Concat"})
+                if reason:
+                    break
+                v = b.dispatch("SDConcat", [v, v], {"a_shape": part, "b_shape": part, "c_shape": full,
+                                                    "axis": len(shape) - 1}, dtype=c.dtype, shape=full).outputs[0]
+                w *= 2
+                made[w] = v
+            if w == width:
+                return v, shape
+        target = b.const(np.asarray(shape, np.int64), "spread")
+        node = b.op("Expand", [c, target], domain="", dtype=c.dtype, shape=shape)
+        node.metadata_props[DECLINED_TAG] = (f"{RULE}: spreads a runtime scalar to the {shape} operand the "
+                                             f"{self.target.name} element-wise kernels broadcast (no scalar form)")
+        made[width] = node.outputs[0]
+        return made[width], shape
+
     def binary(self, b: Builder, op: str, a: ir.Value, c: ir.Value) -> ir.Value | str:
         a_shape, c_shape = static_shape(a), static_shape(c)
         if a_shape is None or c_shape is None or not is_float(a):
@@ -194,6 +233,8 @@ class _Glue:
                               step("broadcast", shape=[a_shape[-1]])], [a_shape[-1]], f"{c.name}_c",
                           dtype=ir.DataType.FLOAT)
             c_shape = [a_shape[-1]]
+        if not bias and prod(c_shape) == 1 and len(a_shape) >= 2:
+            c, c_shape = self.spread(b, c, a_shape)
         reason, assumed = self.target.spec(op).check({"a": a_shape, "b": c_shape, "b_const": bias,
                                                       "op": op[2:]})
         if reason:

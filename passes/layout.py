@@ -13,7 +13,8 @@ removes those boundaries wherever two NHWC ops meet, by three rewrites run to a 
    becomes ``T(op'(a, b, const'))`` with the axes remapped and constants permuted offline, so the NHWC->NCHW
    Transpose after one dispatch op travels down until it meets the NCHW->NHWC Transpose of the next. A 4-D
    graph input among the operands (a ControlNet's residual entering the UNet) gets its own NCHW->NHWC
-   Transpose at the edge instead. The
+   Transpose at the edge instead; a runtime scalar (a ControlNet's conditioning scale) broadcasts in any
+   layout and stays as it is. The
    element-wise ops are still plain ONNX here (the glue pass lowers them after this one).
 """
 
@@ -215,6 +216,8 @@ def _push_one(graph: ir.Graph, t: ir.Node, node: ir.Node) -> bool:
             new_inputs.append(_reshape(b, v, _permute(shape, TO_NHWC)))
         elif shape is not None and len(shape) == 4 and v.is_graph_input():
             new_inputs.append(_to_nhwc(b, v, shape))  # an NCHW input meets NHWC values: it turns, they stay
+        elif op in ELEMENTWISE and shape is not None and len(shape) <= 4 and all(d == 1 for d in shape):
+            new_inputs.append(v)  # a runtime scalar (a ControlNet's conditioning scale) broadcasts in any layout
         else:
             return False
     attrs = {k: a.value for k, a in node.attributes.items()}

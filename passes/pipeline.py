@@ -8,6 +8,9 @@
     views         Reshapes in front of dispatch ops absorbed into them; after glue (every reader is final)
     precision     bf16 activations, constants as the table stores them, CastAvx at CPU<->NPU edges; needs the
                   final set of dispatch ops (it decides where the edges are)
+    handoff       the graph inputs/outputs named in ``CompileOptions.handoff`` (values another dispatch model
+                  writes or reads) keep the NPU's form: their edge Transposes and CastAvx go; after
+                  precision; only where asked
     cleanup       cast pairs, dead nodes, unused weights, the table check, reference functions
     partition     NPU regions and the reason for every CPU node; last, it describes the final graph
 
@@ -35,6 +38,7 @@ from sdnpu.passes.canonicalize import canonicalize
 from sdnpu.passes.cleanup import cleanup
 from sdnpu.passes.fuse import fuse
 from sdnpu.passes.glue import lower_glue
+from sdnpu.passes.handoff import handoff_pass
 from sdnpu.passes.layout import layout
 from sdnpu.passes.manager import PassFn, PassRecord, run_passes
 from sdnpu.passes.partition import partition
@@ -52,10 +56,13 @@ EXTERNAL_DATA_ENV = "SDNPU_EXTERNAL_DATA_ABOVE"
 
 @dataclass(frozen=True)
 class CompileOptions:
-    """What a compile is for: the target and the precision (validated once, here)."""
+    """What a compile is for: the target and the precision (validated once, here); ``handoff``: graph inputs
+    and outputs that another dispatch model writes or reads, kept bf16 in the NPU's layout
+    (``sdnpu.ops.handoff``)."""
 
     target: Target = field(default_factory=get_target)
     precision: str = "bf16"
+    handoff: frozenset[str] = frozenset()
 
     def __post_init__(self) -> None:
         if self.precision not in PRECISIONS:
@@ -75,6 +82,7 @@ def pipeline(options: CompileOptions) -> list[tuple[str, PassFn]]:
         ("glue", lambda m: lower_glue(m, t)),
         ("views", lambda m: absorb_views(m, t)),
         ("precision", lambda m: precision(m, t, options.precision)),
+        *([("handoff", lambda m: handoff_pass(m, t, options.handoff))] if options.handoff else []),
         ("cleanup", lambda m: cleanup(m, t)),
         ("partition", lambda m: partition(m, t)),
     ]

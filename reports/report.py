@@ -23,6 +23,7 @@ import onnx
 
 from sdnpu import __version__
 from sdnpu.fileio import atomic_write_text
+from sdnpu.ops import handoff
 from sdnpu.ops.tags import ASSUMED_TAG, REASON_TAG, REGION_TAG, RULE_TAG, TARGET_KEY, VIEWS_TAG
 from sdnpu.ops.target import Target, get_target
 
@@ -144,6 +145,7 @@ def build(replaced: Path, source_model: Path | None, passes: list[dict[str, Any]
         "model": replaced.name,
         "inputs": {i.name: shapes.get(i.name, []) for i in model.graph.input},
         "outputs": {o.name: shapes.get(o.name, []) for o in model.graph.output},
+        "handoff": {k: {"dtype": "bfloat16", "to_reference": list(v)} for k, v in handoff.of_proto(model).items()},
         "summary": {
             "total_nodes": total,
             "offloaded_nodes": len(offloaded),
@@ -224,9 +226,11 @@ def render_text(r: dict[str, Any]) -> str:
         lines.append(f"source      {src.get('name')} ({src.get('kind')}, fingerprint {src.get('fingerprint')})")
     lines.append(f"target      {r.get('target', '?')}   precision {r.get('precision', 'bf16')}   "
                  f"tool sdnpu {r['tool']['version']}")
+    kept = r.get("handoff", {})
     for kind in ("inputs", "outputs"):
         for name, shape in r[kind].items():
-            lines.append(f"{kind[:-1]:<11} {name} {shape}")
+            form = "   bf16, the NPU's layout (handoff)" if name in kept else ""
+            lines.append(f"{kind[:-1]:<11} {name} {shape}{form}")
     dropped = r.get("dropped_outputs")
     if dropped:
         lines.append(f"dropped     {len(dropped)} outputs the pipeline does not read (--outputs all keeps them):")

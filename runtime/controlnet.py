@@ -5,8 +5,10 @@ As diffusers' ControlNet pipelines do: the control image is resized to the image
 [0, 1] RGB, NCHW, and repeated for the two halves of classifier-free guidance; at each step every ControlNet
 runs on the UNet's batch with its scale, or with 0 outside its [start, end] share of the steps (diffusers'
 ``controlnet_keep``); the residuals of several ControlNets are summed (diffusers' ``MultiControlNetModel``)
-and go to the UNet that takes them (``unet_controlnet``). The residuals cross between the two models as the
-fp32 graphs write them (NCHW, fp32).
+and go to the UNet that takes them (``unet_controlnet``). Between the two dispatch models the residuals stay in
+the NPU's form (bf16, NHWC: ``sdnpu.ops.handoff``), with no Transpose or cast on the CPU at either edge;
+several ControlNets' are summed in fp32 and rounded to bf16 once. The fp32 graphs (``--reference``) pass
+them as they write them (NCHW, fp32).
 """
 
 from __future__ import annotations

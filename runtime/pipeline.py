@@ -25,6 +25,8 @@ from typing import Any
 import numpy as np
 
 from sdnpu.errors import SdnpuError
+from sdnpu.ops import handoff
+from sdnpu.ops.handoff import handover
 from sdnpu.pipelines import UNET_BATCH, Size, pipeline_outputs, vae_scale_factor
 from sdnpu.progress import release_memory
 from sdnpu.runtime.controlnet import ControlSpec, check_compatible, config_of, control_image, controlnet_folder, keep
@@ -170,9 +172,10 @@ class Pipeline:
                 for (spec, cond, names), net in zip(controls, nets, strict=True):
                     scale = np.asarray(spec.scale * keep(i, len(timesteps), spec), np.float32)
                     out = net.run({**{k: step_feeds[k] for k in net.inputs if k in step_feeds},
-                                   "controlnet_cond": cond, "conditioning_scale": scale}, list(names))
+                                   "controlnet_cond": cond, "conditioning_scale": scale}, list(names), native=True)
                     for o, name in names.items():  # several ControlNets: their residuals summed
-                        step_feeds[name] = step_feeds[name] + out[o] if name in step_feeds else out[o]
+                        r = handover(out[o], net.handoff.get(o), parts[unet_name].handoff.get(name))
+                        step_feeds[name] = handoff.add(step_feeds[name], r) if name in step_feeds else r
                 pred = parts[unet_name].run(step_feeds, ["out_sample"])["out_sample"]
                 uncond, cond = pred[:1], pred[1:]
                 guided = torch.from_numpy(uncond + opts.guidance * (cond - uncond))

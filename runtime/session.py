@@ -24,6 +24,7 @@ import numpy as np
 from sdnpu import external
 from sdnpu.errors import SdnpuError
 from sdnpu.memory import available_bytes
+from sdnpu.ops import handoff
 
 log = logging.getLogger(__name__)
 
@@ -77,16 +78,28 @@ class Component:
     def outputs(self) -> list[str]:
         return [o.name for o in self.session.get_outputs()]
 
-    def run(self, feeds: dict[str, np.ndarray], outputs: list[str] | None = None) -> dict[str, np.ndarray]:
+    @property
+    def handoff(self) -> dict[str, tuple[int, ...]]:
+        """The inputs and outputs kept in the NPU's form (``sdnpu.ops.handoff``): name -> the permutation to
+        the fp32 graph's layout."""
+        return handoff.decode(self.session.get_modelmeta().custom_metadata_map.get(handoff.KEY))
+
+    def run(self, feeds: dict[str, np.ndarray], outputs: list[str] | None = None, native: bool = False
+            ) -> dict[str, np.ndarray]:
+        """Run on ``feeds``. A handoff input takes its handoff form (bf16) or the fp32 graph's form; a handoff
+        output comes back in the fp32 graph's form, or with ``native`` as the model gives it."""
+        forms = self.handoff
         for name, shape in self.inputs.items():
             if name not in feeds:
                 raise SdnpuError(f"{self.name} needs input {name!r}")
             got = list(np.shape(feeds[name]))
+            if name in forms and not handoff.is_bf16(feeds[name]):
+                got = handoff.graph_shape(got, forms[name])
             if len(got) != len(shape) or any(s not in (-1, g) for s, g in zip(shape, got, strict=True)):
                 raise SdnpuError(f"{self.name}: input {name!r} has shape {got}, the model takes {shape}",
                                  hint="converted models have static shapes: convert again with another RES")
         names = outputs or self.outputs
-        return dict(zip(names, self.session.run(names, feeds), strict=True))
+        return dict(zip(names, handoff.run(self.session, names, feeds, native), strict=True))
 
 
 def _weight_bytes(path: Path) -> int:

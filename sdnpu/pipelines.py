@@ -215,6 +215,16 @@ def residual_input(output: str) -> str:
     return output.replace("res_samples", "additional_residuals").replace("res_sample", "additional_residual")
 
 
+def handoff_values(component: str, config: dict[str, Any]) -> frozenset[str]:
+    """The graph inputs and outputs of ``component`` that another dispatch model writes or reads, kept in the
+    NPU's form (``sdnpu.ops.handoff``): a ControlNet's residuals, and the residual UNet's inputs for them."""
+    if component == "controlnet":
+        return frozenset(controlnet_outputs(config))
+    if component == "unet_controlnet":
+        return frozenset(residual_input(o) for o in controlnet_outputs(config))
+    return frozenset()
+
+
 def residual_shapes(config: dict[str, Any], lh: int, lw: int) -> list[tuple[int, ...]]:
     """The shapes of a ControlNet's residuals (``controlnet_outputs``' order) for latents of lh x lw: each down
     block's resnets at its resolution and channels, its downsampler at half, the mid block's at the last."""

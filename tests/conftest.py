@@ -23,6 +23,14 @@ def tiny_conversion(tmp_path_factory: pytest.TempPathFactory):
 
 
 @pytest.fixture(scope="session")
+def tiny_sd15_conversion(tmp_path_factory: pytest.TempPathFactory):
+    """tiny-sd15 converted whole (SD 1.5's architecture: one text encoder, no added conditioning)."""
+    from sdnpu.convert import convert
+
+    return convert("tiny-sd15", "all", out=tmp_path_factory.mktemp("tiny-sd15"))
+
+
+@pytest.fixture(scope="session")
 def tiny_pipeline_folder(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """tiny-sdxl written by diffusers' own save_pretrained: a local folder as users have them."""
     from diffusers import EulerDiscreteScheduler, StableDiffusionXLPipeline

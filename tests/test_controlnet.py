@@ -41,6 +41,24 @@ def test_a_controlnet_exports_matches_pytorch_and_compiles(converted):
     assert report["fidelity"]["min_cosine"] > 0.999  # measured 0.99993 / 0.99994
     assert report["summary"]["offloaded_nodes"] > 100 and report["summary"]["macs_offloaded_share"] == 1.0
     assert (folder / "dd" / "onnx_report.txt").is_file()
+    # the residuals leave the dispatch model in the NPU's form (bf16, NHWC) for the UNet's dispatch model:
+    # no Transpose or CastAvx at the edge; the scale is an SDMul whose operand one CPU Expand spreads to the
+    # narrowest residual width (each wider one, twice the one before, is SDConcat of it with itself)
+    import onnx
+
+    from sdnpu.ops import handoff
+
+    model = onnx.load(str(folder / "dd" / "replaced.onnx"), load_external_data=False)
+    assert handoff.of_proto(model) == {o: (0, 3, 1, 2) for o in outputs}
+    for vi in model.graph.output:
+        dims = [d.dim_value for d in vi.type.tensor_type.shape.dim]
+        assert vi.type.tensor_type.elem_type == onnx.TensorProto.BFLOAT16 and dims[3] > 3, (vi.name, dims)
+    cpu = report["cpu_nodes"]
+    assert sum(n["op_type"] == "Mul" for n in cpu) == (2 if text_time else 1)  # the sinusoids' arguments only
+    assert report["offloaded_by_type"]["SDMul"] >= len(outputs)
+    spreads = [n["reason"] for n in cpu if n["op_type"] == "Expand"]
+    assert len(spreads) == 1 and "spreads a runtime scalar to the [2, 1, 1, 32]" in spreads[0], spreads
+    assert sum(n["op_type"] == "Transpose" for n in cpu) == 2  # the sample and the control image entering
 
 
 def test_the_residuals_are_not_zero_and_follow_the_scale(converted):
@@ -55,6 +73,13 @@ def test_the_residuals_are_not_zero_and_follow_the_scale(converted):
     for k, v in full.items():
         assert np.std(v) > 1e-3, k
         np.testing.assert_allclose(part[k], 0.4 * v, rtol=1e-5, atol=1e-6)
+    # the dispatch model's SDMul by the spread scale: 0.4 of its own residuals, to bf16's rounding (2^-8)
+    dispatch = result.out / "controlnet" / "dd" / "replaced.onnx"
+    full = run_onnx(dispatch, {**feeds, "conditioning_scale": np.array(1.0, np.float32)})
+    part = run_onnx(dispatch, {**feeds, "conditioning_scale": np.array(0.4, np.float32)})
+    for k, v in full.items():
+        assert v.dtype == np.float32 and v.shape == part[k].shape  # run_onnx gives the fp32 graph's form
+        np.testing.assert_allclose(part[k], 0.4 * v, rtol=2**-7, atol=2**-7 * np.abs(v).max())
     from sdnpu.reports.fidelity import generic_inputs  # what sdnpu compile and verify feed it: realistic too
 
     generic = generic_inputs(model)
@@ -209,8 +234,8 @@ def test_controlnet_bad_inputs(control_setup, tiny_conversion, tmp_path, capsys)
 def test_the_unet_that_takes_the_residuals(control_setup, tiny_conversion):
     """``unet_controlnet``: the UNet with a ControlNet's residuals as inputs, added where diffusers adds them.
     Chained through onnxruntime, the fp32 ControlNet and this UNet give what diffusers' UNet gives with the
-    ControlNet's residuals in PyTorch; the dispatch model's residual additions are dispatch ops, and its CPU
-    nodes are the plain UNet's plus each residual's NHWC transpose and bf16 cast at the graph's edge."""
+    ControlNet's residuals in PyTorch; the dispatch model's residual additions are dispatch ops, it takes the
+    residuals in the NPU's form (bf16, NHWC), and its CPU nodes are the plain UNet's."""
     import torch
 
     from sdnpu.pipelines import residual_shapes
@@ -248,5 +273,54 @@ def test_the_unet_that_takes_the_residuals(control_setup, tiny_conversion):
     base = json.loads((tiny_conversion.out / "unet" / "dd" / "report.json").read_text())["summary"]
     summary = report["summary"]
     assert summary["offloaded_nodes"] == base["offloaded_nodes"] + 7  # one SDAdd per residual
-    assert summary["cpu_nodes"] == base["cpu_nodes"] + 2 * 7  # each residual's Transpose and CastAvx
+    assert summary["cpu_nodes"] == base["cpu_nodes"]  # no Transpose or CastAvx at the residuals' edge
+    assert sorted(report["handoff"]) == sorted(names[5:])  # bf16 in the NPU's layout, the rest fp32
+    assert report["inputs"][names[5]] == [2, 32, 32, 32]  # NHWC
     assert report["fidelity"]["min_cosine"] > 0.999 and summary["npu_regions"] == 1
+
+
+def test_sd15_controlnet_draws_what_diffusers_draws(tiny_sd15_conversion, tmp_path):
+    """SD 1.5: `generate --controlnet ... --reference` against diffusers' StableDiffusionControlNetPipeline on the
+    same weights, control image, seed and starting latents; the dispatch models, residuals handed over in the
+    NPU's form, stay close."""
+    import torch
+    from diffusers import PNDMScheduler, StableDiffusionControlNetPipeline
+    from PIL import Image
+    from transformers import CLIPTokenizer
+
+    from sdnpu.runtime import ControlSpec, GenerateOptions, Pipeline
+
+    folder = tmp_path / "sd15"
+    shutil.copytree(tiny_sd15_conversion.out, folder)
+    convert("tiny-sd15", "unet_controlnet", out=folder, check=False)
+    net = convert("tiny-controlnet-sd15", "controlnet", out=tmp_path / "cn", res=256, check=False).out
+    rng = np.random.default_rng(1)
+    edges = np.zeros((256, 256), np.uint8)
+    edges[rng.integers(0, 256, 30), :] = 255
+    edges[:, rng.integers(0, 256, 30)] = 255
+    Image.fromarray(edges).convert("RGB").save(tmp_path / "edges.png")
+    opts = GenerateOptions("a photo of a cat", negative_prompt="blurry", steps=3, seed=2,
+                           controlnets=(ControlSpec(net, tmp_path / "edges.png", scale=0.9, end=0.8),))
+    ours = Pipeline(folder, reference=True)
+    drawn = ours(opts)
+    src = resolve_source("tiny-sd15")
+    src.write_pipeline_files(tmp_path / "files")
+    pipe = StableDiffusionControlNetPipeline(
+        vae=src.load_module("vae"), text_encoder=src.load_module("text_encoder"),
+        tokenizer=CLIPTokenizer.from_pretrained(tmp_path / "files" / "tokenizer"), unet=src.load_module("unet"),
+        controlnet=resolve_source("tiny-controlnet-sd15").load_module("controlnet"),
+        scheduler=PNDMScheduler.from_pretrained(tmp_path / "files" / "scheduler"), safety_checker=None,
+        feature_extractor=None, requires_safety_checker=False)
+    theirs = pipe(opts.prompt, negative_prompt=opts.negative_prompt, image=Image.open(tmp_path / "edges.png"),
+                  num_inference_steps=3, guidance_scale=opts.guidance, height=256, width=256,
+                  latents=torch.from_numpy(ours.noise(2)), controlnet_conditioning_scale=0.9,
+                  control_guidance_start=0.0, control_guidance_end=0.8, output_type="np").images[0]
+    theirs = (theirs * 255).round().astype(np.uint8)
+    diff = np.abs(theirs.astype(int) - drawn.astype(int))
+    assert diff.max() <= 1 and np.mean(diff > 0) < 1e-3, (diff.max(), np.mean(diff > 0))
+    plain = Pipeline(folder, reference=True)(GenerateOptions("a photo of a cat", negative_prompt="blurry", steps=3,
+                                                             seed=2))
+    assert np.abs(plain.astype(int) - drawn.astype(int)).max() > 10  # the ControlNet changed the picture
+    dispatch = Pipeline(folder)(opts)
+    psnr = 10 * np.log10(255**2 / np.mean((dispatch.astype(float) - drawn) ** 2))
+    assert psnr > 40, psnr

@@ -90,12 +90,12 @@ def test_diff_names_what_changed(tiny_conversion, tmp_path, capsys):
     assert "+ CPU Add (1x): Add: a made-up reason" in out
 
 
-@pytest.mark.parametrize(("rate", "code"), [("95", 0), ("95.7", 0), ("96", 1), ("1", 0)])
+@pytest.mark.parametrize(("rate", "code"), [("95", 0), ("95.9", 0), ("96", 1), ("1", 0)])
 def test_fail_under_gates_on_a_percent(tiny_conversion, rate, code, capsys):
-    """A percent, as coverage tools read it: 1 is 1%, not 100% (the tiny UNet offloads 95.71%)."""
+    """A percent, as coverage tools read it: 1 is 1%, not 100% (the tiny UNet offloads 95.97%)."""
     assert main(["report", str(tiny_conversion.out / "unet"), "--fail-under", rate]) == code
     if code:
-        assert "unet: 95.71% < 96.00%" in capsys.readouterr().err
+        assert "unet: 95.97% < 96.00%" in capsys.readouterr().err
 
 
 @pytest.mark.parametrize("rate", ["101", "-1", "nan"])
