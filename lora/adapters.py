@@ -29,7 +29,14 @@ from sdnpu.errors import SdnpuError
 
 log = logging.getLogger(__name__)
 
-COMPONENTS = ("unet", "text_encoder", "text_encoder_2")  # the components a LoRA can change
+COMPONENTS = ("unet", "text_encoder", "text_encoder_2", "unet_controlnet")  # the components a LoRA can change
+MODULES = ("unet", "text_encoder", "text_encoder_2")  # the pipeline modules a LoRA file has parts for
+
+
+def module_of(component: str) -> str:
+    """The pipeline module whose LoRA part changes ``component`` (the UNet that takes a ControlNet's residuals
+    is the UNet)."""
+    return "unet" if component == "unet_controlnet" else component
 
 
 @dataclass(frozen=True)
@@ -123,13 +130,13 @@ def read_lora(spec: LoraSpec, sdxl: bool, unet_config: dict[str, Any] | None) ->
     stray = []
     for key in state_dict:
         prefix = key.split(".", 1)[0]
-        if prefix in COMPONENTS:
+        if prefix in MODULES:
             lora.components[prefix] = lora.components.get(prefix, 0) + 1
         else:
             stray.append(key)
     if stray:
         raise SdnpuError(f"{path}: {len(stray)} keys belong to no component sdnpu applies LoRAs to (first "
-                         f"{stray[0]!r})", hint=f"LoRAs change {', '.join(COMPONENTS)}")
+                         f"{stray[0]!r})", hint=f"LoRAs change {', '.join(MODULES)}")
     return lora
 
 
@@ -142,7 +149,7 @@ def _skeleton(folder: Path, component: str) -> Any:
     config = json.loads((folder / component / "config.json").read_text())
     with init_empty_weights(), warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        if component == "unet":
+        if module_of(component) == "unet":
             from diffusers import UNet2DConditionModel
 
             return UNet2DConditionModel.from_config(config)
@@ -194,20 +201,21 @@ class Adapters:
         import torch
 
         self.component = component
+        module = module_of(component)
         self.names: list[str] = []
         self.loras: list[LoraFile] = []
         skeleton = _skeleton(folder, component)
         parts = []
         for lora in loras:  # every LoRA is loaded before any matrix is set: a later load moves the
-            sd = _peft_state_dict(lora.state_dict, component)  # earlier adapters' back to the meta device
+            sd = _peft_state_dict(lora.state_dict, module)  # earlier adapters' back to the meta device
             if not sd:
                 continue
             adapter = f"lora{len(self.names)}"
-            _check_targets(sd, skeleton, lora, component)
+            _check_targets(sd, skeleton, lora, module)
             try:
                 with warnings.catch_warnings():  # loading into meta tensors is a no-op torch warns about
                     warnings.simplefilter("ignore")
-                    _load_adapter(skeleton, lora, component, adapter, sdxl)
+                    _load_adapter(skeleton, lora, module, adapter, sdxl)
             except SdnpuError:
                 raise
             except Exception as e:
@@ -317,20 +325,21 @@ def fuse_into(module: Any, component: str, loras: Sequence[LoraFile], sdxl: bool
     from diffusers.utils.peft_utils import recurse_remove_peft_layers, set_weights_and_activate_adapters
 
     names, scales = [], []
+    part = module_of(component)
     for lora in loras:
-        sd = _peft_state_dict(lora.state_dict, component)
+        sd = _peft_state_dict(lora.state_dict, part)
         if not sd:
             continue
-        _check_targets(sd, module, lora, component)
+        _check_targets(sd, module, lora, part)
         adapter = f"lora{len(names)}"
-        _load_adapter(module, lora, component, adapter, sdxl)
+        _load_adapter(module, lora, part, adapter, sdxl)
         names.append(adapter)
         scales.append(lora.spec.scale)
     if not names:
         return 0
     changed = sum(1 for _ in _lora_layers(module))
     set_weights_and_activate_adapters(module, names, scales)
-    if component == "unet":
+    if part == "unet":
         module.fuse_lora(adapter_names=names)
         module.unload_lora()
     else:  # as the pipeline's fuse_lora and unload_lora_weights do for a text encoder

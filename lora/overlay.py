@@ -36,7 +36,7 @@ import numpy as np
 
 from sdnpu.errors import SdnpuError
 from sdnpu.fileio import atomic_write_json, recover_staging, staged_dir
-from sdnpu.lora.adapters import COMPONENTS, Adapters, LoraFile, LoraSpec, read_lora, sha256
+from sdnpu.lora.adapters import COMPONENTS, Adapters, LoraFile, LoraSpec, module_of, read_lora, sha256
 
 log = logging.getLogger(__name__)
 
@@ -314,7 +314,7 @@ def apply(path: str | Path, specs: Sequence[LoraSpec]) -> list[Applied]:
     folder, comps = pipeline_folder(path)
     loras = read_loras(folder, specs)
     for lora in loras:
-        missing = sorted(set(lora.components) - set(comps))
+        missing = sorted(set(lora.components) - {module_of(c) for c in comps})
         if missing:
             log.warning("%s also changes %s, which %s has not compiled: that part is not applied",
                         lora.spec.path.name, ", ".join(missing), folder)

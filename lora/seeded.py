@@ -73,7 +73,7 @@ def write_seeded_lora(folder: str | Path, out: str | Path, rank: int = 32, namin
     import torch
     from safetensors.torch import save_file
 
-    from sdnpu.lora.adapters import COMPONENTS
+    from sdnpu.lora.adapters import MODULES
 
     folder = Path(folder)
     if naming not in ("diffusers", "kohya"):
@@ -82,13 +82,13 @@ def write_seeded_lora(folder: str | Path, out: str | Path, rank: int = 32, namin
     sdxl = (folder / "text_encoder_2" / "config.json").is_file()
     tensors: dict[str, Any] = {}
     counts: dict[str, int] = {}
-    for comp in components or COMPONENTS:
+    for comp in components or MODULES:
         if not (folder / comp / "config.json").is_file():
             continue
         targets = _targets(folder, comp, convs)
         counts[comp] = len(targets)
         for i, (name, m) in enumerate(targets):
-            g = torch.Generator().manual_seed(seed * 1_000_003 + COMPONENTS.index(comp) * 100_003 + i)
+            g = torch.Generator().manual_seed(seed * 1_000_003 + MODULES.index(comp) * 100_003 + i)
             if isinstance(m, torch.nn.Conv2d):
                 a_shape, b_shape = (rank, m.in_channels, *m.kernel_size), (m.out_channels, rank, 1, 1)
                 fan_in = m.in_channels * m.kernel_size[0] * m.kernel_size[1]

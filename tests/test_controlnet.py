@@ -324,3 +324,33 @@ def test_sd15_controlnet_draws_what_diffusers_draws(tiny_sd15_conversion, tmp_pa
     dispatch = Pipeline(folder)(opts)
     psnr = 10 * np.log10(255**2 / np.mean((dispatch.astype(float) - drawn) ** 2))
     assert psnr > 40, psnr
+
+
+def test_a_lora_changes_the_unet_that_takes_the_residuals_as_it_changes_the_unet(control_setup, tmp_path):
+    """LoRA with a ControlNet: `sdnpu lora apply` gives ``unet_controlnet`` the UNet's LoRA (the same module: its
+    replaced tensors byte-identical to the UNet's), and a ControlNet generation with the applied overlay draws
+    what `generate --lora` (the tensors computed as the sessions open) draws, not what the base weights draw."""
+    from sdnpu.lora import LoraSpec
+    from sdnpu.lora.overlay import apply, overlay_initializers
+    from sdnpu.lora.seeded import write_seeded_lora
+    from sdnpu.runtime import ControlSpec, GenerateOptions, Pipeline, RuntimeOptions
+
+    folder, first, _, image, _ = control_setup
+    work = tmp_path / "m"
+    shutil.copytree(folder, work)
+    write_seeded_lora(work, tmp_path / "style.safetensors", rank=4, convs=True)
+    spec = LoraSpec.parse(f"{tmp_path / 'style.safetensors'}:0.8")
+    applied = {a.component: a for a in apply(work, [spec])}
+    assert applied["unet_controlnet"].tensors == applied["unet"].tensors > 100
+    weights = {c: json.loads((work / c / "dd" / "weights.json").read_text())["weights"]
+               for c in ("unet", "unet_controlnet")}
+    tensors = {c: overlay_initializers(work / c / "dd")[0] for c in weights}
+    by_origin = {c: {json.dumps(weights[c][k], sort_keys=True): v for k, v in tensors[c].items()} for c in weights}
+    assert by_origin["unet"].keys() == by_origin["unet_controlnet"].keys()
+    for origin, a in by_origin["unet"].items():
+        assert np.asarray(a).tobytes() == np.asarray(by_origin["unet_controlnet"][origin]).tobytes(), origin
+    opts = GenerateOptions("a photo of a cat", steps=2, seed=4, controlnets=(ControlSpec(first, image, scale=0.8),))
+    with_overlay = Pipeline(work)(opts)
+    at_open = Pipeline(folder, runtime=RuntimeOptions(loras=(spec,)))(opts)
+    np.testing.assert_array_equal(with_overlay, at_open)
+    assert np.abs(Pipeline(folder)(opts).astype(int) - at_open.astype(int)).max() > 2  # the LoRA matters
