@@ -277,6 +277,8 @@ def lower_glue(model: ir.Model, target: Target) -> PassResult:
                 changed += 1
         if not changed:
             break
+    if glue.spreads:  # a spread made at one op's place may serve an op before it, lowered in a later round
+        graph.sort()
     lowerable = ("Add", "Sub", "Mul", "Div", "Concat", "Gelu")
     for node in graph:  # what stayed among CPU values says so (its reason, unless a family declined it)
         if _onnx(node) and node.op_type in lowerable and DECLINED_TAG not in node.metadata_props:

@@ -149,3 +149,19 @@ def test_a_runtime_tensor_that_is_not_a_scalar_is_not_spread():
               {"y": [2, 8, 6, 6]}, i1)
     out = compiled(m, set())
     assert cpu_ops(out)["Expand"] == 0
+
+
+def test_a_spread_shared_by_an_op_lowered_later_keeps_the_graph_in_order():
+    """The first Mul by the scalar in the graph is lowered after the second (only once the Add after it is an
+    SDAdd does it touch the NPU) and takes the spread made at the second's place: the graph stays sorted."""
+    c0, i0 = conv("x", "h1", k="1")
+    c1, i1 = conv("x", "h2")
+    c2, i2 = conv("x", "h3", k="3")
+    nodes = [c0, helper.make_node("Relu", ["h1"], ["g"]), helper.make_node("Mul", ["g", "s"], ["z"]), c2,
+             helper.make_node("Mul", ["h3", "s"], ["y2"]), c1, helper.make_node("Add", ["z", "h2"], ["y1"])]
+    m = model(nodes, {"x": [2, 8, 6, 6], "s": []}, {"y1": [2, 8, 6, 6], "y2": [2, 8, 6, 6]}, {**i0, **i1, **i2})
+    out = compiled(m, set())  # the checker's full check: every value defined before it is read
+    assert Counter(n.op_type for n in out.graph.node)["SDMul"] == 2 and cpu_ops(out)["Expand"] == 1
+    feeds = {**feeds_for(m), "s": np.asarray(0.6, np.float32)}
+    for a, b in zip(run(m, feeds), run(out, feeds), strict=True):
+        np.testing.assert_allclose(b, a, rtol=BF16_TOL, atol=BF16_TOL * np.abs(a).max())
