@@ -20,7 +20,7 @@ import numpy as np
 
 from sdnpu.errors import SdnpuError
 from sdnpu.fileio import atomic_write_json
-from sdnpu.memory import check_fits
+from sdnpu.memory import check_fits, estimate
 from sdnpu.progress import step
 from sdnpu.reports import report as reports
 from sdnpu.reports.fidelity import RANGE_RUNS, fidelity, pessimistic_model, range_inputs, worst
@@ -94,6 +94,12 @@ def _generate(folder: Path, reference: bool, opts: GenerateOptions, size: Any = 
     return Pipeline(folder, reference=reference, size=size)(opts)
 
 
+def _generate_both(folder: Path, opts: GenerateOptions, size: Any = None) -> tuple[np.ndarray, np.ndarray]:
+    """(In a worker.) The image through the dispatch models, then through the fp32 graphs: for small models,
+    where starting a process costs more than the run."""
+    return _generate(folder, False, opts, size), _generate(folder, True, opts, size)
+
+
 def _files(folder: Path, name: str, size: Any) -> SizeFiles:
     """``name``'s files at ``size`` (None, or a component that does not depend on it: the primary's)."""
     if size is not None and name in SIZED:
@@ -139,10 +145,15 @@ def verify(folder: str | Path, steps: int = 3, seed: int = 0, prompt: str = "a p
     pipeline = {"unet", "vae_decoder"} <= set(present) and (folder / "text_encoder" / "dd" / "report.json").is_file()
     if (folder / "model_index.json").is_file() and pipeline:
         opts = GenerateOptions(prompt, steps=steps, seed=seed)
-        with step(log, f"pipeline, {steps} steps, dispatch models"):
-            ours = run_in_worker(_generate, folder, False, opts, size, what="running the pipeline (dispatch models)")
-        with step(log, f"pipeline, {steps} steps, fp32 graphs"):
-            ref = run_in_worker(_generate, folder, True, opts, size, what="running the pipeline (fp32 graphs)")
+        if estimate(component_path(folder, "unet", True, size)).bytes < ONE_WORKER_BELOW:
+            with step(log, f"pipeline, {steps} steps, dispatch models and fp32 graphs (small: one worker)"):
+                ours, ref = run_in_worker(_generate_both, folder, opts, size, what="running the pipeline")
+        else:
+            with step(log, f"pipeline, {steps} steps, dispatch models"):
+                ours = run_in_worker(_generate, folder, False, opts, size,
+                                     what="running the pipeline (dispatch models)")
+            with step(log, f"pipeline, {steps} steps, fp32 graphs"):
+                ref = run_in_worker(_generate, folder, True, opts, size, what="running the pipeline (fp32 graphs)")
         mse = float(np.mean((ours.astype(np.float64) - ref) ** 2))
         results["pipeline"] = {"prompt": prompt, "steps": steps, "seed": seed,
                                "psnr_db": float(10 * np.log10(255**2 / mse)) if mse else float("inf")}

