@@ -88,7 +88,8 @@ def static_shapes(path: Path, overrides: dict[str, list[int]] | None = None, res
     if dynamic and component in COMPONENTS and config_path.is_file():
         config = _read_config(config_path)
         vae = _sibling_vae_config(path.parent) or (config if component.startswith("vae") else None)
-        size = Size.of(default_resolution(config if component == "unet" else None, vae) if res is None else res)
+        denoiser = config if component in ("unet", "transformer") else None
+        size = Size.of(default_resolution(denoiser, vae) if res is None else res)
         sig = signature(component, config, size, vae_scale_factor(vae))
         shapes = {spec.name: list(spec.shape) for spec in sig.inputs if spec.name in dynamic}
     shapes.update(overrides or {})

@@ -6,7 +6,7 @@ from __future__ import annotations
 from functools import lru_cache
 from typing import Any
 
-from sdnpu.pipelines import unet_text_time
+from sdnpu.pipelines import clip_projection, unet_text_time
 
 
 @lru_cache(maxsize=1)
@@ -92,7 +92,29 @@ def _wrapper_classes() -> dict[str, Any]:
                                         return_dict=False)
             return (*down, mid)
 
-    return {"TextEncoder": TextEncoder, "UNet": UNet, "UNetTextTime": UNetTextTime, "VaeEncoder": VaeEncoder,
+    class T5Encoder(torch.nn.Module):
+        def __init__(self, model: Any) -> None:
+            super().__init__()
+            self.model = model
+
+        def forward(self, input_ids: torch.Tensor) -> tuple[torch.Tensor]:
+            return (self.model(input_ids=input_ids, return_dict=True).last_hidden_state,)
+
+    class Transformer(torch.nn.Module):
+        """SD3's MMDiT: (hidden_states, timestep, encoder_hidden_states, pooled_projections) -> out_sample."""
+
+        def __init__(self, transformer: Any) -> None:
+            super().__init__()
+            self.transformer = transformer
+
+        def forward(self, hidden_states: torch.Tensor, timestep: torch.Tensor, encoder_hidden_states: torch.Tensor,
+                    pooled_projections: torch.Tensor) -> tuple[torch.Tensor]:
+            return (self.transformer(hidden_states=hidden_states, timestep=timestep,
+                                     encoder_hidden_states=encoder_hidden_states,
+                                     pooled_projections=pooled_projections, return_dict=False)[0],)
+
+    return {"TextEncoder": TextEncoder, "T5Encoder": T5Encoder, "Transformer": Transformer,
+            "UNet": UNet, "UNetTextTime": UNetTextTime, "VaeEncoder": VaeEncoder,
             "VaeDecoder": VaeDecoder, "ControlNet": ControlNet, "UNetResiduals": UNetResiduals}
 
 
@@ -100,7 +122,11 @@ def build_wrapper(component: str, module: Any, config: dict[str, Any]) -> Any:
     """A torch module whose forward takes the signature's inputs in order and returns a tuple."""
     classes = _wrapper_classes()
     if component in ("text_encoder", "text_encoder_2"):
-        wrapper = classes["TextEncoder"](module, projection=component == "text_encoder_2")
+        wrapper = classes["TextEncoder"](module, projection=clip_projection(component, config))
+    elif component == "text_encoder_3":
+        wrapper = classes["T5Encoder"](module)
+    elif component == "transformer":
+        wrapper = classes["Transformer"](module)
     elif component == "unet":
         wrapper = classes["UNetTextTime" if unet_text_time(config) else "UNet"](module)
     elif component == "vae_encoder":

@@ -158,7 +158,8 @@ def default_resolution(source: Source) -> int:
     ControlNet alone: 1024 for SDXL's, 512 for SD 1.x's)."""
     if "unet" not in source.modules and "controlnet" in source.modules:
         return 1024 if unet_text_time(source.module_config("controlnet")) else 512
-    return resolution_rule(source.module_config("unet") if "unet" in source.modules else None, _vae_config(source))
+    denoiser = next((c for c in ("unet", "transformer") if c in source.modules), None)
+    return resolution_rule(source.module_config(denoiser) if denoiser else None, _vae_config(source))
 
 
 def _vae_config(source: Source) -> dict[str, Any] | None:

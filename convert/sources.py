@@ -32,11 +32,13 @@ PRESET_SEED = 0
 COMPONENT_MODULES: dict[str, str] = {
     "text_encoder": "text_encoder",
     "text_encoder_2": "text_encoder_2",
+    "text_encoder_3": "text_encoder_3",  # SD3's T5
     "vae_encoder": "vae",
     "vae_decoder": "vae",
     "unet": "unet",
     "unet_controlnet": "unet",  # the UNet taking a ControlNet's residuals
     "controlnet": "controlnet",
+    "transformer": "transformer",  # SD3's MMDiT
 }
 COMPONENTS: tuple[str, ...] = tuple(COMPONENT_MODULES)
 
@@ -47,6 +49,8 @@ _CLASSES: dict[str, tuple[str, str]] = {
     "CLIPTextModel": ("transformers", "CLIPTextModel"),
     "CLIPTextModelWithProjection": ("transformers", "CLIPTextModelWithProjection"),
     "ControlNetModel": ("diffusers", "ControlNetModel"),
+    "SD3Transformer2DModel": ("diffusers", "SD3Transformer2DModel"),
+    "T5EncoderModel": ("transformers", "T5EncoderModel"),
 }
 _CLASS_MODULES: dict[str, tuple[str, ...]] = {
     "UNet2DConditionModel": ("unet",),
@@ -54,9 +58,11 @@ _CLASS_MODULES: dict[str, tuple[str, ...]] = {
     "CLIPTextModel": ("text_encoder",),
     "CLIPTextModelWithProjection": ("text_encoder_2",),
     "ControlNetModel": ("controlnet",),
+    "SD3Transformer2DModel": ("transformer",),
+    "T5EncoderModel": ("text_encoder_3",),
 }
 _WEIGHT_SUFFIXES = (".safetensors", ".bin")
-_PIPELINE_FOLDERS = ("scheduler", "tokenizer", "tokenizer_2")
+_PIPELINE_FOLDERS = ("scheduler", "tokenizer", "tokenizer_2", "tokenizer_3")
 
 
 def preset_names() -> list[str]:
@@ -145,10 +151,8 @@ class Source:
             try:
                 if library == "diffusers":
                     module = cls.from_config(config)
-                else:
-                    from transformers import CLIPTextConfig
-
-                    module = cls(CLIPTextConfig(**{k: v for k, v in config.items() if k != "architectures"}))
+                else:  # a transformers model: its own config class (CLIPTextConfig, T5Config)
+                    module = cls(cls.config_class(**{k: v for k, v in config.items() if k != "architectures"}))
             except (ValueError, KeyError, TypeError, AttributeError) as e:
                 raise SdnpuError(f"cannot build {cls_name} from {folder / 'config.json'}: {e}") from e
             if cls_name == "ControlNetModel":
@@ -161,7 +165,8 @@ class Source:
 
     def write_pipeline_files(self, out: Path) -> list[str]:
         """Copy what a runtime needs beside the graphs: model_index.json, scheduler/, tokenizer/,
-        tokenizer_2/ (for presets the tokenizers are built from CLIP's BPE merges). Returns what it wrote."""
+        tokenizer_2/, tokenizer_3/ (for presets the CLIP tokenizers are built from CLIP's BPE merges, SD3's T5
+        tokenizer is a stand-in: ``sdnpu.convert.tokenizer.t5_tokenizer_files``). Returns what it wrote."""
         if self.kind == "component" or not (self.root / "model_index.json").is_file():
             return []  # one module (a ControlNet): it joins a pipeline folder, whose files are not its own
         written = []
@@ -173,11 +178,12 @@ class Source:
             if self.kind == "preset" and name.startswith("tokenizer"):
                 if name not in index:
                     continue
-                from sdnpu.convert.tokenizer import tokenizer_files
+                from sdnpu.convert.tokenizer import t5_tokenizer_files, tokenizer_files
 
-                pad = "<|endoftext|>" if name == "tokenizer" else "!"
+                pad = "<|endoftext|>" if name == "tokenizer" else "!"  # CLIP-L's, and OpenCLIP's bigG's
+                files = t5_tokenizer_files() if name == "tokenizer_3" else tokenizer_files(pad)
                 with staged_dir(out / name) as stage:
-                    for fname, data in tokenizer_files(pad).items():
+                    for fname, data in files.items():
                         (stage / fname).write_bytes(data)
                 written.append(name)
             elif src.is_dir():

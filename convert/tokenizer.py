@@ -11,6 +11,7 @@ from __future__ import annotations
 import gzip
 import importlib.util
 import json
+import math
 from functools import lru_cache
 from pathlib import Path
 
@@ -88,4 +89,62 @@ def tokenizer_files(pad_token: str, model_max_length: int = 77) -> dict[str, byt
         "merges.txt": ("#version: 0.2\n" + "\n".join(merges) + "\n").encode("utf-8"),
         "special_tokens_map.json": dump(special),
         "tokenizer_config.json": dump(config),
+    }
+
+
+T5_VOCAB_SIZE = 32_100  # T5's: 32,000 SentencePiece pieces, then <extra_id_0..99>
+T5_SPECIAL = ("<pad>", "</s>", "<unk>")  # ids 0, 1, 2 as in T5
+
+
+def t5_tokenizer_files(model_max_length: int = 77) -> dict[str, bytes]:
+    """A ``T5TokenizerFast`` folder (``tokenizer.json`` and its config) for the presets' T5 encoder.
+
+    T5's SentencePiece model ships in no package this project can install, so this is a **stand-in in T5's
+    format**, not T5's vocabulary: a Unigram model (SentencePiece's algorithm, ``▁`` marking a word's start,
+    ``</s>`` appended, ``<pad>`` = 0, ``</s>`` = 1, ``<unk>`` = 2, then 100 ``<extra_id_N>``) whose pieces are
+    CLIP's BPE tokens in CLIP's merge order (a word-final CLIP token ``xyz</w>`` becomes the word-initial
+    piece ``▁xyz``), scored by that order. It tokenizes real text into plausible pieces, which is what seeded
+    weights need; a local folder brings its own ``tokenizer_3``."""
+    from tokenizers import Tokenizer, decoders, models, normalizers, pre_tokenizers, processors
+
+    vocab, _ = clip_vocab_and_merges()
+    byte_chars = set(_bytes_to_unicode().values())
+    pieces: list[str] = []
+    seen: set[str] = set(T5_SPECIAL)
+    for token in vocab:  # CLIP's order: single symbols first, then merges by frequency
+        if token in (BOS, EOS):
+            continue
+        text = "▁" + token[: -len("</w>")] if token.endswith("</w>") else token
+        if any(c not in byte_chars for c in text.lstrip("▁")) or text in seen or text == "▁":
+            continue
+        # byte symbols outside printable ASCII stand for raw bytes in CLIP; only ASCII is the same character
+        if any(ord(c) > 126 for c in text.lstrip("▁")):
+            continue
+        seen.add(text)
+        pieces.append(text)
+        if len(pieces) == T5_VOCAB_SIZE - 100 - len(T5_SPECIAL) - 1:
+            break
+    pieces.insert(0, "▁")
+    # Zipf's law as the log-probability, a bare character or "▁" far less likely: a word's own piece (``▁a``
+    # included) beats spelling it out
+    scored = [(p, 0.0) for p in T5_SPECIAL] + [(p, -math.log(i + 2) - (8.0 if len(p.lstrip("▁")) < 1 + (p[0] != "▁")
+                                                                       else 0.0)) for i, p in enumerate(pieces)]
+    scored += [(f"<extra_id_{i}>", 0.0) for i in range(99, -1, -1)]
+    tok = Tokenizer(models.Unigram(scored, unk_id=2, byte_fallback=False))
+    tok.normalizer = normalizers.Sequence([normalizers.NFKC(), normalizers.Replace(" {2,}", " ")])
+    tok.pre_tokenizer = pre_tokenizers.Metaspace(replacement="▁", prepend_scheme="always")
+    tok.decoder = decoders.Metaspace(replacement="▁", prepend_scheme="always")
+    tok.post_processor = processors.TemplateProcessing(single="$A </s>", pair="$A </s> $B </s>",
+                                                       special_tokens=[("</s>", 1)])
+    tok.add_special_tokens(list(T5_SPECIAL) + [f"<extra_id_{i}>" for i in range(100)])
+    if tok.get_vocab_size() != T5_VOCAB_SIZE:
+        raise SdnpuError(f"built a T5-format vocabulary of {tok.get_vocab_size()} pieces, expected {T5_VOCAB_SIZE}")
+    config = {"tokenizer_class": "T5Tokenizer", "model_max_length": model_max_length, "eos_token": "</s>",
+              "unk_token": "<unk>", "pad_token": "<pad>", "extra_ids": 100, "clean_up_tokenization_spaces": True,
+              "additional_special_tokens": [f"<extra_id_{i}>" for i in range(100)]}
+    special = {"eos_token": "</s>", "unk_token": "<unk>", "pad_token": "<pad>"}
+    return {
+        "tokenizer.json": tok.to_str().encode("utf-8"),
+        "tokenizer_config.json": (json.dumps(config, indent=2) + "\n").encode("utf-8"),
+        "special_tokens_map.json": (json.dumps(special, indent=2) + "\n").encode("utf-8"),
     }

@@ -11,7 +11,7 @@ import numpy as np
 
 def generic_inputs(path: Path, seed: int = 0, shapes: dict[str, list[int]] | None = None) -> dict[str, np.ndarray]:
     """Seeded inputs from a graph's signature when the caller has no better ones: Gaussian floats, a
-    mid-schedule scalar timestep, token ids below 1000 (valid for any CLIP vocabulary), a ControlNet's control
+    mid-schedule timestep (a UNet's scalar, SD3's per batch item), token ids below 1000 (valid for any CLIP vocabulary), a ControlNet's control
     image in [0, 1] and scale 1."""
     import onnx
 
@@ -32,8 +32,8 @@ def generic_inputs(path: Path, seed: int = 0, shapes: dict[str, list[int]] | Non
             feeds[vi.name] = np.array(1.0, dtype=dtype)
         elif vi.name == "controlnet_cond":  # a control image, in [0, 1] as diffusers prepares it
             feeds[vi.name] = rng.uniform(0, 1, size=shape).astype(dtype)
-        elif not shape:
-            feeds[vi.name] = np.array(500.0, dtype=dtype)
+        elif not shape or vi.name == "timestep":
+            feeds[vi.name] = np.full(shape, 500.0, dtype=dtype)
         else:
             feeds[vi.name] = rng.standard_normal(shape).astype(dtype)
     return feeds
@@ -45,10 +45,10 @@ RANGE_RUNS = ((0, 999.0), (1, 500.0), (2, 1.0))
 
 
 def range_inputs(path: Path, seed: int, timestep: float | None) -> dict[str, np.ndarray]:
-    """``generic_inputs`` with a UNet's scalar timestep set to ``timestep``."""
+    """``generic_inputs`` with the timestep (a UNet's scalar, SD3's per batch item) set to ``timestep``."""
     feeds = generic_inputs(path, seed)
     if timestep is not None and "timestep" in feeds:
-        feeds["timestep"] = np.asarray(timestep, dtype=feeds["timestep"].dtype)
+        feeds["timestep"] = np.full(feeds["timestep"].shape, timestep, dtype=feeds["timestep"].dtype)
     return feeds
 
 

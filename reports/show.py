@@ -9,8 +9,8 @@ from typing import Any
 from sdnpu.errors import SdnpuError
 
 SCHEMA = Path(__file__).with_name("report.schema.json")
-COMPONENT_ORDER = ("text_encoder", "text_encoder_2", "vae_encoder", "vae_decoder", "unet", "unet_controlnet",
-                   "controlnet")
+COMPONENT_ORDER = ("text_encoder", "text_encoder_2", "text_encoder_3", "vae_encoder", "vae_decoder", "unet",
+                   "unet_controlnet", "controlnet", "transformer")
 
 
 def validate(report: dict[str, Any], where: Path) -> None:

@@ -49,8 +49,50 @@ class GenerateOptions:
     controlnets: tuple[ControlSpec, ...] = ()  # ControlNets and their control images (runtime/controlnet.py)
 
 
-class Pipeline:
-    """A converted folder and the loop that runs its components.
+class Stages:
+    """Sessions opened per stage of a pipeline (``folder``, ``reference``, ``runtime``, ``size``, ``keep``:
+    set by the pipeline), dropped after it unless kept."""
+
+    folder: Path
+    reference: bool
+    keep: bool
+    runtime: RuntimeOptions
+    size: Size | None
+    parts: dict[str, Component]
+
+    @contextlib.contextmanager
+    def _using(self, *names: str) -> Iterator[dict[str, Component]]:
+        """Sessions for ``names`` for the length of a stage (kept when ``keep_sessions``)."""
+        parts = {n: self.parts.get(n) or open_component(self.folder, n, self.reference, self.runtime, self.size)
+                 for n in names}
+        if self.keep:
+            self.parts.update(parts)
+        try:
+            yield parts
+        finally:
+            parts.clear()
+            if not self.keep:
+                release_memory()
+
+
+def load_scheduler(folder: Path, name: str | None) -> Any:
+    """The folder's scheduler (``scheduler/scheduler_config.json``), or diffusers' scheduler class ``name``
+    made from that config."""
+    import diffusers
+
+    config = json.loads((folder / "scheduler" / "scheduler_config.json").read_text())
+    cls_name = name or config["_class_name"]
+    cls = getattr(diffusers, cls_name, None)
+    if cls is None or not hasattr(cls, "from_config"):
+        raise SdnpuError(f"unknown scheduler {cls_name!r}",
+                         hint="a diffusers scheduler class, e.g. EulerDiscreteScheduler, DDIMScheduler "
+                         "(FlowMatchEulerDiscreteScheduler for SD3)")
+    return cls.from_config(config)
+
+
+class Pipeline(Stages):
+    """A converted folder and the loop that runs its components (an SD3 folder gets ``SD3Pipeline``, with
+    the same interface).
 
     By default each stage opens its sessions and drops them when done (text encoders, then the UNet, then
     the VAE), so the peak is the largest stage, not the sum: at full SDXL size in fp32 the four sessions
@@ -58,16 +100,20 @@ class Pipeline:
     them open for repeated generation. ``runtime``: how sessions are made (a custom-op library, graph
     optimizations, threads; see ``sdnpu.runtime.session.RuntimeOptions``)."""
 
+    def __new__(cls, folder: str | Path, *args: Any, **kwargs: Any) -> Any:
+        from sdnpu.runtime.sd3 import SD3Pipeline, is_sd3
+
+        if is_sd3(read_index(Path(folder))):
+            return SD3Pipeline(folder, *args, **kwargs)
+        return super().__new__(cls)
+
     def __init__(self, folder: str | Path, reference: bool = False, keep_sessions: bool = False,
                  runtime: RuntimeOptions | None = None, size: Any = None) -> None:
         import onnx
 
         self.folder = Path(folder)
         self.reference, self.keep, self.runtime = reference, keep_sessions, runtime or RuntimeOptions()
-        if not (self.folder / "model_index.json").is_file():
-            raise SdnpuError(f"{self.folder} is not a converted pipeline folder (no model_index.json)",
-                             hint="make convert MODEL=all writes one: models/<source name>/")
-        self.index = json.loads((self.folder / "model_index.json").read_text())
+        self.index = read_index(self.folder)
         self.sdxl = "text_encoder_2" in self.index and self.index["text_encoder_2"][1] is not None
         needed = ["text_encoder", "unet", "vae_decoder"] + (["text_encoder_2"] if self.sdxl else [])
         self.size = Size.of(size) if size is not None else None  # None: the folder's primary size
@@ -83,20 +129,6 @@ class Pipeline:
         self.latent_shape = (1, *shape[1:])
         factor = vae_scale_factor(self.vae_config)
         self.image_size = (factor * shape[2], factor * shape[3])  # (height, width) in pixels
-
-    @contextlib.contextmanager
-    def _using(self, *names: str) -> Iterator[dict[str, Component]]:
-        """Sessions for ``names`` for the length of a stage (kept when ``keep_sessions``)."""
-        parts = {n: self.parts.get(n) or open_component(self.folder, n, self.reference, self.runtime, self.size)
-                 for n in names}
-        if self.keep:
-            self.parts.update(parts)
-        try:
-            yield parts
-        finally:
-            parts.clear()
-            if not self.keep:
-                release_memory()
 
     @cached_property
     def tokenizers(self) -> list[Any]:
@@ -119,6 +151,11 @@ class Pipeline:
 
     def _encoders(self) -> tuple[str, ...]:
         return ("text_encoder", "text_encoder_2") if self.sdxl else ("text_encoder",)
+
+    @property
+    def encoders(self) -> tuple[str, ...]:
+        """The text encoders this pipeline runs."""
+        return self._encoders()
 
     def _encode(self, parts: dict[str, Component], text: str) -> tuple[np.ndarray, np.ndarray | None]:
         ids1, ids2 = self._tokenize(text)
@@ -246,15 +283,22 @@ class Pipeline:
         return scheduler.add_noise(init, noise, timesteps[:1]), timesteps
 
     def _scheduler(self, name: str | None) -> Any:
-        import diffusers
+        return load_scheduler(self.folder, name)
 
-        config = json.loads((self.folder / "scheduler" / "scheduler_config.json").read_text())
-        cls_name = name or config["_class_name"]
-        cls = getattr(diffusers, cls_name, None)
-        if cls is None or not hasattr(cls, "from_config"):
-            raise SdnpuError(f"unknown scheduler {cls_name!r}",
-                             hint="a diffusers scheduler class, e.g. EulerDiscreteScheduler, DDIMScheduler")
-        return cls.from_config(config)
+
+def read_index(folder: Path) -> dict[str, Any]:
+    """A converted folder's ``model_index.json``, or the error that says it is not one."""
+    path = folder / "model_index.json"
+    if not path.is_file():
+        raise SdnpuError(f"{folder} is not a converted pipeline folder (no model_index.json)",
+                         hint="make convert MODEL=all writes one: models/<source name>/")
+    try:
+        index = json.loads(path.read_text())
+    except (OSError, ValueError) as e:
+        raise SdnpuError(f"cannot read {path}: {e}", hint="convert the pipeline again") from e
+    if not isinstance(index, dict):
+        raise SdnpuError(f"{path} does not hold a JSON object", hint="convert the pipeline again")
+    return index
 
 
 def _penultimate(component: Component, config_path: Path) -> str:

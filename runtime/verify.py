@@ -121,11 +121,12 @@ def verify(folder: str | Path, steps: int = 3, seed: int = 0, prompt: str = "a p
     if not present:
         raise SdnpuError(f"no converted component with a dispatch model under {folder}",
                          hint="make convert MODEL=all (OUT=...) first")
+    denoiser = "transformer" if "transformer" in present else "unet"  # SD3's MMDiT, or the UNet
     if size is not None:
         have = [c for c in present if c in SIZED and any(f.size == size for f in sizes_of(folder / c))]
-        for name in sorted(present, key=lambda c: (c != "unet", c != "vae_decoder")):  # the UNet's refusal first
+        for name in sorted(present, key=lambda c: (c != denoiser, c != "vae_decoder")):  # the UNet's refusal first
             if name in SIZED and name not in have:
-                if name in ("unet", "vae_decoder") or not have:  # what the pipeline needs: the list, the --add hint
+                if name in (denoiser, "vae_decoder") or not have:  # what the pipeline needs: the list, the --add hint
                     component_path(folder, name, False, size)
                 log.info("[%s] not converted at %s: not verified", name, size)
         if all(_files(folder, name, size).primary for name in have):
@@ -142,10 +143,10 @@ def verify(folder: str | Path, steps: int = 3, seed: int = 0, prompt: str = "a p
     results: dict[str, Any] = {"components": {}, "pipeline": None, "lora": lora}
     for name in present:
         results["components"][name] = _component(folder, name, runs, size)
-    pipeline = {"unet", "vae_decoder"} <= set(present) and (folder / "text_encoder" / "dd" / "report.json").is_file()
+    pipeline = {denoiser, "vae_decoder"} <= set(present) and (folder / "text_encoder" / "dd" / "report.json").is_file()
     if (folder / "model_index.json").is_file() and pipeline:
         opts = GenerateOptions(prompt, steps=steps, seed=seed)
-        if estimate(component_path(folder, "unet", True, size)).bytes < ONE_WORKER_BELOW:
+        if estimate(component_path(folder, denoiser, True, size)).bytes < ONE_WORKER_BELOW:
             with step(log, f"pipeline, {steps} steps, dispatch models and fp32 graphs (small: one worker)"):
                 ours, ref = run_in_worker(_generate_both, folder, opts, size, what="running the pipeline")
         else:

@@ -177,6 +177,9 @@ def _cmd_generate(args: argparse.Namespace) -> int:
         names = applied_names(Path(args.models))
         if names:
             how += f"; the folder's LoRA {names}"
+    how += f"; text encoders {', '.join(pipe.encoders)}"
+    if "text_encoder_3" in pipe.index and "text_encoder_3" not in pipe.encoders:
+        how += " (no text_encoder_3 converted: T5's part of the prompt is zeros)"
     for spec in opts.controlnets:
         how += f"; ControlNet {spec.folder} on {spec.image} at {spec.scale:g} ({spec.start:g}-{spec.end:g} of steps)"
     print(f"wrote {args.out} ({image.shape[1]}x{image.shape[0]}, {how})")

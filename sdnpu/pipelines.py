@@ -20,11 +20,19 @@ unet_controlnet the UNet's, then down_block_additional_residuals.N,   out_sample
                 writes, added where diffusers adds them)
 controlnet      the UNet's, then controlnet_cond [2, 3, H, W],      down_block_res_samples.N,
                 conditioning_scale [] f32                          mid_block_res_sample
-vae_encoder     sample [1, 3, H, W]                                latent_parameters [1, 8, H/f, W/f]
-vae_decoder     latent_sample [1, 4, H/f, W/f]                     sample [1, 3, H, W]
+vae_encoder     sample [1, 3, H, W]                                latent_parameters [1, 2L, H/f, W/f]
+vae_decoder     latent_sample [1, L, H/f, W/f]                     sample [1, 3, H, W]
+text_encoder_3  input_ids [1, 77] int64 (SD3's T5)                 last_hidden_state [1, 77, J]
+transformer     hidden_states [2, 16, H/f, W/f], timestep [2] f32, out_sample [2, 16, H/f, W/f]
+                encoder_hidden_states [2, 154, J],
+                pooled_projections [2, P1 + P2] (SD3's MMDiT)
 =============== ================================================= =====================================
 
-The UNet runs at batch 2 (classifier-free guidance: unconditional and conditional in one call).
+The UNet and SD3's transformer run at batch 2 (classifier-free guidance: unconditional and conditional in one
+call). A text encoder with a projection (``CLIPTextModelWithProjection``: SDXL's second, both of SD3's) gives
+``text_embeds`` first. L is the VAE's latent channels (4; SD3's 16). SD3's prompt is CLIP's 77 tokens (both
+CLIP encoders' hidden states side by side, zero-padded to T5's width J) then T5's 77: 154 in all, the length
+AMD's SD3 NPU shapes use (diffusers defaults to 256 T5 tokens; its pipeline takes ``max_sequence_length=77``).
 """
 
 from __future__ import annotations
@@ -40,6 +48,7 @@ from sdnpu.errors import SdnpuError
 
 UNET_BATCH = 2  # classifier-free guidance runs both halves in one UNet call
 SEQ_LEN = 77  # CLIP's context length
+T5_SEQ_LEN = 77  # SD3's T5 tokens (diffusers' max_sequence_length)
 
 
 class Size(NamedTuple):
@@ -91,7 +100,7 @@ SDXL_BUCKETS = ("1024x1024", "1152x896", "896x1152", "1216x832", "832x1216", "13
 SIZE_LISTS = {"sdxl-buckets": SDXL_BUCKETS}
 # The components whose graphs depend on the image size: converted at every size of --res (the text encoders
 # once).
-SIZED = ("unet", "unet_controlnet", "vae_encoder", "vae_decoder", "controlnet")
+SIZED = ("unet", "unet_controlnet", "vae_encoder", "vae_decoder", "controlnet", "transformer")
 
 
 def parse_sizes(spec: int | str | Size | Sequence[int | str | Size]) -> list[Size]:
@@ -147,6 +156,15 @@ def unet_text_time(config: dict[str, Any]) -> bool:
     return config.get("addition_embed_type") == "text_time"
 
 
+def clip_projection(component: str, config: dict[str, Any]) -> bool:
+    """Whether a CLIP text encoder has the projection (``CLIPTextModelWithProjection``: pooled ``text_embeds``),
+    from its config's ``architectures``; a config that names none: SDXL's rule (the second has it)."""
+    arch = config.get("architectures")
+    if isinstance(arch, list) and arch:
+        return str(arch[0]) == "CLIPTextModelWithProjection"
+    return component == "text_encoder_2"
+
+
 def signature(component: str, config: dict[str, Any], res: int | Size, vae_factor: int = 8) -> Signature:
     """The static ONNX signature of ``component`` at image size ``res`` for a module ``config``."""
     size = Size.of(res)
@@ -155,9 +173,18 @@ def signature(component: str, config: dict[str, Any], res: int | Size, vae_facto
     if component in ("text_encoder", "text_encoder_2"):
         n_hidden = config["num_hidden_layers"] + 1
         hidden = tuple(f"hidden_states.{i}" for i in range(n_hidden))
-        first = ("text_embeds", "last_hidden_state") if component == "text_encoder_2" else (
+        first = ("text_embeds", "last_hidden_state") if clip_projection(component, config) else (
             "last_hidden_state", "pooler_output")
         return Signature((TensorSpec("input_ids", (1, SEQ_LEN), i64),), first + hidden)
+    if component == "text_encoder_3":
+        return Signature((TensorSpec("input_ids", (1, T5_SEQ_LEN), i64),), ("last_hidden_state",))
+    if component == "transformer":
+        return Signature((
+            TensorSpec("hidden_states", (UNET_BATCH, config["in_channels"], lh, lw), f32),
+            TensorSpec("timestep", (UNET_BATCH,), f32),
+            TensorSpec("encoder_hidden_states", (UNET_BATCH, SEQ_LEN + T5_SEQ_LEN, config["joint_attention_dim"]), f32),
+            TensorSpec("pooled_projections", (UNET_BATCH, config["pooled_projection_dim"]), f32),
+        ), ("out_sample",))
     if component == "unet":
         inputs = [
             TensorSpec("sample", (UNET_BATCH, config["in_channels"], lh, lw), f32),
@@ -247,6 +274,8 @@ def resolution_step(component: str, config: dict[str, Any], vae_factor: int) -> 
     skip connections need the halves to line up again)."""
     if component in ("unet", "unet_controlnet", "controlnet"):
         return vae_factor * 2 ** (len(config["block_out_channels"]) - 1)
+    if component == "transformer":  # latents cut into patch x patch tokens
+        return vae_factor * int(config.get("patch_size", 2))
     return vae_factor
 
 
@@ -258,7 +287,13 @@ def sample_inputs(sig: Signature, config: dict[str, Any], res: int | Size, seed:
     rng = np.random.default_rng(seed)
     feeds: dict[str, np.ndarray] = {}
     for spec in sig.inputs:
-        if spec.name == "input_ids":
+        if spec.name == "input_ids" and config.get("model_type") == "t5":  # tokens, </s> (1), <pad> (0)
+            n = 12
+            ids = np.zeros(spec.shape, dtype=np.int64)
+            ids[:, :n] = rng.integers(3, 32_000, size=(spec.shape[0], n))
+            ids[:, n] = 1
+            feeds[spec.name] = ids
+        elif spec.name == "input_ids":
             vocab = config["vocab_size"]
             bos, eos = vocab - 2, vocab - 1
             ids = np.full(spec.shape, eos, dtype=np.int64)
@@ -267,7 +302,7 @@ def sample_inputs(sig: Signature, config: dict[str, Any], res: int | Size, seed:
             ids[:, 1 : n + 1] = rng.integers(0, vocab - 2, size=(spec.shape[0], n))
             feeds[spec.name] = ids
         elif spec.name == "timestep":
-            feeds[spec.name] = np.array(500.0, dtype=np.float32)
+            feeds[spec.name] = np.full(spec.shape, 500.0, dtype=np.float32)
         elif spec.name == "time_ids":
             feeds[spec.name] = np.tile(np.array([h, w, 0, 0, h, w], np.float32), (spec.shape[0], 1))
         elif spec.name == "sample" and len(spec.shape) == 4 and spec.shape[1] == 3:  # an image in [-1, 1]
@@ -282,8 +317,9 @@ def sample_inputs(sig: Signature, config: dict[str, Any], res: int | Size, seed:
 
 
 def default_resolution(unet_config: dict[str, Any] | None, vae_config: dict[str, Any] | None) -> int:
-    """The resolution a pipeline was trained at, in pixels: the UNet's sample size times the VAE's scale
-    factor (1024 for SDXL, 512 for SD 1.5); the VAE's own sample size without a UNet; else 1024."""
+    """The resolution a pipeline was trained at, in pixels: the UNet's (or SD3 transformer's) sample size times
+    the VAE's scale factor (1024 for SDXL and SD 3.5, 512 for SD 1.5); the VAE's own sample size without a
+    UNet; else 1024."""
     if unet_config is not None:
         return int(unet_config["sample_size"]) * vae_scale_factor(vae_config)
     if vae_config is not None:
@@ -314,13 +350,14 @@ def pipeline_outputs(component: str, config: dict[str, Any], sdxl: bool) -> list
     """The outputs of ``component`` that a diffusers pipeline reads (None: all of them).
 
     The text encoders are exported with every hidden state (optimum's signature), but SDXL reads only the
-    penultimate hidden states of both encoders and text_encoder_2's pooled ``text_embeds``; SD 1.x/2.x read
-    ``last_hidden_state``. Every other output would cost a CastAvx on the CPU and, past the penultimate
-    layer, NPU work nobody uses. The UNet and the VAEs have one output.
+    penultimate hidden states of both encoders and text_encoder_2's pooled ``text_embeds`` (SD3 the same of
+    both its CLIP encoders: each has the projection); SD 1.x/2.x read ``last_hidden_state``. Every other output
+    would cost a CastAvx on the CPU and, past the penultimate layer, NPU work nobody uses. The UNet, the
+    transformer, SD3's T5 and the VAEs have one output.
     """
     if component not in ("text_encoder", "text_encoder_2"):
         return None
     if not sdxl and component == "text_encoder":
         return ["last_hidden_state"]
     penultimate = f"hidden_states.{int(config['num_hidden_layers']) - 1}"
-    return ["text_embeds", penultimate] if component == "text_encoder_2" else [penultimate]
+    return ["text_embeds", penultimate] if clip_projection(component, config) else [penultimate]

@@ -1,0 +1,177 @@
+"""Text-to-image on a converted Stable Diffusion 3 / 3.5 folder (``StableDiffusion3Pipeline``), every graph in
+onnxruntime, step for step as diffusers' pipeline does it:
+
+    prompt -> CLIP-L and CLIP-G: penultimate hidden states side by side, zero-padded to T5's width, and both
+    pooled text_embeds side by side; T5: its hidden states (zeros where the folder has no text_encoder_3, as
+    diffusers does without T5) -> prompt embeddings [CLIP 77 ; T5 77] -> the MMDiT at batch 2 (negative,
+    positive) -> classifier-free guidance -> flow-matching Euler step -> ... -> latents / scaling_factor +
+    shift_factor -> VAE decoder (16 latent channels) -> PNG
+
+The negative prompt is encoded like the prompt (SD3 has no zeroed empty prompt). Image-to-image and
+ControlNets are SDXL/SD 1.x features here: refused with the reason.
+"""
+
+from __future__ import annotations
+
+import inspect
+import json
+import logging
+from collections.abc import Callable
+from functools import cached_property
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from sdnpu.errors import SdnpuError
+from sdnpu.pipelines import UNET_BATCH, Size, pipeline_outputs, vae_scale_factor
+from sdnpu.runtime.pipeline import Stages, load_scheduler
+from sdnpu.runtime.session import Component, RuntimeOptions, component_path
+
+log = logging.getLogger(__name__)
+
+CLIP_ENCODERS = ("text_encoder", "text_encoder_2")
+
+
+def is_sd3(index: dict[str, Any]) -> bool:
+    """Whether a ``model_index.json`` describes an SD3-family pipeline (an MMDiT ``transformer``)."""
+    entry = index.get("transformer")
+    return str(index.get("_class_name", "")).startswith("StableDiffusion3") or (
+        isinstance(entry, list) and len(entry) == 2 and entry[1] == "SD3Transformer2DModel")
+
+
+class SD3Pipeline(Stages):
+    """A converted SD3 folder and the loop that runs it; the same interface as ``Pipeline`` (which gives this
+    class for an SD3 folder). Sessions are opened per stage and dropped after it unless ``keep_sessions``."""
+
+    def __init__(self, folder: str | Path, reference: bool = False, keep_sessions: bool = False,
+                 runtime: RuntimeOptions | None = None, size: Any = None) -> None:
+        import onnx
+
+        self.folder = Path(folder)
+        self.reference, self.keep, self.runtime = reference, keep_sessions, runtime or RuntimeOptions()
+        self.index = json.loads((self.folder / "model_index.json").read_text())
+        self.size = Size.of(size) if size is not None else None
+        for name in ("text_encoder", "text_encoder_2", "transformer", "vae_decoder"):
+            component_path(self.folder, name, reference, self.size)  # refused, with the fix, if absent
+        # T5 is optional, as in diffusers: without it its part of the prompt is zeros
+        self.t5 = (self.folder / "text_encoder_3" / "export.json").is_file()
+        self.parts: dict[str, Component] = {}
+        self.vae_config = json.loads((self.folder / "vae_decoder" / "config.json").read_text())
+        self.transformer_config = json.loads((self.folder / "transformer" / "config.json").read_text())
+        graph = onnx.load(str(component_path(self.folder, "transformer", reference, self.size)),
+                          load_external_data=False)
+        specs = {i.name: [d.dim_value for d in i.type.tensor_type.shape.dim] for i in graph.graph.input}
+        shape = specs["hidden_states"]
+        if shape[0] != UNET_BATCH:
+            raise SdnpuError(f"the transformer in {self.folder} runs at batch {shape[0]}; guidance needs batch "
+                             f"{UNET_BATCH}")
+        self.latent_shape = (1, *shape[1:])
+        self.text_len = specs["encoder_hidden_states"][1]  # CLIP's 77, then T5's tokens
+        factor = vae_scale_factor(self.vae_config)
+        self.image_size = (factor * shape[2], factor * shape[3])  # (height, width) in pixels
+
+    @property
+    def encoders(self) -> tuple[str, ...]:
+        """The text encoders this folder runs (SD3's T5 only where it was converted)."""
+        return (*CLIP_ENCODERS, "text_encoder_3") if self.t5 else CLIP_ENCODERS
+
+    @cached_property
+    def tokenizers(self) -> dict[str, Any]:
+        from transformers import AutoTokenizer, CLIPTokenizer
+
+        toks: dict[str, Any] = {name: CLIPTokenizer.from_pretrained(self.folder / tok)
+                                for name, tok in zip(CLIP_ENCODERS, ("tokenizer", "tokenizer_2"), strict=True)}
+        if self.t5:
+            if not (self.folder / "tokenizer_3").is_dir():
+                raise SdnpuError(f"{self.folder} has text_encoder_3 but no tokenizer_3/",
+                                 hint="convert the pipeline again (it copies the tokenizers)")
+            toks["text_encoder_3"] = AutoTokenizer.from_pretrained(self.folder / "tokenizer_3")
+        return toks
+
+    def _ids(self, name: str, text: str, length: int) -> np.ndarray:
+        tok = self.tokenizers[name]
+        ids = tok(text, padding="max_length", max_length=length, truncation=True).input_ids
+        return np.asarray(ids, dtype=np.int64)[None]
+
+    def _encode(self, parts: dict[str, Component], text: str) -> tuple[np.ndarray, np.ndarray]:
+        """(prompt embeddings [1, 77 + T, J], pooled projections [1, P1 + P2]) as diffusers builds them."""
+        hidden, pooled = [], []
+        for name in CLIP_ENCODERS:
+            enc = parts[name]
+            config = json.loads((self.folder / name / "config.json").read_text())
+            wanted = pipeline_outputs(name, config, sdxl=True)
+            if wanted is None or not set(wanted) <= set(enc.outputs):
+                raise SdnpuError(f"{enc.path} lacks the outputs SD3 reads ({', '.join(wanted or [])})",
+                                 hint="compile it again with --outputs pipeline (the default) or --outputs all")
+            out = enc.run({"input_ids": self._ids(name, text, enc.inputs["input_ids"][1])}, wanted)
+            hidden.append(out[wanted[-1]])
+            pooled.append(out["text_embeds"])
+        clip = np.concatenate(hidden, axis=-1)
+        width = int(self.transformer_config["joint_attention_dim"])
+        t5_len = self.text_len - clip.shape[1]
+        if self.t5:
+            enc = parts["text_encoder_3"]
+            t5 = enc.run({"input_ids": self._ids("text_encoder_3", text, enc.inputs["input_ids"][1])},
+                         ["last_hidden_state"])["last_hidden_state"]
+            if t5.shape[1] != t5_len:
+                raise SdnpuError(f"the T5 encoder gives {t5.shape[1]} tokens, the transformer takes {t5_len}",
+                                 hint="convert text_encoder_3 and the transformer with the same sdnpu")
+        else:
+            t5 = np.zeros((1, t5_len, width), np.float32)
+        clip = np.pad(clip, ((0, 0), (0, 0), (0, width - clip.shape[-1])))
+        return np.concatenate([clip, t5], axis=1), np.concatenate(pooled, axis=-1)
+
+    def __call__(self, opts: Any, progress: Callable[[int, int], None] | None = None) -> np.ndarray:
+        """The image, [H, W, 3] uint8 (``opts``: ``GenerateOptions``)."""
+        import torch
+
+        if not opts.prompt.strip():
+            raise SdnpuError("the prompt is empty", hint='say what to draw: --prompt "a cat"')
+        if opts.steps < 1:
+            raise SdnpuError(f"steps must be at least 1, not {opts.steps}")
+        if opts.image is not None or opts.controlnets:
+            raise SdnpuError(f"{self.folder} is an SD3 pipeline: sdnpu runs it text-to-image only",
+                             hint="drop --image / --controlnet (image-to-image and ControlNets are for SDXL and "
+                             "SD 1.x folders)")
+        log.info("SD3: text encoders %s%s", ", ".join(self.encoders),
+                 "" if self.t5 else " (no text_encoder_3: T5's part of the prompt is zeros, as in diffusers)")
+        with self._using(*self.encoders) as parts:
+            pos, pooled = self._encode(parts, opts.prompt)
+            neg, neg_pooled = self._encode(parts, opts.negative_prompt)
+        feeds = {"encoder_hidden_states": np.concatenate([neg, pos]).astype(np.float32),
+                 "pooled_projections": np.concatenate([neg_pooled, pooled]).astype(np.float32)}
+        scheduler = load_scheduler(self.folder, opts.scheduler)
+        kwargs = {}
+        if scheduler.config.get("use_dynamic_shifting", False):  # as diffusers computes mu for the image size
+            from diffusers.pipelines.stable_diffusion_3.pipeline_stable_diffusion_3 import calculate_shift
+
+            patch = int(self.transformer_config.get("patch_size", 2))
+            seq = (self.latent_shape[2] // patch) * (self.latent_shape[3] // patch)
+            c = scheduler.config
+            kwargs["mu"] = calculate_shift(seq, c.get("base_image_seq_len", 256), c.get("max_image_seq_len", 4096),
+                                           c.get("base_shift", 0.5), c.get("max_shift", 1.16))
+        scheduler.set_timesteps(opts.steps, **kwargs)
+        latents = torch.from_numpy(self.noise(opts.seed))
+        step_kwargs = ({"generator": torch.Generator().manual_seed(opts.seed)}
+                       if "generator" in inspect.signature(scheduler.step).parameters else {})
+        timesteps = scheduler.timesteps
+        with self._using("transformer") as parts:
+            for i, t in enumerate(timesteps):
+                step_feeds = {**feeds, "hidden_states": torch.cat([latents, latents]).numpy().astype(np.float32),
+                              "timestep": np.full((UNET_BATCH,), float(t), np.float32)}
+                pred = parts["transformer"].run(step_feeds, ["out_sample"])["out_sample"]
+                uncond, cond = pred[:1], pred[1:]
+                guided = torch.from_numpy(uncond + opts.guidance * (cond - uncond))
+                latents = scheduler.step(guided, t, latents, return_dict=False, **step_kwargs)[0]
+                if progress is not None:
+                    progress(i + 1, len(timesteps))
+        z = (latents.numpy().astype(np.float32) / float(self.vae_config["scaling_factor"])
+             + float(self.vae_config.get("shift_factor") or 0.0))
+        with self._using("vae_decoder") as parts:
+            image = parts["vae_decoder"].run({"latent_sample": z}, ["sample"])["sample"][0]
+        return (np.clip(image.transpose(1, 2, 0) / 2 + 0.5, 0, 1) * 255).round().astype(np.uint8)
+
+    def noise(self, seed: int) -> np.ndarray:
+        """The starting latents for ``seed`` (flow matching starts from plain Gaussian noise)."""
+        return np.random.default_rng(seed).standard_normal(self.latent_shape).astype(np.float32)

@@ -1,0 +1,155 @@
+"""Stable Diffusion 3 / 3.5 (MMDiT): the presets, the export of every component, the T5 tokenizer stand-in, and
+the pipeline against diffusers' own StableDiffusion3Pipeline (PyTorch, the same weights)."""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from sdnpu.runtime import GenerateOptions, Pipeline
+
+OPTS = GenerateOptions("a photo of a cat", negative_prompt="blurry", steps=3, seed=4)
+
+
+@pytest.fixture(scope="session")
+def tiny_sd3(tmp_path_factory: pytest.TempPathFactory):
+    """tiny-sd3 converted whole: three text encoders, the transformer, the 16-channel VAE."""
+    from sdnpu.convert import convert
+
+    return convert("tiny-sd3", "all", out=tmp_path_factory.mktemp("tiny-sd3"))
+
+
+@pytest.fixture(scope="session")
+def tiny_sd3_folder(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """tiny-sd3 written by diffusers' own save_pretrained: a local folder as users have them."""
+    from diffusers import FlowMatchEulerDiscreteScheduler, StableDiffusion3Pipeline
+    from transformers import CLIPTokenizer, T5TokenizerFast
+
+    from sdnpu.convert import resolve_source
+
+    src = resolve_source("tiny-sd3")
+    files = tmp_path_factory.mktemp("sd3-files")
+    src.write_pipeline_files(files)
+    pipe = StableDiffusion3Pipeline(
+        transformer=src.load_module("transformer"), vae=src.load_module("vae"),
+        text_encoder=src.load_module("text_encoder"), text_encoder_2=src.load_module("text_encoder_2"),
+        text_encoder_3=src.load_module("text_encoder_3"),
+        tokenizer=CLIPTokenizer.from_pretrained(files / "tokenizer"),
+        tokenizer_2=CLIPTokenizer.from_pretrained(files / "tokenizer_2"),
+        tokenizer_3=T5TokenizerFast.from_pretrained(files / "tokenizer_3"),
+        scheduler=FlowMatchEulerDiscreteScheduler.from_pretrained(files / "scheduler"))
+    folder = tmp_path_factory.mktemp("local") / "my-sd3"
+    pipe.save_pretrained(folder)
+    return folder
+
+
+def _diffusers_image(folder: Path, ours: Pipeline, drop_t5: bool = False) -> np.ndarray:
+    import torch
+    from diffusers import StableDiffusion3Pipeline
+
+    extra = {"text_encoder_3": None, "tokenizer_3": None} if drop_t5 else {}
+    pipe = StableDiffusion3Pipeline.from_pretrained(folder, **extra)
+    h, w = ours.image_size
+    out = pipe(OPTS.prompt, negative_prompt=OPTS.negative_prompt, num_inference_steps=OPTS.steps,
+               guidance_scale=OPTS.guidance, height=h, width=w, latents=torch.from_numpy(ours.noise(OPTS.seed)),
+               max_sequence_length=77, output_type="np").images[0]
+    return (out * 255).round().astype(np.uint8)
+
+
+def test_every_component_exports_and_matches_pytorch(tiny_sd3):
+    out = tiny_sd3.out
+    got = {c.component: c for c in tiny_sd3.components}
+    assert list(got) == ["text_encoder", "text_encoder_2", "text_encoder_3", "vae_encoder", "vae_decoder",
+                         "transformer"]
+    for c in got.values():
+        assert c.check["max_rel_error"] < 1e-5, (c.component, c.check)  # measured: at most 2.4e-6
+    export = json.loads((out / "transformer" / "export.json").read_text())
+    assert export["module_class"] == "SD3Transformer2DModel"
+    assert [(i["name"], i["shape"]) for i in export["inputs"]] == [
+        ("hidden_states", [2, 16, 32, 32]), ("timestep", [2]), ("encoder_hidden_states", [2, 154, 128]),
+        ("pooled_projections", [2, 96])]
+    assert json.loads((out / "vae_decoder" / "export.json").read_text())["inputs"][0]["shape"] == [1, 16, 32, 32]
+    t5 = json.loads((out / "text_encoder_3" / "export.json").read_text())
+    assert t5["module_class"] == "T5EncoderModel" and t5["outputs"] == ["last_hidden_state"]
+    # both CLIP encoders have the projection: each keeps its pooled text_embeds and penultimate hidden states
+    for name in ("text_encoder", "text_encoder_2"):
+        report = json.loads((out / name / "dd" / "report.json").read_text())
+        assert list(report["outputs"]) == ["text_embeds", "hidden_states.1"], name
+    for name in ("tokenizer", "tokenizer_2", "tokenizer_3", "scheduler"):
+        assert (out / name).is_dir()
+
+
+def test_the_t5_tokenizer_stand_in_has_t5s_form(tiny_sd3):
+    """The presets' tokenizer_3: T5's special ids and vocabulary size, words as whole pieces, ``</s>`` then
+    padding, and it reads back what it was given."""
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(tiny_sd3.out / "tokenizer_3")
+    assert type(tok).__name__ == "T5TokenizerFast" and len(tok) == 32_100
+    assert (tok.pad_token_id, tok.eos_token_id, tok.unk_token_id) == (0, 1, 2)
+    ids = tok("a photo of an astronaut riding a horse", padding="max_length", max_length=77).input_ids
+    assert tok.convert_ids_to_tokens(ids[:9]) == ["▁a", "▁photo", "▁of", "▁an", "▁astronaut", "▁riding", "▁a",
+                                                 "▁horse", "</s>"]
+    assert ids[9:] == [0] * 68
+    assert tok.decode(tok("Mars, 4k!").input_ids, skip_special_tokens=True) == "Mars, 4k!"
+
+
+def test_generate_draws_what_diffusers_draws(tiny_sd3, tiny_sd3_folder):
+    """`sdnpu generate --reference` on tiny-sd3 draws what diffusers' StableDiffusion3Pipeline draws from the
+    same weights, seed and starting latents (77 T5 tokens both); the dispatch models stay close."""
+    ours = Pipeline(tiny_sd3.out, reference=True)
+    assert type(ours).__name__ == "SD3Pipeline" and ours.encoders == ("text_encoder", "text_encoder_2",
+                                                                       "text_encoder_3")
+    image = ours(OPTS)
+    assert image.shape == (256, 256, 3) and image.std() > 10
+    diff = np.abs(_diffusers_image(tiny_sd3_folder, ours).astype(int) - image.astype(int))
+    # measured: 1 level at most, on 0.006% of the values (rounding)
+    assert diff.max() <= 1 and np.mean(diff > 0) < 1e-3, (diff.max(), np.mean(diff > 0))
+    dispatch = Pipeline(tiny_sd3.out)(OPTS)
+    psnr = 10 * np.log10(255**2 / np.mean((dispatch.astype(float) - image) ** 2))
+    assert psnr > 40, psnr  # measured: 45.0 dB
+
+
+def test_without_t5_the_prompt_is_clips_alone(tiny_sd3, tiny_sd3_folder, tmp_path, capsys):
+    """A folder converted without text_encoder_3 runs as diffusers runs without T5 (its tokens are zeros), and
+    `sdnpu generate` says which encoders ran."""
+    from sdnpu.cli import main
+
+    folder = tmp_path / "no-t5"
+    shutil.copytree(tiny_sd3.out, folder, ignore=shutil.ignore_patterns("text_encoder_3", "tokenizer_3"))
+    ours = Pipeline(folder, reference=True)
+    assert ours.encoders == ("text_encoder", "text_encoder_2")
+    image = ours(OPTS)
+    diff = np.abs(_diffusers_image(tiny_sd3_folder, ours, drop_t5=True).astype(int) - image.astype(int))
+    assert diff.max() <= 1 and np.mean(diff > 0) < 1e-3, (diff.max(), np.mean(diff > 0))
+    png = tmp_path / "x.png"
+    assert main(["generate", "--models", str(folder), "--prompt", "a cat", "--steps", "1", "--out", str(png),
+                 "--reference"]) == 0
+    out = capsys.readouterr().out
+    assert "text encoders text_encoder, text_encoder_2 (no text_encoder_3 converted" in out and png.is_file()
+
+
+def test_a_local_sd3_folder_converts_like_the_preset(tiny_sd3, tiny_sd3_folder, tmp_path):
+    """A diffusers folder (save_pretrained) converts as the preset does: the same graphs' outputs."""
+    from sdnpu.convert import convert
+    from sdnpu.convert.compile import run_onnx
+    from sdnpu.reports.fidelity import generic_inputs
+
+    result = convert(tiny_sd3_folder, "text_encoder_3,transformer", out=tmp_path / "local", compile=False)
+    assert [c.component for c in result.components] == ["text_encoder_3", "transformer"]
+    for comp in ("text_encoder_3", "transformer"):
+        feeds = generic_inputs(tiny_sd3.out / comp / "model.onnx", seed=1)
+        a = run_onnx(tiny_sd3.out / comp / "model.onnx", feeds)
+        b = run_onnx(result.out / comp / "model.onnx", feeds)
+        assert all(np.allclose(a[k], b[k], rtol=0, atol=1e-5 * np.abs(a[k]).max()) for k in a), comp
+
+
+def test_sd3_refuses_what_it_does_not_run(tiny_sd3, tmp_path):
+    from sdnpu.errors import SdnpuError
+
+    with pytest.raises(SdnpuError, match="SD3 pipeline: sdnpu runs it text-to-image only"):
+        Pipeline(tiny_sd3.out, reference=True)(GenerateOptions("a cat", image=tmp_path / "x.png"))
