@@ -11,8 +11,8 @@ import numpy as np
 
 def generic_inputs(path: Path, seed: int = 0, shapes: dict[str, list[int]] | None = None) -> dict[str, np.ndarray]:
     """Seeded inputs from a graph's signature when the caller has no better ones: Gaussian floats, a
-    mid-schedule timestep (a UNet's scalar, SD3's per batch item), token ids below 1000 (valid for any CLIP vocabulary), a ControlNet's control
-    image in [0, 1] and scale 1."""
+    mid-schedule timestep (a UNet's scalar, SD3's per batch item), token ids below 1000 (valid for any CLIP or
+    T5 vocabulary), a ControlNet's control image in [0, 1] and scale 1."""
     import onnx
 
     model = onnx.load(str(path), load_external_data=False)
