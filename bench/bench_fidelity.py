@@ -61,7 +61,7 @@ def measure(source: str, models: Path, component: str, res: int | None, loras: t
     for seed, t in RANGE_RUNS:
         feeds = sample_inputs(sig, config, res, seed=seed)
         if "timestep" in feeds:
-            feeds["timestep"] = np.asarray(t, feeds["timestep"].dtype)
+            feeds["timestep"] = np.full(feeds["timestep"].shape, t, feeds["timestep"].dtype)
         runs.append(feeds)
     from sdnpu.convert.sources import COMPONENT_MODULES
 
@@ -117,7 +117,9 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--source", default="tiny-sdxl")
     parser.add_argument("--models", default=None, help="converted folder (default: models/<source>)")
-    parser.add_argument("--components", default=DEFAULT_COMPONENTS)
+    parser.add_argument("--components", default=None,
+                        help="comma-separated (default: the source's, as `convert --model all` writes them: "
+                        f"{DEFAULT_COMPONENTS} for SDXL)")
     parser.add_argument("--res", type=int, default=None)
     parser.add_argument("--lora", action="append", default=[], metavar="FILE[:SCALE]",
                         help="LoRAs fused into PyTorch's module; the folder's models must carry the same")
@@ -132,7 +134,13 @@ def main() -> None:
     head = ("| component | PyTorch bf16: max abs | ours: max abs (ratio) | pessimistic: max abs (ratio) "
             "| PyTorch bf16: 1 - cos | ours: 1 - cos (ratio) | pessimistic: 1 - cos (ratio) | seconds |")
     rows = [head, "|" + "---|" * (head.count("|") - 1)]
-    for comp in args.components.split(","):
+    if args.components is None:
+        from sdnpu.convert import resolve_source
+
+        comps = [c for c in resolve_source(args.source).components if c != "unet_controlnet"]
+    else:
+        comps = args.components.split(",")
+    for comp in comps:
         r = measure(args.source, models, comp, args.res, loras)
         rows.append(f"| {comp} | {r['torch_max_abs']:.4g} | {r['optimistic_max_abs']:.4g} "
                     f"({r['optimistic_max_abs_ratio']:.2f}) | {r['pessimistic_max_abs']:.4g} "
@@ -141,8 +149,8 @@ def main() -> None:
                     f"({r['pessimistic_1mcos_ratio']:.2f}) | {r['seconds']} |")
         print(rows[-1], flush=True)
         with_lora = f", LoRA {', '.join(spec.path.name + f':{spec.scale:g}' for spec in loras)}" if loras else ""
-        only = "" if args.components == DEFAULT_COMPONENTS else f", {args.components}"  # its own section
-        write_section(f"Fidelity: {args.source}{only}{with_lora} (mean of 3 seeded inputs; the UNet at timesteps 999, "
+        only = "" if args.components in (None, DEFAULT_COMPONENTS) else f", {args.components}"  # its own section
+        write_section(f"Fidelity: {args.source}{only}{with_lora} (mean of 3 seeded inputs; the UNet or transformer at timesteps 999, "
                       "500, 1)", "\n".join(rows))
 
 

@@ -123,6 +123,10 @@ def _gelu_tanh(p: Params) -> str | None:
     return "tanh GELU" if p.get("approximate", "none") == "tanh" else None
 
 
+def _rms_registry(p: Params) -> str | None:
+    return "SDRMSNorm: not in the DD snapshot's registry; ROU's pass lists SD3.5's shapes commented out"
+
+
 def _resize_2x(p: Params) -> str | None:
     a, c = p["x"], p["y"]
     if len(a) != 4 or c != [a[0], 2 * a[1], 2 * a[2], a[3]]:
@@ -330,6 +334,27 @@ _LAYER_NORM = OpSpec(
     views=(("input_shape", 0),), exact_inputs=(("gamma_shape", 1), ("beta_shape", 2)),
     exact_outputs=(("output_shape", 0),), output=_same_out)
 
+_RMS_NORM = OpSpec(
+    "SDRMSNorm",
+    "RMSNorm over the last axis: X / sqrt(mean(X^2) + epsilon) * scale. X: [..., K] bf16 (SD3.5's per-head Q/K "
+    "norms: [B, S, H, D]), scale: [K] bf16 -> X's shape.",
+    inputs=(Input("X", "activation", BF16, "[..., K]"),
+            Input("scale", "weight", BF16, "[K]", packed="uint16 bf16 bits")),
+    attrs=(_shape("input_shape", "X's shape", "pass"), _shape("output_shape", "= input_shape", "pass"), *_DTYPES,
+           _shape("beta_shape", "[K] (the scale's shape; ROU's name)", "pass"),
+           Attr("epsilon", FLOAT, "the norm's epsilon", "copied"), Attr("axis", INT, "-1", "copied")),
+    in_dtypes=(BF16, BF16), out_dtypes=(BF16,), layout="any",
+    sources=("ROU sd3 SDRMSNorm pass (index 66479835781): SimplifiedLayerNormalization -> SDRMSNorm, attributes "
+             "input_shape, output_shape, beta_shape, in_dtypes [bf16, bf16, bf16], out_dtypes [bf16], the norm's "
+             "own copied; supported shapes ((2, 160, 24, 64), (64,)) and ((2, 1024, 24, 64), (64,)) commented out",
+             "DD src/ops/op_registration_db.def: no SDRMSNorm (its RMSNorm is the LLM kernel MLADFRMSNORM, "
+             "transaction/stx/mladfrmsnorm: widths 1536-4096 only)"),
+    limits=(_rank((2, 3, 4)), Limit("registry", "AMD's pass writes it for SD3.5's transformer, but no DD source "
+                                    "registers or lists a kernel for it", "ROU index 66479835781", _rms_registry,
+                                    assumed=True)),
+    views=(("input_shape", 0),), exact_inputs=(("beta_shape", 1),), exact_outputs=(("output_shape", 0),),
+    output=_same_out)
+
 _GROUP_NORM = OpSpec(
     "SDGroupNorm",
     "GroupNorm in NHWC. X: [B, H, W, C] bf16, wts: [2C] bf16 (gamma then beta) -> [B, H, W, C]; "
@@ -467,7 +492,7 @@ def build() -> Target:
            _mha("SDFlatMHA", "v1.1", "is_flat_mha_1_1", "Below M 256 or N 128 (cross-attention on 77 tokens).",
                 bfp="SDFlatMHA_bfp"),
            _mha("SDMHA_VAE", "v1.0", None, "The VAE's single-head attention over all pixels."),
-           _LAYER_NORM, _GROUP_NORM, _SILU, _GELU, _RESIZE, _ADD, _MUL, _CONCAT, _SLICE]
+           _LAYER_NORM, _RMS_NORM, _GROUP_NORM, _SILU, _GELU, _RESIZE, _ADD, _MUL, _CONCAT, _SLICE]
     table = {op.op_type: op for op in ops}
     return Target(NAME, __doc__ or "", DOMAIN, 1, table, _CAST_AVX, SOURCES, _CPU_REASONS, mha_variant,
                   mha_mask_length)

@@ -125,6 +125,13 @@ def _layer_norm(b: Body, x: list[str]) -> str:
     return b.op("LayerNormalization", x[0], x[1], x[2], axis=-1, refs={"epsilon": ("epsilon", A.FLOAT)})
 
 
+def _rms_norm(b: Body, x: list[str]) -> str:
+    """X / sqrt(mean(X^2, last axis) + epsilon) * scale, as the exporters spell torch's RMSNorm."""
+    mean = b.op("ReduceMean", b.op("Mul", x[0], x[0]), b.ints([-1]), keepdims=1)
+    eps = b.op("Constant", refs={"value_float": ("epsilon", A.FLOAT)})
+    return b.op("Mul", b.op("Mul", x[0], b.op("Reciprocal", b.op("Sqrt", b.op("Add", mean, eps)))), x[1])
+
+
 def _group_norm(b: Body, x: list[str]) -> str:
     """GroupNorm as the exporters spell it: InstanceNormalization over [B, G, C/G * H * W] (channels first)
     is onnxruntime's fast kernel; gamma and beta are the two halves of wts."""
@@ -155,7 +162,7 @@ def _slice(b: Body, x: list[str]) -> str:
 
 BODIES: dict[str, Callable[[Body, list[str]], str]] = {
     "SDConv": _conv, "SDGemm": _gemm, "SDMatMul": _matmul, "SDMHA": _mha, "SDFlatMHA": _mha, "SDMHA_VAE": _mha,
-    "SDLayerNorm": _layer_norm, "SDGroupNorm": _group_norm,
+    "SDLayerNorm": _layer_norm, "SDRMSNorm": _rms_norm, "SDGroupNorm": _group_norm,
     "SDSilu": lambda b, x: _silu(b, x[0]),
     "SDGelu": lambda b, x: b.op("Gelu", x[0], refs={"approximate": ("approximate", A.STRING)}),
     "SDResize": _resize,

@@ -29,7 +29,8 @@ import onnx_ir.passes.common as common
 import onnxscript.optimizer
 
 from sdnpu.passes import provenance
-from sdnpu.passes.irutil import Builder, remove_dead_nodes, replace, static_shape
+from sdnpu.passes.joint import joint_attention
+from sdnpu.passes.irutil import Builder, const, remove_dead_nodes, replace, static_shape
 from sdnpu.passes.manager import PassResult
 
 log = logging.getLogger(__name__)
@@ -400,6 +401,46 @@ def _expand_into_constant(graph: ir.Graph) -> int:
     return done
 
 
+def _crop_constants(graph: ir.Graph) -> int:
+    """A Reshape or Slice (steps of one) of a constant, with constant parameters, becomes a constant derived
+    from it (``Builder.derived``: made as the model is saved, its provenance kept), however large the source:
+    SD3's position-embedding table [1, P*P, C] cropped to the image's [1, h*w, C] under static shapes. The
+    small folder above leaves it (it never folds a weight-sized tensor); the crop is smaller than its source."""
+    done = 0
+    for node in list(graph):
+        if node.graph is None or node.op_type not in ("Reshape", "Slice") or node.domain not in ("", "ai.onnx"):
+            continue
+        x, out = node.inputs[0], node.outputs[0]
+        shape, out_shape = static_shape(x), static_shape(out)
+        if x is None or x.const_value is None or shape is None or out_shape is None or out.is_graph_output():
+            continue
+        if any(v is not None and v.const_value is None for v in node.inputs[1:]):
+            continue
+        if node.op_type == "Reshape":
+            steps = [provenance.step("reshape", shape=list(out_shape))]
+        else:
+            starts, ends = const(node.inputs[1]), const(node.inputs[2])
+            axes = const(node.inputs[3]) if len(node.inputs) > 3 and node.inputs[3] is not None else None
+            steps_in = const(node.inputs[4]) if len(node.inputs) > 4 and node.inputs[4] is not None else None
+            if steps_in is not None and np.any(steps_in != 1):
+                continue
+            axes = axes if axes is not None else np.arange(starts.size)  # type: ignore[union-attr]
+            steps = []
+            for a, lo, hi in zip(axes.reshape(-1), starts.reshape(-1), ends.reshape(-1), strict=True):  # type: ignore[union-attr]
+                a = int(a) % len(shape)
+                n = shape[a]
+                lo = min(max(int(lo) + n if lo < 0 else int(lo), 0), n)
+                hi = min(max(int(hi) + n if hi < 0 else int(hi), 0), n)
+                steps.append(provenance.step("slice", axis=a, start=lo, stop=hi))
+            if len(steps) != len(axes.reshape(-1)):
+                continue
+        b = Builder(graph, RULE)
+        folded = b.derived(x, steps, out_shape, f"{x.name}_crop")
+        out.replace_all_uses_with(folded)
+        done += 1
+    return done
+
+
 def bind_input_shapes(model: ir.Model, shapes: dict[str, list[int]]) -> None:
     """Give graph inputs static shapes (an NPU needs them; optimum exports dynamic axes). Shape inference
     in ``canonicalize`` then carries them through the graph."""
@@ -468,6 +509,13 @@ def canonicalize(model: ir.Model) -> PassResult:
     remove_dead_nodes(model.graph)  # the sinusoids' old halves still read the timestep's Expand
     counts["expands folded into constants"] = _expand_into_constant(model.graph)
     remove_dead_nodes(model.graph)
+    for _ in range(8):  # a chain of crops, one node a round
+        n = _crop_constants(model.graph)
+        counts["crops of constants folded"] += n
+        remove_dead_nodes(model.graph)
+        if not n:
+            break
+    counts.update(joint_attention(model.graph))  # SD3's MMDiT: one attention per query part, heads after the norms
     common.RemoveUnusedNodesPass()(model)
     counts["nodes removed"] = max(0, n_before - len(model.graph))
     # shape annotations alone (ShapeInferencePass) do not count as a change

@@ -30,6 +30,9 @@ Families (``FAMILIES``):
   movement     Reshape/Transpose (perm or none)/Squeeze/Unsqueeze/Flatten/Identity chains, NCHW<->NHWC
                round trips, [B, C, H, W] <-> [B, HW, C]
   block        resnet (with a time embedding), VAE attention, transformer, up/downsample, UNet skip concat
+  mmdit        SD3's MMDiT: RMSNorm (both spellings, scaled or not), joint attention (image and text streams,
+               per-head norms or not, cut back into both streams or the image only), AdaLayerNorm's projection
+               chunked by a Split (equal or uneven parts)
   near_miss    ``NEAR_MISSES``: a shared intermediate (SiLU's sigmoid, a pre-activation, softmax or q heads
                as outputs, a GroupNorm intermediate, LayerNorm's statistics), a non-constant weight (Conv
                weight or bias, MatMul weight, GroupNorm/LayerNorm gamma as graph inputs), an unsupported
@@ -37,7 +40,9 @@ Families (``FAMILIES``):
                linear/cubic/fractional/down/channels, LayerNorm over two axes, softmax over another axis),
                an almost-right pattern (a non-causal mask, interleaved heads, a wrong head merge, a scale on
                v or per head, 1.7 for 1.702, erf(x / 1.5), GEGLU's halves swapped or uneven, a reflect /
-               non-zero / cropping Pad before a Conv, a neutral constant that raises the rank).
+               non-zero / cropping Pad before a Conv, a neutral constant that raises the rank, an RMSNorm over
+               another axis or scaled per row, a joint attention cut where the streams do not meet, a
+               projection chunked along the batch).
   mutation     ``MUTATIONS``: each rule's and glue lowering's pattern with what is around it changed, on its
                own input (ranks 1-5; odd, prime and size-1 dimensions), usually written by a dispatch op:
                GroupNorm with the batch folded into the groups ([1, B*G, -1]) or the groups on two axes
@@ -958,6 +963,108 @@ def step_transformer_block(g: G, x: str) -> str:
     return g.op("Add", [ff, y], (b, s, c))
 
 
+# ---- SD3's MMDiT ------------------------------------------------------------------------------------------
+
+def rms_norm(g: G, x: str, *, axis: int = -1, scale: str | None | bool = True) -> str:
+    """torch's RMSNorm as the exporters write it: x * Reciprocal(Sqrt(ReduceMean(Pow(x, 2)) + eps)) [* w]
+    (dynamo), or x / Sqrt(ReduceMean(x * x) + eps) (TorchScript's spelling), over ``axis``."""
+    shape = g.shape[x]
+    sq = g.op("Pow", [x, g.scalar(2.0, "two")], shape) if g.flag() else g.op("Mul", [x, x], shape)
+    red = tuple(1 if i == axis % len(shape) else d for i, d in enumerate(shape))
+    m = g.op("ReduceMean", [sq, g.ints([axis], "axes")], red, keepdims=1)
+    r = g.op("Sqrt", [g.bin("Add", m, g.scalar(g.pick([1e-6, 1e-5]), "eps"))], red)
+    y = g.bin("Mul", x, g.op("Reciprocal", [r], red)) if g.flag() else g.bin("Div", x, r)
+    if scale is True:
+        k = shape[-1]
+        scale = g.weight(g.pick([(k,), (1, k)]), 0.3, "rms_w", offset=1.0)
+    if scale:
+        y = g.bin("Mul", y, scale) if g.flag() else g.bin("Mul", scale, y)
+    return y
+
+
+def step_rms_norm(g: G, x: str) -> str:
+    g.desc.append("RMSNorm")
+    return rms_norm(g, x, scale=g.num(0, 3) > 0)
+
+
+def joint_attention(g: G, x: str, *, heads: int, d: int, norm: bool, spelling: str, parts: str) -> str:
+    """SD3's joint attention: x [B, S1, C] and a context [B, S2, C2] each projected to q, k, v, split into
+    heads, Q and K normalized per head (SD3.5), the streams concatenated along the sequence, attention, heads
+    merged and cut back into the streams (``parts``: both, the image only, or a cut that is not the streams')."""
+    b, s1, c = g.shape[x]
+    s2 = g.num(1, 6)
+    ctx = g.input((b, s2, g.num(1, 12)), "ctx")
+    s, cm = s1 + s2, heads * d
+
+    def split(t: str, length: int) -> str:
+        r = g.op("Reshape", [t, g.ints([b, -1, heads, d])], (b, length, heads, d))
+        return g.op("Transpose", [r], (b, heads, length, d), perm=[0, 2, 1, 3])
+
+    streams = {}
+    for name, src, length in (("x", x, s1), ("c", ctx, s2)):
+        hs = {t: split(_project(g, src, cm, keep_rank=True), length) for t in "qkv"}
+        if norm:
+            w = g.weight((d,), 0.3, "norm_w", offset=1.0)
+            hs = {t: rms_norm(g, v, scale=w) if t in "qk" else v for t, v in hs.items()}
+        streams[name] = hs
+    qj, kj, vj = (g.op("Concat", [streams["x"][t], streams["c"][t]], (b, heads, s, d), axis=2) for t in "qkv")
+    if spelling == "dynamo":
+        f = g.op("Reshape", [kj, g.ints([-1, s, d])], (b * heads, s, d))
+        ft = g.op("Transpose", [f], (b * heads, d, s), perm=[0, 2, 1])
+        kt = g.op("Reshape", [ft, g.ints([b, heads, d, s])], (b, heads, d, s))
+        sc = g.fconst(d ** -0.25, "scale")
+        scores = g.op("MatMul", [g.bin("Mul", qj, sc), g.bin("Mul", kt, sc)], (b, heads, s, s))
+    else:
+        kt = g.op("Transpose", [kj], (b, heads, d, s), perm=[0, 1, 3, 2])
+        scores = g.bin("Mul", g.op("MatMul", [qj, kt], (b, heads, s, s)), g.scalar(d ** -0.5, "scale"))
+    o = g.op("MatMul", [g.op("Softmax", [scores], (b, heads, s, s), axis=-1), vj], (b, heads, s, d))
+    merged = g.op("Reshape", [g.op("Transpose", [o], (b, s, heads, d), perm=[0, 2, 1, 3]), g.ints([b, s, cm])],
+                  (b, s, cm))
+    cut = s1 - 1 if parts == "misaligned" and s1 > 1 else s1
+
+    def part(lo: int, hi: int) -> str:
+        ends = hi if hi < s or g.flag() else 2**62
+        return g.op("Slice", [merged, g.ints([lo]), g.ints([ends]), g.ints([1]), *([g.ints([1])] if g.flag() else [])],
+                    (b, hi - lo, cm))
+
+    image = part(0, cut)
+    if parts != "image":
+        g.output(_project(g, part(cut, s), g.num(1, 8)))
+    return _project(g, image, c)
+
+
+def step_joint_attention(g: G, x: str) -> str:
+    p = {"heads": g.num(1, 3), "d": g.num(1, 6), "norm": g.num(0, 3) > 0,
+         "spelling": g.pick(["dynamo", "plain"]), "parts": g.pick(["both", "both", "image"])}
+    g.desc.append("JointAttention(" + ", ".join(f"{k}={v}" for k, v in p.items()) + ")")
+    return joint_attention(g, x, **p)
+
+
+def step_adaln_chunks(g: G, x: str) -> str:
+    """AdaLayerNorm's conditioning: one projection of [B, K] chunked into parts (Split by num_outputs or by
+    sizes), put back together (summed where they match, else concatenated in another order)."""
+    b, k = g.shape[x]
+    n_parts, width = g.num(2, 6), g.num(1, 8)
+    sizes = [width] * n_parts if g.flag() else [g.num(1, 8) for _ in range(n_parts)]
+    if g.flag():
+        y = g.op("Gemm", [x, g.weight((sum(sizes), k)), *([g.weight((sum(sizes),), 0.1, "b")] if g.flag() else [])],
+                 (b, sum(sizes)), transB=1)
+    else:
+        y = _project(g, x, sum(sizes), keep_rank=True)
+    even = len(set(sizes)) == 1
+    if even and g.flag():
+        parts = g.op_n("Split", [y], [(b, w) for w in sizes], axis=g.pick([-1, 1]), num_outputs=n_parts)
+    else:
+        parts = g.op_n("Split", [y, g.ints(sizes, "sizes")], [(b, w) for w in sizes], axis=g.pick([-1, 1]))
+    g.desc.append(f"AdaLNChunks({sizes})")
+    if even:
+        out = parts[0]
+        for p in parts[1:]:
+            out = g.op("Add", [out, p], (b, sizes[0]))
+        return out
+    return g.op("Concat", list(reversed(parts)), (b, sum(sizes)), axis=-1)
+
+
 def step_upsample_block(g: G, x: str) -> str:
     b, c, h, w = g.shape[x]
     if b * c * 4 * h * w > MAX_ELEMS:
@@ -1158,6 +1265,26 @@ def nm_layer_norm_variants(g: G, x: str) -> str:
         g.output(g.pick([mean, inv]))
         return y
     return g.op("LayerNormalization", ins, shape, axis=axis, epsilon=1e-5)
+
+
+def nm_mmdit_variants(g: G, x: str) -> str:
+    """An RMSNorm over another axis or scaled per row, a joint attention cut where the streams do not meet,
+    a projection chunked along the batch."""
+    shape = g.shape[x]
+    kinds = ["rms_axis", "rms_row_scale"] + (["joint_misaligned"] if len(shape) == 3 and shape[1] > 1 else []) + (
+        ["chunks_batch"] if len(shape) == 2 and shape[0] % 2 == 0 else [])
+    kind = g.pick(kinds)
+    g.desc.append(f"near-miss: MMDiT {kind}")
+    if kind == "rms_axis":
+        return rms_norm(g, x, axis=g.pick(list(range(len(shape) - 1))))
+    if kind == "rms_row_scale":
+        return rms_norm(g, x, scale=g.weight((*shape[:-1], 1), 0.3, "row_w", offset=1.0))
+    if kind == "joint_misaligned":
+        return joint_attention(g, x, heads=g.num(1, 2), d=g.num(1, 4), norm=g.flag(), spelling="dynamo",
+                               parts="misaligned")
+    y = _project(g, x, g.num(1, 6), keep_rank=True)
+    half = g.op_n("Split", [y], [(shape[0] // 2, g.shape[y][1])] * 2, axis=0, num_outputs=2)
+    return g.op("Add", half, g.shape[half[0]])
 
 
 def nm_attention_variants(g: G, x: str) -> str:
@@ -1781,6 +1908,9 @@ STEPS: dict[str, Step] = {
     "transformer_block": Step(step_transformer_block, (3,)),
     "upsample_block": Step(step_upsample_block, (4,)),
     "downsample_block": Step(step_downsample_block, (4,)),
+    "rms_norm": Step(step_rms_norm, (2, 3, 4)),
+    "joint_attention": Step(step_joint_attention, (3,)),
+    "adaln_chunks": Step(step_adaln_chunks, (2,)),
 }
 
 NEAR_MISSES: dict[str, Step] = {
@@ -1799,6 +1929,7 @@ NEAR_MISSES: dict[str, Step] = {
     "attention_variants": Step(nm_attention_variants, (3,)),
     "activation_constants": Step(nm_activation_constants, (2, 3)),
     "neutral_broadcast": Step(nm_neutral_broadcast, (1, 2, 3)),
+    "mmdit_variants": Step(nm_mmdit_variants, (2, 3, 4)),
 }
 
 MUTATIONS: dict[str, Step] = {  # each makes its own input: ranks (0,)
@@ -1828,6 +1959,7 @@ FAMILIES: dict[str, list[str]] = {
     "movement": ["movement_chain", "nhwc_roundtrip", "to_tokens", "to_image"],
     "block": ["resnet_block", "vae_attention_block", "transformer_block", "upsample_block", "downsample_block",
               "unet_skip_block"],
+    "mmdit": ["rms_norm", "joint_attention", "adaln_chunks"],
     "near_miss": list(NEAR_MISSES),
     "mutation": [f"mut_{name}" for name in MUTATIONS],
 }

@@ -16,7 +16,12 @@ def test_presets_provide_all_five_components():
     for name in ("sdxl-base", "tiny-sdxl"):
         src = resolve_source(name)
         assert src.kind == "preset" and src.components == FIVE
-    assert COMPONENTS == (*FIVE, "unet_controlnet", "controlnet")
+    assert COMPONENTS == ("text_encoder", "text_encoder_2", "text_encoder_3", "vae_encoder", "vae_decoder", "unet",
+                          "unet_controlnet", "controlnet", "transformer")
+    for name in ("tiny-sd3", "sd35-medium"):  # SD3: three text encoders, the MMDiT, the 16-channel VAE
+        src = resolve_source(name)
+        assert src.components == ["text_encoder", "text_encoder_2", "text_encoder_3", "vae_encoder", "vae_decoder",
+                                  "transformer"]
     assert resolve_source("controlnet-sdxl").components == ["controlnet"]
 
 

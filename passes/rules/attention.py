@@ -1,6 +1,8 @@
 """SDMHA: scaled dot-product attention with its head split and merge, from any exporter.
 
-    Q: [B, M, C] -> heads [B, H, M, D]     (Reshape/Transpose chain, any spelling; maybe a scalar Mul)
+    Q: [B, M, C] -> heads [B, H, M, D]     (Reshape/Transpose chain, any spelling; maybe a scalar Mul; a
+                                            source already [B, M, H, D], as SD3.5's per-head norms leave it
+                                            (passes/joint.py), is read as its [B, M, C] view)
     K: [B, N, C] -> heads [B, H, D, N]
     V: [B, N, C] -> heads [B, H, N, D]
     O = Softmax(Q·K * scale) · V : [B, H, M, D] -> merge heads -> [B, M, C]
@@ -47,16 +49,24 @@ def _head_split(src: tuple[int, ...], heads: int, kind: str) -> np.ndarray | Non
     return split.transpose(0, 2, 3, 1) if kind == "k" else split.transpose(0, 2, 1, 3)
 
 
+def _as_rank3(shape: tuple[int, ...] | None, head_dim: int) -> tuple[int, ...] | None:
+    """A source's [B, S, C]: its own, or [B, S, H, D] (heads already apart, D the head size) read as one."""
+    if shape is not None and len(shape) == 4 and shape[3] == head_dim:
+        return (shape[0], shape[1], shape[2] * shape[3])
+    return shape
+
+
 def _check_split(src: ir.Value, chain: list[ir.Node], target: ir.Value, heads: int, kind: str) -> bool:
-    shape = static_shape(src)
     t_shape = static_shape(target)
+    head_dim = (t_shape or (0, 0, 0, 0))[2 if kind == "k" else 3]
+    shape = _as_rank3(static_shape(src), head_dim)
     if shape is None or t_shape is None or len(shape) != 3 or shape[2] % heads:
         return False
     expected = _head_split(shape, heads, kind)
     idx = movement.index_tensor(shape)
     if expected is None or idx is None:
         return False
-    got = movement.run_chain_ignoring_scale(chain, idx)
+    got = movement.run_chain_ignoring_scale(chain, idx.reshape(static_shape(src)))  # type: ignore[arg-type]
     return got.shape == t_shape and np.array_equal(got.reshape(-1), expected.reshape(-1))
 
 
@@ -91,6 +101,20 @@ def _is_causal(mask: np.ndarray) -> bool:
     m = mask.reshape(-1, *mask.shape[-2:])
     upper = np.triu(np.ones(m.shape[-2:], dtype=bool), k=1)
     return bool(np.all(m[:, ~upper] == 0) and np.all(m[:, upper] <= -1e4))
+
+
+def _own_nodes(nodes: list[ir.Node], chains: set[ir.Node]) -> list[ir.Node]:
+    """``nodes`` less the head-split nodes that another reader shares (SD3's attentions, one per query part,
+    read the joint K and V through one split): SDMHA reads the sources, so those stay for the other."""
+    inside = set(nodes)
+    changed = True
+    while changed:
+        changed = False
+        for n in [n for n in nodes if n in inside and n in chains]:
+            if any(o.is_graph_output() or any(u.node not in inside for u in o.uses()) for o in n.outputs):
+                inside.discard(n)
+                changed = True
+    return [n for n in nodes if n in inside]
 
 
 class SDMHAFusion(Rule):
@@ -135,8 +159,9 @@ class SDMHAFusion(Rule):
         q_src, q_chain, q_s = movement.trace_up(qk_mm.inputs[0])  # type: ignore[arg-type]
         k_src, k_chain, k_s = movement.trace_up(qk_mm.inputs[1])  # type: ignore[arg-type]
         v_src, v_chain, _ = movement.trace_up(node.inputs[1], allow_scale=False)  # type: ignore[arg-type]
-        q_shape, v_shape = static_shape(q_src), static_shape(v_src)
         head_dim = (static_shape(qk_mm.inputs[0]) or (0,))[-1]
+        v_dim = (static_shape(node.inputs[1]) or (0,))[-1]
+        q_shape, v_shape = _as_rank3(static_shape(q_src), head_dim), _as_rank3(static_shape(v_src), v_dim)
         if q_shape is None or v_shape is None or len(q_shape) != 3 or not head_dim:
             return "q, k, v are not rank-3 [B, S, C] tensors behind their reshapes"
         heads = q_shape[2] // head_dim
@@ -148,7 +173,7 @@ class SDMHAFusion(Rule):
         if down is None:
             return "the output is not merged back to [B, M, C]"
         out_chain, out = down
-        k_shape = static_shape(k_src)
+        k_shape = _as_rank3(static_shape(k_src), head_dim)
         assert k_shape is not None
         assert self.target.mha_variant is not None, f"{self.target.name} has no attention op"
         op = self.target.mha_variant(q_shape[1], k_shape[1], heads)
@@ -157,13 +182,14 @@ class SDMHAFusion(Rule):
         if reason:
             return reason
         nodes = [*q_chain, *k_chain, *v_chain, qk_mm, *reversed(between), sm, node, *out_chain]
-        uniq = list(dict.fromkeys(nodes))
+        uniq = _own_nodes(list(dict.fromkeys(nodes)), {*q_chain, *k_chain, *v_chain})
         return Match(uniq, [out], MHAParams(q_src, k_src, v_src, heads, assumed))
 
     def rewrite(self, b: Builder, m: Match) -> list[ir.Value]:
         p: MHAParams = m.params
-        bq, mq, k = static_shape(p.q)  # type: ignore[misc]
-        n = static_shape(p.k)[1]  # type: ignore[index]
+        q, k_in, v = (_rank3(b, x) for x in (p.q, p.k, p.v))
+        bq, mq, k = static_shape(q)  # type: ignore[misc]
+        n = static_shape(k_in)[1]  # type: ignore[index]
         op = self.target.mha_variant(mq, n, p.heads)  # type: ignore[misc]
         length = self.target.mha_mask_length(bq, mq, k, n)  # type: ignore[misc]
         mask = np.where(np.arange(length) < n, 0.0, -np.inf).astype(np.float32)
@@ -174,6 +200,15 @@ class SDMHAFusion(Rule):
         flag = next((a.name for a in spec.attrs if a.name.startswith("is_")), None)
         if flag:
             attrs[flag] = 1
-        node = b.dispatch(op, [p.q, p.k, p.v, mask_v], attrs, dtype=p.q.dtype, shape=[bq, mq, k],
+        node = b.dispatch(op, [q, k_in, v, mask_v], attrs, dtype=q.dtype, shape=[bq, mq, k],
                           assumed=p.assumed)
         return [node.outputs[0]]
+
+
+def _rank3(b: Builder, x: ir.Value) -> ir.Value:
+    """A [B, S, H, D] source as the [B, S, H * D] view SDMHA takes (the op absorbs the Reshape)."""
+    shape = static_shape(x)
+    if shape is None or len(shape) == 3:
+        return x
+    flat = (shape[0], shape[1], shape[2] * shape[3])
+    return b.op("Reshape", [x, b.const(np.asarray(flat, np.int64), "shape")], dtype=x.dtype, shape=flat).outputs[0]

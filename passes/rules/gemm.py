@@ -129,3 +129,41 @@ class SDGemmFusion(Rule):
 
     def rewrite(self, b: Builder, m: Match) -> list[ir.Value]:
         return [emit_gemm(b, m.params, static_shape(m.outputs[0]))]
+
+
+class SDGemmSplitFusion(Rule):
+    """A linear layer whose output is cut into parts along its features (SD3's AdaLayerNorm: one projection of
+    the conditioning chunked into shift, scale and gate for each stream):
+
+        Split(Linear(x) [.., N], axis=-1) -> parts [.., n_i]
+        ==> one SDGemm per part, with its columns of the weight and bias (the same MACs, no Split)
+
+    DD's SDSlice cannot take these parts (it is keyed on shapes alone, and the parts share one shape)."""
+
+    name = "SDGemmSplitFusion"
+    anchors = ("Split",)
+
+    def match(self, node: ir.Node) -> Match | str | None:
+        y = node.inputs[0]
+        shape = static_shape(y)
+        linear = y.producer() if y is not None else None
+        if shape is None or linear is None or linear.op_type not in ("Gemm", "MatMul", "Add"):
+            return None
+        axis = attr(node, "axis", 0)
+        if axis % len(shape) != len(shape) - 1:
+            return None
+        found = SDGemmFusion(self.target).match(linear)
+        if not isinstance(found, Match):
+            return found
+        sizes = [static_shape(o) for o in node.outputs]
+        if any(s is None for s in sizes) or sum(s[-1] for s in sizes) != shape[-1]:  # type: ignore[index]
+            return "the parts' widths are not static or do not add up to the layer's"
+        bounds, start = [], 0
+        for s in sizes:
+            bounds.append(slice(start, start + s[-1]))  # type: ignore[index]
+            start += s[-1]  # type: ignore[index]
+        return Match([*found.nodes, node], list(node.outputs), (found.params, bounds))
+
+    def rewrite(self, b: Builder, m: Match) -> list[ir.Value]:
+        p, bounds = m.params
+        return [emit_gemm(b, p, static_shape(o), columns=cols) for o, cols in zip(m.outputs, bounds, strict=True)]

@@ -16,6 +16,12 @@ A row that straddles two samples or splits a channel is declined.
 
 LayerNorm: one ``LayerNormalization`` over the last axis (opset >= 17) ==> SDLayerNorm on the [B, M, K] view
 of its input, then a view back to the input's rank where that differs.
+
+RMSNorm as the exporters spell torch's (SD3.5's per-head Q/K norms, T5's layer norms):
+
+    x * Reciprocal(Sqrt(ReduceMean(Pow(x, 2) | x * x, last axis, keepdims) + eps))  [* scale [K]]
+    (or x / Sqrt(...))
+    ==> SDRMSNorm(x, scale [K], epsilon)   (a scale of ones where the norm has none)
 """
 
 from __future__ import annotations
@@ -23,7 +29,7 @@ from __future__ import annotations
 import numpy as np
 import onnx_ir as ir
 
-from sdnpu.passes.irutil import Builder, attr, bmk_view, const, producer, static_shape, unview
+from sdnpu.passes.irutil import Builder, attr, bmk_view, const, producer, scalar, static_shape, unview
 from sdnpu.passes.provenance import step
 from sdnpu.passes.rules.activation import silu_after
 from sdnpu.passes.rules.base import Match, Rule
@@ -159,3 +165,92 @@ def _vector(b: Builder, v: ir.Value, k: int) -> ir.Value:
         return v
     return b.derived(v, [step("astype", dtype="float32"), step("reshape", shape=[k])], [k], f"{v.name}_k",
                      dtype=ir.DataType.FLOAT)
+
+
+def _rms_chain(v: ir.Value | None) -> tuple[ir.Value, float, list[ir.Node]] | None:
+    """(x, eps, nodes) when ``v`` is x normalized by its root mean square over the last axis."""
+    node = v.producer() if v is not None else None
+    if node is None or node.op_type not in ("Mul", "Div") or len(node.inputs) != 2:
+        return None
+    for x, r in ((node.inputs[0], node.inputs[1]), (node.inputs[1], node.inputs[0])):
+        if node.op_type == "Div" and r is not node.inputs[1]:
+            continue
+        chain = [node]
+        if node.op_type == "Mul":
+            rec = producer(r, "Reciprocal")
+            if rec is None:
+                continue
+            chain.append(rec)
+            r = rec.inputs[0]
+        sqrt = producer(r, "Sqrt")
+        add = producer(sqrt.inputs[0], "Add") if sqrt is not None else None
+        if add is None:
+            continue
+        for m, e in (add.inputs, reversed(add.inputs)):
+            eps, mean = scalar(e), producer(m, "ReduceMean")
+            if eps is None or mean is None or attr(mean, "keepdims", 1) != 1:
+                continue
+            rank = len(static_shape(x) or ())
+            axes = const(mean.inputs[1]) if len(mean.inputs) > 1 else np.asarray(attr(mean, "axes", []))
+            if axes is None or axes.size != 1 or int(axes.reshape(-1)[0]) % max(rank, 1) != rank - 1:
+                continue
+            sq = mean.inputs[0].producer() if mean.inputs[0] is not None else None
+            squares = sq is not None and sq.inputs[0] is x and (
+                (sq.op_type == "Pow" and scalar(sq.inputs[1]) == 2.0)
+                or (sq.op_type == "Mul" and sq.inputs[1] is x))
+            if squares:
+                return x, float(eps), [sq, mean, add, sqrt, *reversed(chain)]  # type: ignore[list-item,arg-type]
+    return None
+
+
+def _per_last_axis(a: np.ndarray | None, k: int) -> bool:
+    """One value per channel of the last axis: [K] or [1, .., 1, K]."""
+    return a is not None and a.size == k and a.ndim >= 1 and a.shape[-1] == k
+
+
+class SDRMSNormFusion(Rule):
+    name = "SDRMSNormFusion"
+    anchors = ("Mul", "Div")
+
+    def match(self, node: ir.Node) -> Match | str | None:
+        found, scale = None, None
+        if node.op_type == "Mul":
+            for y, w in (node.inputs, reversed(node.inputs)):
+                a = const(w)
+                if a is not None and (y.producer() if y is not None else None) is not None:
+                    found = _rms_chain(y)
+                    if found is not None:
+                        scale = w
+                        break
+        if found is None:
+            found = _rms_chain(node.outputs[0])
+            if found is None:
+                return None
+            out = node.outputs[0]
+            uses = list(out.uses())
+            k = (static_shape(out) or (0,))[-1]
+            if len(uses) == 1 and not out.is_graph_output() and uses[0].node.op_type == "Mul" and any(
+                    _per_last_axis(const(v), k) for v in uses[0].node.inputs):
+                return None  # the Mul by the scale after it takes the whole norm
+        x, eps, nodes = found
+        shape = static_shape(x)
+        if shape is None or not 2 <= len(shape) <= 4:
+            return "the input is not a static tensor of rank 2-4"
+        k = shape[-1]
+        if scale is not None:
+            if not _per_last_axis(const(scale), k):
+                return None  # a Mul by something else: the norm before it matches alone
+            nodes = [*nodes, node]
+        reason, assumed = self.target.spec("SDRMSNorm").check({"x": shape})
+        if reason:
+            return reason
+        return Match(nodes, [node.outputs[0]], (x, scale, eps, list(shape), assumed))
+
+    def rewrite(self, b: Builder, m: Match) -> list[ir.Value]:
+        x, scale, eps, shape, assumed = m.params
+        k = shape[-1]
+        w = b.const(np.ones(k, np.float32), "rms_norm_ones") if scale is None else _vector(b, scale, k)
+        node = b.dispatch("SDRMSNorm", [x, w], {"input_shape": shape, "output_shape": shape, "beta_shape": [k],
+                                              "epsilon": eps, "axis": -1}, dtype=x.dtype, shape=shape,
+                          assumed=assumed)
+        return [node.outputs[0]]

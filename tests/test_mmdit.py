@@ -1,0 +1,159 @@
+"""SD3's MMDiT rules on tiny graphs spelled as torch's dynamo exporter writes diffusers' SD3 blocks: joint
+attention (one SDMHA per query part), the per-head RMSNorm (SDRMSNorm), the AdaLayerNorm projection's chunks
+(one SDGemm each) and the position-embedding crop (a constant); what must not fuse, and why."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from .graphs import model, ops
+from .test_rules import assert_same, declined, dispatch_ops, lowered, n, w
+
+B, S1, S2, H, D = 2, 6, 3, 2, 4
+C = H * D
+
+
+def _rms(nodes: list, inits: dict, x: str, y: str, spelling: str = "dynamo", scale: bool = True,
+         axis: int = -1, scale_shape: tuple[int, ...] = (D,)) -> None:
+    """x normalized by its root mean square over ``axis`` (torch's RMSNorm; the last axis unless a near miss)."""
+    t = f"{y}_"
+    inits.setdefault("two", np.array(2.0, np.float32))
+    inits.setdefault("eps", np.array(1e-6, np.float32))
+    inits[f"{t}axes"] = np.array([axis])
+    sq = [n("Pow", [x, "two"], [f"{t}sq"])] if spelling == "dynamo" else [n("Mul", [x, x], [f"{t}sq"])]
+    nodes += [*sq, n("ReduceMean", [f"{t}sq", f"{t}axes"], [f"{t}m"], keepdims=1), n("Add", [f"{t}m", "eps"], [f"{t}a"]),
+              n("Sqrt", [f"{t}a"], [f"{t}r"])]
+    if spelling == "dynamo":
+        nodes += [n("Reciprocal", [f"{t}r"], [f"{t}ir"]), n("Mul", [x, f"{t}ir"], [f"{t}n" if scale else y])]
+    else:
+        nodes += [n("Div", [x, f"{t}r"], [f"{t}n" if scale else y])]
+    if scale:
+        inits[f"{t}w"] = (1 + w(*scale_shape)).astype(np.float32)
+        nodes.append(n("Mul", [f"{t}n", f"{t}w"], [y]))
+
+
+def joint_attention(norm: bool = True, parts: str = "both", spelling: str = "dynamo"):
+    """SD3's JointAttnProcessor: image x [B, S1, C] and text c [B, S2, C] projected to q, k, v, split into
+    heads ([B, H, S, D]), Q and K normalized per head (SD3.5), the streams concatenated along the sequence,
+    scaled dot-product attention (dynamo's spelling: q and kᵀ each scaled by D^-1/4), heads merged, the result
+    sliced back into the streams (``parts``: both, or the image only as in the last block; ``misaligned``: a
+    cut that is not the streams')."""
+    s = S1 + S2
+    nodes, inits = [], {"split": np.array([B, -1, H, D]), "merge": np.array([B, s, C]),
+                        "flat": np.array([-1, s, D]), "back": np.array([B, H, D, s]),
+                        "scale": np.array([D ** -0.25], np.float32)}
+    for stream in ("x", "c"):
+        for t in "qkv":
+            inits[f"w{t}{stream}"] = w(C, C)
+            nodes += [n("MatMul", [stream, f"w{t}{stream}"], [f"{t}{stream}"]),
+                      n("Reshape", [f"{t}{stream}", "split"], [f"{t}{stream}4"]),
+                      n("Transpose", [f"{t}{stream}4"], [f"{t}{stream}h"], perm=[0, 2, 1, 3])]
+            if norm and t in "qk":
+                _rms(nodes, inits, f"{t}{stream}h", f"{t}{stream}n", spelling)
+    for t in "qkv":
+        end = "n" if norm and t in "qk" else "h"
+        nodes.append(n("Concat", [f"{t}x{end}", f"{t}c{end}"], [f"{t}j"], axis=2))
+    nodes += [n("Reshape", ["kj", "flat"], ["kf"]), n("Transpose", ["kf"], ["kft"], perm=[0, 2, 1]),
+              n("Reshape", ["kft", "back"], ["kt"]), n("Mul", ["qj", "scale"], ["qs"]), n("Mul", ["kt", "scale"], ["ks"]),
+              n("MatMul", ["qs", "ks"], ["sc"]), n("Softmax", ["sc"], ["p"], axis=-1), n("MatMul", ["p", "vj"], ["o"]),
+              n("Transpose", ["o"], ["ot"], perm=[0, 2, 1, 3]), n("Reshape", ["ot", "merge"], ["y"])]
+    cut = {"both": [(0, S1, "yx"), (S1, 2**62, "yc")], "image": [(0, S1, "yx")],
+           "misaligned": [(0, S1 - 1, "yx"), (S1 - 1, s, "yc")]}[parts]
+    outs = {}
+    for lo, hi, name in cut:
+        inits[f"{name}_lo"], inits[f"{name}_hi"], inits["ax1"] = np.array([lo]), np.array([hi]), np.array([1])
+        nodes.append(n("Slice", ["y", f"{name}_lo", f"{name}_hi", "ax1"], [name]))
+        outs[name] = [B, min(hi, s) - lo, C]
+    return model(nodes, {"x": [B, S1, C], "c": [B, S2, C]}, outs, inits)
+
+
+def rms_norm(spelling: str = "dynamo", scale: bool = True, rank: int = 3, axis: int = -1,
+             scale_shape: tuple[int, ...] = (D,)):
+    shape = [B, S1, H, D][-rank:] if rank < 4 else [B, S1, H, D]
+    shape[-1] = D
+    nodes, inits = [], {}
+    _rms(nodes, inits, "x", "y", spelling, scale, axis, scale_shape)
+    return model(nodes, {"x": shape}, {"y": shape}, inits)
+
+
+def adaln_chunks(alpha: float = 1.0):
+    """AdaLayerNormZero's projection of the conditioning (Linear, as a Gemm) chunked into six; pairs of chunks
+    added (each chunk read once)."""
+    nodes = [n("Gemm", ["e", "wl", "bl"], ["p"], transB=1, alpha=alpha),
+             n("Split", ["p"], [f"c{i}" for i in range(6)], axis=-1, num_outputs=6)]
+    nodes += [n("Add", [f"c{i}", f"c{i + 1}"], [f"y{i}"]) for i in range(0, 6, 2)]
+    return model(nodes, {"e": [B, C]}, {f"y{i}": [B, 4] for i in range(0, 6, 2)}, {"wl": w(24, C), "bl": w(24)})
+
+
+def pos_embed_crop():
+    """The position-embedding table [1, P*P, C] viewed [1, P, P, C], its top-left h x w cropped, added to the
+    patch tokens [B, h*w, C] (a projection's output)."""
+    p, h = 4, 2
+    nodes = [n("MatMul", ["x", "wp"], ["xp"]), n("Reshape", ["table", "grid"], ["g"]),
+             n("Slice", ["g", "z", "hh", "ax1"], ["g1"]), n("Slice", ["g1", "z", "hh", "ax2"], ["g2"]),
+             n("Reshape", ["g2", "tok"], ["pe"]), n("Add", ["xp", "pe"], ["y"])]
+    return model(nodes, {"x": [B, h * h, C]}, {"y": [B, h * h, C]},
+                 {"wp": w(C, C), "table": w(1, p * p, C), "grid": np.array([1, p, p, C]), "z": np.array([0]), "hh": np.array([h]),
+                  "ax1": np.array([1]), "ax2": np.array([2]), "tok": np.array([1, h * h, C])})
+
+
+@pytest.mark.parametrize(
+    ("build", "expected"),
+    [(joint_attention, {"SDGemm": 6, "SDRMSNorm": 4, "SDConcat": 2, "SDFlatMHA": 2}),
+     (lambda: joint_attention(spelling="torchscript"), {"SDGemm": 6, "SDRMSNorm": 4, "SDConcat": 2, "SDFlatMHA": 2}),
+     (lambda: joint_attention(norm=False), {"SDGemm": 6, "SDConcat": 2, "SDFlatMHA": 2}),  # SD3.0: no norms
+     # the last block keeps the image tokens only: the text query, its projection and norm go with the cut
+     (lambda: joint_attention(parts="image"), {"SDGemm": 5, "SDRMSNorm": 3, "SDConcat": 2, "SDFlatMHA": 1}),
+     (rms_norm, {"SDRMSNorm": 1}),
+     (lambda: rms_norm("torchscript", scale=False, rank=2), {"SDRMSNorm": 1}),
+     (lambda: rms_norm(rank=4), {"SDRMSNorm": 1}),
+     # scaled per head, not per channel: the norm alone (the Mul after it is the glue's, which keeps it on the
+     # CPU: the kernels take no [H, 1] operand)
+     (lambda: rms_norm(scale_shape=(H, 1)), {"SDRMSNorm": 1}),
+     (adaln_chunks, {"SDGemm": 6, "SDAdd": 3}),
+      (pos_embed_crop, {"SDGemm": 1, "SDAdd": 1})],
+)
+def test_mmdit_rule_fires_and_keeps_numbers(build, expected):
+    m = build()
+    irm = lowered(m)
+    assert dispatch_ops(irm) == expected
+    left = {"Softmax", "MatMul", "Slice", "Split", "Pow", "ReduceMean", "Sqrt", "Reciprocal", "Gemm", "Concat"}
+    assert not left & set(ops(irm)), ops(irm)
+    assert_same(m, irm)
+
+
+def test_joint_attention_keeps_the_streams_apart_and_records_the_assumed_norm():
+    """Each query part attends over the joint keys and values: the image part's SDFlatMHA reads Q [B, S1, C]
+    and the text part's Q [B, S2, C], both K and V [B, S1 + S2, C]; SDRMSNorm is recorded as an assumed
+    capability (AMD's pass writes it; no DD source registers it)."""
+    from sdnpu.ops.tags import ASSUMED_TAG
+
+    irm = lowered(joint_attention())
+    mha = [node for node in irm.graph if node.op_type == "SDFlatMHA"]
+    assert sorted(tuple(node.attributes["input_shape"].value) for node in mha) == [
+        (B, S2, C, S1 + S2), (B, S1, C, S1 + S2)]
+    norms = [node for node in irm.graph if node.op_type == "SDRMSNorm"]
+    assert {tuple(node.attributes["input_shape"].value) for node in norms} == {(B, S1, H, D), (B, S2, H, D)}
+    assert all(node.metadata_props[ASSUMED_TAG] == "registry" for node in norms)
+
+
+@pytest.mark.parametrize(
+    ("build", "anchor_op", "reason"),
+    [(lambda: joint_attention(parts="misaligned"), "Slice", "SDSlice has no start/end attributes"),
+     (lambda: rms_norm(axis=1), "ReduceMean", "ReduceMean: not in the amd-xdna2 registry"),
+     (lambda: adaln_chunks(alpha=0.5), "Split", "Gemm with transA, alpha or beta other than the defaults")],
+)
+def test_mmdit_near_miss_does_not_fuse_and_says_why(build, anchor_op, reason):
+    """A cut that is not the streams' keeps the joint attention whole and its Slices on the CPU; a norm over
+    another axis, or scaled per row, is not an RMSNorm of the last axis; a chunked projection the Gemm rule
+    refuses keeps its Split."""
+    from sdnpu.ops.target import get_target
+
+    m = build()
+    irm = lowered(m)
+    target = get_target()
+    reasons = [*declined(irm), *(target.cpu_reason(node.op_type) for node in irm.graph if node.op_type == anchor_op)]
+    assert ops(irm)[anchor_op] >= 1
+    assert any(reason in why for why in reasons), reasons
+    assert_same(m, irm)
