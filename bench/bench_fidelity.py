@@ -150,8 +150,8 @@ def main() -> None:
         print(rows[-1], flush=True)
         with_lora = f", LoRA {', '.join(spec.path.name + f':{spec.scale:g}' for spec in loras)}" if loras else ""
         only = "" if args.components in (None, DEFAULT_COMPONENTS) else f", {args.components}"  # its own section
-        write_section(f"Fidelity: {args.source}{only}{with_lora} (mean of 3 seeded inputs; the UNet or transformer at timesteps 999, "
-                      "500, 1)", "\n".join(rows))
+        write_section(f"Fidelity: {args.source}{only}{with_lora} (mean of 3 seeded inputs; the UNet or transformer "
+                      "at timesteps 999, 500, 1)", "\n".join(rows))
 
 
 if __name__ == "__main__":

@@ -73,7 +73,9 @@ def _slice_range(node: ir.Node, length: int) -> tuple[int, int] | None:
     steps = const(node.inputs[4]) if len(node.inputs) > 4 and node.inputs[4] is not None else None
     if starts is None or ends is None or starts.size != 1 or (axes is not None and axes.size != 1):
         return None
-    if (axes is not None and int(axes.reshape(-1)[0]) % 3 != 1) or (steps is not None and int(steps.reshape(-1)[0]) != 1):
+    if axes is not None and int(axes.reshape(-1)[0]) % 3 != 1:
+        return None
+    if steps is not None and int(steps.reshape(-1)[0]) != 1:
         return None
     start, stop = int(starts.reshape(-1)[0]), int(ends.reshape(-1)[0])
     start = max(0, start + length if start < 0 else start)

@@ -22,8 +22,8 @@ def _rms(nodes: list, inits: dict, x: str, y: str, spelling: str = "dynamo", sca
     inits.setdefault("eps", np.array(1e-6, np.float32))
     inits[f"{t}axes"] = np.array([axis])
     sq = [n("Pow", [x, "two"], [f"{t}sq"])] if spelling == "dynamo" else [n("Mul", [x, x], [f"{t}sq"])]
-    nodes += [*sq, n("ReduceMean", [f"{t}sq", f"{t}axes"], [f"{t}m"], keepdims=1), n("Add", [f"{t}m", "eps"], [f"{t}a"]),
-              n("Sqrt", [f"{t}a"], [f"{t}r"])]
+    nodes += [*sq, n("ReduceMean", [f"{t}sq", f"{t}axes"], [f"{t}m"], keepdims=1),
+              n("Add", [f"{t}m", "eps"], [f"{t}a"]), n("Sqrt", [f"{t}a"], [f"{t}r"])]
     if spelling == "dynamo":
         nodes += [n("Reciprocal", [f"{t}r"], [f"{t}ir"]), n("Mul", [x, f"{t}ir"], [f"{t}n" if scale else y])]
     else:
@@ -55,7 +55,8 @@ def joint_attention(norm: bool = True, parts: str = "both", spelling: str = "dyn
         end = "n" if norm and t in "qk" else "h"
         nodes.append(n("Concat", [f"{t}x{end}", f"{t}c{end}"], [f"{t}j"], axis=2))
     nodes += [n("Reshape", ["kj", "flat"], ["kf"]), n("Transpose", ["kf"], ["kft"], perm=[0, 2, 1]),
-              n("Reshape", ["kft", "back"], ["kt"]), n("Mul", ["qj", "scale"], ["qs"]), n("Mul", ["kt", "scale"], ["ks"]),
+              n("Reshape", ["kft", "back"], ["kt"]), n("Mul", ["qj", "scale"], ["qs"]),
+              n("Mul", ["kt", "scale"], ["ks"]),
               n("MatMul", ["qs", "ks"], ["sc"]), n("Softmax", ["sc"], ["p"], axis=-1), n("MatMul", ["p", "vj"], ["o"]),
               n("Transpose", ["o"], ["ot"], perm=[0, 2, 1, 3]), n("Reshape", ["ot", "merge"], ["y"])]
     cut = {"both": [(0, S1, "yx"), (S1, 2**62, "yc")], "image": [(0, S1, "yx")],
@@ -94,7 +95,8 @@ def pos_embed_crop():
              n("Slice", ["g", "z", "hh", "ax1"], ["g1"]), n("Slice", ["g1", "z", "hh", "ax2"], ["g2"]),
              n("Reshape", ["g2", "tok"], ["pe"]), n("Add", ["xp", "pe"], ["y"])]
     return model(nodes, {"x": [B, h * h, C]}, {"y": [B, h * h, C]},
-                 {"wp": w(C, C), "table": w(1, p * p, C), "grid": np.array([1, p, p, C]), "z": np.array([0]), "hh": np.array([h]),
+                 {"wp": w(C, C), "table": w(1, p * p, C), "grid": np.array([1, p, p, C]), "z": np.array([0]),
+                  "hh": np.array([h]),
                   "ax1": np.array([1]), "ax2": np.array([2]), "tok": np.array([1, h * h, C])})
 
 
