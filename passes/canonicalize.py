@@ -37,6 +37,9 @@ log = logging.getLogger(__name__)
 
 TARGET_OPSET = 20
 RULE = "Canonicalize"
+# model metadata: the constants cut from a larger one for this graph's size (``_crop_constants``), which the
+# size specializer cannot re-derive from another size's dispatch model
+SIZED_CONSTANTS_KEY = "sdnpu.sized_constants"
 
 
 def _to_reshape(graph: ir.Graph) -> int:
@@ -401,7 +404,7 @@ def _expand_into_constant(graph: ir.Graph) -> int:
     return done
 
 
-def _crop_constants(graph: ir.Graph) -> int:
+def _crop_constants(graph: ir.Graph, cropped: list[str]) -> int:
     """A Reshape or Slice (steps of one) of a constant, with constant parameters, becomes a constant derived
     from it (``Builder.derived``: made as the model is saved, its provenance kept), however large the source:
     SD3's position-embedding table [1, P*P, C] cropped to the image's [1, h*w, C] under static shapes. The
@@ -437,6 +440,11 @@ def _crop_constants(graph: ir.Graph) -> int:
         b = Builder(graph, RULE)
         folded = b.derived(x, steps, out_shape, f"{x.name}_crop")
         out.replace_all_uses_with(folded)
+        if node.op_type == "Slice":
+            expr = provenance.origin(x)
+            while "x" in expr:
+                expr = expr["x"]
+            cropped.append(str(expr.get("init", x.name)))
         done += 1
     return done
 
@@ -509,12 +517,15 @@ def canonicalize(model: ir.Model) -> PassResult:
     remove_dead_nodes(model.graph)  # the sinusoids' old halves still read the timestep's Expand
     counts["expands folded into constants"] = _expand_into_constant(model.graph)
     remove_dead_nodes(model.graph)
+    cropped: list[str] = []
     for _ in range(8):  # a chain of crops, one node a round
-        n = _crop_constants(model.graph)
+        n = _crop_constants(model.graph, cropped)
         counts["crops of constants folded"] += n
         remove_dead_nodes(model.graph)
         if not n:
             break
+    if cropped:
+        model.metadata_props[SIZED_CONSTANTS_KEY] = ",".join(sorted({c for c in cropped}))
     counts.update(joint_attention(model.graph))  # SD3's MMDiT: one attention per query part, heads after the norms
     common.RemoveUnusedNodesPass()(model)
     counts["nodes removed"] = max(0, n_before - len(model.graph))

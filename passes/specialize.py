@@ -315,6 +315,12 @@ def specialize(model: Any, target: Target, inputs: Mapping[str, Sequence[int]],
     checked against what the compiler writes). Raises CannotSpecialize with the reason (see the module doc)."""
     import onnx
 
+    from sdnpu.passes.canonicalize import SIZED_CONSTANTS_KEY
+
+    sized = {p.key: p.value for p in model.metadata_props}.get(SIZED_CONSTANTS_KEY)
+    if sized:
+        raise CannotSpecialize(f"its constants {sized} were cut for the primary's size (SD3's position-embedding "
+                               "crop): another size needs its own")
     own = {vi.name: _shape_of(vi) for vi in model.graph.input}
     check = _Walk(model, target, own, read)  # the rules, proved on the primary's own shapes
     check.run()

@@ -82,6 +82,8 @@ def macs(node: onnx.NodeProto, shapes: dict[str, list[int]], target: Target) -> 
             return None
         eq = str(_attrs(node).get("equation", b"")).replace("b'", "").replace("'", "")
         lhs = eq.split("->")[0].split(",")
+        if len(lhs) < 2:  # one operand: a permutation or a sum (SD3's unpatchify), no products
+            return 0
         sizes = {c: d for term, s in zip(lhs, ins, strict=False) for c, d in zip(term.strip(), s, strict=False)}
         return _prod(list(sizes.values()))
     if op in ("Attention", "MultiHeadAttention") and ins and len(ins[0]) == 3:
