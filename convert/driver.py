@@ -38,7 +38,7 @@ from sdnpu.ops.target import DEFAULT_TARGET
 from sdnpu.fileio import atomic_write_bytes, atomic_write_json, recover_staging, staged_dir
 from sdnpu.lora.adapters import COMPONENTS as LORA_COMPONENTS
 from sdnpu.lora.adapters import LoraFile, LoraSpec, fuse_into, read_lora
-from sdnpu.memory import check_fits
+from sdnpu.memory import available_bytes, check_fits
 from sdnpu.passes.pipeline import CompileOptions
 from sdnpu.pipelines import (
     SIZED,
@@ -180,6 +180,8 @@ def convert(source: str | Path, components: str | Sequence[str] = "all", out: st
     for size in sizes:
         check_resolution(size, configs, factor)
     res = sizes[0]
+    for key in dict.fromkeys(COMPONENT_MODULES[c] for c in comps):  # one that cannot fit: before anything is written
+        _check_module_fits(src, key, comps)
     out_dir = Path(out) if out is not None else Path("models") / src.name
     if options.add and not out_dir.is_dir():
         raise SdnpuError(f"--add: {out_dir} holds no conversion to add sizes to",
@@ -443,6 +445,29 @@ def module_bytes(src: Source, key: str) -> int:
         if f.suffix in (".safetensors", ".bin"):
             total += f.stat().st_size * (2 if ".fp16." in f.name else 1)
     return total
+
+
+# A module whose fp32 weights alone take more than this share of the available memory is refused before any
+# export: the torch stage holds them beside PyTorch's activations and the exporter's own tensors (the SD 3.5
+# transformer, 9.0 GB of weights, peaked at 21.4 GB over its whole conversion; SD 3.5's T5-XXL has 19.0 GB).
+MODULE_SHARE = 0.8
+
+
+def _check_module_fits(src: Source, key: str, comps: list[str]) -> None:
+    avail = available_bytes()
+    if avail is None:
+        return
+    need = module_bytes(src, key)
+    if need <= MODULE_SHARE * avail:
+        return
+    names = [c for c in comps if COMPONENT_MODULES[c] == key]
+    others = [c for c in comps if COMPONENT_MODULES[c] != key]
+    hint = f"convert the others: --model {','.join(others)}" if others else "convert it on a machine with more memory"
+    if key == "text_encoder_3":
+        hint += "; an SD3 pipeline runs without text_encoder_3 (T5's part of the prompt is then zeros, as in diffusers)"
+    raise SdnpuError(f"{', '.join(names)} cannot be converted here: the {key} module's fp32 weights alone are "
+                     f"{_human(need)} and this machine has {_human(avail)} available (its export holds them beside "
+                     "PyTorch's activations and the exporter's own copies)", hint=hint)
 
 
 def _load(src: Source, comp: str, key: str) -> tuple[Any, float]:

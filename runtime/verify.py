@@ -6,7 +6,7 @@ Fidelity is a range. The dispatch model's reference bodies compute in fp32 and r
 output: the *optimistic* number (``fidelity``). A kernel with bf16 internals rounds more often; the
 *pessimistic* number (``fidelity_pessimistic``) comes from the same model with every intermediate of every
 body rounded to bf16 (``reports.fidelity.pessimistic_model``). Both are the worst over three seeded inputs,
-the UNet's at timesteps 999, 500 and 1 (``RANGE_RUNS``)."""
+the UNet's or SD3 transformer's at timesteps 999, 500 and 1 (``RANGE_RUNS``)."""
 
 from __future__ import annotations
 

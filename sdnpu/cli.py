@@ -242,7 +242,7 @@ def _cmd_verify(args: argparse.Namespace) -> int:
                              hint="give both: the size to verify, one the folder is converted at")
         size = Size(args.height, args.width)
     results = verify(args.models, steps=args.steps, seed=args.seed, size=size)
-    print("worst over 3 seeded inputs (the UNet's at timesteps 999, 500, 1), against the fp32 graphs:")
+    print("worst over 3 seeded inputs (the UNet's or transformer's at timesteps 999, 500, 1), against the fp32 graphs:")
     print(f"{'component':<16}{'min cosine':>24}{'max abs':>24}  PSNR (images)")
     print(f"{'':<16}{'optimistic':>12}{'pessimistic':>12}{'optimistic':>12}{'pessimistic':>12}")
     for name, fid in results["components"].items():

@@ -193,3 +193,18 @@ def test_sd3_takes_more_sizes(tiny_sd3, tmp_path, caplog):
     assert report["fidelity"]["min_cosine"] > 0.9999 and report["summary"]["cpu_nodes"] == 13
     image = Pipeline(folder, reference=True, size=Size(256, 320))(GenerateOptions("a cat", steps=2))
     assert image.shape == (256, 320, 3)
+
+
+def test_a_module_too_large_for_the_machine_is_refused_before_any_export(tmp_path, monkeypatch):
+    """SD 3.5's T5-XXL has 19.0 GB of fp32 weights: on a machine without the memory for its export it is
+    refused in one line naming the size and the way around it, before anything is exported or written."""
+    from sdnpu.convert import driver
+    from sdnpu.errors import SdnpuError
+
+    monkeypatch.setattr(driver, "available_bytes", lambda: 10_000_000)  # 10 MB: tiny-sd3's T5 has 17.5 MB
+    out = tmp_path / "out"
+    with pytest.raises(SdnpuError, match=r"text_encoder_3 cannot be converted here: the text_encoder_3 module's "
+                                         r"fp32 weights alone are 17\.50 MB and this machine has 10\.00 MB") as e:
+        driver.convert("tiny-sd3", "text_encoder,text_encoder_3", out=out)
+    assert "--model text_encoder" in e.value.hint and "runs without text_encoder_3" in e.value.hint
+    assert not any(out.rglob("*.onnx"))
