@@ -349,13 +349,34 @@ def softmax_large_logits() -> onnx.ModelProto:
                   {"offset": np.asarray(1e4, np.float32), "w": _w(8, 4)})
 
 
+def attention_scaled_v_one_head() -> onnx.ModelProto:
+    """Self-attention with one head of size 1, K and V one projection and V scaled by 0.5 (a near miss): the
+    attention rule, once it read a [B, S, H, D] source as [B, S, H*D] (SD3's norms leave Q and K so), took V's
+    [B, H, S, D] = [1, 1, 3, 1] for such a source and crashed tracing the output ("cannot reshape array of
+    size 3 into shape (1,1,3,3)"). A source is read so only where the heads are its axes transposed."""
+    n = helper.make_node
+    return _model([n("MatMul", ["x", "wq"], ["q"]), n("MatMul", ["x", "wv"], ["v"]),
+                   n("Reshape", ["q", "split"], ["q4"]), n("Transpose", ["q4"], ["qh"], perm=[0, 2, 1, 3]),
+                   n("Reshape", ["v", "split"], ["v4"]), n("Transpose", ["v4"], ["vh"], perm=[0, 2, 1, 3]),
+                   n("Transpose", ["vh"], ["kt"], perm=[0, 1, 3, 2]), n("Mul", ["vh", "half"], ["vs"]),
+                   n("Mul", ["qh", "one"], ["qs"]), n("Mul", ["kt", "one"], ["ks"]),
+                   n("MatMul", ["qs", "ks"], ["sc"]), n("Softmax", ["sc"], ["p"], axis=-1),
+                   n("MatMul", ["p", "vs"], ["o"]), n("Transpose", ["o"], ["ot"], perm=[0, 2, 1, 3]),
+                   n("Reshape", ["ot", "merge"], ["y"])],
+                  {"x": (T.FLOAT, [1, 3, 1])}, {"y": (T.FLOAT, [1, 3, 1])},
+                  {"wq": _w(1, 1), "wv": _w(1, 1) + 1, "split": np.array([1, -1, 1, 1]),
+                   "half": np.asarray(0.5, np.float32), "one": np.asarray(1.0, np.float32),
+                   "merge": np.array([1, 3, 1])})
+
+
 # Wrong or invalid results, each found by the fuzzer; every one passes the full differential check now.
 REGRESSIONS = [fp16_div_output, fp16_conv_into_cpu_op, fp16_erf_gelu, pad_crop_before_conv, identity_of_an_output,
                quick_gelu_rank_raising_constant, erf_gelu_rank_raising_constant, transpose_without_perm,
                transposed_output_also_read, linear_bias_raises_rank, concat_of_three_into_sine, sine_of_a_large_product,
                group_norm_batch_folded, group_norm_groups_on_two_axes, clip_pooling_non_legacy, geglu_odd_torchscript,
                geglu_halves_of_an_odd_width,
-               resize_scales_without_axes, resize_scales_with_axes, softmax_large_logits, resize_scales_near_two]
+               resize_scales_without_axes, resize_scales_with_axes, softmax_large_logits, resize_scales_near_two,
+               attention_scaled_v_one_head]
 
 
 @pytest.mark.parametrize("build", REGRESSIONS)

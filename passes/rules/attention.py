@@ -49,17 +49,20 @@ def _head_split(src: tuple[int, ...], heads: int, kind: str) -> np.ndarray | Non
     return split.transpose(0, 2, 3, 1) if kind == "k" else split.transpose(0, 2, 1, 3)
 
 
-def _as_rank3(shape: tuple[int, ...] | None, head_dim: int) -> tuple[int, ...] | None:
-    """A source's [B, S, C]: its own, or [B, S, H, D] (heads already apart, D the head size) read as one."""
-    if shape is not None and len(shape) == 4 and shape[3] == head_dim:
-        return (shape[0], shape[1], shape[2] * shape[3])
+def _as_rank3(shape: tuple[int, ...] | None, target: tuple[int, ...] | None, kind: str) -> tuple[int, ...] | None:
+    """A source's [B, S, C]: its own, or [B, S, H, D] (heads already apart) read as one, where the heads the
+    attention reads (``target``: [B, H, S, D], K's [B, H, D, S]) are that tensor's axes transposed."""
+    if shape is None or len(shape) != 4 or target is None or len(target) != 4:
+        return shape
+    b, s, h, d = shape
+    if (target == (b, h, d, s)) if kind == "k" else (target == (b, h, s, d)):
+        return (b, s, h * d)
     return shape
 
 
 def _check_split(src: ir.Value, chain: list[ir.Node], target: ir.Value, heads: int, kind: str) -> bool:
     t_shape = static_shape(target)
-    head_dim = (t_shape or (0, 0, 0, 0))[2 if kind == "k" else 3]
-    shape = _as_rank3(static_shape(src), head_dim)
+    shape = _as_rank3(static_shape(src), t_shape, kind)
     if shape is None or t_shape is None or len(shape) != 3 or shape[2] % heads:
         return False
     expected = _head_split(shape, heads, kind)
@@ -80,6 +83,8 @@ def _trace_down(v: ir.Value, want: tuple[int, ...], heads: int) -> tuple[list[ir
     if idx is None:
         return None
     b, m, c = want
+    if b * m * c != idx.size or c % heads:
+        return None
     expected = idx.reshape(b, heads, m, c // heads).transpose(0, 2, 1, 3).reshape(b, m, c)
     cur = v
     while True:
@@ -160,8 +165,8 @@ class SDMHAFusion(Rule):
         k_src, k_chain, k_s = movement.trace_up(qk_mm.inputs[1])  # type: ignore[arg-type]
         v_src, v_chain, _ = movement.trace_up(node.inputs[1], allow_scale=False)  # type: ignore[arg-type]
         head_dim = (static_shape(qk_mm.inputs[0]) or (0,))[-1]
-        v_dim = (static_shape(node.inputs[1]) or (0,))[-1]
-        q_shape, v_shape = _as_rank3(static_shape(q_src), head_dim), _as_rank3(static_shape(v_src), v_dim)
+        q_shape = _as_rank3(static_shape(q_src), static_shape(qk_mm.inputs[0]), "q")
+        v_shape = _as_rank3(static_shape(v_src), static_shape(node.inputs[1]), "v")
         if q_shape is None or v_shape is None or len(q_shape) != 3 or not head_dim:
             return "q, k, v are not rank-3 [B, S, C] tensors behind their reshapes"
         heads = q_shape[2] // head_dim
@@ -173,7 +178,7 @@ class SDMHAFusion(Rule):
         if down is None:
             return "the output is not merged back to [B, M, C]"
         out_chain, out = down
-        k_shape = _as_rank3(static_shape(k_src), head_dim)
+        k_shape = _as_rank3(static_shape(k_src), static_shape(qk_mm.inputs[1]), "k")
         assert k_shape is not None
         assert self.target.mha_variant is not None, f"{self.target.name} has no attention op"
         op = self.target.mha_variant(q_shape[1], k_shape[1], heads)
