@@ -25,7 +25,7 @@ import numpy as np
 
 from sdnpu.errors import SdnpuError
 from sdnpu.pipelines import UNET_BATCH, Size, pipeline_outputs, vae_scale_factor
-from sdnpu.runtime.pipeline import Stages, load_scheduler
+from sdnpu.runtime.pipeline import Stages, load_scheduler, read_index
 from sdnpu.runtime.session import Component, RuntimeOptions, component_path
 
 log = logging.getLogger(__name__)
@@ -50,7 +50,7 @@ class SD3Pipeline(Stages):
 
         self.folder = Path(folder)
         self.reference, self.keep, self.runtime = reference, keep_sessions, runtime or RuntimeOptions()
-        self.index = json.loads((self.folder / "model_index.json").read_text())
+        self.index = read_index(self.folder)
         self.size = Size.of(size) if size is not None else None
         for name in ("text_encoder", "text_encoder_2", "transformer", "vae_decoder"):
             component_path(self.folder, name, reference, self.size)  # refused, with the fix, if absent
