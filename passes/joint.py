@@ -86,8 +86,8 @@ def _slice_range(node: ir.Node, length: int) -> tuple[int, int] | None:
 def _split_one(graph: ir.Graph, sm: ir.Node) -> bool:
     """``sm``: a Softmax; the attention around it split by query part when it has the joint form."""
     pv = _single_use(sm.outputs[0], "MatMul")
-    if pv is None or pv.inputs[0] is not sm.outputs[0]:
-        return False
+    if pv is None or pv.inputs[0] is not sm.outputs[0] or attr(sm, "axis", -1) not in (-1, 3):
+        return False  # a softmax over the keys (the last axis) only: the rows are the queries
     scores, between = _scalar_chain_up(sm.inputs[0])  # type: ignore[arg-type]
     qk = scores.producer()
     if qk is None or qk.op_type != "MatMul" or len(scores.uses()) != 1:

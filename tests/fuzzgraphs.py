@@ -41,8 +41,8 @@ Families (``FAMILIES``):
                an almost-right pattern (a non-causal mask, interleaved heads, a wrong head merge, a scale on
                v or per head, 1.7 for 1.702, erf(x / 1.5), GEGLU's halves swapped or uneven, a reflect /
                non-zero / cropping Pad before a Conv, a neutral constant that raises the rank, an RMSNorm over
-               another axis or scaled per row, a joint attention cut where the streams do not meet, a
-               projection chunked along the batch).
+               another axis or scaled per row, a joint attention cut where the streams do not meet or whose
+               softmax is over the queries, a projection chunked along the batch).
   mutation     ``MUTATIONS``: each rule's and glue lowering's pattern with what is around it changed, on its
                own input (ranks 1-5; odd, prime and size-1 dimensions), usually written by a dispatch op:
                GroupNorm with the batch folded into the groups ([1, B*G, -1]) or the groups on two axes
@@ -987,7 +987,8 @@ def step_rms_norm(g: G, x: str) -> str:
     return rms_norm(g, x, scale=g.num(0, 3) > 0)
 
 
-def joint_attention(g: G, x: str, *, heads: int, d: int, norm: bool, spelling: str, parts: str) -> str:
+def joint_attention(g: G, x: str, *, heads: int, d: int, norm: bool, spelling: str, parts: str,
+                    softmax_axis: int = -1) -> str:
     """SD3's joint attention: x [B, S1, C] and a context [B, S2, C2] each projected to q, k, v, split into
     heads, Q and K normalized per head (SD3.5), the streams concatenated along the sequence, attention, heads
     merged and cut back into the streams (``parts``: both, the image only, or a cut that is not the streams')."""
@@ -1017,7 +1018,7 @@ def joint_attention(g: G, x: str, *, heads: int, d: int, norm: bool, spelling: s
     else:
         kt = g.op("Transpose", [kj], (b, heads, d, s), perm=[0, 1, 3, 2])
         scores = g.bin("Mul", g.op("MatMul", [qj, kt], (b, heads, s, s)), g.scalar(d ** -0.5, "scale"))
-    o = g.op("MatMul", [g.op("Softmax", [scores], (b, heads, s, s), axis=-1), vj], (b, heads, s, d))
+    o = g.op("MatMul", [g.op("Softmax", [scores], (b, heads, s, s), axis=softmax_axis), vj], (b, heads, s, d))
     merged = g.op("Reshape", [g.op("Transpose", [o], (b, s, heads, d), perm=[0, 2, 1, 3]), g.ints([b, s, cm])],
                   (b, s, cm))
     cut = s1 - 1 if parts == "misaligned" and s1 > 1 else s1
@@ -1268,10 +1269,11 @@ def nm_layer_norm_variants(g: G, x: str) -> str:
 
 
 def nm_mmdit_variants(g: G, x: str) -> str:
-    """An RMSNorm over another axis or scaled per row, a joint attention cut where the streams do not meet,
-    a projection chunked along the batch."""
+    """An RMSNorm over another axis or scaled per row, a joint attention cut where the streams do not meet or
+    normalized over the queries, a projection chunked along the batch."""
     shape = g.shape[x]
-    kinds = ["rms_axis", "rms_row_scale"] + (["joint_misaligned"] if len(shape) == 3 and shape[1] > 1 else []) + (
+    joint = ["joint_misaligned", "joint_softmax_axis"] if len(shape) == 3 and shape[1] > 1 else []
+    kinds = ["rms_axis", "rms_row_scale", *joint] + (
         ["chunks_batch"] if len(shape) == 2 and shape[0] % 2 == 0 else [])
     kind = g.pick(kinds)
     g.desc.append(f"near-miss: MMDiT {kind}")
@@ -1279,9 +1281,10 @@ def nm_mmdit_variants(g: G, x: str) -> str:
         return rms_norm(g, x, axis=g.pick(list(range(len(shape) - 1))))
     if kind == "rms_row_scale":
         return rms_norm(g, x, scale=g.weight((*shape[:-1], 1), 0.3, "row_w", offset=1.0))
-    if kind == "joint_misaligned":
+    if kind in ("joint_misaligned", "joint_softmax_axis"):
         return joint_attention(g, x, heads=g.num(1, 2), d=g.num(1, 4), norm=g.flag(), spelling="dynamo",
-                               parts="misaligned")
+                               parts="misaligned" if kind == "joint_misaligned" else "both",
+                               softmax_axis=-1 if kind == "joint_misaligned" else 2)
     y = _project(g, x, g.num(1, 6), keep_rank=True)
     half = g.op_n("Split", [y], [(shape[0] // 2, g.shape[y][1])] * 2, axis=0, num_outputs=2)
     return g.op("Add", half, g.shape[half[0]])

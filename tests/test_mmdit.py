@@ -33,7 +33,7 @@ def _rms(nodes: list, inits: dict, x: str, y: str, spelling: str = "dynamo", sca
         nodes.append(n("Mul", [f"{t}n", f"{t}w"], [y]))
 
 
-def joint_attention(norm: bool = True, parts: str = "both", spelling: str = "dynamo"):
+def joint_attention(norm: bool = True, parts: str = "both", spelling: str = "dynamo", softmax_axis: int = -1):
     """SD3's JointAttnProcessor: image x [B, S1, C] and text c [B, S2, C] projected to q, k, v, split into
     heads ([B, H, S, D]), Q and K normalized per head (SD3.5), the streams concatenated along the sequence,
     scaled dot-product attention (dynamo's spelling: q and kᵀ each scaled by D^-1/4), heads merged, the result
@@ -57,7 +57,8 @@ def joint_attention(norm: bool = True, parts: str = "both", spelling: str = "dyn
     nodes += [n("Reshape", ["kj", "flat"], ["kf"]), n("Transpose", ["kf"], ["kft"], perm=[0, 2, 1]),
               n("Reshape", ["kft", "back"], ["kt"]), n("Mul", ["qj", "scale"], ["qs"]),
               n("Mul", ["kt", "scale"], ["ks"]),
-              n("MatMul", ["qs", "ks"], ["sc"]), n("Softmax", ["sc"], ["p"], axis=-1), n("MatMul", ["p", "vj"], ["o"]),
+              n("MatMul", ["qs", "ks"], ["sc"]), n("Softmax", ["sc"], ["p"], axis=softmax_axis),
+              n("MatMul", ["p", "vj"], ["o"]),
               n("Transpose", ["o"], ["ot"], perm=[0, 2, 1, 3]), n("Reshape", ["ot", "merge"], ["y"])]
     cut = {"both": [(0, S1, "yx"), (S1, 2**62, "yc")], "image": [(0, S1, "yx")],
            "misaligned": [(0, S1 - 1, "yx"), (S1 - 1, s, "yc")]}[parts]
@@ -143,6 +144,8 @@ def test_joint_attention_keeps_the_streams_apart_and_records_the_assumed_norm():
 @pytest.mark.parametrize(
     ("build", "anchor_op", "reason"),
     [(lambda: joint_attention(parts="misaligned"), "Slice", "SDSlice has no start/end attributes"),
+     # normalized over the queries: the rows are not independent, no split (and no SDMHA)
+     (lambda: joint_attention(softmax_axis=2), "Softmax", "softmax is not over the last axis"),
      (lambda: rms_norm(axis=1), "ReduceMean", "ReduceMean: not in the amd-xdna2 registry"),
      (lambda: adaln_chunks(alpha=0.5), "Split", "Gemm with transA, alpha or beta other than the defaults")],
 )
