@@ -180,6 +180,9 @@ def convert(source: str | Path, components: str | Sequence[str] = "all", out: st
     for size in sizes:
         check_resolution(size, configs, factor)
     res = sizes[0]
+    if options.loras and "transformer" in src.modules:
+        raise SdnpuError(f"{src.name} is an SD3 pipeline: sdnpu fuses LoRAs into UNets and CLIP encoders (SDXL, "
+                         "SD 1.x) only", hint="convert it without --lora")
     for key in dict.fromkeys(COMPONENT_MODULES[c] for c in comps):  # one that cannot fit: before anything is written
         _check_module_fits(src, key, comps)
     out_dir = Path(out) if out is not None else Path("models") / src.name

@@ -51,6 +51,10 @@ def pipeline_folder(path: str | Path) -> tuple[Path, list[str]]:
     """(the converted pipeline folder, the components a LoRA can change in it) for a pipeline folder or
     one of its component folders; one line where ``path`` is neither."""
     path = Path(path)
+    root = path if (path / "model_index.json").is_file() else path.parent
+    if (root / "transformer" / "export.json").is_file():
+        raise SdnpuError(f"{root} is an SD3 pipeline: sdnpu applies LoRAs to SDXL and SD 1.x folders only",
+                         hint="LoRAs for SD3's transformer are not supported yet")
     if (path / "model_index.json").is_file():
         comps = [c for c in COMPONENTS if (path / c / "dd" / "replaced.onnx").is_file()]
         if not comps:

@@ -130,6 +130,9 @@ class SD3Pipeline(Stages):
             raise SdnpuError("the prompt is empty", hint='say what to draw: --prompt "a cat"')
         if opts.steps < 1:
             raise SdnpuError(f"steps must be at least 1, not {opts.steps}")
+        if self.runtime.loras:
+            raise SdnpuError(f"{self.folder} is an SD3 pipeline: sdnpu applies LoRAs to SDXL and SD 1.x folders only",
+                             hint="drop --lora")
         if opts.image is not None or opts.controlnets:
             raise SdnpuError(f"{self.folder} is an SD3 pipeline: sdnpu runs it text-to-image only",
                              hint="drop --image / --controlnet (image-to-image and ControlNets are for SDXL and "

@@ -149,10 +149,23 @@ def test_a_local_sd3_folder_converts_like_the_preset(tiny_sd3, tiny_sd3_folder, 
 
 
 def test_sd3_refuses_what_it_does_not_run(tiny_sd3, tmp_path):
+    from sdnpu.convert import convert
     from sdnpu.errors import SdnpuError
+    from sdnpu.runtime import RuntimeOptions
 
     with pytest.raises(SdnpuError, match="SD3 pipeline: sdnpu runs it text-to-image only"):
         Pipeline(tiny_sd3.out, reference=True)(GenerateOptions("a cat", image=tmp_path / "x.png"))
+    with pytest.raises(SdnpuError, match="SD3 pipeline: sdnpu applies LoRAs to SDXL and SD 1.x folders only"):
+        Pipeline(tiny_sd3.out, reference=True, runtime=RuntimeOptions(loras=("x.safetensors",)))(
+            GenerateOptions("a cat"))
+    from sdnpu.lora import overlay
+    from sdnpu.lora.adapters import LoraSpec
+
+    with pytest.raises(SdnpuError, match="SD3 pipeline: sdnpu applies LoRAs to SDXL and SD 1.x folders only"):
+        overlay.apply(tiny_sd3.out, [LoraSpec.parse("x.safetensors")])
+    with pytest.raises(SdnpuError, match="SD3 pipeline: sdnpu fuses LoRAs into UNets"):
+        convert("tiny-sd3", "transformer", out=tmp_path / "o", loras=("x.safetensors",))
+    assert not (tmp_path / "o").exists()
 
 
 def test_the_transformer_is_offloaded_but_for_its_boundary(tiny_sd3):
