@@ -183,8 +183,9 @@ def convert(source: str | Path, components: str | Sequence[str] = "all", out: st
     if options.loras and "transformer" in src.modules:
         raise SdnpuError(f"{src.name} is an SD3 pipeline: sdnpu fuses LoRAs into UNets and CLIP encoders (SDXL, "
                          "SD 1.x) only", hint="convert it without --lora")
-    for key in dict.fromkeys(COMPONENT_MODULES[c] for c in comps):  # one that cannot fit: before anything is written
-        _check_module_fits(src, key, comps)
+    weights = {key: module_bytes(src, key) for key in dict.fromkeys(COMPONENT_MODULES[c] for c in comps)}
+    for key, need in weights.items():  # one that cannot fit: before anything is written
+        _check_module_fits(key, need, comps)
     out_dir = Path(out) if out is not None else Path("models") / src.name
     if options.add and not out_dir.is_dir():
         raise SdnpuError(f"--add: {out_dir} holds no conversion to add sizes to",
@@ -212,7 +213,7 @@ def convert(source: str | Path, components: str | Sequence[str] = "all", out: st
         if options.add:
             results += _add_sizes(src, comp, out_dir / comp, comp_sizes, factor, options, fingerprint)
             continue
-        isolate = module_bytes(src, key) > ISOLATE_BYTES
+        isolate = weights[key] > ISOLATE_BYTES
         holder: list[Any] = []
         if not isolate:
             if cached is None or cached[0] != key:
@@ -456,12 +457,10 @@ def module_bytes(src: Source, key: str) -> int:
 MODULE_SHARE = 0.8
 
 
-def _check_module_fits(src: Source, key: str, comps: list[str]) -> None:
+def _check_module_fits(key: str, need: int, comps: list[str]) -> None:
+    """Refuse module ``key`` (``need`` bytes of fp32 weights) where it cannot fit (``MODULE_SHARE``)."""
     avail = available_bytes()
-    if avail is None:
-        return
-    need = module_bytes(src, key)
-    if need <= MODULE_SHARE * avail:
+    if avail is None or need <= MODULE_SHARE * avail:
         return
     names = [c for c in comps if COMPONENT_MODULES[c] == key]
     others = [c for c in comps if COMPONENT_MODULES[c] != key]

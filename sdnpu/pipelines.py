@@ -290,7 +290,7 @@ def sample_inputs(sig: Signature, config: dict[str, Any], res: int | Size, seed:
         if spec.name == "input_ids" and config.get("model_type") == "t5":  # tokens, </s> (1), <pad> (0)
             n = 12
             ids = np.zeros(spec.shape, dtype=np.int64)
-            ids[:, :n] = rng.integers(3, 32_000, size=(spec.shape[0], n))
+            ids[:, :n] = rng.integers(3, min(32_000, config["vocab_size"]), size=(spec.shape[0], n))
             ids[:, n] = 1
             feeds[spec.name] = ids
         elif spec.name == "input_ids":
