@@ -8,7 +8,8 @@
 - Squeeze/Unsqueeze/Flatten with static shapes become Reshape (the layout pass reasons about Reshape only);
   a Transpose without ``perm`` (it reverses the axes) gets its perm written out;
 - x*1, x/1, x+0 go; a zero Pad in front of a Conv becomes the Conv's pads; the Erf form of GELU becomes
-  one Gelu (TorchScript's and optimum's spellings);
+  one Gelu (TorchScript's and optimum's spellings), and the tanh form written out (transformers'
+  ``gelu_new``, T5's) one Gelu(approximate='tanh');
 - the sinusoidal embeddings (diffusers' ``get_timestep_embedding``: ``Concat(Sin(x·f), Cos(x·f))``, maybe
   flipped to cos-first by two Slices and a Concat) become one ``Sin(x·f' + phase)`` with cos(a) written as
   sin(a + pi/2): the same numbers to fp32 rounding of the argument (|a| <= ~1000 rad: below 1e-4), in three
@@ -252,6 +253,93 @@ def _erf_gelu(graph: ir.Graph) -> int:
             else:
                 continue
             break
+    return done
+
+
+def _tanh_gelu(graph: ir.Graph) -> int:
+    """0.5 * x * (1 + tanh(sqrt(2/pi) * (x + 0.044715 * x^3))), as transformers' ``NewGELUActivation`` (T5's
+    ``gelu_new``) exports, -> Gelu(approximate='tanh'). The cube may be Pow(x, 3) or x*x*x; the halving may
+    come first (HF's ``0.5 * x * ...``) or last. Every intermediate must be read by the chain alone."""
+    from sdnpu.passes.irutil import producer, scalar
+
+    def other(node: ir.Node, v: ir.Value | None) -> ir.Value | None:
+        return node.inputs[1] if node.inputs[0] is v else node.inputs[0]
+
+    def near(v: ir.Value | None, want: float) -> bool:
+        c = scalar(v)
+        return c is not None and abs(c - want) <= 1e-3 * abs(want)  # fp16/bf16 exports round the constants
+
+    def only(n: ir.Node | None, op: str) -> ir.Node | None:
+        """The one reader of n's output, when it is an ``op`` node and n's output is no graph output."""
+        if n is None or n.outputs[0].is_graph_output() or len(n.outputs[0].uses()) != 1:
+            return None
+        user = n.outputs[0].uses()[0].node
+        return user if user.op_type == op and user.domain in ("", "ai.onnx") else None
+
+    def cube_of(v: ir.Value | None, x: ir.Value) -> list[ir.Node] | None:
+        p = producer(v, "Pow")
+        if p is not None and p.inputs[0] is x and near(p.inputs[1], 3.0):
+            return [p]
+        m = producer(v, "Mul")
+        if m is None:
+            return None
+        sq = next((producer(w, "Mul") for w in m.inputs if producer(w, "Mul") is not None), None)
+        if sq is not None and list(sq.inputs) == [x, x] and other(m, sq.outputs[0]) is x:
+            return [sq, m]
+        return None
+
+    root_2_pi = float(np.sqrt(2.0 / np.pi))
+    done = 0
+    for tanh in list(graph):
+        if tanh.op_type != "Tanh" or tanh.domain not in ("", "ai.onnx") or tanh.graph is None:
+            continue
+        scaled = producer(tanh.inputs[0], "Mul")
+        if scaled is None:
+            continue
+        inner = next((v for v in scaled.inputs if near(other(scaled, v), root_2_pi)), None)
+        add = producer(inner, "Add")
+        if add is None:
+            continue
+        for x in add.inputs:
+            cubic = producer(other(add, x), "Mul")
+            if x is None or cubic is None:
+                continue
+            cube_v = next((v for v in cubic.inputs if near(other(cubic, v), 0.044715)), None)
+            cube = cube_of(cube_v, x)
+            if cube is not None:
+                break
+        else:
+            continue
+        one = only(tanh, "Add")
+        if one is None or not near(other(one, tanh.outputs[0]), 1.0):
+            continue
+        m1 = only(one, "Mul")
+        if m1 is None:
+            continue
+        rest = other(m1, one.outputs[0])
+        half = producer(rest, "Mul")
+        if half is not None and x in half.inputs and near(other(half, x), 0.5):  # (0.5 * x) * (1 + tanh)
+            tail, out = [half, m1], m1
+        elif rest is x and only(m1, "Mul") is not None and near(other(only(m1, "Mul"), m1.outputs[0]), 0.5):
+            out = only(m1, "Mul")  # (x * (1 + tanh)) * 0.5
+            tail = [m1, out]
+        elif near(rest, 0.5) and only(m1, "Mul") is not None and other(only(m1, "Mul"), m1.outputs[0]) is x:
+            out = only(m1, "Mul")  # ((1 + tanh) * 0.5) * x
+            tail = [m1, out]
+        else:
+            continue
+        assert out is not None
+        chain = [*cube, cubic, add, scaled, tanh, one, *tail]
+        inside = set(chain)
+        if any(o.is_graph_output() or any(u.node not in inside for u in o.uses())
+               for n in chain if n is not out for o in n.outputs):
+            continue  # an intermediate is read elsewhere: the chain is not GELU alone
+        if static_shape(out.outputs[0]) != static_shape(x):  # a [1, 1, ..] constant raised the rank
+            continue
+        b = Builder(graph, RULE)
+        gelu = b.op("Gelu", [x], {"approximate": "tanh"}, domain="", dtype=x.dtype, shape=static_shape(x))
+        replace(graph, out, chain, b.nodes, [out.outputs[0]], [gelu.outputs[0]])
+        done += 1
     return done
 
 
@@ -510,6 +598,7 @@ def canonicalize(model: ir.Model) -> PassResult:
     counts["transpose perm written out"] = _explicit_perm(model.graph)
     counts["x*1, x/1, x+0 removed"] = _drop_neutral(model.graph)
     counts["Erf GELU -> Gelu"] = _erf_gelu(model.graph)
+    counts["tanh GELU -> Gelu"] = _tanh_gelu(model.graph)
     counts["Pad merged into Conv"] = _pad_into_conv(model.graph)
     counts["sin/cos halves reordered"] = _unflip_concat(model.graph)
     counts["sinusoids -> one Sin"] = _sincos(model.graph)

@@ -533,14 +533,26 @@ def step_erf_gelu(g: G, x: str) -> str:
 
 
 def step_tanh_gelu(g: G, x: str) -> str:
-    """0.5 x (1 + tanh(sqrt(2/pi) (x + 0.044715 x^3))), as TorchScript writes approximate='tanh'."""
+    """0.5 x (1 + tanh(sqrt(2/pi) (x + 0.044715 x^3))) written out: TorchScript's approximate='tanh' (halving
+    last), transformers' gelu_new (T5: halving first), the cube as Pow or x*x*x, constants on either side."""
     r = len(g.shape[x]) + 1
-    cube = g.bin("Pow", x, g.scalar(3.0))
-    inner = g.bin("Add", x, g.bin("Mul", cube, g.scalar(0.044715, raise_rank=r)))
-    arg = g.bin("Mul", inner, g.scalar(math.sqrt(2 / math.pi)))
+    spelling = g.pick(["half_last", "half_first", "half_of_sum"])
+
+    def mul(a: str, b: str) -> str:
+        return g.bin("Mul", a, b) if g.flag() else g.bin("Mul", b, a)
+
+    cube = g.bin("Pow", x, g.scalar(3.0)) if g.flag() else g.bin("Mul", g.bin("Mul", x, x), x)
+    inner = g.bin("Add", x, mul(cube, g.scalar(0.044715, raise_rank=r)))
+    arg = mul(inner, g.scalar(math.sqrt(2 / math.pi)))
     t = g.op("Tanh", [arg], g.shape[arg])
-    y = g.bin("Mul", g.bin("Mul", x, g.scalar(0.5, raise_rank=r)), g.bin("Add", t, g.scalar(1.0)))
-    g.desc.append("TanhGELU(decomposed)")
+    one = g.bin("Add", t, g.scalar(1.0))
+    if spelling == "half_last":
+        y = g.bin("Mul", g.bin("Mul", x, one), g.scalar(0.5, raise_rank=r))
+    elif spelling == "half_first":
+        y = g.bin("Mul", mul(x, g.scalar(0.5, raise_rank=r)), one)
+    else:
+        y = g.bin("Mul", g.bin("Mul", one, g.scalar(0.5)), x)
+    g.desc.append(f"TanhGELU({spelling})")
     return y
 
 
@@ -1318,7 +1330,8 @@ def nm_attention_variants(g: G, x: str) -> str:
 
 def nm_activation_constants(g: G, x: str) -> str:
     s = g.shape[x]
-    kind = g.pick(["quick_gelu_1.7", "sigmoid_gate_other", "erf_gelu_wrong_root", "geglu_swapped", "geglu_uneven"])
+    kind = g.pick(["quick_gelu_1.7", "sigmoid_gate_other", "erf_gelu_wrong_root", "geglu_swapped", "geglu_uneven",
+                   "tanh_gelu_wrong_cube", "tanh_gelu_other_x"])
     if kind == "quick_gelu_1.7":
         y = g.op("Mul", [x, g.op("Sigmoid", [g.op("Mul", [x, g.fconst(1.7)], s)], s)], s)
     elif kind == "sigmoid_gate_other":
@@ -1327,6 +1340,13 @@ def nm_activation_constants(g: G, x: str) -> str:
     elif kind == "erf_gelu_wrong_root":
         e = g.op("Erf", [g.op("Div", [x, g.fconst(1.5)], s)], s)
         y = g.op("Mul", [g.op("Mul", [x, g.op("Add", [e, g.fconst(1.0)], s)], s), g.fconst(0.5)], s)
+    elif kind in ("tanh_gelu_wrong_cube", "tanh_gelu_other_x"):
+        # 0.04 x^3 is not GELU's 0.044715 x^3; halving a value other than the tanh's argument is not GELU either
+        c = 0.04 if kind == "tanh_gelu_wrong_cube" else 0.044715
+        cube = g.op("Mul", [g.op("Pow", [x, g.fconst(3.0)], s), g.fconst(c)], s)
+        t = g.op("Tanh", [g.op("Mul", [g.op("Add", [x, cube], s), g.fconst(math.sqrt(2 / math.pi))], s)], s)
+        xo = x if kind == "tanh_gelu_wrong_cube" else g.op("Add", [x, g.fconst(0.25)], s)
+        y = g.op("Mul", [g.op("Mul", [xo, g.fconst(0.5)], s), g.op("Add", [t, g.fconst(1.0)], s)], s)
     elif kind == "geglu_swapped":
         proj = _project(g, x, 2 * g.num(1, 8))
         h, gate = _halves(g, proj, g.pick(["split", "slices"]))

@@ -380,3 +380,38 @@ def test_a_scalar_broadcast_chain_is_one_expand_or_none(also_read):
     for a, b in zip(run(with_functions(irm, TARGET), feeds), run(m, feeds), strict=True):
         np.testing.assert_array_equal(a, b)
 
+
+
+def tanh_gelu(spelling: str, coeff: float = 0.044715, also_read: bool = False) -> onnx.ModelProto:
+    """0.5 x (1 + tanh(sqrt(2/pi) (x + c x^3))) after a linear layer, in the spellings exporters write."""
+    c = {"half": np.array(0.5, np.float32), "one": np.array(1.0, np.float32), "three": np.array(3.0, np.float32),
+         "k": np.array(coeff, np.float32), "r": np.array(np.sqrt(2 / np.pi), np.float32), "wl": w(8, 6)}
+    cube = [n("Pow", ["h", "three"], ["h3"])] if spelling != "cube_mul" else \
+        [n("Mul", ["h", "h"], ["h2"]), n("Mul", ["h2", "h"], ["h3"])]
+    body = [n("MatMul", ["x", "wl"], ["h"]), *cube, n("Mul", ["h3", "k"], ["kc"]), n("Add", ["h", "kc"], ["in"]),
+            n("Mul", ["r", "in"], ["arg"]), n("Tanh", ["arg"], ["t"]), n("Add", ["t", "one"], ["u"])]
+    if spelling == "half_last":  # TorchScript's approximate='tanh'
+        body += [n("Mul", ["h", "u"], ["hu"]), n("Mul", ["hu", "half"], ["y"])]
+    else:  # transformers' gelu_new (T5): 0.5 * x * (1 + tanh(...))
+        body += [n("Mul", ["h", "half"], ["hh"]), n("Mul", ["hh", "u"], ["y"])]
+    outs = {"y": [2, 5, 6]} | ({"t": [2, 5, 6]} if also_read else {})
+    return model(body, {"x": [2, 5, 8]}, outs, c)
+
+
+@pytest.mark.parametrize("spelling", ["half_last", "half_first", "cube_mul"])
+def test_a_written_out_tanh_gelu_is_sdgelu(spelling):
+    m = tanh_gelu(spelling)
+    irm = lowered(m)
+    assert dispatch_ops(irm) == {"SDGemm": 1, "SDGelu": 1}
+    gelu = next(x for x in irm.graph if x.op_type == "SDGelu")
+    assert gelu.attributes["approximate"].value == "tanh"
+    assert_same(m, irm)
+
+
+@pytest.mark.parametrize("coeff,also_read", [(0.04, False), (0.044715, True)])
+def test_a_tanh_gelu_near_miss_stays_as_written(coeff, also_read):
+    """Another cube coefficient is not GELU; a tanh read elsewhere too must stay to be read."""
+    m = tanh_gelu("half_first", coeff, also_read)
+    irm = lowered(m)
+    assert "SDGelu" not in dispatch_ops(irm) and ops(irm).get("Tanh") == 1
+    assert_same(m, irm)

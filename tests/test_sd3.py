@@ -186,6 +186,21 @@ def test_the_transformer_is_offloaded_but_for_its_boundary(tiny_sd3):
     assert set(report["assumed_capabilities"]) == {"SDRMSNorm: registry", "SDGelu: tanh GELU"}
 
 
+def test_t5s_feed_forward_is_on_the_npu_and_its_attention_says_why_not(tiny_sd3):
+    """T5's gated tanh-GELU (transformers' gelu_new, written out as Pow/Tanh/Mul/Add) becomes SDGelu beside
+    the gate's SDMul; its attention adds a relative-position bias per head and query, which SDMHA's one-row
+    mask cannot carry, so the scores stay on the CPU, and the report says that (not a causal-mask miss)."""
+    report = json.loads((tiny_sd3.out / "text_encoder_3" / "dd" / "report.json").read_text())
+    layers = json.loads((tiny_sd3.out / "text_encoder_3" / "config.json").read_text())["num_layers"]
+    ops = report["offloaded_by_type"]
+    assert ops["SDGelu"] == layers and ops["SDRMSNorm"] == 2 * layers + 1 and ops["SDGemm"] == 7 * layers
+    cpu = report["cpu_nodes"]
+    assert not {"Pow", "Tanh"} & {n["op_type"] for n in cpu}
+    pv = [n for n in cpu if n["op_type"] == "MatMul" and "relative-position bias" in n["reason"]]
+    assert len(pv) == layers, [n["reason"] for n in cpu if n["op_type"] == "MatMul"]
+    assert report["summary"]["macs_offloaded_share"] > 0.9  # the attention's two products stay on the CPU
+
+
 def test_sd3_takes_more_sizes(tiny_sd3, tmp_path, caplog):
     """`--res ... --add` for the transformer: its position-embedding crop is cut for its size, so the second
     size is compiled in full (said once in the log) rather than re-derived from the first's dispatch model,

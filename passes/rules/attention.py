@@ -108,6 +108,15 @@ def _is_causal(mask: np.ndarray) -> bool:
     return bool(np.all(m[:, ~upper] == 0) and np.all(m[:, upper] <= -1e4))
 
 
+def _bias_reason(bias: np.ndarray) -> str:
+    """Why a constant added to the scores (not CLIP's causal mask) cannot be SDMHA's mask."""
+    rows = bias.reshape(-1, bias.shape[-1]) if bias.ndim else bias.reshape(1, 1)
+    if bias.ndim >= 3 and bias.shape[-3] > 1 and bias.shape[-2] > 1 and not np.all(rows == rows[:1]):
+        return (f"the scores get a {list(bias.shape)} bias that varies per head and query (T5's relative-position "
+                "bias): SDMHA's mask is one row of N keys")
+    return "the attention mask is not CLIP's causal mask"
+
+
 def _own_nodes(nodes: list[ir.Node], chains: set[ir.Node]) -> list[ir.Node]:
     """``nodes`` less the head-split nodes that another reader shares (SD3's attentions, one per query part,
     read the joint K and V through one split): SDMHA reads the sources, so those stay for the other."""
@@ -137,8 +146,12 @@ class SDMHAFusion(Rule):
         causal = False
         if p is not None and p.op_type == "Add" and p.domain in ("", "ai.onnx"):
             mask_side = [i for i, v in enumerate(p.inputs) if const(v) is not None]
-            if len(mask_side) != 1 or not _is_causal(const(p.inputs[mask_side[0]])):  # type: ignore[arg-type]
-                return "the attention mask is not CLIP's causal mask"
+            if len(mask_side) != 1:
+                return "the scores' addend is computed, not a constant mask"
+            added = const(p.inputs[mask_side[0]])
+            assert added is not None
+            if not _is_causal(added):
+                return _bias_reason(added)
             causal = True
             between.append(p)
             p = p.inputs[1 - mask_side[0]].producer()  # type: ignore[union-attr]
