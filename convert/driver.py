@@ -19,7 +19,7 @@ from pathlib import Path
 from typing import Any
 
 from sdnpu import __version__
-from sdnpu.convert import shared
+from sdnpu.convert import blockwise, shared
 from sdnpu.convert.components import build_wrapper
 from sdnpu.convert.export import (
     CHECK_RTOL,
@@ -86,6 +86,7 @@ class ConvertOptions:
     precision: str = "bf16"
     loras: tuple[LoraSpec, ...] = ()  # diffusers' fuse_lora, before export
     add: bool = False
+    blockwise: bool = False  # T5 block by block even where it fits whole (it does where it does not)
 
     def __post_init__(self) -> None:
         if self.exporter not in EXPORTERS:
@@ -184,8 +185,16 @@ def convert(source: str | Path, components: str | Sequence[str] = "all", out: st
         raise SdnpuError(f"{src.name} is an SD3 pipeline: sdnpu fuses LoRAs into UNets and CLIP encoders (SDXL, "
                          "SD 1.x) only", hint="convert it without --lora")
     weights = {key: module_bytes(src, key) for key in dict.fromkeys(COMPONENT_MODULES[c] for c in comps)}
+    by_block: set[str] = set()
     for key, need in weights.items():  # one that cannot fit: before anything is written
+        if blockwise.supports(src, key) and (options.blockwise or not _fits(need)):
+            by_block.add(key)
+            log.info("%s: %s of fp32 weights; converting it block by block", key, _human(need))
+            continue
         _check_module_fits(key, need, comps)
+    if options.blockwise and not by_block:
+        log.warning("--blockwise: none of %s converts block by block (only %s do); converting them whole",
+                    ", ".join(comps), ", ".join(blockwise.CLASSES))
     out_dir = Path(out) if out is not None else Path("models") / src.name
     if options.add and not out_dir.is_dir():
         raise SdnpuError(f"--add: {out_dir} holds no conversion to add sizes to",
@@ -212,6 +221,12 @@ def convert(source: str | Path, components: str | Sequence[str] = "all", out: st
         comp_sizes = sizes if comp in SIZED else sizes[:1]
         if options.add:
             results += _add_sizes(src, comp, out_dir / comp, comp_sizes, factor, options, fingerprint)
+            continue
+        if key in by_block:
+            with staged_dir(out_dir / comp) as stage:
+                result = blockwise.convert_blockwise(src, _Job(comp, key, res, factor, options), stage, fingerprint)
+            result.path = out_dir / comp / MODEL_FILE
+            results.append(result)
             continue
         isolate = weights[key] > ISOLATE_BYTES
         holder: list[Any] = []
@@ -457,6 +472,11 @@ def module_bytes(src: Source, key: str) -> int:
 MODULE_SHARE = 0.8
 
 
+def _fits(need: int) -> bool:
+    avail = available_bytes()
+    return avail is None or need <= MODULE_SHARE * avail
+
+
 def _check_module_fits(key: str, need: int, comps: list[str]) -> None:
     """Refuse module ``key`` (``need`` bytes of fp32 weights) where it cannot fit (``MODULE_SHARE``)."""
     avail = available_bytes()
@@ -465,8 +485,6 @@ def _check_module_fits(key: str, need: int, comps: list[str]) -> None:
     names = [c for c in comps if COMPONENT_MODULES[c] == key]
     others = [c for c in comps if COMPONENT_MODULES[c] != key]
     hint = f"convert the others: --model {','.join(others)}" if others else "convert it on a machine with more memory"
-    if key == "text_encoder_3":
-        hint += "; an SD3 pipeline runs without text_encoder_3 (T5's part of the prompt is then zeros, as in diffusers)"
     raise SdnpuError(f"{', '.join(names)} cannot be converted here: the {key} module's fp32 weights alone are "
                      f"{_human(need)} and this machine has {_human(avail)} available (its export holds them beside "
                      "PyTorch's activations and the exporter's own copies)", hint=hint)
@@ -613,9 +631,28 @@ def _export_component(src: Source, job: _Job, torch_stage: _TorchStage, stage: P
                              seconds=seconds, peak_rss_bytes=max(peak_rss_bytes(), torch_stage.peak_rss_bytes),
                              check=check_data, report=summary,
                              size=str(res) if comp in SIZED else "")
+    _write_records(src, job, stage, fingerprint, result, torch_stage.sources, torch_stage.lora)
+    return result
+
+
+def blockwise_result(src: Source, job: _Job, stage: Path, fingerprint: str, n_params: int,
+                     seconds: dict[str, float], check: dict[str, Any] | None, summary: dict[str, Any] | None,
+                     nodes: int, sources: dict[str, Any]) -> ComponentResult:
+    """The records of a component converted block by block (``sdnpu.convert.blockwise``)."""
+    result = ComponentResult(component=job.component, path=stage / MODEL_FILE, nodes=nodes, parameters=n_params,
+                             seconds=seconds, peak_rss_bytes=peak_rss_bytes(), check=check, report=summary)
+    _write_records(src, job, stage, fingerprint, result, sources, None, blockwise=True)
+    return result
+
+
+def _write_records(src: Source, job: _Job, stage: Path, fingerprint: str, result: ComponentResult,
+                   sources: dict[str, Any], lora: dict[str, Any] | None, blockwise: bool = False) -> None:
+    """config.json, parameters.json and export.json beside the component's graph."""
+    comp, res, options = job.component, job.res, job.options
+    sig = job.signature(src.module_config(comp))
     src_config = src.module_dir(comp) / "config.json"
     (stage / "config.json").write_bytes(src_config.read_bytes())
-    atomic_write_json(stage / PARAMETERS_FILE, torch_stage.sources)
+    atomic_write_json(stage / PARAMETERS_FILE, sources)
     atomic_write_json(stage / "export.json", {
         "component": comp,
         "source": {"name": src.name, "kind": src.kind, "path": str(src.root), "fingerprint": fingerprint},
@@ -626,14 +663,14 @@ def _export_component(src: Source, job: _Job, torch_stage: _TorchStage, stage: P
         "inputs": [s.to_json() for s in sig.inputs],
         "outputs": list(sig.outputs),
         "nodes": result.nodes,
-        "parameters": n_params,
-        "check": check_data,
-        "lora_fused": torch_stage.lora,
-        "seconds": seconds,
+        "parameters": result.parameters,
+        "check": result.check,
+        "lora_fused": lora,
+        "blockwise": blockwise,
+        "seconds": result.seconds,
         "peak_rss_bytes": result.peak_rss_bytes,
         "tool": {"sdnpu": __version__, "python": platform.python_version(), **_versions()},
     })
-    return result
 
 
 def _compile_info(src: Source, job: _Job, fingerprint: str, lora: dict[str, Any] | None) -> dict[str, Any]:

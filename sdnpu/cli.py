@@ -31,7 +31,8 @@ def _cmd_convert(args: argparse.Namespace) -> int:
 
     options = ConvertOptions(res=args.res, exporter=args.exporter, opset=args.opset, check=not args.no_check,
                              compile=not args.no_compile, outputs=args.outputs, target=args.target,
-                             precision=args.precision, loras=tuple(args.lora or ()), add=args.add)
+                             precision=args.precision, loras=tuple(args.lora or ()), add=args.add,
+                             blockwise=args.blockwise)
     result = convert(args.source, components=args.model, out=args.out, options=options)
     sizes = ", ".join(str(s) for s in result.sizes)
     print(f"\n{result.source.name} -> {result.out} ({sizes} px{', added' if args.add else ''})")
@@ -289,6 +290,9 @@ def build_parser() -> argparse.ArgumentParser:
     conv.add_argument("--opset", type=int, default=DEFAULT_OPSET, help=f"ONNX opset (default {DEFAULT_OPSET})")
     conv.add_argument("--no-check", action="store_true", help="skip the onnxruntime-vs-PyTorch check")
     conv.add_argument("--no-compile", action="store_true", help="export only (no dd/ dispatch model)")
+    conv.add_argument("--blockwise", action="store_true",
+                      help="convert SD3's T5 (text_encoder_3) one block at a time and stitch the graphs, even where "
+                      "it fits whole (it is done so by itself where its fp32 weights do not fit: T5-XXL's 19 GB)")
     conv.add_argument("--target", default=DEFAULT_TARGET, choices=target_names(),
                       help=f"the NPU whose op contract the dispatch models are written in (default {DEFAULT_TARGET})")
     conv.add_argument("--precision", choices=("bf16", "bfp16"), default="bf16",

@@ -1,4 +1,5 @@
-"""Shared fixtures: one tiny-sdxl conversion per test session (about 20 s), reused by the tests that read it."""
+"""Shared fixtures: one tiny-sdxl and one tiny-sd3 conversion per test session (reused by the tests that read
+them), and the local folders made from their presets."""
 
 from __future__ import annotations
 
@@ -93,4 +94,36 @@ def two_sizes(tiny_conversion, tmp_path_factory) -> Path:
         for graph in ("model.onnx", "dd/replaced.onnx"):  # the same tensors, now in the data file
             a, b = _arrays(tiny_conversion.out / comp / graph), _arrays(folder / comp / graph)
             assert a.keys() == b.keys() and all(np.array_equal(a[k], b[k]) for k in a)
+    return folder
+
+
+@pytest.fixture(scope="session")
+def tiny_sd3(tmp_path_factory: pytest.TempPathFactory):
+    """tiny-sd3 converted whole: three text encoders, the transformer, the 16-channel VAE."""
+    from sdnpu.convert import convert
+
+    return convert("tiny-sd3", "all", out=tmp_path_factory.mktemp("tiny-sd3"))
+
+
+@pytest.fixture(scope="session")
+def tiny_sd3_folder(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """tiny-sd3 written by diffusers' own save_pretrained: a local folder as users have them."""
+    from diffusers import FlowMatchEulerDiscreteScheduler, StableDiffusion3Pipeline
+    from transformers import CLIPTokenizer, T5TokenizerFast
+
+    from sdnpu.convert import resolve_source
+
+    src = resolve_source("tiny-sd3")
+    files = tmp_path_factory.mktemp("sd3-files")
+    src.write_pipeline_files(files)
+    pipe = StableDiffusion3Pipeline(
+        transformer=src.load_module("transformer"), vae=src.load_module("vae"),
+        text_encoder=src.load_module("text_encoder"), text_encoder_2=src.load_module("text_encoder_2"),
+        text_encoder_3=src.load_module("text_encoder_3"),
+        tokenizer=CLIPTokenizer.from_pretrained(files / "tokenizer"),
+        tokenizer_2=CLIPTokenizer.from_pretrained(files / "tokenizer_2"),
+        tokenizer_3=T5TokenizerFast.from_pretrained(files / "tokenizer_3"),
+        scheduler=FlowMatchEulerDiscreteScheduler.from_pretrained(files / "scheduler"))
+    folder = tmp_path_factory.mktemp("local") / "my-sd3"
+    pipe.save_pretrained(folder)
     return folder

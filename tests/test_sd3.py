@@ -15,38 +15,6 @@ from sdnpu.runtime import GenerateOptions, Pipeline
 OPTS = GenerateOptions("a photo of a cat", negative_prompt="blurry", steps=3, seed=4)
 
 
-@pytest.fixture(scope="session")
-def tiny_sd3(tmp_path_factory: pytest.TempPathFactory):
-    """tiny-sd3 converted whole: three text encoders, the transformer, the 16-channel VAE."""
-    from sdnpu.convert import convert
-
-    return convert("tiny-sd3", "all", out=tmp_path_factory.mktemp("tiny-sd3"))
-
-
-@pytest.fixture(scope="session")
-def tiny_sd3_folder(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """tiny-sd3 written by diffusers' own save_pretrained: a local folder as users have them."""
-    from diffusers import FlowMatchEulerDiscreteScheduler, StableDiffusion3Pipeline
-    from transformers import CLIPTokenizer, T5TokenizerFast
-
-    from sdnpu.convert import resolve_source
-
-    src = resolve_source("tiny-sd3")
-    files = tmp_path_factory.mktemp("sd3-files")
-    src.write_pipeline_files(files)
-    pipe = StableDiffusion3Pipeline(
-        transformer=src.load_module("transformer"), vae=src.load_module("vae"),
-        text_encoder=src.load_module("text_encoder"), text_encoder_2=src.load_module("text_encoder_2"),
-        text_encoder_3=src.load_module("text_encoder_3"),
-        tokenizer=CLIPTokenizer.from_pretrained(files / "tokenizer"),
-        tokenizer_2=CLIPTokenizer.from_pretrained(files / "tokenizer_2"),
-        tokenizer_3=T5TokenizerFast.from_pretrained(files / "tokenizer_3"),
-        scheduler=FlowMatchEulerDiscreteScheduler.from_pretrained(files / "scheduler"))
-    folder = tmp_path_factory.mktemp("local") / "my-sd3"
-    pipe.save_pretrained(folder)
-    return folder
-
-
 def _diffusers_image(folder: Path, ours: Pipeline, drop_t5: bool = False) -> np.ndarray:
     import torch
     from diffusers import StableDiffusion3Pipeline
@@ -224,15 +192,16 @@ def test_sd3_takes_more_sizes(tiny_sd3, tmp_path, caplog):
 
 
 def test_a_module_too_large_for_the_machine_is_refused_before_any_export(tmp_path, monkeypatch):
-    """SD 3.5's T5-XXL has 19.0 GB of fp32 weights: on a machine without the memory for its export it is
-    refused in one line naming the size and the way around it, before anything is exported or written."""
+    """A module whose fp32 weights do not fit the machine's memory, and that has no block-by-block conversion,
+    is refused in one line naming the size and the way around it, before anything is exported or written
+    (T5, larger here, would convert block by block: tests/test_blockwise.py)."""
     from sdnpu.convert import driver
     from sdnpu.errors import SdnpuError
 
-    monkeypatch.setattr(driver, "available_bytes", lambda: 10_000_000)  # 10 MB: tiny-sd3's T5 has 17.5 MB
+    monkeypatch.setattr(driver, "available_bytes", lambda: 8_000_000)  # 8 MB: tiny-sd3's CLIP-G has 12.95 MB
     out = tmp_path / "out"
-    with pytest.raises(SdnpuError, match=r"text_encoder_3 cannot be converted here: the text_encoder_3 module's "
-                                         r"fp32 weights alone are 17\.50 MB and this machine has 10\.00 MB") as e:
-        driver.convert("tiny-sd3", "text_encoder,text_encoder_3", out=out)
-    assert "--model text_encoder" in e.value.hint and "runs without text_encoder_3" in e.value.hint
+    with pytest.raises(SdnpuError, match=r"text_encoder_2 cannot be converted here: the text_encoder_2 module's "
+                                         r"fp32 weights alone are 12\.95 MB and this machine has 8\.00 MB") as e:
+        driver.convert("tiny-sd3", "text_encoder_3,text_encoder_2,transformer", out=out)
+    assert "--model text_encoder_3,transformer" in e.value.hint
     assert not any(out.rglob("*.onnx"))

@@ -1,0 +1,443 @@
+"""Block by block: T5 (SD3's ``text_encoder_3``) converted one transformer block at a time, for a module whose
+fp32 weights do not fit this machine's memory whole (T5-XXL: 19 GB).
+
+T5's encoder is an embedding, blocks that each read the previous block's hidden states and one shared
+position bias, and a final RMSNorm. The position bias depends on the sequence length and block 0's bucket
+table only, so it is computed once here (``compute_bias``: [1, heads, S, S]) and each piece holds it as a
+constant, as a whole-graph export folds it. The pieces: (embedding + block 0), blocks 1 .. n-2, (block n-1 +
+final norm). Each is built with its weights alone, run in PyTorch, exported, checked against PyTorch,
+compiled, and its dispatch model run, then its files are stitched into the component's graphs
+(``sdnpu.convert.stitch``) and removed: memory holds one block, the disk the stitched graphs and one piece.
+
+The checks chain: piece ``i`` of each kind runs on what the same kind's piece ``i - 1`` gave (PyTorch on
+PyTorch's, the fp32 graph on the fp32 graph's, the dispatch model on the dispatch model's), so the last piece's
+outputs are the whole module's and the whole graphs', without running them whole. The stitched dispatch
+model computes what the chained pieces compute: the casts it cancels between them are exact.
+
+Weights: a folder's come tensor by tensor from its safetensors files; a preset draws each piece from its own
+seed (``PRESET_SEED + 1 + i`` for block ``i``, ``PRESET_SEED`` for the token table) with transformers' T5
+initialization, so a piece's weights do not depend on the others (a whole preset module draws from one
+stream: the two are different seeded weights of the same architecture).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import shutil
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from types import SimpleNamespace
+from typing import Any
+
+import numpy as np
+
+from sdnpu.convert.sources import PRESET_SEED, Source
+from sdnpu.errors import SdnpuError
+from sdnpu.progress import peak_rss_bytes, release_memory, step
+
+log = logging.getLogger(__name__)
+
+CLASSES = ("T5EncoderModel",)  # module classes that convert block by block
+
+
+def supports(src: Source, key: str) -> bool:
+    return src.classes.get(key) in CLASSES
+
+
+def _t5_config(src: Source, key: str) -> Any:
+    from transformers import T5Config
+
+    config = json.loads((src.modules[key] / "config.json").read_text())
+    return T5Config(**{k: v for k, v in config.items() if k != "architectures"})
+
+
+class _Weights:
+    """The module's tensors by state-dict name, one piece at a time: a folder's safetensors, read lazily."""
+
+    def __init__(self, src: Source, key: str) -> None:
+        self.preset = src.kind == "preset"
+        self.where: dict[str, Path] = {}
+        if self.preset:
+            return
+        folder = src.modules[key]
+        files = sorted(folder.glob("*.safetensors"))
+        if not files:
+            raise SdnpuError(f"{folder} has no .safetensors weights: block-by-block conversion reads tensors one "
+                             "at a time from safetensors files", hint="save the module with safe_serialization "
+                             "(transformers' default), or convert it on a machine that holds it whole")
+        plain = [f for f in files if ".fp16." not in f.name] or files
+        from safetensors import safe_open
+
+        for f in plain:
+            with safe_open(str(f), framework="pt") as h:
+                for name in h.keys():  # noqa: SIM118 -- safe_open handles have keys(), not iteration
+                    self.where.setdefault(name, f)
+
+    def tensors(self, prefix: str) -> dict[str, Any]:
+        from safetensors import safe_open
+
+        out: dict[str, Any] = {}
+        by_file: dict[Path, list[str]] = {}
+        for name, f in self.where.items():
+            if name.startswith(prefix):
+                by_file.setdefault(f, []).append(name)
+        for f, names in by_file.items():
+            with safe_open(str(f), framework="pt") as h:
+                for name in names:
+                    out[name[len(prefix):]] = h.get_tensor(name).float()
+        return out
+
+    def tensor(self, *names: str) -> Any:
+        for name in names:
+            if name in self.where:
+                return self.tensors(name)[""]
+        raise SdnpuError(f"the weights have none of {', '.join(names)}",
+                         hint="the folder's safetensors must hold a transformers T5EncoderModel's state dict")
+
+
+def _init(config: Any, module: Any) -> None:
+    from transformers.models.t5.modeling_t5 import T5PreTrainedModel
+
+    holder = SimpleNamespace(config=config)
+    for m in module.modules():
+        T5PreTrainedModel._init_weights(holder, m)  # uses self.config alone
+
+
+def _block(config: Any, weights: _Weights, i: int) -> Any:
+    import torch
+    from transformers.models.t5.modeling_t5 import T5Block
+
+    if weights.preset:
+        torch.manual_seed(PRESET_SEED + 1 + i)
+        block = T5Block(config, has_relative_attention_bias=i == 0, layer_idx=i)
+        _init(config, block)
+    else:
+        with torch.device("meta"):
+            block = T5Block(config, has_relative_attention_bias=i == 0, layer_idx=i)
+        state = weights.tensors(f"encoder.block.{i}.")
+        try:
+            block.load_state_dict(state, assign=True, strict=i == 0)
+        except RuntimeError as e:
+            raise SdnpuError(f"block {i}'s weights do not match the config: {str(e)[:300]}") from e
+        if any(p.is_meta for p in block.parameters()):
+            raise SdnpuError(f"block {i}'s weights are incomplete in {sorted(set(weights.where.values()))[0].parent}")
+    return block.float().eval()
+
+
+def _embedding(config: Any, weights: _Weights) -> Any:
+    import torch
+
+    emb = torch.nn.Embedding(config.vocab_size, config.d_model)
+    if weights.preset:
+        torch.manual_seed(PRESET_SEED)
+        with torch.no_grad():
+            emb.weight.normal_(mean=0.0, std=config.initializer_factor * 1.0)
+    else:
+        with torch.no_grad():
+            emb.weight.copy_(weights.tensor("shared.weight", "encoder.embed_tokens.weight"))
+    return emb.eval()
+
+
+def _final_norm(config: Any, weights: _Weights) -> Any:
+    import torch
+    from transformers.models.t5.modeling_t5 import T5LayerNorm
+
+    norm = T5LayerNorm(config.d_model, eps=config.layer_norm_epsilon)
+    with torch.no_grad():
+        if weights.preset:
+            norm.weight.fill_(config.initializer_factor * 1.0)
+        else:
+            norm.weight.copy_(weights.tensor("encoder.final_layer_norm.weight"))
+    return norm.eval()
+
+
+def _piece_class() -> Any:
+    import torch
+
+    class T5Piece(torch.nn.Module):
+        """Block ``i`` of T5's encoder with the shared position bias as a constant; the embedding before
+        the first, the final norm after the last."""
+
+        def __init__(self, block: Any, bias: Any, embed: Any = None, norm: Any = None) -> None:
+            super().__init__()
+            self.block, self.embed, self.norm = block, embed, norm
+            self.register_buffer("position_bias", bias)
+
+        def forward(self, x: Any) -> Any:
+            h = self.embed(x) if self.embed is not None else x
+            h = self.block(h, position_bias=self.position_bias)[0]
+            return self.norm(h) if self.norm is not None else h
+
+    return T5Piece
+
+
+def pieces(src: Source, key: str, seq_len: int) -> Iterator[tuple[int, int, Any]]:
+    """``(i, n, module)`` for T5's pieces in order, each built when asked for (the caller drops it)."""
+    import torch
+
+    config = _t5_config(src, key)
+    weights = _Weights(src, key)
+    n = config.num_layers
+    cls = _piece_class()
+    bias = None
+    for i in range(n):
+        block = _block(config, weights, i)
+        if bias is None:
+            with torch.no_grad():
+                bias = block.layer[0].SelfAttention.compute_bias(seq_len, seq_len).detach().clone()
+        embed = _embedding(config, weights) if i == 0 else None
+        norm = _final_norm(config, weights) if i == n - 1 else None
+        yield i, n, cls(block, bias, embed, norm).eval()
+
+
+def whole_module(src: Source, key: str) -> Any:
+    """The T5EncoderModel whose weights the pieces hold (small modules only: tests compare against it)."""
+    import torch
+    from transformers import T5EncoderModel
+
+    config = _t5_config(src, key)
+    weights = _Weights(src, key)
+    model = T5EncoderModel(config).eval()
+    with torch.no_grad():
+        model.shared.weight.copy_(_embedding(config, weights).weight)
+        for i in range(config.num_layers):
+            model.encoder.block[i].load_state_dict(_block(config, weights, i).state_dict())
+        model.encoder.final_layer_norm.weight.copy_(_final_norm(config, weights).weight)
+    return model
+
+
+@dataclass
+class Chain:
+    """The three chains' current values (PyTorch, the fp32 graph, the dispatch model) and their errors."""
+
+    torch: np.ndarray
+    onnx: np.ndarray
+    dispatch: np.ndarray | None
+
+
+def convert_blockwise(src: Source, job: Any, stage: Path, fingerprint: str) -> Any:
+    """Convert ``job`` (text_encoder_3) into ``stage`` block by block: ``model.onnx`` (+ data) stitched from
+    the pieces' fp32 graphs, ``dd/`` from their dispatch models. Returns the ComponentResult."""
+    import torch
+
+    from sdnpu.convert import driver
+    from sdnpu.convert.compile import REPLACED, _validate, compile_into, run_onnx
+    from sdnpu.convert.export import CHECK_RTOL, export_module
+    from sdnpu.convert.stitch import stitch
+    from sdnpu.convert.parameters import map_parameters
+    from sdnpu.reports import report as reports
+    from sdnpu.reports.fidelity import fidelity
+
+    comp, options = job.component, job.options
+    config = src.module_config(comp)
+    sig = job.signature(config)
+    feeds = driver.sample_inputs(sig, config, job.res)
+    (in_name,), (out_name,) = list(feeds), list(sig.outputs)
+    seq_len = int(feeds[in_name].shape[1])
+    work = stage / ".pieces"
+    shutil.rmtree(work, ignore_errors=True)
+    work.mkdir()
+    seconds: dict[str, float] = {"torch_run": 0.0, "export": 0.0, "onnx_run": 0.0, "compile": 0.0, "stitch": 0.0}
+    fp32_parts: list[Path] = []
+    dd_parts: list[Path] = []
+    records: dict[str, dict[str, int]] = {}
+    params: list[dict[str, Any]] = []
+    worst_piece = 0.0
+    n_params = 0
+    chain: Chain | None = None
+    x = feeds[in_name]
+    started = time.perf_counter()
+    try:
+        for i, n, piece in pieces(src, job.key, seq_len):
+            n_params += sum(p.numel() for p in piece.parameters())
+            name = f"piece{i:03d}"
+            folder = work / name
+            folder.mkdir()
+            path = folder / driver.MODEL_FILE
+            piece_in = "input_ids" if i == 0 else "hidden_states"
+            piece_out = out_name if i == n - 1 else "block_output"
+            t0 = time.perf_counter()
+            with torch.no_grad():
+                t_in = torch.from_numpy(x if chain is None else chain.torch)
+                t_out = piece(t_in).numpy().copy()
+            seconds["torch_run"] += time.perf_counter() - t0
+            t0 = time.perf_counter()
+            try:
+                export_module(piece, (t_in,), [piece_in], [piece_out], path, exporter=options.exporter,
+                              opset=options.opset)
+                params.append(map_parameters(piece, path))
+            except SdnpuError:
+                raise
+            except Exception as e:
+                raise SdnpuError(f"torch's {options.exporter} exporter failed on {comp}'s block {i}: "
+                                 f"{type(e).__name__}: {e}") from e
+            seconds["export"] += time.perf_counter() - t0
+            del piece, t_in
+            release_memory()
+            onnx_in = x if chain is None else chain.onnx
+            t0 = time.perf_counter()
+            got = run_onnx(path, {piece_in: onnx_in}, optimize=True)[piece_out] if options.check else t_out
+            seconds["onnx_run"] += time.perf_counter() - t0
+            if options.check and chain is not None:
+                # this piece alone, on PyTorch's input: its own export error, not the chain's
+                alone = run_onnx(path, {piece_in: chain.torch}, optimize=True)[piece_out]
+                worst_piece = max(worst_piece, float(np.max(np.abs(alone - t_out)) / max(np.max(np.abs(t_out)), 1e-30)))
+            elif options.check:
+                worst_piece = max(worst_piece, float(np.max(np.abs(got - t_out)) / max(np.max(np.abs(t_out)), 1e-30)))
+            dispatch = None
+            if options.compile:
+                t0 = time.perf_counter()
+                report = compile_into(path, folder / "dd", {"component": f"{comp} block {i}"},
+                                      options.compile_options, check=None)
+                seconds["compile"] += time.perf_counter() - t0
+                for rec in report["passes"]:
+                    bucket = records.setdefault(rec["name"], {})
+                    for k, v in rec.get("counts", {}).items():
+                        if isinstance(v, (int, float)):
+                            bucket[k] = bucket.get(k, 0) + v
+                if options.check:
+                    d_in = x if chain is None else chain.dispatch
+                    t0 = time.perf_counter()
+                    dispatch = run_onnx(folder / "dd" / REPLACED, {piece_in: d_in})[piece_out]
+                    seconds["onnx_run"] += time.perf_counter() - t0
+                dd_parts.append(folder / "dd" / REPLACED)
+            chain = Chain(t_out, got, dispatch)
+            fp32_parts.append(path)
+            log.info("[%s] block %d of %d done (%.0f s so far, peak memory %.1f GB)", comp, i + 1, n,
+                     time.perf_counter() - started, peak_rss_bytes() / 1e9)
+        assert chain is not None
+        t0 = time.perf_counter()
+        with step(log, f"[{comp}] stitching {len(fp32_parts)} pieces into {driver.MODEL_FILE}"):
+            s32 = stitch(fp32_parts, stage / driver.MODEL_FILE, "hidden_states")
+        report = None
+        if options.compile:
+            (stage / "dd").mkdir(exist_ok=True)
+            target = options.compile_options.target
+            with step(log, f"[{comp}] stitching {len(dd_parts)} dispatch models into dd/{REPLACED}"):
+                sdd = stitch(dd_parts, stage / "dd" / REPLACED, "hidden_states",
+                             cast=(target.domain, "CastAvx"))
+            log.info("[%s] %d boundary casts between the blocks cancelled; %d repeated constants kept once",
+                     comp, sdd.casts_cancelled, sdd.deduplicated)
+            _repartition(stage / "dd" / REPLACED, target)
+            _stitch_provenance(dd_parts, stage / "dd", s32.alias, sdd.alias)
+        seconds["stitch"] = time.perf_counter() - t0
+        shutil.rmtree(work, ignore_errors=True)
+        import onnx
+
+        with step(log, f"[{comp}] validating the stitched graph (onnx.checker, full check)") as t:
+            onnx.checker.check_model(str(stage / driver.MODEL_FILE), full_check=True)
+        seconds["onnx_check"] = t.seconds
+        check_data = None
+        if options.check:
+            ref = {out_name: chain.torch}
+            fid = fidelity(ref, {out_name: chain.onnx})
+            worst = fid["outputs"][out_name]["max_rel"]
+            log.info("[%s] ONNX vs PyTorch (chained over %d blocks): max abs error %.3g, max rel error %.3g, "
+                     "min cosine %.9f", comp, len(fp32_parts), fid["max_abs"], worst, fid["min_cosine"])
+            if not worst <= CHECK_RTOL:
+                raise SdnpuError(f"the exported {comp} does not match PyTorch: off by {worst:.3g} of its range "
+                                 f"(tolerance {CHECK_RTOL:g})", hint="try the other exporter (--exporter)")
+            check_data = {"max_abs_error": fid["max_abs"], "max_rel_error": worst, "min_cosine": fid["min_cosine"],
+                          "rel_tolerance": CHECK_RTOL, "outputs": fid["outputs"], "blockwise": True,
+                          "worst_block_max_rel_error": worst_piece}
+        summary = None
+        if options.compile:
+            _validate(stage / "dd" / REPLACED, comp, "stitched from its blocks", "`--no-compile` keeps the graph")
+            fid_dd = None
+            if options.check:
+                fid_dd = fidelity({out_name: chain.onnx}, {out_name: chain.dispatch})
+                log.info("[%s] dispatch vs fp32 (chained): min cosine %.6f, max abs error %.3g", comp,
+                         fid_dd["min_cosine"], fid_dd["max_abs"])
+            passes = [{"name": k, "seconds": 0.0, "counts": v} for k, v in records.items()]
+            passes.append({"name": "stitch", "seconds": round(seconds["stitch"], 3),
+                           "counts": {"pieces": sdd.pieces, "boundary casts cancelled": sdd.casts_cancelled,
+                                      "repeated constants kept once": sdd.deduplicated}})
+            info = {**driver._compile_info(src, job, fingerprint, None), "target": target.name,
+                    "precision": options.precision, "peak_rss_bytes": peak_rss_bytes(),
+                    "blockwise": {"pieces": len(dd_parts)}}
+            report = reports.build(stage / "dd" / REPLACED, stage / driver.MODEL_FILE, passes, info, fid_dd, target)
+            reports.write(stage / "dd", report)
+            summary = report["summary"]
+            log.info("[%s] offload rate %.2f%% (%d dispatch ops, %d CPU nodes, %d NPU regions)", comp,
+                     100 * summary["offload_rate"], summary["offloaded_nodes"], summary["cpu_nodes"],
+                     summary["npu_regions"])
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
+    seconds = {k: round(v, 2) for k, v in seconds.items()}
+    sources = _parameters(params, s32.alias)
+    return driver.blockwise_result(src, job, stage, fingerprint, n_params, seconds, check_data, summary,
+                                   s32.nodes, sources)
+
+
+def _parameters(per_piece: list[dict[str, Any]], alias: dict[str, str]) -> dict[str, Any]:
+    """parameters.json for the stitched graph: each piece's record under its prefix, named as the whole
+    T5EncoderModel names its parameters (``map_parameters`` strips the piece's first child, ``block``)."""
+    found: dict[str, Any] = {}
+    ambiguous = 0
+    n = len(per_piece)
+
+    def whole(i: int, param: str) -> str:
+        if param.startswith("embed."):
+            return "shared." + param[len("embed."):]
+        if param.startswith("norm."):
+            return "encoder.final_layer_norm." + param[len("norm."):]
+        if param == "position_bias":
+            return "position_bias (computed from encoder.block.0's relative_attention_bias)"
+        return f"encoder.block.{i}.{param}"
+
+    for i, record in enumerate(per_piece):
+        for name, entry in record["initializers"].items():
+            stitched = f"b{i}/{name}"
+            if stitched in alias:
+                continue  # kept once, under the first piece's name
+            if entry.get("param") is not None:
+                found[stitched] = {**entry, "param": whole(i, entry["param"])}
+            else:
+                found[stitched] = {**entry, "candidates": [whole(i, c) for c in entry.get("candidates", [])]}
+                ambiguous += 1
+    return {**(per_piece[0] if per_piece else {}), "module": "", "ambiguous": ambiguous, "initializers": found,
+            "blockwise": n}
+
+
+def _stitch_provenance(parts: list[Path], dd_dir: Path, alias32: dict[str, str], alias_dd: dict[str, str]) -> None:
+    """dd/weights.json for the stitched dispatch model: each piece's record under its prefix, its ``init``
+    references renamed to the stitched fp32 graph's constants (a repeat to the one kept)."""
+    from sdnpu.passes import provenance
+
+    def rename(expr: Any, i: int) -> Any:
+        if isinstance(expr, dict):
+            if "init" in expr:
+                name = f"b{i}/{expr['init']}"
+                return {**expr, "init": alias32.get(name, name)}
+            return {k: rename(v, i) for k, v in expr.items()}
+        if isinstance(expr, list):
+            return [rename(v, i) for v in expr]
+        return expr
+
+    weights: dict[str, Any] = {}
+    for i, part in enumerate(parts):
+        record = provenance.read_record(part.parent / provenance.FILE)
+        for name, expr in record["weights"].items():
+            stitched = f"b{i}/{name}"
+            if stitched not in alias_dd:
+                weights[stitched] = rename(expr, i)
+    (dd_dir / provenance.FILE).write_text(json.dumps({"format": provenance.FORMAT, "version": provenance.VERSION,
+                                                      "source": "model.onnx", "weights": weights}))
+
+
+def _repartition(path: Path, target: Any) -> None:
+    """The regions again over the stitched dispatch model (each piece numbered its own from 0, and the blocks'
+    regions meet where the casts went): the graph is read without its weights and written back so."""
+    import onnx
+    import onnx_ir as ir
+
+    from sdnpu.passes.partition import partition
+
+    proto = onnx.load(str(path), load_external_data=False)
+    model = ir.serde.deserialize_model(proto)
+    partition(model, target)
+    out = ir.serde.serialize_model(model)
+    onnx.save(out, str(path))

@@ -1,0 +1,201 @@
+"""Stitch graphs that were exported (and compiled) one piece at a time into one graph, without holding their
+weights in memory: the pieces' protos are read without their data, renamed apart, chained output to input,
+and their weights copied byte for byte into the stitched graph's one data file.
+
+Piece ``i`` (``i > 0``) has one graph input, the chained value, which becomes piece ``i - 1``'s output; piece
+0's inputs and the last piece's outputs are the stitched graph's. Every other name gets the piece's prefix
+(``b7/``). Where a dispatch model's piece ends in a ``CastAvx`` back to fp32 and the next one starts with
+``CastAvx`` to bf16 of it, both casts go: the bf16 value flows on (exact: a bf16 value widened to fp32 and
+narrowed again is itself). Identical small constants (the pieces each carry T5's position bias) are kept once.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import onnx
+
+log = logging.getLogger(__name__)
+
+_DEDUP_BYTES = 16 << 20  # constants up to this size are compared by content and kept once
+_ALIGN = 64  # each tensor's offset in the data file
+
+
+@dataclass
+class StitchStats:
+    pieces: int = 0
+    nodes: int = 0
+    initializers: int = 0
+    deduplicated: int = 0
+    casts_cancelled: int = 0
+    data_bytes: int = 0
+    alias: dict[str, str] = field(default_factory=dict)  # a constant dropped as a repeat -> the one kept
+
+
+def _external(t: onnx.TensorProto) -> dict[str, str] | None:
+    if t.data_location != onnx.TensorProto.EXTERNAL:
+        return None
+    return {e.key: e.value for e in t.external_data}
+
+
+def _tensor_bytes(t: onnx.TensorProto, folder: Path) -> bytes:
+    """The tensor's data: its external bytes, or for one stored inline its proto less its name."""
+    ext = _external(t)
+    if ext is None:
+        c = onnx.TensorProto()
+        c.CopyFrom(t)
+        c.name = ""
+        return c.SerializeToString()
+    with open(folder / ext["location"], "rb") as f:
+        f.seek(int(ext.get("offset", 0)))
+        length = ext.get("length")
+        return f.read(int(length)) if length is not None else f.read()
+
+
+def _rename_graph(g: onnx.GraphProto, names: dict[str, str]) -> None:
+    def r(n: str) -> str:
+        return names.get(n, n) if n else n
+
+    for node in g.node:
+        if node.name:
+            node.name = r(node.name)
+        node.input[:] = [r(n) for n in node.input]
+        node.output[:] = [r(n) for n in node.output]
+    for t in g.initializer:
+        t.name = r(t.name)
+    for coll in (g.input, g.output, g.value_info):
+        for v in coll:
+            v.name = r(v.name)
+
+
+def _cancel_casts(nodes: list[onnx.NodeProto], link: str, outputs: set[str], cast: tuple[str, str]) -> int:
+    """Remove ``CastAvx(to=fp32)`` writing ``link`` and the ``CastAvx(to=bf16)`` nodes reading it, when those
+    are all that reads it; readers of the bf16 copies read the value before the first cast."""
+    domain, op = cast
+    writer = next((n for n in nodes if link in n.output), None)
+    readers = [n for n in nodes if link in n.input]
+    to = {a.name: a.i for a in writer.attribute} if writer is not None else {}
+
+    def is_cast(n: onnx.NodeProto, dtype: int) -> bool:
+        return n.domain == domain and n.op_type == op and any(a.name == "to" and a.i == dtype for a in n.attribute)
+
+    if writer is None or link in outputs or to.get("to") != onnx.TensorProto.FLOAT or not is_cast(writer, 1):
+        return 0
+    if not readers or not all(is_cast(n, onnx.TensorProto.BFLOAT16) for n in readers):
+        return 0
+    source = writer.input[0]
+    gone = {id(writer), *(id(n) for n in readers)}
+    renamed = {n.output[0]: source for n in readers}
+    kept = [n for n in nodes if id(n) not in gone]
+    for n in kept:
+        n.input[:] = [renamed.get(x, x) for x in n.input]
+    nodes[:] = kept
+    return len(readers) + 1
+
+
+def stitch(pieces: list[Path], dest: Path, chain_input: str, *, prefix: str = "b",
+           cast: tuple[str, str] | None = None) -> StitchStats:
+    """Write ``dest`` (and ``dest.data``) from the graphs ``pieces`` in order. ``chain_input``: the name of
+    each later piece's input that takes the previous piece's (only) output. ``cast``: the (domain, op_type) of
+    the boundary cast to cancel between pieces (dispatch models)."""
+    stats = StitchStats(pieces=len(pieces))
+    data_name = dest.name + ".data"
+    nodes: list[onnx.NodeProto] = []
+    inits: list[onnx.TensorProto] = []
+    value_info: list[onnx.ValueInfoProto] = []
+    functions: dict[tuple[str, str, str], onnx.FunctionProto] = {}
+    opsets: dict[str, int] = {}
+    seen: dict[str, str] = {}  # digest -> kept name
+    alias: dict[str, str] = {}  # a dropped duplicate -> the kept constant
+    links: list[str] = []
+    first: onnx.ModelProto | None = None
+    graph_inputs: list[onnx.ValueInfoProto] = []
+    graph_outputs: list[onnx.ValueInfoProto] = []
+    offset = 0
+    with open(dest.parent / data_name, "wb") as data:
+        previous_out: str | None = None
+        for i, path in enumerate(pieces):
+            m = onnx.load(str(path), load_external_data=False)
+            g = m.graph
+            if first is None:
+                first = m
+            inputs = [v.name for v in g.input]
+            outs = [v.name for v in g.output]
+            last = i == len(pieces) - 1
+            if i > 0 and (len(inputs) != 1 or inputs[0] != chain_input):
+                raise ValueError(f"piece {path} takes {inputs}, not the one chained input {chain_input!r}")
+            if not last and len(outs) != 1:
+                raise ValueError(f"piece {path} gives {outs}, not one chained output")
+            names: dict[str, str] = {}
+            every = {n for node in g.node for n in (*node.input, *node.output) if n}
+            every |= {t.name for t in g.initializer} | {v.name for v in g.value_info}
+            every |= {node.name for node in g.node if node.name}
+            for n in every:
+                names[n] = f"{prefix}{i}/{n}"
+            if i == 0:
+                for n in inputs:
+                    names[n] = n
+                graph_inputs = list(g.input)
+            else:
+                assert previous_out is not None
+                names[chain_input] = previous_out
+                links.append(previous_out)
+            if last:
+                for n in outs:
+                    names[n] = n
+                graph_outputs = list(g.output)
+            _rename_graph(g, names)
+            previous_out = g.output[0].name
+            for t in g.initializer:
+                raw = _tensor_bytes(t, path.parent)
+                if len(raw) <= _DEDUP_BYTES:
+                    digest = hashlib.sha256(f"{t.data_type}:{list(t.dims)}:{_external(t) is None}".encode() + raw
+                                            ).hexdigest()
+                    if digest in seen:
+                        alias[t.name] = seen[digest]
+                        stats.deduplicated += 1
+                        continue
+                    seen[digest] = t.name
+                if _external(t) is not None:
+                    pad = (-offset) % _ALIGN
+                    data.write(b"\0" * pad)
+                    offset += pad
+                    data.write(raw)
+                    del t.external_data[:]
+                    for k, v in (("location", data_name), ("offset", str(offset)), ("length", str(len(raw)))):
+                        e = t.external_data.add()
+                        e.key, e.value = k, v
+                    offset += len(raw)
+                inits.append(t)
+            nodes.extend(g.node)
+            value_info.extend(g.value_info)
+            for f in m.functions:
+                functions.setdefault((f.domain, f.name, getattr(f, "overload", "")), f)
+            for o in m.opset_import:
+                opsets[o.domain] = max(opsets.get(o.domain, 0), o.version)
+            log.debug("stitched piece %d of %d (%s)", i + 1, len(pieces), path)
+    stats.data_bytes = offset
+    if not offset:
+        (dest.parent / data_name).unlink()  # every constant inline: no data file
+    for n in nodes:
+        n.input[:] = [alias.get(x, x) for x in n.input]
+    outputs = {v.name for v in graph_outputs}
+    if cast is not None:
+        for link in links:
+            stats.casts_cancelled += _cancel_casts(nodes, link, outputs, cast)
+    present = {x for n in nodes for x in (*n.input, *n.output)}
+    value_info = [v for v in value_info if v.name in present]
+    assert first is not None
+    graph = onnx.helper.make_graph(nodes, first.graph.name, graph_inputs, graph_outputs, inits,
+                                   value_info=value_info)
+    model = onnx.helper.make_model(graph, opset_imports=[onnx.helper.make_opsetid(d, v) for d, v in opsets.items()],
+                                   functions=list(functions.values()), ir_version=first.ir_version,
+                                   producer_name=first.producer_name, producer_version=first.producer_version)
+    for p in first.metadata_props:
+        model.metadata_props.add(key=p.key, value=p.value)
+    onnx.save(model, str(dest))
+    stats.nodes, stats.initializers, stats.alias = len(nodes), len(inits), alias
+    return stats
