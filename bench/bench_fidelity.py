@@ -19,6 +19,7 @@ bench/results.md.
 from __future__ import annotations
 
 import argparse
+import json
 import sys
 import time
 from pathlib import Path
@@ -41,16 +42,14 @@ def _run(path: Path, comp_dir: Path, component: str, feeds: dict) -> dict:
 
 
 def measure(source: str, models: Path, component: str, res: int | None, loras: tuple = ()) -> dict:
-    import tempfile
 
     import torch
 
     from sdnpu.convert import resolve_source
-    from sdnpu.convert.compile import fidelity
     from sdnpu.convert.components import build_wrapper
     from sdnpu.convert.driver import default_resolution
     from sdnpu.pipelines import sample_inputs, signature, vae_scale_factor
-    from sdnpu.reports.fidelity import RANGE_RUNS, pessimistic_model
+    from sdnpu.reports.fidelity import RANGE_RUNS
 
     src = resolve_source(source)
     res = res or default_resolution(src)
@@ -65,6 +64,10 @@ def measure(source: str, models: Path, component: str, res: int | None, loras: t
         runs.append(feeds)
     from sdnpu.convert.sources import COMPONENT_MODULES
 
+    export = models / component / "export.json"
+    if export.is_file() and json.loads(export.read_text()).get("blockwise"):
+        refs, bfs, seconds = _blockwise_torch(src, COMPONENT_MODULES[component], runs, sig.outputs)
+        return _compare(component, models, runs, refs, bfs, seconds, sig.outputs)
     module = src.load_module(COMPONENT_MODULES[component])
     if loras:
         from sdnpu.lora.adapters import fuse_into, read_lora
@@ -87,6 +90,43 @@ def measure(source: str, models: Path, component: str, res: int | None, loras: t
                                                      for v in f.values()])] for f in runs]
         seconds["torch bf16"] = time.perf_counter() - start
     del wrapper
+    return _compare(component, models, runs, refs, bfs, seconds, sig.outputs)
+
+
+def _blockwise_torch(src, key: str, runs: list[dict], outputs: list[str]) -> tuple[list, list, dict]:
+    """PyTorch's fp32 and bf16 outputs of a module converted block by block (T5-XXL: too large to load whole
+    here), chained piece by piece as ``sdnpu.convert.blockwise`` builds them: each piece in fp32 on the fp32
+    chain, then in bf16 on the bf16 chain, one piece in memory at a time."""
+    import torch
+
+    from sdnpu.convert.blockwise import pieces
+
+    (name,) = list(runs[0])
+    seq_len = int(runs[0][name].shape[1])
+    fp32 = [torch.from_numpy(f[name]) for f in runs]
+    bf16 = list(fp32)
+    seconds = {"torch fp32": 0.0, "torch bf16": 0.0}
+    with torch.no_grad():
+        for _, _, piece in pieces(src, key, seq_len):
+            start = time.perf_counter()
+            fp32 = [piece(x) for x in fp32]
+            seconds["torch fp32"] += time.perf_counter() - start
+            piece = piece.to(torch.bfloat16)
+            start = time.perf_counter()
+            bf16 = [piece(x) for x in bf16]
+            seconds["torch bf16"] += time.perf_counter() - start
+            del piece
+    (out,) = outputs
+    return ([{out: x.numpy()} for x in fp32], [[x.float().numpy()] for x in bf16], seconds)
+
+
+def _compare(component: str, models: Path, runs: list[dict], refs: list[dict], bfs: list[list], seconds: dict,
+             outputs: list[str]) -> dict:
+    import tempfile
+
+    from sdnpu.convert.compile import fidelity
+    from sdnpu.reports.fidelity import pessimistic_model
+
     model = models / component / "dd" / "replaced.onnx"
     start = time.perf_counter()
     optimistic = [fidelity(r, _run(model, models / component, component, f)) for r, f in zip(refs, runs, strict=True)]
@@ -98,7 +138,7 @@ def measure(source: str, models: Path, component: str, res: int | None, loras: t
                        for r, f in zip(refs, runs, strict=True)]
         seconds["ours, pessimistic"] = time.perf_counter() - start
     # the outputs the dispatch model keeps (a text encoder's: what the pipeline reads)
-    torch_bf16 = [fidelity(r, {k: v for k, v in zip(sig.outputs, b, strict=True) if k in o["outputs"]})
+    torch_bf16 = [fidelity(r, {k: v for k, v in zip(outputs, b, strict=True) if k in o["outputs"]})
                   for r, b, o in zip(refs, bfs, optimistic, strict=True)]
 
     def mean(results: list[dict], what: str) -> float:
