@@ -311,14 +311,14 @@ def convert_blockwise(src: Source, job: Any, stage: Path, fingerprint: str) -> A
         assert chain is not None
         t0 = time.perf_counter()
         with step(log, f"[{comp}] stitching {len(fp32_parts)} pieces into {driver.MODEL_FILE}"):
-            s32 = stitch(fp32_parts, stage / driver.MODEL_FILE, "hidden_states")
+            s32 = stitch(fp32_parts, stage / driver.MODEL_FILE, "hidden_states", consume=True)
         report = None
         if options.compile:
             (stage / "dd").mkdir(exist_ok=True)
             target = options.compile_options.target
             with step(log, f"[{comp}] stitching {len(dd_parts)} dispatch models into dd/{REPLACED}"):
                 sdd = stitch(dd_parts, stage / "dd" / REPLACED, "hidden_states",
-                             cast=(target.domain, "CastAvx"))
+                             cast=(target.domain, "CastAvx"), consume=True)
             log.info("[%s] %d boundary casts between the blocks cancelled; %d repeated constants kept once",
                      comp, sdd.casts_cancelled, sdd.deduplicated)
             _repartition(stage / "dd" / REPLACED, target)

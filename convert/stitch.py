@@ -97,10 +97,11 @@ def _cancel_casts(nodes: list[onnx.NodeProto], link: str, outputs: set[str], cas
 
 
 def stitch(pieces: list[Path], dest: Path, chain_input: str, *, prefix: str = "b",
-           cast: tuple[str, str] | None = None) -> StitchStats:
+           cast: tuple[str, str] | None = None, consume: bool = False) -> StitchStats:
     """Write ``dest`` (and ``dest.data``) from the graphs ``pieces`` in order. ``chain_input``: the name of
     each later piece's input that takes the previous piece's (only) output. ``cast``: the (domain, op_type) of
-    the boundary cast to cancel between pieces (dispatch models)."""
+    the boundary cast to cancel between pieces (dispatch models). ``consume``: delete each piece's graph and
+    data once copied (the disk then holds the pieces or the stitched graph, not both)."""
     stats = StitchStats(pieces=len(pieces))
     data_name = dest.name + ".data"
     nodes: list[onnx.NodeProto] = []
@@ -120,6 +121,7 @@ def stitch(pieces: list[Path], dest: Path, chain_input: str, *, prefix: str = "b
         for i, path in enumerate(pieces):
             m = onnx.load(str(path), load_external_data=False)
             g = m.graph
+            own = {e["location"] for t in g.initializer if (e := _external(t)) is not None}  # the piece's files
             if first is None:
                 first = m
             inputs = [v.name for v in g.input]
@@ -177,6 +179,11 @@ def stitch(pieces: list[Path], dest: Path, chain_input: str, *, prefix: str = "b
             for o in m.opset_import:
                 opsets[o.domain] = max(opsets.get(o.domain, 0), o.version)
             log.debug("stitched piece %d of %d (%s)", i + 1, len(pieces), path)
+            if consume:
+                for location in own:
+                    if (path.parent / location).resolve() != (dest.parent / data_name).resolve():
+                        (path.parent / location).unlink(missing_ok=True)
+                path.unlink()
     stats.data_bytes = offset
     if not offset:
         (dest.parent / data_name).unlink()  # every constant inline: no data file

@@ -96,3 +96,39 @@ def test_a_local_t5_folder_converts_block_by_block_as_it_does_whole(tiny_sd3_fol
     np.testing.assert_allclose(b32, w32, rtol=0, atol=1e-5 * scale)
     # the dispatch models: both bf16, so apart by bf16 rounding of different op orders at most
     assert np.abs(bdd - wdd).max() < 0.02 * scale
+
+
+def _piece(folder, first: bool, last: bool, w: np.ndarray, shared: np.ndarray):
+    """x -> (x @ w) * shared: a chained piece with its weights in an external data file."""
+    from onnx import TensorProto, helper, numpy_helper
+
+    x = "input" if first else "hidden_states"
+    y = "y" if last else "block_output"
+    nodes = [helper.make_node("MatMul", [x, "w"], ["h"]), helper.make_node("Mul", ["h", "shared"], [y])]
+    graph = helper.make_graph(nodes, "p", [helper.make_tensor_value_info(x, TensorProto.FLOAT, [2, 4])],
+                              [helper.make_tensor_value_info(y, TensorProto.FLOAT, [2, 4])],
+                              [numpy_helper.from_array(w, "w"), numpy_helper.from_array(shared, "shared")])
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 20)])
+    folder.mkdir()
+    onnx.save(model, str(folder / "model.onnx"), save_as_external_data=True, all_tensors_to_one_file=True,
+              location="model.onnx.data", size_threshold=0)
+    return folder / "model.onnx"
+
+
+def test_stitching_copies_external_weights_keeps_repeats_once_and_consumes_the_pieces(tmp_path):
+    from sdnpu.convert.stitch import stitch
+
+    rng = np.random.default_rng(0)
+    shared = rng.standard_normal(4).astype(np.float32)
+    ws = [rng.standard_normal((4, 4)).astype(np.float32) for _ in range(3)]
+    parts = [_piece(tmp_path / f"p{i}", i == 0, i == 2, w, shared) for i, w in enumerate(ws)]
+    x = rng.standard_normal((2, 4)).astype(np.float32)
+    want = x
+    for w in ws:
+        want = (want @ w) * shared
+    stats = stitch(parts, tmp_path / "model.onnx", "hidden_states", consume=True)
+    assert stats.pieces == 3 and stats.deduplicated == 2 and stats.initializers == 4
+    assert not any(p.exists() or (p.parent / "model.onnx.data").exists() for p in parts)
+    onnx.checker.check_model(str(tmp_path / "model.onnx"), full_check=True)
+    got = run_onnx(tmp_path / "model.onnx", {"input": x})["y"]
+    np.testing.assert_allclose(got, want, rtol=1e-6)
