@@ -187,7 +187,7 @@ def convert(source: str | Path, components: str | Sequence[str] = "all", out: st
     weights = {key: module_bytes(src, key) for key in dict.fromkeys(COMPONENT_MODULES[c] for c in comps)}
     by_block: set[str] = set()
     for key, need in weights.items():  # one that cannot fit: before anything is written
-        if blockwise.supports(src, key) and (options.blockwise or not _fits(need)):
+        if blockwise.supports(src, key) and (options.blockwise or not _fits(need, BLOCKWISE_SHARE)):
             by_block.add(key)
             log.info("%s: %s of fp32 weights; converting it block by block", key, _human(need))
             continue
@@ -468,13 +468,20 @@ def module_bytes(src: Source, key: str) -> int:
 
 # A module whose fp32 weights alone take more than this share of the available memory is refused before any
 # export: the torch stage holds them beside PyTorch's activations and the exporter's own tensors (the SD 3.5
-# transformer, 9.0 GB of weights, peaked at 21.4 GB over its whole conversion; SD 3.5's T5-XXL has 19.0 GB).
+# transformer, 9.0 GB of weights, peaked at 21.4 GB over its whole conversion). T5 (SD 3.5's T5-XXL: 19.0 GB)
+# goes block by block instead (BLOCKWISE_SHARE).
 MODULE_SHARE = 0.8
 
 
-def _fits(need: int) -> bool:
+# A module that can convert block by block does so where its fp32 weights exceed this share of the available
+# memory: whole, its export holds the weights, PyTorch's run, the exporter's copies and then onnxruntime's copy
+# (the SD 3.5 transformer peaked at 2.4x its weights), and block by block costs only time.
+BLOCKWISE_SHARE = 0.5
+
+
+def _fits(need: int, share: float) -> bool:
     avail = available_bytes()
-    return avail is None or need <= MODULE_SHARE * avail
+    return avail is None or need <= share * avail
 
 
 def _check_module_fits(key: str, need: int, comps: list[str]) -> None:
