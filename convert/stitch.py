@@ -15,12 +15,14 @@ import hashlib
 import logging
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 import onnx
 
 log = logging.getLogger(__name__)
 
 _DEDUP_BYTES = 16 << 20  # constants up to this size are compared by content and kept once
+_INLINE_BYTES = 1024  # smaller constants stay in the graph; the rest go to the data file
 _ALIGN = 64  # each tensor's offset in the data file
 
 
@@ -53,6 +55,28 @@ def _tensor_bytes(t: onnx.TensorProto, folder: Path) -> bytes:
         f.seek(int(ext.get("offset", 0)))
         length = ext.get("length")
         return f.read(int(length)) if length is not None else f.read()
+
+
+def _copy(message: Any) -> Any:
+    """A copy of a piece's message that holds no reference into the piece's proto: a sub-message kept from a
+    loaded model keeps all of that model's memory alive (a 0.8 GB T5-XXL block, for each piece)."""
+    out = type(message)()
+    out.CopyFrom(message)
+    return out
+
+
+def _raw_data(t: onnx.TensorProto) -> bytes | None:
+    """An inline tensor's bytes as an external file holds them (little-endian raw), or None."""
+    if t.raw_data:
+        return bytes(t.raw_data)
+    if t.data_type in (onnx.TensorProto.STRING,):
+        return None
+    from onnx import numpy_helper
+
+    array = numpy_helper.to_array(t)
+    if t.data_type == onnx.TensorProto.BFLOAT16 and array.dtype.itemsize == 4:
+        return None  # an old numpy_helper widened it: keep it inline rather than guess
+    return array.astype(array.dtype.newbyteorder("<")).tobytes()
 
 
 def _rename_graph(g: onnx.GraphProto, names: dict[str, str]) -> None:
@@ -112,7 +136,7 @@ def stitch(pieces: list[Path], dest: Path, chain_input: str, *, prefix: str = "b
     seen: dict[str, str] = {}  # digest -> kept name
     alias: dict[str, str] = {}  # a dropped duplicate -> the kept constant
     links: list[str] = []
-    first: onnx.ModelProto | None = None
+    head: dict[str, Any] = {}
     graph_inputs: list[onnx.ValueInfoProto] = []
     graph_outputs: list[onnx.ValueInfoProto] = []
     offset = 0
@@ -122,8 +146,10 @@ def stitch(pieces: list[Path], dest: Path, chain_input: str, *, prefix: str = "b
             m = onnx.load(str(path), load_external_data=False)
             g = m.graph
             own = {e["location"] for t in g.initializer if (e := _external(t)) is not None}  # the piece's files
-            if first is None:
-                first = m
+            if i == 0:  # what the stitched model takes from the first piece (copied: nothing of a piece is kept)
+                head = {"graph": g.name, "ir_version": m.ir_version, "producer_name": m.producer_name,
+                        "producer_version": m.producer_version,
+                        "metadata": [(p.key, p.value) for p in m.metadata_props]}
             inputs = [v.name for v in g.input]
             outs = [v.name for v in g.output]
             last = i == len(pieces) - 1
@@ -140,7 +166,6 @@ def stitch(pieces: list[Path], dest: Path, chain_input: str, *, prefix: str = "b
             if i == 0:
                 for n in inputs:
                     names[n] = n
-                graph_inputs = list(g.input)
             else:
                 assert previous_out is not None
                 names[chain_input] = previous_out
@@ -148,8 +173,11 @@ def stitch(pieces: list[Path], dest: Path, chain_input: str, *, prefix: str = "b
             if last:
                 for n in outs:
                     names[n] = n
-                graph_outputs = list(g.output)
             _rename_graph(g, names)
+            if i == 0:
+                graph_inputs = [_copy(v) for v in g.input]
+            if last:
+                graph_outputs = [_copy(v) for v in g.output]
             previous_out = g.output[0].name
             for t in g.initializer:
                 raw = _tensor_bytes(t, path.parent)
@@ -161,23 +189,32 @@ def stitch(pieces: list[Path], dest: Path, chain_input: str, *, prefix: str = "b
                         stats.deduplicated += 1
                         continue
                     seen[digest] = t.name
-                if _external(t) is not None:
-                    pad = (-offset) % _ALIGN
-                    data.write(b"\0" * pad)
-                    offset += pad
-                    data.write(raw)
-                    del t.external_data[:]
-                    for k, v in (("location", data_name), ("offset", str(offset)), ("length", str(len(raw)))):
-                        e = t.external_data.add()
-                        e.key, e.value = k, v
-                    offset += len(raw)
-                inits.append(t)
-            nodes.extend(g.node)
-            value_info.extend(g.value_info)
+                data_bytes = raw if _external(t) is not None else _raw_data(t)
+                if data_bytes is None or len(data_bytes) < _INLINE_BYTES:  # small: inline
+                    if _external(t) is None:
+                        inits.append(_copy(t))
+                    else:
+                        inits.append(onnx.TensorProto(name=t.name, data_type=t.data_type, dims=list(t.dims),
+                                                      raw_data=data_bytes))
+                    continue
+                pad = (-offset) % _ALIGN
+                data.write(b"\0" * pad)
+                offset += pad
+                data.write(data_bytes)
+                out = onnx.TensorProto(name=t.name, data_type=t.data_type, dims=list(t.dims))
+                out.data_location = onnx.TensorProto.EXTERNAL
+                for k, v in (("location", data_name), ("offset", str(offset)), ("length", str(len(data_bytes)))):
+                    e = out.external_data.add()
+                    e.key, e.value = k, v
+                offset += len(data_bytes)
+                inits.append(out)
+            nodes.extend(_copy(n) for n in g.node)
+            value_info.extend(_copy(v) for v in g.value_info)
             for f in m.functions:
-                functions.setdefault((f.domain, f.name, getattr(f, "overload", "")), f)
+                functions.setdefault((f.domain, f.name, getattr(f, "overload", "")), _copy(f))
             for o in m.opset_import:
                 opsets[o.domain] = max(opsets.get(o.domain, 0), o.version)
+            del m, g
             log.debug("stitched piece %d of %d (%s)", i + 1, len(pieces), path)
             if consume:
                 for location in own:
@@ -195,14 +232,13 @@ def stitch(pieces: list[Path], dest: Path, chain_input: str, *, prefix: str = "b
             stats.casts_cancelled += _cancel_casts(nodes, link, outputs, cast)
     present = {x for n in nodes for x in (*n.input, *n.output)}
     value_info = [v for v in value_info if v.name in present]
-    assert first is not None
-    graph = onnx.helper.make_graph(nodes, first.graph.name, graph_inputs, graph_outputs, inits,
+    graph = onnx.helper.make_graph(nodes, head["graph"], graph_inputs, graph_outputs, inits,
                                    value_info=value_info)
     model = onnx.helper.make_model(graph, opset_imports=[onnx.helper.make_opsetid(d, v) for d, v in opsets.items()],
-                                   functions=list(functions.values()), ir_version=first.ir_version,
-                                   producer_name=first.producer_name, producer_version=first.producer_version)
-    for p in first.metadata_props:
-        model.metadata_props.add(key=p.key, value=p.value)
+                                   functions=list(functions.values()), ir_version=head["ir_version"],
+                                   producer_name=head["producer_name"], producer_version=head["producer_version"])
+    for key, value in head["metadata"]:
+        model.metadata_props.add(key=key, value=value)
     onnx.save(model, str(dest))
     stats.nodes, stats.initializers, stats.alias = len(nodes), len(inits), alias
     return stats

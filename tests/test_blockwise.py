@@ -105,8 +105,8 @@ def _piece(folder, first: bool, last: bool, w: np.ndarray, shared: np.ndarray):
     x = "input" if first else "hidden_states"
     y = "y" if last else "block_output"
     nodes = [helper.make_node("MatMul", [x, "w"], ["h"]), helper.make_node("Mul", ["h", "shared"], [y])]
-    graph = helper.make_graph(nodes, "p", [helper.make_tensor_value_info(x, TensorProto.FLOAT, [2, 4])],
-                              [helper.make_tensor_value_info(y, TensorProto.FLOAT, [2, 4])],
+    graph = helper.make_graph(nodes, "p", [helper.make_tensor_value_info(x, TensorProto.FLOAT, [2, 32])],
+                              [helper.make_tensor_value_info(y, TensorProto.FLOAT, [2, 32])],
                               [numpy_helper.from_array(w, "w"), numpy_helper.from_array(shared, "shared")])
     model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 20)])
     folder.mkdir()
@@ -119,16 +119,19 @@ def test_stitching_copies_external_weights_keeps_repeats_once_and_consumes_the_p
     from sdnpu.convert.stitch import stitch
 
     rng = np.random.default_rng(0)
-    shared = rng.standard_normal(4).astype(np.float32)
-    ws = [rng.standard_normal((4, 4)).astype(np.float32) for _ in range(3)]
+    shared = rng.standard_normal(32).astype(np.float32)  # 128 bytes: inline in the stitched graph
+    ws = [rng.standard_normal((32, 32)).astype(np.float32) for _ in range(3)]  # 4 kB each: in its data file
     parts = [_piece(tmp_path / f"p{i}", i == 0, i == 2, w, shared) for i, w in enumerate(ws)]
-    x = rng.standard_normal((2, 4)).astype(np.float32)
+    x = rng.standard_normal((2, 32)).astype(np.float32)
     want = x
     for w in ws:
         want = (want @ w) * shared
     stats = stitch(parts, tmp_path / "model.onnx", "hidden_states", consume=True)
     assert stats.pieces == 3 and stats.deduplicated == 2 and stats.initializers == 4
     assert not any(p.exists() or (p.parent / "model.onnx.data").exists() for p in parts)
+    stitched = onnx.load(str(tmp_path / "model.onnx"), load_external_data=False)
+    external = {t.name for t in stitched.graph.initializer if t.data_location == onnx.TensorProto.EXTERNAL}
+    assert external == {"b0/w", "b1/w", "b2/w"} and stats.data_bytes >= 3 * 4096
     onnx.checker.check_model(str(tmp_path / "model.onnx"), full_check=True)
     got = run_onnx(tmp_path / "model.onnx", {"input": x})["y"]
     np.testing.assert_allclose(got, want, rtol=1e-6)
