@@ -119,7 +119,7 @@ def _block(config: Any, weights: _Weights, i: int) -> Any:
             block = T5Block(config, has_relative_attention_bias=i == 0, layer_idx=i)
         state = weights.tensors(f"encoder.block.{i}.")
         try:
-            block.load_state_dict(state, assign=True, strict=i == 0)
+            block.load_state_dict(state, assign=True)
         except RuntimeError as e:
             raise SdnpuError(f"block {i}'s weights do not match the config: {str(e)[:300]}") from e
         if any(p.is_meta for p in block.parameters()):
@@ -257,7 +257,7 @@ def convert_blockwise(src: Source, job: Any, stage: Path, fingerprint: str) -> A
             folder = work / name
             folder.mkdir()
             path = folder / driver.MODEL_FILE
-            piece_in = "input_ids" if i == 0 else "hidden_states"
+            piece_in = in_name if i == 0 else "hidden_states"
             piece_out = out_name if i == n - 1 else "block_output"
             t0 = time.perf_counter()
             with torch.no_grad():

@@ -135,3 +135,24 @@ def test_stitching_copies_external_weights_keeps_repeats_once_and_consumes_the_p
     onnx.checker.check_model(str(tmp_path / "model.onnx"), full_check=True)
     got = run_onnx(tmp_path / "model.onnx", {"input": x})["y"]
     np.testing.assert_allclose(got, want, rtol=1e-6)
+
+
+def test_block_by_block_needs_safetensors_and_says_so(tiny_sd3_folder, tmp_path):
+    """A T5 folder with .bin weights cannot be read a tensor at a time: one line naming the folder and the fix,
+    and nothing written."""
+    import shutil
+
+    from transformers import T5EncoderModel
+
+    from sdnpu.errors import SdnpuError
+
+    folder = tmp_path / "t5-bin"
+    T5EncoderModel.from_pretrained(tiny_sd3_folder / "text_encoder_3").save_pretrained(folder,
+                                                                                      safe_serialization=False)
+    assert not list(folder.glob("*.safetensors"))
+    out = tmp_path / "out"
+    with pytest.raises(SdnpuError, match="has no .safetensors weights") as e:
+        convert(folder, "text_encoder_3", out=out, blockwise=True)
+    assert "safe_serialization" in (e.value.hint or "")
+    assert not any(out.rglob("*.onnx"))
+    shutil.rmtree(folder)
