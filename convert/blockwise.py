@@ -309,6 +309,19 @@ def convert_blockwise(src: Source, job: Any, stage: Path, fingerprint: str) -> A
             log.info("[%s] block %d of %d done (%.0f s so far, peak memory %.1f GB)", comp, i + 1, n,
                      time.perf_counter() - started, peak_rss_bytes() / 1e9)
         assert chain is not None
+        check_data = None  # before stitching: a graph that does not match is not worth writing
+        if options.check:
+            ref = {out_name: chain.torch}
+            fid = fidelity(ref, {out_name: chain.onnx})
+            worst = fid["outputs"][out_name]["max_rel"]
+            log.info("[%s] ONNX vs PyTorch (chained over %d blocks): max abs error %.3g, max rel error %.3g, "
+                     "min cosine %.9f", comp, len(fp32_parts), fid["max_abs"], worst, fid["min_cosine"])
+            if not worst <= CHECK_RTOL:
+                raise SdnpuError(f"the exported {comp} does not match PyTorch: off by {worst:.3g} of its range "
+                                 f"(tolerance {CHECK_RTOL:g})", hint="try the other exporter (--exporter)")
+            check_data = {"max_abs_error": fid["max_abs"], "max_rel_error": worst, "min_cosine": fid["min_cosine"],
+                          "rel_tolerance": CHECK_RTOL, "outputs": fid["outputs"], "blockwise": True,
+                          "worst_block_max_rel_error": worst_piece}
         t0 = time.perf_counter()
         with step(log, f"[{comp}] stitching {len(fp32_parts)} pieces into {driver.MODEL_FILE}"):
             s32 = stitch(fp32_parts, stage / driver.MODEL_FILE, "hidden_states", consume=True)
@@ -330,19 +343,6 @@ def convert_blockwise(src: Source, job: Any, stage: Path, fingerprint: str) -> A
         with step(log, f"[{comp}] validating the stitched graph (onnx.checker, full check)") as t:
             onnx.checker.check_model(str(stage / driver.MODEL_FILE), full_check=True)
         seconds["onnx_check"] = t.seconds
-        check_data = None
-        if options.check:
-            ref = {out_name: chain.torch}
-            fid = fidelity(ref, {out_name: chain.onnx})
-            worst = fid["outputs"][out_name]["max_rel"]
-            log.info("[%s] ONNX vs PyTorch (chained over %d blocks): max abs error %.3g, max rel error %.3g, "
-                     "min cosine %.9f", comp, len(fp32_parts), fid["max_abs"], worst, fid["min_cosine"])
-            if not worst <= CHECK_RTOL:
-                raise SdnpuError(f"the exported {comp} does not match PyTorch: off by {worst:.3g} of its range "
-                                 f"(tolerance {CHECK_RTOL:g})", hint="try the other exporter (--exporter)")
-            check_data = {"max_abs_error": fid["max_abs"], "max_rel_error": worst, "min_cosine": fid["min_cosine"],
-                          "rel_tolerance": CHECK_RTOL, "outputs": fid["outputs"], "blockwise": True,
-                          "worst_block_max_rel_error": worst_piece}
         summary = None
         if options.compile:
             _validate(stage / "dd" / REPLACED, comp, "stitched from its blocks", "`--no-compile` keeps the graph")
