@@ -27,24 +27,37 @@ def _outputs(folder):
 
 
 @pytest.fixture(scope="module")
-def blockwise_preset(tmp_path_factory, request):
-    """tiny-sd3's T5 where it does not fit: the driver converts it block by block by itself."""
+def blockwise_preset(tmp_path_factory):
+    """tiny-sd3's T5 where it does not fit: the driver converts it block by block by itself. Beside it, the
+    same T5 converted whole (other seeded weights, the same graph)."""
     from sdnpu.convert import driver
 
     mp = pytest.MonkeyPatch()
-    mp.setattr(driver, "available_bytes", lambda: 20_000_000)  # 20 MB: the T5's 17.5 MB are over 80% of it
+    mp.setattr(driver, "available_bytes", lambda: 20_000_000)  # 20 MB: the T5's 17.5 MB are over half of it
     try:
         out = tmp_path_factory.mktemp("t5-blockwise")
         result = convert("tiny-sd3", "text_encoder_3", out=out)
     finally:
         mp.undo()
-    return result
+    whole = convert("tiny-sd3", "text_encoder_3", out=tmp_path_factory.mktemp("t5-whole"))
+    return result, whole
+
+
+@pytest.fixture(scope="module")
+def t5_folder(tmp_path_factory):
+    """tiny-sd3's T5 as transformers' save_pretrained writes it (one module's folder, safetensors)."""
+    from sdnpu.convert import resolve_source
+
+    folder = tmp_path_factory.mktemp("t5-folder") / "t5"
+    resolve_source("tiny-sd3").load_module("text_encoder_3").save_pretrained(folder)
+    return folder
 
 
 def test_a_t5_that_does_not_fit_converts_block_by_block_and_matches_the_module(blockwise_preset):
     from sdnpu.convert.blockwise import whole_module
     from sdnpu.passes import provenance
 
+    blockwise_preset, _ = blockwise_preset
     out = blockwise_preset.out / "text_encoder_3"
     export = json.loads((out / "export.json").read_text())
     assert export["blockwise"] and export["check"]["max_rel_error"] < 1e-5
@@ -66,11 +79,12 @@ def test_a_t5_that_does_not_fit_converts_block_by_block_and_matches_the_module(b
     assert not problems and counts["replayed"] > 0, problems[:5]
 
 
-def test_the_stitched_dispatch_model_is_what_the_whole_graph_compiles_to(blockwise_preset, tiny_sd3):
-    """The same dispatch ops, CPU nodes and NPU regions as the whole graph's compile (tiny_sd3 converted T5
-    whole: other seeded weights, the same graph): the casts between the blocks went, the regions met."""
-    stitched = json.loads((blockwise_preset.out / "text_encoder_3" / "dd" / "report.json").read_text())
-    whole = json.loads((tiny_sd3.out / "text_encoder_3" / "dd" / "report.json").read_text())
+def test_the_stitched_dispatch_model_is_what_the_whole_graph_compiles_to(blockwise_preset):
+    """The same dispatch ops, CPU nodes and NPU regions as the whole graph's compile (other seeded weights, the
+    same graph): the casts between the blocks went, the regions met."""
+    by_block, at_once = blockwise_preset
+    stitched = json.loads((by_block.out / "text_encoder_3" / "dd" / "report.json").read_text())
+    whole = json.loads((at_once.out / "text_encoder_3" / "dd" / "report.json").read_text())
     assert stitched["offloaded_by_type"] == whole["offloaded_by_type"]
     for key in ("offloaded_nodes", "cpu_nodes", "npu_regions", "macs_offloaded_share"):
         assert stitched["summary"][key] == whole["summary"][key], key
@@ -78,16 +92,16 @@ def test_the_stitched_dispatch_model_is_what_the_whole_graph_compiles_to(blockwi
     assert "stitch" in {p["name"] for p in stitched["passes"]}
 
 
-def test_a_local_t5_folder_converts_block_by_block_as_it_does_whole(tiny_sd3_folder, tmp_path, caplog):
+def test_a_local_t5_folder_converts_block_by_block_as_it_does_whole(t5_folder, tmp_path, caplog):
     """A save_pretrained folder's T5 read tensor by tensor (--blockwise): the stitched graph computes what
     transformers' own T5EncoderModel computes from those files, and what the whole export computes."""
     from transformers import T5EncoderModel
 
     with caplog.at_level(logging.INFO):
-        convert(tiny_sd3_folder, "text_encoder_3", out=tmp_path / "b", blockwise=True)
+        convert(t5_folder, "text_encoder_3", out=tmp_path / "b", blockwise=True)
     assert "converting it block by block" in caplog.text
-    convert(tiny_sd3_folder, "text_encoder_3", out=tmp_path / "w")
-    module = T5EncoderModel.from_pretrained(tiny_sd3_folder / "text_encoder_3").eval()
+    convert(t5_folder, "text_encoder_3", out=tmp_path / "w")
+    module = T5EncoderModel.from_pretrained(t5_folder).eval()
     with torch.no_grad():
         ref = module(torch.from_numpy(IDS)).last_hidden_state.numpy()
     (b32, bdd), (w32, wdd) = _outputs(tmp_path / "b"), _outputs(tmp_path / "w")
@@ -137,7 +151,7 @@ def test_stitching_copies_external_weights_keeps_repeats_once_and_consumes_the_p
     np.testing.assert_allclose(got, want, rtol=1e-6)
 
 
-def test_block_by_block_needs_safetensors_and_says_so(tiny_sd3_folder, tmp_path):
+def test_block_by_block_needs_safetensors_and_says_so(t5_folder, tmp_path):
     """A T5 folder with .bin weights cannot be read a tensor at a time: one line naming the folder and the fix,
     and nothing written."""
     import shutil
@@ -147,8 +161,7 @@ def test_block_by_block_needs_safetensors_and_says_so(tiny_sd3_folder, tmp_path)
     from sdnpu.errors import SdnpuError
 
     folder = tmp_path / "t5-bin"
-    T5EncoderModel.from_pretrained(tiny_sd3_folder / "text_encoder_3").save_pretrained(folder,
-                                                                                      safe_serialization=False)
+    T5EncoderModel.from_pretrained(t5_folder).save_pretrained(folder, safe_serialization=False)
     assert not list(folder.glob("*.safetensors"))
     out = tmp_path / "out"
     with pytest.raises(SdnpuError, match="has no .safetensors weights") as e:
