@@ -292,7 +292,8 @@ def build_parser() -> argparse.ArgumentParser:
     conv.add_argument("--no-compile", action="store_true", help="export only (no dd/ dispatch model)")
     conv.add_argument("--blockwise", action="store_true",
                       help="convert SD3's T5 (text_encoder_3) one block at a time and stitch the graphs, even where "
-                      "it fits whole (it is done so by itself where its fp32 weights do not fit: T5-XXL's 19 GB)")
+                      "it fits whole (done so by itself where its fp32 weights exceed half the available memory, "
+                      "as T5-XXL's 19 GB do on a 24 GB machine)")
     conv.add_argument("--target", default=DEFAULT_TARGET, choices=target_names(),
                       help=f"the NPU whose op contract the dispatch models are written in (default {DEFAULT_TARGET})")
     conv.add_argument("--precision", choices=("bf16", "bfp16"), default="bf16",
