@@ -486,9 +486,10 @@ def _fits(need: int, share: float) -> bool:
 
 def _check_module_fits(key: str, need: int, comps: list[str]) -> None:
     """Refuse module ``key`` (``need`` bytes of fp32 weights) where it cannot fit (``MODULE_SHARE``)."""
-    avail = available_bytes()
-    if avail is None or need <= MODULE_SHARE * avail:
+    if _fits(need, MODULE_SHARE):
         return
+    avail = available_bytes()
+    assert avail is not None
     names = [c for c in comps if COMPONENT_MODULES[c] == key]
     others = [c for c in comps if COMPONENT_MODULES[c] != key]
     hint = f"convert the others: --model {','.join(others)}" if others else "convert it on a machine with more memory"

@@ -19,6 +19,9 @@ from typing import Any
 
 import onnx
 
+from sdnpu import external
+from sdnpu.convert import shared
+
 log = logging.getLogger(__name__)
 
 _DEDUP_BYTES = 16 << 20  # constants up to this size are compared by content and kept once
@@ -37,46 +40,12 @@ class StitchStats:
     alias: dict[str, str] = field(default_factory=dict)  # a constant dropped as a repeat -> the one kept
 
 
-def _external(t: onnx.TensorProto) -> dict[str, str] | None:
-    if t.data_location != onnx.TensorProto.EXTERNAL:
-        return None
-    return {e.key: e.value for e in t.external_data}
-
-
-def _tensor_bytes(t: onnx.TensorProto, folder: Path) -> bytes:
-    """The tensor's data: its external bytes, or for one stored inline its proto less its name."""
-    ext = _external(t)
-    if ext is None:
-        c = onnx.TensorProto()
-        c.CopyFrom(t)
-        c.name = ""
-        return c.SerializeToString()
-    with open(folder / ext["location"], "rb") as f:
-        f.seek(int(ext.get("offset", 0)))
-        length = ext.get("length")
-        return f.read(int(length)) if length is not None else f.read()
-
-
 def _copy(message: Any) -> Any:
     """A copy of a piece's message that holds no reference into the piece's proto: a sub-message kept from a
     loaded model keeps all of that model's memory alive (a 0.8 GB T5-XXL block, for each piece)."""
     out = type(message)()
     out.CopyFrom(message)
     return out
-
-
-def _raw_data(t: onnx.TensorProto) -> bytes | None:
-    """An inline tensor's bytes as an external file holds them (little-endian raw), or None."""
-    if t.raw_data:
-        return bytes(t.raw_data)
-    if t.data_type in (onnx.TensorProto.STRING,):
-        return None
-    from onnx import numpy_helper
-
-    array = numpy_helper.to_array(t)
-    if t.data_type == onnx.TensorProto.BFLOAT16 and array.dtype.itemsize == 4:
-        return None  # an old numpy_helper widened it: keep it inline rather than guess
-    return array.astype(array.dtype.newbyteorder("<")).tobytes()
 
 
 def _rename_graph(g: onnx.GraphProto, names: dict[str, str]) -> None:
@@ -145,7 +114,7 @@ def stitch(pieces: list[Path], dest: Path, chain_input: str, *, prefix: str = "b
         for i, path in enumerate(pieces):
             m = onnx.load(str(path), load_external_data=False)
             g = m.graph
-            own = {e["location"] for t in g.initializer if (e := _external(t)) is not None}  # the piece's files
+            own = {where[0] for t in g.initializer if (where := external.place(t))}  # the piece's data files
             if i == 0:  # what the stitched model takes from the first piece (copied: nothing of a piece is kept)
                 head = {"graph": g.name, "ir_version": m.ir_version, "producer_name": m.producer_name,
                         "producer_version": m.producer_version,
@@ -179,35 +148,29 @@ def stitch(pieces: list[Path], dest: Path, chain_input: str, *, prefix: str = "b
             if last:
                 graph_outputs = [_copy(v) for v in g.output]
             previous_out = g.output[0].name
-            for t in g.initializer:
-                raw = _tensor_bytes(t, path.parent)
-                if len(raw) <= _DEDUP_BYTES:
-                    digest = hashlib.sha256(f"{t.data_type}:{list(t.dims)}:{_external(t) is None}".encode() + raw
-                                            ).hexdigest()
-                    if digest in seen:
-                        alias[t.name] = seen[digest]
-                        stats.deduplicated += 1
-                        continue
-                    seen[digest] = t.name
-                data_bytes = raw if _external(t) is not None else _raw_data(t)
-                if data_bytes is None or len(data_bytes) < _INLINE_BYTES:  # small: inline
-                    if _external(t) is None:
-                        inits.append(_copy(t))
+            handles: dict[str, Any] = {}
+            try:
+                for t in g.initializer:
+                    raw = shared.tensor_bytes(path.parent, t, handles)  # its values' bytes, wherever they lie
+                    if len(raw) <= _DEDUP_BYTES:
+                        digest = hashlib.sha256(f"{t.data_type}:{list(t.dims)}".encode() + raw).hexdigest()
+                        if digest in seen:
+                            alias[t.name] = seen[digest]
+                            stats.deduplicated += 1
+                            continue
+                        seen[digest] = t.name
+                    kept = onnx.TensorProto(name=t.name, data_type=t.data_type, dims=list(t.dims))
+                    if len(raw) < _INLINE_BYTES:
+                        kept.raw_data = raw
                     else:
-                        inits.append(onnx.TensorProto(name=t.name, data_type=t.data_type, dims=list(t.dims),
-                                                      raw_data=data_bytes))
-                    continue
-                pad = (-offset) % _ALIGN
-                data.write(b"\0" * pad)
-                offset += pad
-                data.write(data_bytes)
-                out = onnx.TensorProto(name=t.name, data_type=t.data_type, dims=list(t.dims))
-                out.data_location = onnx.TensorProto.EXTERNAL
-                for k, v in (("location", data_name), ("offset", str(offset)), ("length", str(len(data_bytes)))):
-                    e = out.external_data.add()
-                    e.key, e.value = k, v
-                offset += len(data_bytes)
-                inits.append(out)
+                        pad = (-offset) % _ALIGN
+                        data.write(b"\0" * pad + raw)
+                        external.point(kept, data_name, offset + pad, len(raw))
+                        offset += pad + len(raw)
+                    inits.append(kept)
+            finally:
+                for handle in handles.values():
+                    handle.close()
             nodes.extend(_copy(n) for n in g.node)
             value_info.extend(_copy(v) for v in g.value_info)
             for f in m.functions:
