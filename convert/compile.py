@@ -18,9 +18,10 @@ import numpy as np
 from sdnpu.errors import SdnpuError
 from sdnpu.fileio import staged_dir
 from sdnpu.memory import check_fits
-from sdnpu.ops import handoff
+from sdnpu.ops import handoff, prologue
 from sdnpu.passes.pipeline import CompileOptions
-from sdnpu.pipelines import Size, default_resolution, handoff_values, pipeline_outputs, signature, vae_scale_factor
+from sdnpu.pipelines import Size, default_resolution, handoff_values, pipeline_outputs, prologue_inputs, signature
+from sdnpu.pipelines import vae_scale_factor
 from sdnpu.progress import peak_rss_bytes, release_memory, step
 from sdnpu.reports.fidelity import fidelity, generic_inputs
 
@@ -106,7 +107,8 @@ def run_onnx(path: Path, feeds: dict[str, np.ndarray], optimize: bool = False) -
     """Run a graph on onnxruntime's CPU provider; dispatch ops run through their reference bodies.
     Graph optimizations are off by default: they would fold every weight's bf16->fp32 cast into an fp32
     copy (twice the memory) and can reorder float math. Handoff values (``sdnpu.ops.handoff``) are taken
-    and given in the fp32 graph's form."""
+    and given in the fp32 graph's form; a step prologue (``sdnpu.ops.prologue``) runs first on the fp32
+    graph's inputs."""
     import onnxruntime as ort
 
     opts = ort.SessionOptions()
@@ -115,6 +117,7 @@ def run_onnx(path: Path, feeds: dict[str, np.ndarray], optimize: bool = False) -
     opts.log_severity_level = 3
     sess = ort.InferenceSession(str(path), opts, providers=["CPUExecutionProvider"])
     names = [o.name for o in sess.get_outputs()]
+    feeds = prologue.run_with(path, sess, feeds)  # a dispatch model's step prologue first, where it has one
     return dict(zip(names, handoff.run(sess, names, feeds), strict=True))
 
 
@@ -168,6 +171,10 @@ def compile_into(source: Path, dd_dir: Path, info: dict[str, Any], options: Comp
     out = dd_dir / REPLACED
     with step(log, f"[{name}] writing {REPLACED} (bf16 weights)"):
         save(model, out)
+    pro = next((r.result.details["prologue"] for r in records if "prologue" in r.result.details), None)
+    if pro is not None:
+        save(pro, dd_dir / prologue.FILE)
+        _validate(dd_dir / prologue.FILE, name, f"cut from {out.name}", "`--no-compile` keeps the exported graph")
     (dd_dir / provenance.FILE).write_text(json.dumps(provenance.record(model.graph, source.name)))
     del model
     release_memory()
@@ -202,6 +209,9 @@ def plan_specialization(primary: Path, source: Path, target: Any) -> Any:
     for name, to_reference in handoff.of_proto(model).items():  # kept in the NPU's layout
         if name in dims:
             dims[name] = handoff.graph_shape(dims[name], to_reference)
+    steps = prologue.of_proto(model)  # the step prologue's values, at this size
+    if steps is not None:
+        dims.update(prologue.output_shapes(steps.path(primary), {k: dims[k] for k in steps.inputs}))
     handles: dict[str, Any] = {}
     try:
         plan = specialize(model, target, dims, lambda t: shared.tensor_bytes(primary.parent, t, handles))
@@ -344,6 +354,8 @@ def compile_file(source: Path, out: Path | None = None, options: CompileOptions 
     keep = keep_outputs(outputs, output_names(source), source.parent.name, config, _pipeline_kind(source))
     if config is not None and not options.handoff:  # a ControlNet's residuals, the residual UNet's inputs for them
         options = dataclasses.replace(options, handoff=handoff_values(source.parent.name, config))
+    if config is not None and not options.prologue:  # the step inputs a ControlNet and the residual UNet share
+        options = dataclasses.replace(options, prologue=prologue_inputs(source.parent.name, config))
     dd_dir = Path(out) if out is not None else source.parent / "dd"
     _refuse_shared_dd(dd_dir)
     with staged_dir(dd_dir) as stage:

@@ -47,6 +47,7 @@ from sdnpu.pipelines import (
     check_resolution,
     handoff_values,
     parse_sizes,
+    prologue_inputs,
     sample_inputs,
     signature,
     unet_text_time,
@@ -370,6 +371,7 @@ def _convert_size(src: Source, job: _Job, comp_dir: Path, fingerprint: str
                 with step(log, f"[{comp}] compile stage") as t:
                     result.report = _compile_stage(src, job, scratch, fingerprint, kept["feeds"], kept["actual"],
                                                    kept["lora"])["summary"]
+                _place_prologue(scratch / "dd" / REPLACED, comp_dir / "dd", size)
                 result.seconds["compile"] = round(t.seconds, 2)
         graphs = [(MODEL_FILE, files.model)]
         if job.options.compile and plan is None:
@@ -689,6 +691,31 @@ def _compile_info(src: Source, job: _Job, fingerprint: str, lora: dict[str, Any]
     return info
 
 
+def _place_prologue(compiled: Path, dd_dir: Path, size: Size) -> None:
+    """A size compiled in full beside the primary (``compiled``, in the scratch folder) reads its step prologue
+    (``sdnpu.ops.prologue``) from the component's ``dd/``: the primary's where the two compute the same (the
+    same digest: one prologue serves every size), else its own copy under the size's name, which its model
+    then names."""
+    import onnx
+
+    from sdnpu.ops import prologue
+
+    model = onnx.load(str(compiled), load_external_data=False)
+    spec = prologue.of_proto(model)
+    if spec is None:
+        return
+    primary = dd_dir / prologue.FILE
+    theirs = prologue.of_proto(onnx.load(str(primary))) if primary.is_file() else None
+    if theirs is not None and theirs.digest == spec.digest:
+        return
+    own = dataclasses.replace(spec, file=f"prologue.{size}.onnx")
+    atomic_write_bytes(dd_dir / own.file, spec.path(compiled).read_bytes())
+    for p in model.metadata_props:
+        if p.key == prologue.KEY:
+            p.value = own.encode()
+    onnx.save(model, str(compiled))
+
+
 def _compile_stage(src: Source, job: _Job, stage: Path, fingerprint: str, feeds: dict[str, Any],
                    actual: dict[str, Any] | None, lora: dict[str, Any] | None) -> dict[str, Any]:
     """Compile ``stage/model.onnx`` into ``stage/dd`` (with the fidelity run when the job checks). Returns
@@ -700,7 +727,8 @@ def _compile_stage(src: Source, job: _Job, stage: Path, fingerprint: str, feeds:
     keep = keep_outputs(options.outputs, list(job.signature(config).outputs), comp, config,
                         "text_encoder_2" in src.modules)
     check = FidelityCheck(feeds, reference=actual) if options.check else None
-    compile_options = dataclasses.replace(options.compile_options, handoff=handoff_values(comp, config))
+    compile_options = dataclasses.replace(options.compile_options, handoff=handoff_values(comp, config),
+                                          prologue=prologue_inputs(comp, config))
     return compile_into(stage / MODEL_FILE, stage / "dd", _compile_info(src, job, fingerprint, lora),
                         compile_options, outputs=keep, check=check)
 

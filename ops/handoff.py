@@ -104,7 +104,8 @@ def run(session: Any, names: Sequence[str], feeds: Mapping[str, np.ndarray], nat
         io.bind_ortvalue_input(k, value)
     buffers: dict[str, np.ndarray] = {}
     for n in names:
-        if outputs[n].type == "tensor(bfloat16)":
+        static = all(isinstance(d, int) for d in outputs[n].shape)
+        if outputs[n].type == "tensor(bfloat16)" and static:
             buffers[n] = np.empty([int(d) for d in outputs[n].shape], np.uint16)
             io.bind_ortvalue_output(n, ort.OrtValue.ortvalue_from_numpy_with_onnx_type(buffers[n],
                                                                                         TensorProto.BFLOAT16))
@@ -114,12 +115,25 @@ def run(session: Any, names: Sequence[str], feeds: Mapping[str, np.ndarray], nat
     got = io.get_outputs()
     result = []
     for n, value in zip(names, got, strict=True):
-        if n in buffers:
-            a = buffers[n].view(bf16())
+        if n in buffers or outputs[n].type == "tensor(bfloat16)":
+            a = (buffers[n] if n in buffers else _bf16_copy(value)).view(bf16())
             result.append(a if native or n not in forms else to_reference(a, forms[n]))
         else:
             result.append(value.numpy())
     return result
+
+
+def _bf16_copy(value: Any) -> np.ndarray:
+    """A copy (uint16) of a bf16 OrtValue that onnxruntime allocated (an output whose shape the graph leaves
+    symbolic): its Python API reads no bf16 into numpy."""
+    import ctypes
+
+    shape = tuple(value.shape())
+    n = int(np.prod(shape)) if shape else 1
+    if n == 0:
+        return np.empty(shape, np.uint16)
+    raw = (ctypes.c_uint16 * n).from_address(value.data_ptr())
+    return np.ctypeslib.as_array(raw).copy().reshape(shape)
 
 
 def handover(a: np.ndarray, produced: Sequence[int] | None, taken: Sequence[int] | None) -> np.ndarray:

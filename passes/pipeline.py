@@ -12,6 +12,9 @@
                   writes or reads) keep the NPU's form: their edge Transposes and CastAvx go; after
                   precision; only where asked
     cleanup       cast pairs, dead nodes, unused weights, the table check, reference functions
+    prologue      the CPU work on the graph inputs named in ``CompileOptions.prologue`` (a step's inputs that
+                  another dispatch model reads too) moves into a model of its own, run once for both; after
+                  cleanup (the final CPU nodes); only where asked
     partition     NPU regions and the reason for every CPU node; last, it describes the final graph
 
 Every pass after canonicalize reads the target (``CompileOptions.target``): its table says what a dispatch
@@ -43,6 +46,7 @@ from sdnpu.passes.layout import layout
 from sdnpu.passes.manager import PassFn, PassRecord, run_passes
 from sdnpu.passes.partition import partition
 from sdnpu.passes.precision import PRECISIONS, precision
+from sdnpu.passes.prologue import prologue_pass
 from sdnpu.passes.views import absorb_views
 
 log = logging.getLogger(__name__)
@@ -58,11 +62,13 @@ EXTERNAL_DATA_ENV = "SDNPU_EXTERNAL_DATA_ABOVE"
 class CompileOptions:
     """What a compile is for: the target and the precision (validated once, here); ``handoff``: graph inputs
     and outputs that another dispatch model writes or reads, kept bf16 in the NPU's layout
-    (``sdnpu.ops.handoff``)."""
+    (``sdnpu.ops.handoff``); ``prologue``: graph inputs whose CPU work goes into the step prologue that
+    another dispatch model shares (``sdnpu.ops.prologue``)."""
 
     target: Target = field(default_factory=get_target)
     precision: str = "bf16"
     handoff: frozenset[str] = frozenset()
+    prologue: frozenset[str] = frozenset()
 
     def __post_init__(self) -> None:
         if self.precision not in PRECISIONS:
@@ -84,6 +90,7 @@ def pipeline(options: CompileOptions) -> list[tuple[str, PassFn]]:
         ("precision", lambda m: precision(m, t, options.precision)),
         *([("handoff", lambda m: handoff_pass(m, t, options.handoff))] if options.handoff else []),
         ("cleanup", lambda m: cleanup(m, t)),
+        *([("prologue", lambda m: prologue_pass(m, t, options.prologue))] if options.prologue else []),
         ("partition", lambda m: partition(m, t)),
     ]
 

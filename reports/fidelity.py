@@ -3,10 +3,13 @@ for graphs whose caller has no better ones. Shared by the compiler (convert) and
 
 from __future__ import annotations
 
+import shutil
 from pathlib import Path
 from typing import Any
 
 import numpy as np
+
+from sdnpu.ops import prologue
 
 
 def generic_inputs(path: Path, seed: int = 0, shapes: dict[str, list[int]] | None = None) -> dict[str, np.ndarray]:
@@ -145,4 +148,7 @@ def pessimistic_model(path: Path, out: Path) -> Path:
         ir.save(model, target, external_data=target.name + ".data", size_threshold_bytes=1024)
     else:
         ir.save(model, target)
+    steps = prologue.decode(model.metadata_props.get(prologue.KEY))
+    if steps is not None:  # its step prologue, beside it as beside the dispatch model (CPU work: not rounded)
+        shutil.copyfile(steps.path(path), steps.path(target))
     return target

@@ -23,7 +23,7 @@ import onnx
 
 from sdnpu import __version__
 from sdnpu.fileio import atomic_write_text
-from sdnpu.ops import handoff
+from sdnpu.ops import handoff, prologue
 from sdnpu.ops.tags import ASSUMED_TAG, REASON_TAG, REGION_TAG, RULE_TAG, TARGET_KEY, VIEWS_TAG
 from sdnpu.ops.target import Target, get_target
 
@@ -139,6 +139,7 @@ def build(replaced: Path, source_model: Path | None, passes: list[dict[str, Any]
         weight_before = sum(_tensor_bytes(t) for t in src.graph.initializer)
     mac_total = mac_npu + mac_cpu
     share = mac_npu / mac_total if mac_total and not uncounted else None
+    steps = _prologue(replaced, model, len(offloaded), total)
     return {
         "schema_version": SCHEMA_VERSION,
         "tool": {"name": "sdnpu", "version": __version__},
@@ -148,6 +149,7 @@ def build(replaced: Path, source_model: Path | None, passes: list[dict[str, Any]
         "inputs": {i.name: shapes.get(i.name, []) for i in model.graph.input},
         "outputs": {o.name: shapes.get(o.name, []) for o in model.graph.output},
         "handoff": {k: {"dtype": "bfloat16", "to_reference": list(v)} for k, v in handoff.of_proto(model).items()},
+        **({"prologue": steps} if steps is not None else {}),
         "summary": {
             "total_nodes": total,
             "offloaded_nodes": len(offloaded),
@@ -172,6 +174,19 @@ def build(replaced: Path, source_model: Path | None, passes: list[dict[str, Any]
         "passes": passes,
         "fidelity": fidelity,
     }
+
+
+def _prologue(replaced: Path, model: onnx.ModelProto, offloaded: int, total: int) -> dict[str, Any] | None:
+    """The step prologue of the dispatch model (``sdnpu.ops.prologue``): its file, digest, inputs and values,
+    its CPU nodes with their reasons, and the offload rate with them counted in this graph (as if it did that
+    work alone, as a graph without a prologue does)."""
+    spec = prologue.of_proto(model)
+    if spec is None:
+        return None
+    nodes = onnx.load(str(prologue.require(spec.path(replaced)))).graph.node
+    cpu = [{"name": n.name, "op_type": n.op_type, "reason": _meta(n).get(REASON_TAG, "")} for n in nodes]
+    return {"file": spec.file, "digest": spec.digest, "inputs": list(spec.inputs), "outputs": list(spec.outputs),
+            "cpu_nodes": cpu, "offload_rate_with_it": offloaded / (total + len(cpu)) if total + len(cpu) else 0.0}
 
 
 def _tensor_bytes(t: onnx.TensorProto) -> int:
@@ -243,6 +258,7 @@ def render_text(r: dict[str, Any]) -> str:
               f"CPU nodes              {s['cpu_nodes']}",
               (f"offload rate           {100 * s['offload_rate']:.2f}%  "
                f"({s['offloaded_nodes']} / ({s['offloaded_nodes']} + {s['cpu_nodes']}))"),
+              *_prologue_summary(r),
               (f"MACs offloaded         {100 * s['macs_offloaded_share']:.2f}% of {s['macs_total']:,}"
                if s.get("macs_offloaded_share") is not None else
                f"MACs offloaded         unknown ({s.get('macs_uncounted_nodes', 0)} nodes without shapes)"),
@@ -267,6 +283,16 @@ def render_text(r: dict[str, Any]) -> str:
     for c in r["cpu_nodes"]:
         lines.append(f"  {c['op_type']:<14}{c['name'][:62]}")
         lines.append(f"  {'':<14}{c['reason'][:62]}")
+    steps = r.get("prologue")
+    if steps:
+        lines += ["", f"Step prologue: {steps['file']} ({len(steps['cpu_nodes'])} CPU nodes, digest {steps['digest']})",
+                  "-" * 79]
+        lines += textwrap.wrap(f"the CPU work on {', '.join(steps['inputs'])}, moved out of this graph: its values "
+                               f"({', '.join(steps['outputs'])}) are this graph's inputs. Each step, the models "
+                               "whose prologue has this digest (a ControlNet, the UNet that takes its residuals) "
+                               "share one run of it.", 77, initial_indent="  ", subsequent_indent="  ")
+        for c in steps["cpu_nodes"]:
+            lines.append(f"  {c['op_type']:<14}{c['reason'][:62]}")
     lines += ["", f"NPU regions ({len(r['regions'])})", "-" * 79]
     for reg in r["regions"]:
         lines.append(f"  region {reg['index']}: {len(reg['nodes'])} ops, {len(reg['inputs'])} inputs, "
@@ -299,6 +325,16 @@ def render_text(r: dict[str, Any]) -> str:
         counts = ", ".join(f"{k} {v}" for k, v in p["counts"].items() if v)
         lines.append(f"  {p['name']:<13}{p['seconds']:>6.1f} s  {counts[:55]}".rstrip())
     return "\n".join(lines) + "\n"
+
+
+def _prologue_summary(r: dict[str, Any]) -> list[str]:
+    steps = r.get("prologue")
+    if not steps:
+        return []
+    s, n = r["summary"], len(steps["cpu_nodes"])
+    return [f"step prologue          {n} CPU nodes in {steps['file']}, shared each step (see below)",
+            (f"with them counted here {100 * steps['offload_rate_with_it']:.2f}%  "
+             f"({s['offloaded_nodes']} / ({s['offloaded_nodes']} + {s['cpu_nodes']} + {n}))")]
 
 
 def write(dd_dir: Path, report: dict[str, Any], name: str = "report.json", text: str = "onnx_report.txt") -> None:

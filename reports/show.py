@@ -126,6 +126,15 @@ def summary_lines(reports: list[tuple[str, dict[str, Any]]]) -> str:
                      f"{s['npu_regions']:>9}{macs}{cos:>12}")
         tot_npu += s["offloaded_nodes"]
         tot_cpu += s["cpu_nodes"]
+    shared: dict[str, tuple[int, list[str]]] = {}  # a step prologue (sdnpu.ops.prologue) counts once
+    for name, r in reports:
+        steps = r.get("prologue")
+        if steps:
+            shared.setdefault(steps["digest"], (len(steps["cpu_nodes"]), []))[1].append(name)
+    for digest, (n, names) in shared.items():
+        lines.append(f"{'step prologue':<{width}}{'':>9}{0:>10}{n:>6}   {digest}: one run a step for "
+                     + ", ".join(names))
+        tot_cpu += n
     total = tot_npu + tot_cpu
     lines.append(f"{'total':<{width}}{100 * tot_npu / total if total else 0:>8.2f}%{tot_npu:>10}{tot_cpu:>6}")
     return "\n".join(lines) + "\n"

@@ -17,6 +17,7 @@ NPU are not available where it was written, and the tests exercise the plumbing 
 from __future__ import annotations
 
 import logging
+import shutil
 from pathlib import Path
 from typing import Any
 
@@ -24,6 +25,7 @@ import numpy as np
 
 from sdnpu.errors import SdnpuError
 from sdnpu.fileio import staged_dir
+from sdnpu.ops import prologue
 from sdnpu.ops.tags import TARGET_KEY
 from sdnpu.ops.target import get_target
 
@@ -115,6 +117,10 @@ def pack_model(source: Path, out_dir: Path) -> dict[str, int]:
     big = sum(t.ByteSize() for t in model.graph.initializer) > (1 << 31) - (1 << 26)
     onnx.save(model, str(out_dir / source.name), save_as_external_data=big,
               location=f"{source.name}.data" if big else None)
+    steps = prologue.of_proto(model)
+    if steps is not None:  # its step prologue (CPU work, nothing to pack), beside it
+        shutil.copyfile(steps.path(source), steps.path(out_dir / source.name))
+        counts["step prologue copied"] = 1
     return counts
 
 

@@ -206,14 +206,19 @@ class Pipeline(Stages):
                 model_in = scheduler.scale_model_input(torch.cat([latents, latents]), t)
                 step_feeds = {**feeds, "sample": model_in.numpy().astype(np.float32),
                               "timestep": np.asarray(float(t), np.float32)}
+                prepared: dict[str | None, dict[str, np.ndarray]] = {}  # each step prologue runs once a step
+                for model in [*nets, parts[unet_name]]:
+                    if model.prologue_digest not in prepared:
+                        prepared[model.prologue_digest] = model.prepare(step_feeds)
                 for (spec, cond, names), net in zip(controls, nets, strict=True):
                     scale = np.asarray(spec.scale * keep(i, len(timesteps), spec), np.float32)
-                    out = net.run({**{k: step_feeds[k] for k in net.inputs if k in step_feeds},
-                                   "controlnet_cond": cond, "conditioning_scale": scale}, list(names), native=True)
+                    out = net.run({**step_feeds, **prepared[net.prologue_digest], "controlnet_cond": cond,
+                                   "conditioning_scale": scale}, list(names), native=True)
                     for o, name in names.items():  # several ControlNets: their residuals summed
                         r = handover(out[o], net.handoff.get(o), parts[unet_name].handoff.get(name))
                         step_feeds[name] = handoff.add(step_feeds[name], r) if name in step_feeds else r
-                pred = parts[unet_name].run(step_feeds, ["out_sample"])["out_sample"]
+                unet = parts[unet_name]
+                pred = unet.run({**step_feeds, **prepared[unet.prologue_digest]}, ["out_sample"])["out_sample"]
                 uncond, cond = pred[:1], pred[1:]
                 guided = torch.from_numpy(uncond + opts.guidance * (cond - uncond))
                 latents = scheduler.step(guided, t, latents, return_dict=False, **step_kwargs)[0]

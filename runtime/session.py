@@ -24,7 +24,7 @@ import numpy as np
 from sdnpu import external
 from sdnpu.errors import SdnpuError
 from sdnpu.memory import available_bytes
-from sdnpu.ops import handoff
+from sdnpu.ops import handoff, prologue
 
 log = logging.getLogger(__name__)
 
@@ -69,6 +69,7 @@ class Component:
     custom_ops: Path | None = None  # the library registered on it, if any
     lora: list[dict[str, Any]] | None = None  # the LoRAs its weights carry (None: the base weights)
     replaced: Any = None  # arrays handed to the external-initializer API (they must live as long as the session)
+    prologue: Any = None  # the session of its step prologue (``sdnpu.ops.prologue``), where it has one
 
     @property
     def inputs(self) -> dict[str, list[int]]:
@@ -84,10 +85,27 @@ class Component:
         the fp32 graph's layout."""
         return handoff.decode(self.session.get_modelmeta().custom_metadata_map.get(handoff.KEY))
 
+    @property
+    def prologue_digest(self) -> str | None:
+        """What its step prologue computes (equal digests: the same values from the same inputs); None where it
+        has none."""
+        spec = prologue.of_session(self.session)
+        return spec.digest if spec is not None else None
+
+    def prepare(self, feeds: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+        """Its step prologue's values for ``feeds`` (the fp32 graph's inputs), to give ``run`` with them: the same
+        for every model whose prologue has the same digest. {} where it has none."""
+        if self.prologue is None:
+            return {}
+        return prologue.run(self.prologue, feeds)
+
     def run(self, feeds: dict[str, np.ndarray], outputs: list[str] | None = None, native: bool = False
             ) -> dict[str, np.ndarray]:
         """Run on ``feeds``. A handoff input takes its handoff form (bf16) or the fp32 graph's form; a handoff
-        output comes back in the fp32 graph's form, or with ``native`` as the model gives it."""
+        output comes back in the fp32 graph's form, or with ``native`` as the model gives it. Where the model
+        has a step prologue, ``feeds`` may hold its values (``prepare``); else it runs on the fp32 graph's
+        inputs in ``feeds`` first."""
+        feeds = prologue.run_with(self.path, self.session, feeds, self.prologue)
         forms = self.handoff
         for name, shape in self.inputs.items():
             if name not in feeds:
@@ -316,8 +334,12 @@ def open_component_path(path: Path, component: str, reference: bool = False,
     if loras:
         names = ", ".join(f"{x['name']}:{x['scale']:g}" for x in loras)
         how += f"; LoRA {names} ({replaced} weights replaced)"
+    spec = prologue.of_session(session)
+    if spec is not None:
+        how += f"; its step prologue {spec.file}"
     log.info("%s: %s (%s)", component, path, how)
-    return Component(component, path, session, opts, library, loras, arrays)
+    return Component(component, path, session, opts, library, loras, arrays,
+                     prologue.open_session(spec.path(path)) if spec is not None else None)
 
 
 def _overlay_beside(path: Path, comp_dir: Path, component: str, reference: bool, specs: tuple[Any, ...]

@@ -252,6 +252,18 @@ def handoff_values(component: str, config: dict[str, Any]) -> frozenset[str]:
     return frozenset()
 
 
+def prologue_inputs(component: str, config: dict[str, Any]) -> frozenset[str]:
+    """The graph inputs of ``component`` whose CPU work goes into the step prologue it shares with the other
+    dispatch models of a step (``sdnpu.ops.prologue``): a ControlNet's and the residual UNet's UNet inputs
+    (the latents, the timestep, the text, SDXL's added conditioning), which both read each step."""
+    if component not in ("controlnet", "unet_controlnet"):
+        return frozenset()
+    names = {"sample", "timestep", "encoder_hidden_states"}
+    if unet_text_time(config):
+        names |= {"text_embeds", "time_ids"}
+    return frozenset(names)
+
+
 def residual_shapes(config: dict[str, Any], lh: int, lw: int) -> list[tuple[int, ...]]:
     """The shapes of a ControlNet's residuals (``controlnet_outputs``' order) for latents of lh x lw: each down
     block's resnets at its resolution and channels, its downsampler at half, the mid block's at the last."""

@@ -53,12 +53,24 @@ def test_a_controlnet_exports_matches_pytorch_and_compiles(converted):
     for vi in model.graph.output:
         dims = [d.dim_value for d in vi.type.tensor_type.shape.dim]
         assert vi.type.tensor_type.elem_type == onnx.TensorProto.BFLOAT16 and dims[3] > 3, (vi.name, dims)
+    # on the CPU in this graph: the control image's Transpose and cast, the scale's spread and cast; the work
+    # on the step inputs it shares with the UNet (the sinusoids, the latents' Transpose, the casts) is in its
+    # step prologue
     cpu = report["cpu_nodes"]
-    assert sum(n["op_type"] == "Mul" for n in cpu) == (2 if text_time else 1)  # the sinusoids' arguments only
+    assert sorted(n["op_type"] for n in cpu) == ["CastAvx", "CastAvx", "Expand", "Transpose"], cpu
     assert report["offloaded_by_type"]["SDMul"] >= len(outputs)
     spreads = [n["reason"] for n in cpu if n["op_type"] == "Expand"]
     assert len(spreads) == 1 and "spreads a runtime scalar to the [2, 1, 1, 32]" in spreads[0], spreads
-    assert sum(n["op_type"] == "Transpose" for n in cpu) == 2  # the sample and the control image entering
+    steps = report["prologue"]
+    assert steps["inputs"] == names[:-2] and steps["file"] == "prologue.onnx"
+    assert sorted(model_input.name for model_input in model.graph.input) == sorted(
+        [*steps["outputs"], "controlnet_cond", "conditioning_scale"])
+    ops = sorted(n["op_type"] for n in steps["cpu_nodes"])
+    assert ops.count("Sin") == ops.count("Mul") == (2 if text_time else 1) and ops.count("Transpose") == 1
+    assert ops.count("CastAvx") == len(steps["inputs"])  # each input cast once, there
+    s = report["summary"]
+    assert steps["offload_rate_with_it"] == s["offloaded_nodes"] / (s["total_nodes"] + len(ops))
+    assert "step prologue" in (folder / "dd" / "onnx_report.txt").read_text()
 
 
 def test_the_residuals_are_not_zero_and_follow_the_scale(converted):
@@ -161,9 +173,11 @@ def _diffusers_controlnet(tiny_pipeline_folder, controlnet, opts, latents, image
     return (out * 255).round().astype(np.uint8)
 
 
-def test_generate_with_a_controlnet_draws_what_diffusers_draws(control_setup, tiny_pipeline_folder):
+def test_generate_with_a_controlnet_draws_what_diffusers_draws(control_setup, tiny_pipeline_folder, monkeypatch):
     """`sdnpu generate --controlnet ... --reference` against diffusers' StableDiffusionXLControlNetPipeline on
-    the same weights, control image, seed and starting latents; the dispatch models stay close."""
+    the same weights, control image, seed and starting latents; the dispatch models stay close, and the step
+    prologue the ControlNet and the UNet share runs once a step."""
+    from sdnpu.ops import prologue
     from sdnpu.runtime import ControlSpec, GenerateOptions, Pipeline
 
     folder, first, _, image, _ = control_setup
@@ -179,7 +193,11 @@ def test_generate_with_a_controlnet_draws_what_diffusers_draws(control_setup, ti
     plain = Pipeline(folder, reference=True)(GenerateOptions("a photo of a cat", negative_prompt="blurry", steps=3,
                                                              seed=5))
     assert np.abs(plain.astype(int) - drawn.astype(int)).max() > 10  # the ControlNet changed the picture
-    dispatch = Pipeline(folder)(opts)
+    runs = []
+    monkeypatch.setattr(prologue, "run", lambda session, feeds, run=prologue.run: runs.append(1) or run(session, feeds))
+    steps: list[int] = []
+    dispatch = Pipeline(folder)(opts, progress=lambda i, n: steps.append(n))
+    assert len(runs) == len(steps) == steps[-1]  # one run a step for both models (the same digest), not one each
     psnr = 10 * np.log10(255**2 / np.mean((dispatch.astype(float) - drawn) ** 2))
     assert psnr > 40, psnr
 
@@ -274,21 +292,28 @@ def test_the_unet_that_takes_the_residuals(control_setup, tiny_conversion):
     base = json.loads((tiny_conversion.out / "unet" / "dd" / "report.json").read_text())["summary"]
     summary = report["summary"]
     assert summary["offloaded_nodes"] == base["offloaded_nodes"] + 7  # one SDAdd per residual
-    assert summary["cpu_nodes"] == base["cpu_nodes"]  # no Transpose or CastAvx at the residuals' edge
+    # no Transpose or CastAvx at the residuals' edge: the plain UNet's CPU nodes, here or in its step prologue,
+    # the same prologue as the ControlNet's (one run of it a step serves both)
+    steps = report["prologue"]
+    assert summary["cpu_nodes"] + len(steps["cpu_nodes"]) == base["cpu_nodes"]
+    assert summary["cpu_nodes"] == 2  # out_sample's cast and Transpose
+    theirs = json.loads((first / "controlnet" / "dd" / "report.json").read_text())["prologue"]
+    assert steps["digest"] == theirs["digest"]
     assert sorted(report["handoff"]) == sorted(names[5:])  # bf16 in the NPU's layout, the rest fp32
     assert report["inputs"][names[5]] == [2, 32, 32, 32]  # NHWC
     assert report["fidelity"]["min_cosine"] > 0.999 and summary["npu_regions"] == 1
 
 
-def test_sd15_controlnet_draws_what_diffusers_draws(tiny_sd15_conversion, tmp_path):
+def test_sd15_controlnet_draws_what_diffusers_draws(tiny_sd15_conversion, tmp_path, monkeypatch):
     """SD 1.5: `generate --controlnet ... --reference` against diffusers' StableDiffusionControlNetPipeline on the
     same weights, control image, seed and starting latents; the dispatch models, residuals handed over in the
-    NPU's form, stay close."""
+    NPU's form, stay close, and share one step prologue."""
     import torch
     from diffusers import PNDMScheduler, StableDiffusionControlNetPipeline
     from PIL import Image
     from transformers import CLIPTokenizer
 
+    from sdnpu.ops import prologue
     from sdnpu.runtime import ControlSpec, GenerateOptions, Pipeline
 
     folder = tmp_path / "sd15"
@@ -319,7 +344,11 @@ def test_sd15_controlnet_draws_what_diffusers_draws(tiny_sd15_conversion, tmp_pa
     theirs = (theirs * 255).round().astype(np.uint8)
     diff = np.abs(theirs.astype(int) - drawn.astype(int))
     assert diff.max() <= 1 and np.mean(diff > 0) < 1e-3, (diff.max(), np.mean(diff > 0))
-    dispatch = Pipeline(folder)(opts)
+    runs = []
+    monkeypatch.setattr(prologue, "run", lambda session, feeds, run=prologue.run: runs.append(1) or run(session, feeds))
+    steps: list[int] = []
+    dispatch = Pipeline(folder)(opts, progress=lambda i, n: steps.append(n))
+    assert len(runs) == len(steps) == steps[-1]  # one run a step for both models (the same digest), not one each
     psnr = 10 * np.log10(255**2 / np.mean((dispatch.astype(float) - drawn) ** 2))
     assert psnr > 40, psnr
 
