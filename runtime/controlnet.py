@@ -3,8 +3,9 @@
 
 As diffusers' ControlNet pipelines do: the control image is resized to the image size (PIL, Lanczos), read as
 [0, 1] RGB, NCHW, and repeated for the two halves of classifier-free guidance; at each step every ControlNet
-runs on the UNet's batch with its scale, or with 0 outside its [start, end] share of the steps (diffusers'
-``controlnet_keep``); the residuals of several ControlNets are summed (diffusers' ``MultiControlNetModel``)
+runs on the UNet's batch with its scale; outside its [start, end] share of the steps (diffusers'
+``controlnet_keep``) diffusers runs it at scale 0, whose residuals are 0: it does not run, and the UNet adds
+zeros (the same numbers, one ControlNet run less a step). The residuals of several ControlNets are summed (diffusers' ``MultiControlNetModel``)
 and go to the UNet that takes them (``unet_controlnet``). Between the two dispatch models the residuals stay in
 the NPU's form (bf16, NHWC: ``sdnpu.ops.handoff``), with no Transpose or cast on the CPU at either edge;
 several ControlNets' are summed in fp32 and rounded to bf16 once. The fp32 graphs (``--reference``) pass

@@ -207,18 +207,26 @@ class Pipeline(Stages):
                 step_feeds = {**feeds, "sample": model_in.numpy().astype(np.float32),
                               "timestep": np.asarray(float(t), np.float32)}
                 prepared: dict[str | None, dict[str, np.ndarray]] = {}  # each step prologue runs once a step
-                for model in [*nets, parts[unet_name]]:
+
+                def ready(model: Component) -> dict[str, np.ndarray]:
                     if model.prologue_digest not in prepared:
                         prepared[model.prologue_digest] = model.prepare(step_feeds)
-                for (spec, cond, names), net in zip(controls, nets, strict=True):
-                    scale = np.asarray(spec.scale * keep(i, len(timesteps), spec), np.float32)
-                    out = net.run({**step_feeds, **prepared[net.prologue_digest], "controlnet_cond": cond,
-                                   "conditioning_scale": scale}, list(names), native=True)
-                    for o, name in names.items():  # several ControlNets: their residuals summed
-                        r = handover(out[o], net.handoff.get(o), parts[unet_name].handoff.get(name))
-                        step_feeds[name] = handoff.add(step_feeds[name], r) if name in step_feeds else r
+                    return prepared[model.prologue_digest]
+
                 unet = parts[unet_name]
-                pred = unet.run({**step_feeds, **prepared[unet.prologue_digest]}, ["out_sample"])["out_sample"]
+                for (spec, cond, names), net in zip(controls, nets, strict=True):
+                    share = keep(i, len(timesteps), spec)
+                    if share == 0.0:  # outside its steps: diffusers runs it at scale 0, whose residuals are 0
+                        continue
+                    out = net.run({**step_feeds, **ready(net), "controlnet_cond": cond,
+                                   "conditioning_scale": np.asarray(spec.scale * share, np.float32)}, list(names),
+                                  native=True)
+                    for o, name in names.items():  # several ControlNets: their residuals summed
+                        r = handover(out[o], net.handoff.get(o), unet.handoff.get(name))
+                        step_feeds[name] = handoff.add(step_feeds[name], r) if name in step_feeds else r
+                for name in {n for _, _, names in controls for n in names.values()} - step_feeds.keys():
+                    step_feeds[name] = unet.zeros(name)  # no ControlNet acts on this step
+                pred = unet.run({**step_feeds, **ready(unet)}, ["out_sample"])["out_sample"]
                 uncond, cond = pred[:1], pred[1:]
                 guided = torch.from_numpy(uncond + opts.guidance * (cond - uncond))
                 latents = scheduler.step(guided, t, latents, return_dict=False, **step_kwargs)[0]

@@ -85,6 +85,13 @@ class Component:
         the fp32 graph's layout."""
         return handoff.decode(self.session.get_modelmeta().custom_metadata_map.get(handoff.KEY))
 
+    def zeros(self, name: str) -> np.ndarray:
+        """Zeros for the input ``name``, in the form the model takes it (bf16 in the NPU's layout for a handoff
+        input)."""
+        i = next(x for x in self.session.get_inputs() if x.name == name)
+        dtype = handoff.bf16() if i.type == "tensor(bfloat16)" else np.float32
+        return np.zeros([int(d) for d in i.shape], dtype)
+
     @property
     def prologue_digest(self) -> str | None:
         """What its step prologue computes (equal digests: the same values from the same inputs); None where it

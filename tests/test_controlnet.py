@@ -179,6 +179,7 @@ def test_generate_with_a_controlnet_draws_what_diffusers_draws(control_setup, ti
     prologue the ControlNet and the UNet share runs once a step."""
     from sdnpu.ops import prologue
     from sdnpu.runtime import ControlSpec, GenerateOptions, Pipeline
+    from sdnpu.runtime.session import Component
 
     folder, first, _, image, _ = control_setup
     spec = ControlSpec(first, image, scale=0.8, start=0.0, end=0.7)
@@ -195,9 +196,13 @@ def test_generate_with_a_controlnet_draws_what_diffusers_draws(control_setup, ti
     assert np.abs(plain.astype(int) - drawn.astype(int)).max() > 10  # the ControlNet changed the picture
     runs = []
     monkeypatch.setattr(prologue, "run", lambda session, feeds, run=prologue.run: runs.append(1) or run(session, feeds))
+    nets = []
+    monkeypatch.setattr(Component, "run", lambda self, *a, run=Component.run, **k: (
+        nets.append(1) if self.name == "controlnet" else None) or run(self, *a, **k))
     steps: list[int] = []
     dispatch = Pipeline(folder)(opts, progress=lambda i, n: steps.append(n))
-    assert len(runs) == len(steps) == steps[-1]  # one run a step for both models (the same digest), not one each
+    assert len(runs) == len(steps) == steps[-1] == 3  # one run a step for both models (the same digest)
+    assert len(nets) == 2  # not on the last step, past end=0.7: its residuals would be 0 (the UNet adds zeros)
     psnr = 10 * np.log10(255**2 / np.mean((dispatch.astype(float) - drawn) ** 2))
     assert psnr > 40, psnr
 
