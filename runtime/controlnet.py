@@ -5,10 +5,12 @@ As diffusers' ControlNet pipelines do: the control image is resized to the image
 [0, 1] RGB, NCHW, and repeated for the two halves of classifier-free guidance; at each step every ControlNet
 runs on the UNet's batch with its scale; outside its [start, end] share of the steps (diffusers'
 ``controlnet_keep``) diffusers runs it at scale 0, whose residuals are 0: it does not run, and the UNet adds
-zeros (the same numbers, one ControlNet run less a step). The residuals of several ControlNets are summed (diffusers' ``MultiControlNetModel``)
-and go to the UNet that takes them (``unet_controlnet``). Between the two dispatch models the residuals stay in
-the NPU's form (bf16, NHWC: ``sdnpu.ops.handoff``), with no Transpose or cast on the CPU at either edge;
-several ControlNets' are summed in fp32 and rounded to bf16 once. The fp32 graphs (``--reference``) pass
+zeros (the same numbers, one ControlNet run less a step). The residuals of several ControlNets are summed
+(diffusers' ``MultiControlNetModel``) and go to the UNet that takes them (``unet_controlnet``). Between the
+two dispatch models the residuals stay in the NPU's form (bf16, NHWC: ``sdnpu.ops.handoff``), with no
+Transpose or cast on the CPU at either edge; several ControlNets' are summed in fp32 and rounded to bf16 once.
+The CPU work on the step's inputs that the ControlNets and the UNet share runs once a step (their step
+prologue, ``sdnpu.ops.prologue``). The fp32 graphs (``--reference``) pass
 them as they write them (NCHW, fp32).
 """
 
@@ -70,7 +72,7 @@ def config_of(folder: Path, component: str) -> dict[str, Any]:
 def check_compatible(controlnet: Path, pipeline: Path) -> None:
     """Refuse a ControlNet made for another base model than the pipeline's UNet: its text width, added
     conditioning or residuals (channels per block, layers) differ, so the UNet could not take them."""
-    cn, unet = config_of(controlnet, "controlnet"), config_of(pipeline, "unet")
+    cn, unet = config_of(controlnet, "controlnet"), config_of(pipeline, "unet_controlnet")  # the UNet that takes them
     checks = [("cross_attention_dim (the text width)", cn.get("cross_attention_dim"), unet.get("cross_attention_dim")),
               ("addition_embed_type", cn.get("addition_embed_type"), unet.get("addition_embed_type")),
               ("residuals (channels and count per block)", residual_shapes(cn, 8, 8), residual_shapes(unet, 8, 8))]

@@ -13,6 +13,7 @@ Seeds give the same image twice: the initial noise is drawn with numpy from the 
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import inspect
 import json
 import logging
@@ -25,13 +26,13 @@ from typing import Any
 import numpy as np
 
 from sdnpu.errors import SdnpuError
-from sdnpu.ops import handoff
+from sdnpu.ops import handoff, prologue
 from sdnpu.ops.handoff import handover
 from sdnpu.pipelines import UNET_BATCH, Size, pipeline_outputs, vae_scale_factor
 from sdnpu.progress import release_memory
 from sdnpu.runtime.controlnet import ControlSpec, check_compatible, config_of, control_image, controlnet_folder, keep
 from sdnpu.runtime.controlnet import residual_inputs
-from sdnpu.runtime.session import Component, RuntimeOptions, component_path, open_component
+from sdnpu.runtime.session import Component, RuntimeOptions, choose_optimize, component_path, open_component
 
 log = logging.getLogger(__name__)
 
@@ -61,9 +62,11 @@ class Stages:
     parts: dict[str, Component]
 
     @contextlib.contextmanager
-    def _using(self, *names: str) -> Iterator[dict[str, Component]]:
-        """Sessions for ``names`` for the length of a stage (kept when ``keep_sessions``)."""
-        parts = {n: self.parts.get(n) or open_component(self.folder, n, self.reference, self.runtime, self.size)
+    def _using(self, *names: str, runtime: RuntimeOptions | None = None) -> Iterator[dict[str, Component]]:
+        """Sessions for ``names`` for the length of a stage (kept when ``keep_sessions``); ``runtime``: how to
+        make them, where not as the pipeline's."""
+        runtime = runtime or self.runtime
+        parts = {n: self.parts.get(n) or open_component(self.folder, n, self.reference, runtime, self.size)
                  for n in names}
         if self.keep:
             self.parts.update(parts)
@@ -115,12 +118,17 @@ class Pipeline(Stages):
         self.reference, self.keep, self.runtime = reference, keep_sessions, runtime or RuntimeOptions()
         self.index = read_index(self.folder)
         self.sdxl = "text_encoder_2" in self.index and self.index["text_encoder_2"][1] is not None
-        needed = ["text_encoder", "unet", "vae_decoder"] + (["text_encoder_2"] if self.sdxl else [])
+        # the UNet, or where the folder holds only the one that takes a ControlNet's residuals, that one
+        denoiser = "unet_controlnet" if not (self.folder / "unet").is_dir() and (
+            self.folder / "unet_controlnet").is_dir() else "unet"
+        needed = ["text_encoder", denoiser, "vae_decoder"] + (["text_encoder_2"] if self.sdxl else [])
         self.size = Size.of(size) if size is not None else None  # None: the folder's primary size
         paths = {name: component_path(self.folder, name, reference, self.size) for name in needed}
         self.parts: dict[str, Component] = {}
         self.vae_config = json.loads((self.folder / "vae_decoder" / "config.json").read_text())
-        unet = onnx.load(str(paths["unet"]), load_external_data=False)
+        unet = onnx.load(str(paths[denoiser]), load_external_data=False)
+        if prologue.of_proto(unet) is not None:  # its step prologue takes the inputs: the fp32 graph's are they
+            unet = onnx.load(str(component_path(self.folder, denoiser, True, self.size)), load_external_data=False)
         self.unet_inputs = {i.name for i in unet.graph.input}
         sample = next(i for i in unet.graph.input if i.name == "sample")
         shape = [d.dim_value for d in sample.type.tensor_type.shape.dim]
@@ -201,7 +209,8 @@ class Pipeline(Stages):
         step_kwargs = ({"generator": torch.Generator().manual_seed(opts.seed)}
                        if "generator" in inspect.signature(scheduler.step).parameters else {})
         unet_name = "unet_controlnet" if controls else "unet"
-        with self._using(unet_name) as parts, self._control_sessions(controls) as nets:
+        stage = self._stage_runtime(unet_name, controls)
+        with self._using(unet_name, runtime=stage) as parts, self._control_sessions(controls, stage) as nets:
             for i, t in enumerate(timesteps):
                 model_in = scheduler.scale_model_input(torch.cat([latents, latents]), t)
                 step_feeds = {**feeds, "sample": model_in.numpy().astype(np.float32),
@@ -252,11 +261,27 @@ class Pipeline(Stages):
             controls.append((spec, control_image(spec.image, self.image_size), names))
         return controls
 
+    def _stage_runtime(self, unet_name: str, controls: list[tuple[ControlSpec, np.ndarray, dict[str, str]]]
+                       ) -> RuntimeOptions:
+        """How the denoising stage's sessions are made. With ControlNets, the UNet and they run in turn and
+        share one activation arena (at full size, one step: 12.5 GB of private memory against 16.2 GB with an
+        arena each, ``bench/bench_controlnet_memory.py``); whether graph optimizations fit is chosen once for
+        all of them (``choose_optimize``), where not given."""
+        if not controls or unet_name in self.parts:
+            return self.runtime
+        optimize = self.runtime.optimize
+        if optimize is None:
+            paths = [component_path(self.folder, unet_name, self.reference, self.size),
+                     *(component_path(controlnet_folder(spec.folder), "controlnet", self.reference, self.size)
+                       for spec, _, _ in controls)]
+            optimize = choose_optimize(paths, self.reference)
+        return dataclasses.replace(self.runtime, optimize=optimize, shared_arena=True)
+
     @contextlib.contextmanager
-    def _control_sessions(self, controls: list[tuple[ControlSpec, np.ndarray, dict[str, str]]]
-                          ) -> Iterator[list[Component]]:
+    def _control_sessions(self, controls: list[tuple[ControlSpec, np.ndarray, dict[str, str]]],
+                          runtime: RuntimeOptions) -> Iterator[list[Component]]:
         """The ControlNets' sessions, for the UNet's stage."""
-        nets = [open_component(controlnet_folder(spec.folder), "controlnet", self.reference, self.runtime, self.size)
+        nets = [open_component(controlnet_folder(spec.folder), "controlnet", self.reference, runtime, self.size)
                 for spec, _, _ in controls]
         try:
             yield nets

@@ -48,6 +48,7 @@ class RuntimeOptions:
     optimize: bool | None = None
     threads: int | None = None
     loras: tuple[Any, ...] = ()  # LoraSpecs applied as sessions open, in place of a folder's overlay
+    shared_arena: bool = False  # one activation arena for every session so made (models that run in turn)
 
     @classmethod
     def from_env(cls, custom_ops: str | Path | None = None, **kw: Any) -> RuntimeOptions:
@@ -132,13 +133,16 @@ def _weight_bytes(path: Path) -> int:
     return path.stat().st_size + (data.stat().st_size if data.is_file() else 0)
 
 
-def choose_optimize(path: Path, reference: bool) -> bool:
+def choose_optimize(path: Path | list[Path], reference: bool) -> bool:
     """Whether onnxruntime's graph optimizations fit. They make a dispatch model run about as fast as the
     fp32 graph on a CPU (the reference bodies are inlined, convolutions go to onnxruntime's blocked layout)
     but fold every bf16 weight's cast into an fp32 copy: the SDXL UNet's 5.1 GB of bf16 weights peaked at
     18.3 GB in `sdnpu verify` with them on (14.4 GB off). On where four times the weight bytes (twice for an
-    fp32 graph) fit in 80% of the memory available now."""
-    need = _weight_bytes(path) * (2 if reference else 4)
+    fp32 graph) fit in 80% of the memory available now. Several models (a stage's: the UNet and its
+    ControlNets, open together) count together, one choice for all: chosen one by one, each after the
+    one before had opened but not yet run, the full-size ControlNet beside the UNet was given them and the
+    step ran out of memory."""
+    need = sum(_weight_bytes(p) for p in ([path] if isinstance(path, Path) else path)) * (2 if reference else 4)
     available = available_bytes()
     return available is not None and need < 0.8 * available
 
@@ -331,6 +335,9 @@ def open_component_path(path: Path, component: str, reference: bool = False,
             model = replace_initializers(path, opts, arrays) if arrays else str(path)
         if shared is not None:  # after the LoRAs: the tensors they replace are not the shared ones
             shared.add_to(path, opts, skip=set(arrays) | set(manifest["tensors"] if manifest else ()))
+        elif options.shared_arena:
+            _register_shared_arena()
+            opts.add_session_config_entry("session.use_env_allocators", "1")
         session = ort.InferenceSession(model, opts, providers=[CPU])
     except SdnpuError:
         raise

@@ -222,6 +222,38 @@ def test_several_controlnets_are_summed_as_diffusers_does(control_setup, tiny_pi
     assert diff.max() <= 1 and np.mean(diff > 0) < 1e-3, (diff.max(), np.mean(diff > 0))  # measured: 0.008%
 
 
+def test_a_folder_with_only_the_unet_that_takes_the_residuals(control_setup, tmp_path):
+    """A folder converted with unet_controlnet but no plain unet draws with a ControlNet (what it was converted
+    for) as the full folder does, and without one says what is missing."""
+    from sdnpu.runtime import ControlSpec, GenerateOptions, Pipeline
+
+    folder, first, _, image, _ = control_setup
+    lean = tmp_path / "lean"
+    shutil.copytree(folder, lean, ignore=shutil.ignore_patterns("unet"))
+    opts = GenerateOptions("a photo of a cat", steps=1, seed=4, controlnets=(ControlSpec(first, image),))
+    np.testing.assert_array_equal(Pipeline(lean)(opts), Pipeline(folder)(opts))
+    with pytest.raises(SdnpuError, match="unet/dd/replaced.onnx not found"):
+        Pipeline(lean)(GenerateOptions("a photo of a cat", steps=1, seed=4))
+
+
+def test_the_stage_chooses_graph_optimizations_for_the_unet_and_its_controlnets_together(control_setup, monkeypatch):
+    """Where each model alone would fit onnxruntime's graph optimizations but the UNet and its ControlNet
+    together would not (they are open together, a step runs both), the stage has them off for both."""
+    from sdnpu.runtime import ControlSpec, GenerateOptions, Pipeline, session
+
+    folder, first, _, image, _ = control_setup
+    paths = [folder / "unet_controlnet" / session.DISPATCH_MODEL, first / "controlnet" / session.DISPATCH_MODEL]
+    largest = max(session._weight_bytes(p) for p in paths)
+    monkeypatch.setattr(session, "available_bytes", lambda: int(5.05 * largest))
+    assert all(session.choose_optimize(p, reference=False) for p in paths)
+    assert not session.choose_optimize(paths, reference=False)
+    pipe = Pipeline(folder)
+    controls = pipe._controls(GenerateOptions("a cat", steps=1, controlnets=(ControlSpec(first, image),)))
+    stage = pipe._stage_runtime("unet_controlnet", controls)
+    assert stage.optimize is False and stage.shared_arena  # and one activation arena for the two
+    assert pipe._stage_runtime("unet", []).optimize is None  # alone: each session chooses as it opens
+
+
 def test_controlnet_bad_inputs(control_setup, tiny_conversion, tmp_path, capsys):
     from PIL import Image
 
