@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 
 from sdnpu.convert import convert, parse_components, resolve_source
-from sdnpu.convert.compile import run_onnx
+from sdnpu.convert.compile import generic_inputs, run_onnx
 from sdnpu.errors import SdnpuError
 from sdnpu.pipelines import controlnet_outputs, sample_inputs, signature
 
@@ -126,6 +126,22 @@ def test_controlnet_folders_alone_and_beside_a_pipeline(tmp_path, tiny_pipeline_
 def test_a_controlnet_takes_the_unets_sizes(tmp_path):
     with pytest.raises(SdnpuError, match="does not fit the controlnet: each side must be a multiple of 32"):
         convert("tiny-controlnet-sdxl", "controlnet", out=tmp_path, res="250x256")
+    # a second size is re-derived from the first one's dispatch model, its step prologue's values at that size
+    import onnx
+
+    convert("tiny-controlnet-sdxl", "controlnet", out=tmp_path, res="256,320x256", check=False)
+    dd = tmp_path / "controlnet" / "dd"
+    report = json.loads((dd / "report.320x256.json").read_text())
+    assert report["specialized_from"] == "256x256" and report["prologue"]["file"] == "prologue.onnx"
+    model = onnx.load(str(dd / "replaced.320x256.onnx"), load_external_data=False)
+    dims = {i.name: [d.dim_value for d in i.type.tensor_type.shape.dim] for i in model.graph.input}
+    assert dims["prologue.sample"] == [2, 32, 40, 4] and dims["controlnet_cond"] == [2, 3, 256, 320]
+    fp32 = tmp_path / "controlnet" / "model.320x256.onnx"
+    feeds = generic_inputs(fp32)
+    expected, got = run_onnx(fp32, feeds), run_onnx(dd / "replaced.320x256.onnx", feeds)
+    for name, ref in expected.items():
+        cosine = float(np.dot(ref.ravel(), got[name].ravel()) / np.linalg.norm(ref) / np.linalg.norm(got[name]))
+        assert cosine > 0.999, (name, cosine)  # measured 0.99992 at conversion
 
 
 @pytest.fixture(scope="module")
