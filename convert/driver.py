@@ -34,6 +34,7 @@ from sdnpu.convert.parameters import FILE as PARAMETERS_FILE
 from sdnpu.convert.parameters import map_parameters
 from sdnpu.convert.sources import COMPONENT_MODULES, COMPONENTS, Source, resolve_source
 from sdnpu.errors import SdnpuError, storage_error
+from sdnpu.ops import prologue
 from sdnpu.ops.target import DEFAULT_TARGET
 from sdnpu.fileio import atomic_write_bytes, atomic_write_json, recover_staging, staged_dir
 from sdnpu.lora.adapters import COMPONENTS as LORA_COMPONENTS
@@ -697,8 +698,6 @@ def _place_prologue(compiled: Path, dd_dir: Path, size: Size) -> None:
     same digest: one prologue serves every size), else its own copy under the size's name, which its model
     then names."""
     import onnx
-
-    from sdnpu.ops import prologue
 
     model = onnx.load(str(compiled), load_external_data=False)
     spec = prologue.of_proto(model)

@@ -258,10 +258,7 @@ def prologue_inputs(component: str, config: dict[str, Any]) -> frozenset[str]:
     (the latents, the timestep, the text, SDXL's added conditioning), which both read each step."""
     if component not in ("controlnet", "unet_controlnet"):
         return frozenset()
-    names = {"sample", "timestep", "encoder_hidden_states"}
-    if unet_text_time(config):
-        names |= {"text_embeds", "time_ids"}
-    return frozenset(names)
+    return frozenset(spec.name for spec in signature("unet", config, 512).inputs)  # names: any size will do
 
 
 def residual_shapes(config: dict[str, Any], lh: int, lw: int) -> list[tuple[int, ...]]:
