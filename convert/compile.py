@@ -9,21 +9,29 @@ from __future__ import annotations
 import dataclasses
 import json
 import logging
+import re
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import numpy as np
+from sdnpu.ops import handoff, prologue
+from sdnpu.passes.pipeline import CompileOptions
+from sdnpu.reports.fidelity import CannotFeed, fidelity, generic_inputs
 
 from sdnpu.errors import SdnpuError
 from sdnpu.fileio import staged_dir
 from sdnpu.memory import check_fits
-from sdnpu.ops import handoff, prologue
-from sdnpu.passes.pipeline import CompileOptions
-from sdnpu.pipelines import Size, default_resolution, handoff_values, pipeline_outputs, prologue_inputs, signature
-from sdnpu.pipelines import vae_scale_factor
+from sdnpu.pipelines import (
+    Size,
+    default_resolution,
+    handoff_values,
+    pipeline_outputs,
+    prologue_inputs,
+    signature,
+    vae_scale_factor,
+)
 from sdnpu.progress import peak_rss_bytes, release_memory, step
-from sdnpu.reports.fidelity import fidelity, generic_inputs
 
 __all__ = ["OUTPUT_CHOICES", "FidelityCheck", "compile_file", "compile_into", "fidelity", "generic_inputs",
            "keep_outputs", "pipeline_outputs", "run_onnx", "static_shapes"]
@@ -71,7 +79,6 @@ def static_shapes(path: Path, overrides: dict[str, list[int]] | None = None, res
     ``sdnpu.pipelines``, from the component's config.json and the VAE's beside it); ``overrides``
     (``--shape``) win. Inputs that stay dynamic are an error naming them."""
     import onnx
-
     from sdnpu.convert.sources import COMPONENTS
     from sdnpu.passes.pipeline import unreadable
 
@@ -83,7 +90,7 @@ def static_shapes(path: Path, overrides: dict[str, list[int]] | None = None, res
     dynamic = {vi.name: [d.dim_value if d.HasField("dim_value") else (d.dim_param or "?")
                          for d in vi.type.tensor_type.shape.dim]
                for vi in model.graph.input if vi.name not in inits}
-    dynamic = {k: v for k, v in dynamic.items() if any(not isinstance(d, int) or d <= 0 for d in v)}
+    dynamic = {k: v for k, v in dynamic.items() if any(not isinstance(d, int) or d < 0 for d in v)}
     shapes: dict[str, list[int]] = {}
     component, config_path = path.parent.name, path.parent / "config.json"
     if dynamic and component in COMPONENTS and config_path.is_file():
@@ -178,10 +185,12 @@ def compile_into(source: Path, dd_dir: Path, info: dict[str, Any], options: Comp
     (dd_dir / provenance.FILE).write_text(json.dumps(provenance.record(model.graph, source.name)))
     del model
     release_memory()
-    _validate(out, name, f"compiled from {source}", "`--no-compile` keeps the exported graph")
-    fid = _fidelity_run(name, source, out, check, shapes) if check is not None else None
+    _validate(out, name, f"compiled from {source}", "`--no-compile` keeps the exported graph", source)
+    fid, skipped = _fidelity_run(name, source, out, check, shapes) if check is not None else (None, None)
     extra: dict[str, Any] = {"target": options.target.name, "precision": options.precision,
                              "peak_rss_bytes": peak_rss_bytes()}
+    if skipped:
+        extra["fidelity_skipped"] = skipped
     if dropped:
         extra["dropped_outputs"] = dropped
     report = reports.build(out, source, records_json(records), {**info, **extra}, fid, options.target)
@@ -197,7 +206,6 @@ def plan_specialization(primary: Path, source: Path, target: Any) -> Any:
     the exported graph ``source`` (another size of it), in memory (``sdnpu.passes.specialize``); its outputs
     must have the shapes ``source``'s have. Raises CannotSpecialize with the reason."""
     import onnx
-
     from sdnpu.convert import shared
     from sdnpu.passes.specialize import CannotSpecialize, specialize
 
@@ -238,13 +246,13 @@ def write_specialized(plan: Any, primary: Path, source: Path, dest: Path, dd_dir
     name = info.get("component", source.parent.name)
     stats = shared.write_proto(plan.model, dest)
     _validate(dest, name, f"specialized from {primary}", "convert this size on its own (sdnpu convert --res WxH)")
-    fid = _fidelity_run(name, source, dest, check) if check is not None else None
+    fid, skipped = _fidelity_run(name, source, dest, check) if check is not None else (None, None)
     first = json.loads((primary.parent / "report.json").read_text())
     counts = {f"from {_size_name(first)}: nodes re-shaped": plan.reshaped, "masks made": len(plan.new_masks)}
     passes = [{"name": "specialize", "seconds": round(seconds, 3), "counts": counts},
               *[{**p, "seconds": 0.0} for p in first.get("passes", []) if p["name"] == "partition"]]
     extra = {"target": options.target.name, "precision": options.precision, "peak_rss_bytes": peak_rss_bytes(),
-             "specialized_from": _size_name(first)}
+             "specialized_from": _size_name(first), **({"fidelity_skipped": skipped} if skipped else {})}
     report = reports.build(dest, source, passes, {**info, **extra}, fid, options.target)
     reports.write(dd_dir, report)
     record = json.loads((primary.parent / provenance.FILE).read_text())
@@ -254,37 +262,115 @@ def write_specialized(plan: Any, primary: Path, source: Path, dest: Path, dd_dir
     return report, stats
 
 
-def _validate(path: Path, name: str, made: str, meanwhile: str) -> None:
-    """onnx's full check of a dispatch model just written; a failure is one line (a compiler bug)."""
+def _validate(path: Path, name: str, made: str, meanwhile: str, source: Path | None = None) -> None:
+    """onnx's full check of a dispatch model just written; a failure is one line: the compiler's bug, or
+    where ``source`` (the graph it was compiled from) fails the same check, the source's."""
     import onnx
 
+    errors = (onnx.checker.ValidationError, onnx.shape_inference.InferenceError)
     with step(log, f"[{name}] validating {path.name} (onnx.checker, full check)"):
         try:
             onnx.checker.check_model(str(path), full_check=True)
-        except (onnx.checker.ValidationError, onnx.shape_inference.InferenceError) as e:
+        except errors as e:
+            if source is not None:
+                try:
+                    onnx.checker.check_model(str(source), full_check=True)
+                except errors as bad:
+                    raise SdnpuError(f"{source} is not valid ONNX: {' '.join(str(bad).split())[:500]}",
+                                     hint="the graph itself breaks ONNX's rules (often an exporter bug: try the "
+                                     "other exporter, or another opset); sdnpu compiles valid graphs") from None
             raise SdnpuError(f"the dispatch model {made} is not valid ONNX: {str(e)[:600]}",
                              hint=f"this is a compiler bug worth reporting with the model; meanwhile {meanwhile}"
                              ) from e
 
 
 def _fidelity_run(name: str, source: Path, out: Path, check: FidelityCheck,
-                  shapes: dict[str, list[int]] | None = None) -> dict[str, Any]:
+                  shapes: dict[str, list[int]] | None = None) -> tuple[dict[str, Any] | None, str | None]:
     """The dispatch model ``out`` against the fp32 graph ``source`` on ``check``'s inputs (seeded generic
-    ones where it has none), each run checked to fit in memory first."""
+    ones where it has none), each run checked to fit in memory first: (the fidelity, None), or (None, why
+    the check could not run) where the graph has inputs no seeded value fits (a shape, axes). A graph that
+    onnxruntime cannot load or run is one line naming the node and what onnxruntime said."""
     hint = "--no-verify skips the fidelity run, or convert at a smaller RES"
     reference = check.reference
     if reference is None:
         check_fits(source, f"[{name}] the fidelity run of the fp32 graph", hint)
     check_fits(out, f"[{name}] the fidelity run of {out.name}", hint)
-    feeds = check.feeds if check.feeds is not None else generic_inputs(source, shapes=shapes)
+    try:
+        _check_runnable(source, out)
+        feeds = check.feeds if check.feeds is not None else generic_inputs(source, shapes=shapes)
+    except CannotFeed as e:
+        log.warning("[%s] no fidelity check: %s (give the model's test inputs in test_data_set_0/, or "
+                    "compile it with --no-verify)", name, e)
+        return None, str(e)
     if reference is None:
         with step(log, f"[{name}] running the fp32 graph for the fidelity check"):
-            reference = run_onnx(source, feeds, optimize=True)
+            try:
+                reference = run_onnx(source, feeds, optimize=True)
+            except Exception as e:  # onnxruntime's Fail, InvalidGraph, InvalidArgument, RuntimeException
+                if not _is_ort_error(e):
+                    raise
+                raise SdnpuError(f"onnxruntime cannot run {source} for the fidelity check: {_ort_message(e)}",
+                                 hint="the graph itself is what onnxruntime refuses (often an exporter bug: try "
+                                 "the other exporter); `--no-verify` compiles it without the check") from None
     with step(log, f"[{name}] running {out.name} (reference bodies) for the fidelity check"):
-        actual = run_onnx(out, feeds)
+        try:
+            actual = run_onnx(out, feeds)
+        except Exception as e:
+            if not _is_ort_error(e):
+                raise
+            raise SdnpuError(f"onnxruntime cannot run the dispatch model compiled from {source}, though it runs "
+                             f"the graph itself: {_ort_message(e)}",
+                             hint="this is a compiler bug worth reporting with the model; meanwhile "
+                             "`--no-compile` keeps the exported graph") from None
     fid = fidelity(reference, actual)
     log.info("[%s] dispatch vs fp32: min cosine %.6f, max abs error %.3g", name, fid["min_cosine"], fid["max_abs"])
-    return fid
+    bad = {k: o["reference_not_finite"] for k, o in fid["outputs"].items() if o.get("reference_not_finite")}
+    if bad:
+        log.warning("[%s] the fp32 graph's own outputs are not finite on the check's inputs (%s values): the "
+                    "fidelity is measured over the finite ones", name,
+                    ", ".join(f"{k}: {v}" for k, v in bad.items()))
+    return fid, None
+
+
+# the element types onnxruntime's Python API hands over as numpy arrays (bf16 through ops.handoff)
+_NUMPY_TYPES = frozenset(range(1, 14)) | {16}  # FLOAT ... UINT64 (no COMPLEX: 14, 15), BFLOAT16
+
+
+def _check_runnable(*paths: Path) -> None:
+    """``CannotFeed`` where a graph's inputs or outputs are of a type the check cannot hand over (float8,
+    int4, complex, sequences): onnxruntime's Python API has no numpy type for them."""
+    import onnx
+
+    for path in paths:
+        graph = onnx.load(str(path), load_external_data=False).graph
+        inits = {t.name for t in graph.initializer}
+        for vi in [*graph.input, *graph.output]:
+            if vi.name in inits:
+                continue
+            kind = vi.type.WhichOneof("value")
+            elem = vi.type.tensor_type.elem_type if kind == "tensor_type" else None
+            if elem is None or elem not in _NUMPY_TYPES:
+                what = onnx.TensorProto.DataType.Name(elem) if elem else (kind or "untyped").replace("_type", "")
+                raise CannotFeed(f"{vi.name!r} is a {what} value, which onnxruntime's Python API does not hand "
+                                 "over")
+
+
+def _is_ort_error(e: Exception) -> bool:
+    """An exception onnxruntime raised (its own types, or a RuntimeError from inside its session)."""
+    if type(e).__module__.startswith("onnxruntime"):
+        return True
+    tb = e.__traceback__
+    while tb is not None and tb.tb_next is not None:
+        tb = tb.tb_next
+    return isinstance(e, RuntimeError) and tb is not None and "onnxruntime" in tb.tb_frame.f_code.co_filename
+
+
+def _ort_message(e: Exception) -> str:
+    """onnxruntime's message in one line, without its status prefix and the temporary file's path."""
+    text = " ".join(str(e).split())
+    text = re.sub(r"^\[ONNXRuntimeError\] : \d+ : \w+ : ", "", text)
+    text = re.sub(r"Load model from \S+ failed:", "loading failed: ", text)
+    return text[:400]
 
 
 def _size_name(report: dict[str, Any]) -> str:

@@ -62,11 +62,17 @@ def attach_functions(model: ir.Model, target: Target) -> int:
     needed = {(p.domain, p.name, p.overload): p for p in functions_for(target, used)}
     for key in before - needed.keys():
         del model.functions[key]
+    opset = model.opset_imports.get("", 20)
     for key in needed.keys() - before:
-        model.functions[key] = ir.serde.deserialize_function(needed[key])
+        function = ir.serde.deserialize_function(needed[key])
+        function.opset_imports[""] = opset  # a function imports its model's opset (the bodies' ops are alike 20-23)
+        model.functions[key] = function
     if used:
         model.opset_imports[target.domain] = target.domain_version
         model.graph.opset_imports[target.domain] = target.domain_version
+    if any(n.domain == "com.microsoft" for n in model.graph):  # a rule's CPU op (the attention a target refuses)
+        model.opset_imports.setdefault("com.microsoft", 1)
+        model.graph.opset_imports.setdefault("com.microsoft", 1)
     return len(before ^ needed.keys())
 
 

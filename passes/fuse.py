@@ -4,8 +4,8 @@
   otherwise take apart;
 - GroupNorm before Conv: it absorbs the SiLU that follows it (``nonlinear='Silu'``); a Conv's SiLU stays for
   the glue pass (SDSilu);
-- GEGLU before Gemm: it owns the projection it splits in halves; so does a Split of a projection's output
-  (SD3's AdaLayerNorm chunks), one SDGemm per part;
+- GEGLU before Gemm: it owns the projection it splits in halves (the Gemm rule takes any other Split or
+  Slice of a projection's columns: one SDGemm per part);
 - the element-wise ops (SiLU, GELU, Add, Mul, Concat) wait for the glue pass, after layout, which pushes the
   NHWC Transposes through their plain ONNX forms.
 """
@@ -19,8 +19,8 @@ from sdnpu.passes.manager import PassResult
 from sdnpu.passes.rules.activation import SDGeGLUFusion
 from sdnpu.passes.rules.attention import SDMHAFusion
 from sdnpu.passes.rules.base import Rule, RuleStats, apply_rules
-from sdnpu.passes.rules.conv import SDConvFusion
-from sdnpu.passes.rules.gemm import SDGemmFusion, SDGemmSplitFusion
+from sdnpu.passes.rules.conv import SDConvFusion, SDPoolFusion
+from sdnpu.passes.rules.gemm import SDGemmFusion
 from sdnpu.passes.rules.norm import SDGroupNormFusion, SDLayerNormFusion, SDRMSNormFusion
 from sdnpu.passes.rules.resize import SDResizeFusion
 
@@ -28,10 +28,10 @@ FUSION_RULES: tuple[type[Rule], ...] = (
     SDMHAFusion,
     SDGroupNormFusion,
     SDConvFusion,
+    SDPoolFusion,
     SDLayerNormFusion,
     SDRMSNormFusion,
     SDGeGLUFusion,
-    SDGemmSplitFusion,
     SDGemmFusion,
     SDResizeFusion,
 )

@@ -142,6 +142,25 @@ class Builder:
         return self._lazy(lambda: np.concatenate([provenance.apply(s, t.numpy()) for t, s in tensors]),  # type: ignore[union-attr]
                           shape, hint, dtype, expr)
 
+    def summed(self, parts: Sequence[tuple[ir.Value, Sequence[Step]]], shape: Sequence[int], hint: str,
+               dtype: ir.DataType) -> ir.Value:
+        """A new initializer: each part's weights after its steps, added up (lazily, as ``derived``); a linear
+        layer's bias with the constants added to its output folded in."""
+        if len(parts) == 1:
+            v, steps = parts[0]
+            return self.derived(v, steps, shape, hint, dtype)
+        tensors = [(v.const_value, list(steps)) for v, steps in parts]
+        assert all(t is not None for t, _ in tensors)
+        xs = [provenance.chain(provenance.origin(v), steps) for v, steps in parts]
+        if all(x.get("literal") for x in xs):
+            expr = provenance.LITERAL
+        else:  # a literal part (a folded constant) is held in the record, so the sum replays
+            xs = [provenance.inline(provenance.apply(s, t.numpy())) if x.get("literal") else x  # type: ignore[union-attr]
+                  for x, (t, s) in zip(xs, tensors, strict=True)]
+            expr = {"op": "sum", "xs": xs}
+        return self._lazy(lambda: provenance.add_up([provenance.apply(s, t.numpy()) for t, s in tensors]),  # type: ignore[union-attr]
+                          shape, hint, dtype, expr)
+
     def _lazy(self, make: Any, shape: Sequence[int], hint: str, dtype: ir.DataType, expr: provenance.Expr
               ) -> ir.Value:
         name = _unique_name(self.graph, hint)

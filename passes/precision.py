@@ -20,11 +20,11 @@ from __future__ import annotations
 from collections import Counter
 
 import onnx_ir as ir
-
+from sdnpu.ops.tags import RULE_TAG
 from sdnpu.ops.target import OpSpec, Target
 from sdnpu.passes.irutil import Builder, static_shape
-from sdnpu.passes.provenance import step
 from sdnpu.passes.manager import PassResult
+from sdnpu.passes.provenance import step
 
 RULE = "PrecisionPass"
 BF16 = ir.DataType.BFLOAT16
@@ -42,6 +42,75 @@ def bfp_variant_fits(spec: OpSpec, node: ir.Node) -> bool:
     attrs = {k: a.value for k, a in node.attributes.items()}
     views = spec.input_views(attrs)
     return bool(views) and all(len(s) >= 2 and s[-1] % 8 == 0 and s[-2] % 8 == 0 for s in views.values())
+
+
+# CPU ops onnxruntime runs on bf16 tensors, exactly (they only move bits): between dispatch ops they need no
+# cast. (Its CPU provider has no bf16 Relu, Clip with a bound, Max or Where: a ReLU between two dispatch ops
+# costs a cast each way.)
+_BF16_CPU = frozenset({"Slice", "Reshape", "Transpose", "Gather", "Concat", "Identity"})
+_SHAREABLE = frozenset({"Slice", "Reshape", "Transpose"})  # moved onto a cast value only where the cast is shared
+
+
+def _data_inputs(p: ir.Node) -> list[ir.Value | None]:
+    if p.op_type == "Concat":
+        return list(p.inputs)
+    return [p.inputs[0]]
+
+
+def _runs_on_bf16(p: ir.Node | None, v: ir.Value, target: Target, entries: dict[int, ir.Value]) -> bool:
+    """Whether ``v`` (read by dispatch ops only) can be made by its CPU producer ``p`` on bf16 values: an exact op
+    of ``_BF16_CPU`` with constant parameters, whose data are bf16 already (dispatch outputs), or, for a move,
+    a float value whose one cast another reader shares."""
+    if p is None or p.op_type not in _BF16_CPU or p.domain not in ("", "ai.onnx") or len(p.outputs) != 1:
+        return False
+    data = _data_inputs(p)
+    params = [w for w in p.inputs if w is not None and w not in data]
+    if v.is_graph_output() or any(w is None for w in data) or any(w.const_value is None for w in params):  # type: ignore[union-attr]
+        return False
+    if not all(target.is_dispatch(u.node.domain, u.node.op_type) for u in v.uses()):
+        return False
+    if all(w.dtype == BF16 for w in data):  # type: ignore[union-attr]
+        return True
+    return p.op_type in _SHAREABLE and data[0].dtype == v.dtype and (  # type: ignore[union-attr]
+        id(data[0]) in entries or len(data[0].uses()) > 1)  # type: ignore[union-attr]
+
+
+def _on_bf16(node: ir.Node) -> bool:
+    """A CPU op ``_entry`` made to run on bf16 values (it reads the dispatch ops' bf16 outputs as they are)."""
+    return node.op_type in _BF16_CPU and node.metadata_props.get(RULE_TAG) == RULE and all(
+        o.dtype == BF16 for o in node.outputs)
+
+
+def _entry(graph: ir.Graph, target: Target, v: ir.Value, entries: dict[int, ir.Value], counts: Counter[str]
+           ) -> ir.Value:
+    """``v`` in bf16 for the dispatch ops that read it: one CastAvx, shared by all of them. Where ``v`` is made on
+    the CPU by an op that only moves bits (a Slice, Reshape, Transpose, Gather, Concat) from bf16 values, that op
+    runs on the bf16 values themselves, with no cast either way; and where ``v`` is such a move of a float value read by the NPU in other forms too
+    (Flux's rotary tables, whole and cut into the streams' rows), the one cast serves every form."""
+    if id(v) in entries:
+        return entries[id(v)]
+    p = v.producer()
+    b = Builder(graph, RULE, target)
+    if _runs_on_bf16(p, v, target, entries):
+        assert p is not None
+        data = _data_inputs(p)
+        srcs = [w if w.dtype == BF16 else _entry(graph, target, w, entries, counts) for w in data]  # type: ignore[union-attr]
+        rest = [w for w in p.inputs if w not in data]
+        inputs: list[ir.Value | None] = [*srcs, *rest] if p.op_type != "Concat" else srcs
+        made = b.op(p.op_type, inputs, {k: a.value for k, a in p.attributes.items()}, domain="", dtype=BF16,
+                    shape=static_shape(v))
+        made.metadata_props.update({k: val for k, val in p.metadata_props.items() if k != RULE_TAG})
+        graph.insert_before(p, b.nodes)  # after its inputs (made before p), before v's readers
+        counts["CPU ops run on the bf16 values"] += 1
+        entries[id(v)] = made.outputs[0]
+    else:
+        entries[id(v)] = _cast_avx(b, target, v, BF16)
+        if p is not None and p.graph is graph:
+            graph.insert_after(p, b.nodes)
+        else:  # a graph input: cast where the graph starts
+            graph.insert_before(next(iter(graph)), b.nodes)
+        counts["CastAvx in"] += 1
+    return entries[id(v)]
 
 
 def precision(model: ir.Model, target: Target, mode: str = "bf16") -> PassResult:
@@ -92,11 +161,7 @@ def precision(model: ir.Model, target: Target, mode: str = "bf16") -> PassResult
                         counts["weights -> bfp16 (stored bf16)"] += 1
                 node.replace_input_with(i, constants[key])
             elif v.dtype in _FLOATS:
-                if id(v) not in entries:
-                    entries[id(v)] = _cast_avx(b, target, v, BF16)
-                    graph.insert_before(node, b.nodes[-1:])
-                    counts["CastAvx in"] += 1
-                node.replace_input_with(i, entries[id(v)])
+                node.replace_input_with(i, _entry(graph, target, v, entries, counts))
         for out in node.outputs:
             if out.dtype in _FLOATS:
                 own_type[id(out)] = out.dtype
@@ -107,7 +172,8 @@ def precision(model: ir.Model, target: Target, mode: str = "bf16") -> PassResult
             continue
         for out in node.outputs:
             cpu_uses = [u for u in out.uses() if not target.is_dispatch(u.node.domain, u.node.op_type)
-                        and not target.is_boundary(u.node.domain, u.node.op_type)]
+                        and not target.is_boundary(u.node.domain, u.node.op_type)
+                        and not _on_bf16(u.node)]
             if not cpu_uses and not out.is_graph_output():
                 continue
             b = Builder(graph, RULE, target)

@@ -15,11 +15,16 @@ end, ``record`` gathers one per initializer of the dispatch model, and ``compile
                                             node's output, which canonicalize lifts to one)
     {"op": STEP, ...arguments, "x": EXPR}   one step of STEPS applied to EXPR
     {"op": "concat", "axis": A, "xs": [EXPR, ...]}
+    {"op": "sum", "xs": [EXPR, ...]}        the EXPRs added, left to right, in the first one's dtype (a
+                                            linear layer's bias with the constants added after it folded in)
     {"op": "onnx", "node": BASE64, "output": I, "xs": [EXPR, ...]}
                                             output I of one ONNX node (serialized NodeProto) evaluated on
                                             the EXPRs: a small weight canonicalize folded, by its own folder
                                             or by onnxscript's (``constant_subgraph`` describes what that one
                                             may fold before it runs; ``mark_folded`` names what it made)
+    {"array": [V, ...], "dtype": D, "shape": S}
+                                            a small constant made from no weight, held in the record itself
+                                            (a literal that is part of a sum with a weight)
     {"literal": true}                       made by the compiler from no weight (zero biases, dummies,
                                             attention masks, shapes)
     {"unknown": true}                       made by a step that did not say how: no replay (none is known;
@@ -91,6 +96,24 @@ STEPS: dict[str, Callable[..., np.ndarray]] = {
     "bf16": _bf16,  # round to nearest even, stored as bfloat16
     "bfp16": _bfp16,  # AMD's block format (ops/bfp.py) along ``axis``, stored as bfloat16
 }
+
+
+INLINE_LIMIT = 1 << 16  # elements: a literal held in the record itself, no more
+
+
+def inline(a: np.ndarray) -> Expr:
+    """A small literal as an expression that replays (its values in the record)."""
+    assert a.size <= INLINE_LIMIT, a.shape
+    return {"array": np.asarray(a).reshape(-1).tolist(), "dtype": str(np.asarray(a).dtype), "shape": list(a.shape)}
+
+
+def add_up(arrays: Sequence[np.ndarray]) -> np.ndarray:
+    """``arrays`` added left to right (numpy broadcasting), in the first one's dtype: the one sum the compiler
+    computes and the replay repeats."""
+    total = np.array(arrays[0], copy=True)
+    for a in arrays[1:]:
+        total = (total + a).astype(total.dtype)
+    return total
 
 
 def step(op: str, **args: Any) -> Step:
@@ -202,11 +225,15 @@ def evaluate(expr: Expr, read: Callable[[str], np.ndarray]) -> np.ndarray:
     """Replay ``expr`` from the input model's constants."""
     if "init" in expr:
         return read(expr["init"])
+    if "array" in expr:
+        return np.asarray(expr["array"], dtype=expr["dtype"]).reshape(expr["shape"])
     if expr.get("literal") or expr.get("unknown"):
         raise ValueError(f"a {'literal' if expr.get('literal') else 'unknown'} constant has no replay")
     op = expr["op"]
     if op == "concat":
         return np.concatenate([evaluate(x, read) for x in expr["xs"]], axis=expr["axis"])
+    if op == "sum":
+        return add_up([evaluate(x, read) for x in expr["xs"]])
     if op == "onnx":
         return _run_node(expr, [None if x is None else evaluate(x, read) for x in expr["xs"]])
     args = {k: v for k, v in expr.items() if k not in ("op", "x")}

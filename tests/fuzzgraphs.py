@@ -1106,6 +1106,187 @@ def step_downsample_block(g: G, x: str) -> str:
 
 # ---- near misses: must not fuse (or must fuse correctly) -------------------------------------------------------------
 
+# ---- generality: rotary embeddings, modulation, streams, tables, Einsum ------------------------------------
+
+def rotate(g: G, t: str, spelling: str) -> str:
+    """The rotary embedding's rotation of the last axis, as diffusers writes it: rotate_half (cat(-x2, x1),
+    halves by Slice or Split) or interleaved pairs (stack(-x_odd, x_even): a Reshape to [.., D/2, 2], the pairs
+    cut by Slice or Split, negated, stacked and flattened)."""
+    shape = g.shape[t]
+    d = shape[-1]
+    if spelling == "half":
+        h = d // 2
+        if g.flag():
+            x1, x2 = g.op_n("Split", [t], [(*shape[:-1], h)] * 2, axis=-1, num_outputs=2)
+        else:
+            x1 = g.op("Slice", [t, g.ints([0]), g.ints([h]), g.ints([-1])], (*shape[:-1], h))
+            x2 = g.op("Slice", [t, g.ints([h]), g.ints([2**62]), g.ints([-1])], (*shape[:-1], h))
+        return g.op("Concat", [g.op("Neg", [x2], g.shape[x2]), x1], shape, axis=-1)
+    pairs = (*shape[:-1], d // 2, 2)
+    r = g.op("Reshape", [t, g.ints(list(pairs))], pairs)
+    one = (*shape[:-1], d // 2, 1)
+    if g.flag():
+        even, odd = g.op_n("Split", [r], [one, one], axis=-1, num_outputs=2)
+    else:
+        even = g.op("Slice", [r, g.ints([0]), g.ints([1]), g.ints([-1])], one)
+        odd = g.op("Slice", [r, g.ints([1]), g.ints([2]), g.ints([-1])], one)
+    stacked = g.op("Concat", [g.op("Neg", [odd], one), even], pairs, axis=-1)
+    return g.op("Reshape", [stacked, g.ints(list(shape))], shape)
+
+
+def _tables(g: G, s: int, d: int, source: str) -> tuple[str, str]:
+    """cos and sin [1, S, 1, D]: constants, graph inputs, or computed from position ids [S, A] as Flux writes
+    them (per axis a Gather of the ids' column, float64 frequencies, Cos and Sin, repeat_interleave, the axes
+    concatenated)."""
+    if source == "constant":
+        ang = g.rng.uniform(-3, 3, (1, s, 1, d))
+        return g.fconst(np.cos(ang), "cos"), g.fconst(np.sin(ang), "sin")
+    if source == "input":
+        return g.input((1, s, 1, d), "cos"), g.input((1, s, 1, d), "sin")
+    axes = [d // 2] if d % 4 else [d // 4, d // 4]
+    ids = g.input((s, len(axes)), "ids")
+    cos_parts, sin_parts = [], []
+    for i, half in enumerate(axes):
+        col = g.op("Gather", [ids, g.ints([i])], (s, 1), axis=1)
+        col = g.op("Cast", [col], (s, 1), to=onnx.TensorProto.DOUBLE)
+        g.types[col] = onnx.TensorProto.DOUBLE
+        freqs = g.tensor((1.0 / 10000 ** (np.arange(half) / half)).reshape(1, half).astype(np.float64), "freqs")
+        arg = g.op("Mul", [col, freqs], (s, half))
+        g.types[arg] = onnx.TensorProto.DOUBLE
+        for trig, parts in (("Cos", cos_parts), ("Sin", sin_parts)):
+            t = g.op(trig, [arg], (s, half))
+            g.types[t] = onnx.TensorProto.DOUBLE
+            t = g.op("Reshape", [t, g.ints([s, half, 1])], (s, half, 1))
+            t = g.op("Expand", [t, g.ints([s, half, 2])], (s, half, 2))
+            t = g.op("Reshape", [t, g.ints([s, 2 * half])], (s, 2 * half))
+            g.types[t] = onnx.TensorProto.DOUBLE
+            for v in g.activations[-3:]:
+                g.types[v] = onnx.TensorProto.DOUBLE
+            parts.append(g.op("Cast", [t], (s, 2 * half), to=g.dtype))
+    out = []
+    for parts in (cos_parts, sin_parts):
+        cat = g.op("Concat", parts, (s, d), axis=-1) if len(parts) > 1 else parts[0]
+        out.append(g.op("Reshape", [cat, g.ints([1, s, 1, d])], (1, s, 1, d)))
+    return out[0], out[1]
+
+
+def step_rotary(g: G, x: str) -> str:
+    """Rotary position embeddings on a projection's heads: x * cos + rotate(x) * sin, in [B, S, H, D] (Flux) or
+    after the heads' transpose [B, H, S, D], the tables constant, graph inputs or computed from ids."""
+    b, s, c = g.shape[x]
+    heads, d = g.num(1, 3), 2 * g.num(1, 4)
+    spelling, source = g.pick(["half", "pairs"]), g.pick(["constant", "input", "ids"])
+    if source == "ids" and g.dtype != F32:
+        source = "input"
+    q = _project(g, x, heads * d, keep_rank=True)
+    t = g.op("Reshape", [q, g.ints([b, s, heads, d])], (b, s, heads, d))
+    cos, sin = _tables(g, s, d, source)
+    moved = g.flag()
+    if moved:  # the heads in front: the tables broadcast as [1, 1, S, D]
+        t = g.op("Transpose", [t], (b, heads, s, d), perm=[0, 2, 1, 3])
+        cos = g.op("Reshape", [cos, g.ints([1, 1, s, d])], (1, 1, s, d))
+        sin = g.op("Reshape", [sin, g.ints([1, 1, s, d])], (1, 1, s, d))
+    y = g.bin("Add", g.bin("Mul", t, cos), g.bin("Mul", rotate(g, t, spelling), sin))
+    if moved:
+        y = g.op("Transpose", [y], (b, s, heads, d), perm=[0, 2, 1, 3])
+    g.desc.append(f"Rotary(heads={heads}, d={d}, {spelling}, tables {source}, heads first {moved})")
+    return _project(g, g.op("Reshape", [y, g.ints([b, s, heads * d])], (b, s, heads * d)), c)
+
+
+def nm_rotary_variants(g: G, x: str) -> str:
+    """Near the rotation, but not a signed permutation of each row: the halves swapped along the sequence
+    (mixing rows), or added (not one element each)."""
+    b, s, c = g.shape[x]
+    q = _project(g, x, 2 * (c // 2 + 1), keep_rank=True)
+    d = 2 * (c // 2 + 1)
+    kind = g.pick(["rows", "sum"])
+    if kind == "rows" and s > 1:
+        lo = g.op("Slice", [q, g.ints([0]), g.ints([1]), g.ints([1])], (b, 1, d))
+        hi = g.op("Slice", [q, g.ints([1]), g.ints([s]), g.ints([1])], (b, s - 1, d))
+        r = g.op("Concat", [g.op("Neg", [hi], g.shape[hi]), lo], (b, s, d), axis=1)
+    else:
+        h = d // 2
+        x1 = g.op("Slice", [q, g.ints([0]), g.ints([h]), g.ints([-1])], (b, s, h))
+        x2 = g.op("Slice", [q, g.ints([h]), g.ints([d]), g.ints([-1])], (b, s, h))
+        r = g.op("Concat", [g.bin("Add", x1, x2), x1], (b, s, d), axis=-1)
+    g.desc.append(f"near-miss: rotation {kind}")
+    return _project(g, g.bin("Add", q, r), c)
+
+
+def step_modulation(g: G, x: str) -> str:
+    """AdaLN modulation: a conditioning vector's projection chunked into shift, scale and gate (through a view
+    [B, n, C], a table added: PixArt's AdaLN-single; or a [B, 2C, 1, 1] view on an image: scale-shift
+    resnets), then x * (1 + scale) + shift and gate * x."""
+    shape = g.shape[x]
+    b, c = shape[0], shape[1] if len(shape) == 4 else shape[-1]
+    cond = g.input((b, g.num(1, 12)), "cond")
+    n = g.pick([2, 3, 6])
+    y = _project(g, cond, n * c, keep_rank=True)
+    if len(shape) == 4:  # [B, nC, 1, 1], chunked along the channels
+        y = g.op("Reshape", [y, g.ints([b, n * c, 1, 1])], (b, n * c, 1, 1))
+        parts = g.op_n("Split", [y], [(b, c, 1, 1)] * n, axis=1, num_outputs=n)
+    else:
+        y = g.op("Reshape", [y, g.ints([b, n, c])], (b, n, c))
+        if g.flag():
+            y = g.bin("Add", g.weight((1, n, c), 0.3, "table"), y)
+        if g.flag():
+            parts = g.op_n("Split", [y], [(b, 1, c)] * n, axis=1, num_outputs=n)
+        else:
+            parts = [g.op("Slice", [y, g.ints([i]), g.ints([i + 1]), g.ints([1])], (b, 1, c)) for i in range(n)]
+    shift, scale = parts[0], parts[1]
+    out = g.bin("Add", g.bin("Mul", x, g.bin("Add", g.scalar(1.0, "one"), scale)), shift)
+    if n > 2:
+        out = g.bin("Add", x, g.bin("Mul", parts[2], out))
+    g.desc.append(f"Modulation(n={n}, rank {len(shape)})")
+    return out
+
+
+def step_streams(g: G, x: str) -> str:
+    """Two streams joined along the sequence for attention and cut back (Flux, AuraFlow): the context's and
+    x's rows concatenated, normed and projected row by row, attention over the joint keys, the result cut
+    into the streams by Split or Slices (or only x's rows kept, as Flux's last block keeps the image)."""
+    b, s1, c = g.shape[x]
+    s2 = g.num(1, 6)
+    ctx = _project(g, g.input((b, s2, g.num(1, 12)), "ctx"), c, keep_rank=True)
+    j = g.op("Concat", [ctx, x], (b, s1 + s2, c), axis=1)
+    if g.flag():
+        j = g.op("LayerNormalization", [j, g.weight((c,), 0.1, "ln", offset=1.0)], (b, s1 + s2, c), axis=-1)
+    heads = g.pick([h for h in (1, 2, 3) if c % h == 0] or [1])
+    a = attention(g, j, heads=heads, d=max(c // heads, 1), cross=False, spelling=g.pick(["dynamo", "plain"]),
+                  causal=False) if c % heads == 0 else j
+    a = _project(g, a, c, keep_rank=True) if g.shape[a][-1] != c else a
+    y = g.bin("Add", j, a)
+    kind = g.pick(["split", "slices", "last"])
+    if kind == "split":
+        txt, img = g.op_n("Split", [y, g.ints([s2, s1], "sizes")], [(b, s2, c), (b, s1, c)], axis=1)
+        g.output(_project(g, txt, c))
+    elif kind == "slices":
+        txt = g.op("Slice", [y, g.ints([0]), g.ints([s2]), g.ints([1])], (b, s2, c))
+        img = g.op("Slice", [y, g.ints([s2]), g.ints([s1 + s2]), g.ints([1])], (b, s1, c))
+        g.output(_project(g, txt, c))
+    else:
+        img = g.op("Slice", [y, g.ints([s2]), g.ints([2**62]), g.ints([1])], (b, s1, c))
+    g.desc.append(f"Streams(s1={s1}, s2={s2}, cut {kind})")
+    return img
+
+
+def step_einsum(g: G, x: str) -> str:
+    """Einsum as DiTs write it: the unpatchify's permutation, a batched product with a weight or between two
+    activations."""
+    shape = g.shape[x]
+    b, s, c = shape
+    kind = g.pick(["permute", "weight", "pair"])
+    if kind == "permute":
+        y = g.op("Einsum", [x], (c, b, s), equation="bsc->cbs")
+        return g.op("Einsum", [y], (b, s, c), equation="cbs->bsc")
+    if kind == "weight":
+        n = g.num(1, 8)
+        return g.op("Einsum", [x, g.weight((c, n))], (b, s, n), equation="bsc,cn->bsn")
+    other = _project(g, x, c, keep_rank=True)
+    scores = g.op("Einsum", [x, other], (b, s, s), equation="bic,bjc->bij")
+    return g.op("Einsum", [scores, x], (b, s, c), equation="bij,bjc->bic")
+
+
 def nm_silu_sigmoid_shared(g: G, x: str) -> str:
     s = g.op("Sigmoid", [x], g.shape[x])
     y = g.op("Mul", [x, s], g.shape[x])
@@ -1934,6 +2115,10 @@ STEPS: dict[str, Step] = {
     "rms_norm": Step(step_rms_norm, (2, 3, 4)),
     "joint_attention": Step(step_joint_attention, (3,)),
     "adaln_chunks": Step(step_adaln_chunks, (2,)),
+    "rotary": Step(step_rotary, (3,)),
+    "modulation": Step(step_modulation, (3, 4)),
+    "streams": Step(step_streams, (3,)),
+    "einsum": Step(step_einsum, (3,)),
 }
 
 NEAR_MISSES: dict[str, Step] = {
@@ -1953,6 +2138,7 @@ NEAR_MISSES: dict[str, Step] = {
     "activation_constants": Step(nm_activation_constants, (2, 3)),
     "neutral_broadcast": Step(nm_neutral_broadcast, (1, 2, 3)),
     "mmdit_variants": Step(nm_mmdit_variants, (2, 3, 4)),
+    "rotary_variants": Step(nm_rotary_variants, (3,)),
 }
 
 MUTATIONS: dict[str, Step] = {  # each makes its own input: ranks (0,)
@@ -1983,6 +2169,7 @@ FAMILIES: dict[str, list[str]] = {
     "block": ["resnet_block", "vae_attention_block", "transformer_block", "upsample_block", "downsample_block",
               "unet_skip_block"],
     "mmdit": ["rms_norm", "joint_attention", "adaln_chunks"],
+    "generality": ["rotary", "modulation", "streams", "einsum"],
     "near_miss": list(NEAR_MISSES),
     "mutation": [f"mut_{name}" for name in MUTATIONS],
 }

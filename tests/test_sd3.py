@@ -140,7 +140,7 @@ def test_the_transformer_is_offloaded_but_for_its_boundary(tiny_sd3):
     """On diffusers' own SD3 graph (tiny, 2 blocks, dual attention in the first): every attention is SDMHA (the
     joint ones split by query part), every norm and projection a dispatch op, every MAC on the NPU; what stays
     on the CPU is the graph's edge: the inputs' casts and `hidden_states`' Transpose, the timestep sinusoid in
-    fp32, and the unpatchify with the output's cast."""
+    fp32, and the unpatchify (a Transpose between Reshapes) with the output's cast."""
     report = json.loads((tiny_sd3.out / "transformer" / "dd" / "report.json").read_text())
     summary = report["summary"]
     assert summary["macs_offloaded_share"] == 1.0 and summary["npu_regions"] == 1
@@ -149,23 +149,27 @@ def test_the_transformer_is_offloaded_but_for_its_boundary(tiny_sd3):
     # the image tokens only (context_pre_only): one query part
     assert ops["SDMHA"] + ops.get("SDFlatMHA", 0) == 4 and ops["SDRMSNorm"] == 9 and ops["SDConv"] == 1
     cpu = sorted(n["op_type"] for n in report["cpu_nodes"])
-    assert cpu == sorted(["CastAvx"] * 5 + ["Transpose", "Mul", "Add", "Sin"] + ["Reshape"] * 3 + ["Einsum"]), cpu
-    assert summary["offload_rate"] > 0.90  # measured: 90.91% (130 dispatch ops, 13 CPU nodes)
+    # the unpatchify's Einsum is the Transpose it is (canonicalize)
+    assert cpu == sorted(["CastAvx"] * 5 + ["Transpose", "Mul", "Add", "Sin"] + ["Reshape"] * 3 + ["Transpose"]), cpu
+    # measured: 90.37% (122 dispatch ops, 13 CPU nodes; the AdaLayerNorms' `1 +` folded into their SDGemm biases)
+    assert summary["offload_rate"] > 0.90
     assert set(report["assumed_capabilities"]) == {"SDRMSNorm: registry", "SDGelu: tanh GELU"}
 
 
 def test_t5s_feed_forward_is_on_the_npu_and_its_attention_says_why_not(tiny_sd3):
     """T5's gated tanh-GELU (transformers' gelu_new, written out as Pow/Tanh/Mul/Add) becomes SDGelu beside
     the gate's SDMul; its attention adds a relative-position bias per head and query, which SDMHA's one-row
-    mask cannot carry, so the scores stay on the CPU, and the report says that (not a causal-mask miss)."""
+    mask cannot carry, so the attention stays on the CPU, one node, and the report says that (not a causal-mask
+    miss)."""
     report = json.loads((tiny_sd3.out / "text_encoder_3" / "dd" / "report.json").read_text())
     layers = json.loads((tiny_sd3.out / "text_encoder_3" / "config.json").read_text())["num_layers"]
     ops = report["offloaded_by_type"]
     assert ops["SDGelu"] == layers and ops["SDRMSNorm"] == 2 * layers + 1 and ops["SDGemm"] == 7 * layers
     cpu = report["cpu_nodes"]
     assert not {"Pow", "Tanh"} & {n["op_type"] for n in cpu}
-    pv = [n for n in cpu if n["op_type"] == "MatMul" and "relative-position bias" in n["reason"]]
-    assert len(pv) == layers, [n["reason"] for n in cpu if n["op_type"] == "MatMul"]
+    # each attention is one onnxruntime MultiHeadAttention on the CPU (its bias its attention_bias)
+    mha = [n for n in cpu if n["op_type"] == "MultiHeadAttention" and "relative-position bias" in n["reason"]]
+    assert len(mha) == layers and not {"MatMul", "Softmax"} & {n["op_type"] for n in cpu}, cpu
     assert report["summary"]["macs_offloaded_share"] > 0.9  # the attention's two products stay on the CPU
 
 

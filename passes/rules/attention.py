@@ -26,9 +26,12 @@ from dataclasses import dataclass
 import numpy as np
 import onnx_ir as ir
 
+from sdnpu.ops.tags import DECLINED_TAG
 from sdnpu.passes import movement
-from sdnpu.passes.irutil import Builder, attr, const, producer, scalar, static_shape
+from sdnpu.passes.irutil import Builder, attr, const, is_float, producer, scalar, static_shape
 from sdnpu.passes.rules.base import Match, Rule
+
+MICROSOFT = "com.microsoft"  # onnxruntime's contrib ops: run by its CPU provider, not dispatch ops
 
 
 @dataclass(frozen=True)
@@ -38,6 +41,9 @@ class MHAParams:
     v: ir.Value
     heads: int
     assumed: list[str]
+    cpu: str | None = None  # why the target cannot take it: then onnxruntime's MultiHeadAttention on the CPU
+    bias: ir.Value | None = None  # what is added to the scores (a causal mask, T5's position bias)
+    scale: float = 1.0
 
 
 def _head_split(src: tuple[int, ...], heads: int, kind: str) -> np.ndarray | None:
@@ -143,18 +149,21 @@ class SDMHAFusion(Rule):
         between: list[ir.Node] = []
         scale = 1.0
         p = qk.producer() if qk is not None else None
-        causal = False
+        causal, bias, bias_reason = False, None, None
         if p is not None and p.op_type == "Add" and p.domain in ("", "ai.onnx"):
             mask_side = [i for i, v in enumerate(p.inputs) if const(v) is not None]
-            if len(mask_side) != 1:
-                return "the scores' addend is computed, not a constant mask"
-            added = const(p.inputs[mask_side[0]])
-            assert added is not None
-            if not _is_causal(added):
-                return _bias_reason(added)
-            causal = True
+            side = mask_side[0] if len(mask_side) == 1 else _bias_side(p)
+            if side is None:
+                return "the scores' addend is computed, and neither side is the scores' product"
+            bias = p.inputs[side]
+            added = const(bias)
+            if added is None:
+                bias_reason = "the scores' addend is computed, not a constant mask"
+            elif not _is_causal(added):
+                bias_reason = _bias_reason(added)
+            causal = added is not None and _is_causal(added)
             between.append(p)
-            p = p.inputs[1 - mask_side[0]].producer()  # type: ignore[union-attr]
+            p = p.inputs[1 - side].producer()  # type: ignore[union-attr]
         while p is not None and p.op_type in ("Mul", "Div") and len(p.inputs) == 2:
             # the scale on either side of a Mul (Mul(s, scores) as well as Mul(scores, s)); a Div's divisor
             if scalar(p.inputs[1]) is not None:
@@ -195,17 +204,21 @@ class SDMHAFusion(Rule):
         assert k_shape is not None
         assert self.target.mha_variant is not None, f"{self.target.name} has no attention op"
         op = self.target.mha_variant(q_shape[1], k_shape[1], heads)
+        total = scale * q_s * k_s
         reason, assumed = self.target.spec(op).check(
-            {"q": q_shape, "k": k_shape, "v": v_shape, "heads": heads, "causal": causal, "scale": scale * q_s * k_s})
-        if reason:
+            {"q": q_shape, "k": k_shape, "v": v_shape, "heads": heads, "causal": causal, "scale": total})
+        reason = bias_reason or reason
+        if reason and bias is not None and not _bias_fits(bias, q_shape[0], heads, q_shape[1], k_shape[1]):
             return reason
         nodes = [*q_chain, *k_chain, *v_chain, qk_mm, *reversed(between), sm, node, *out_chain]
         uniq = _own_nodes(list(dict.fromkeys(nodes)), {*q_chain, *k_chain, *v_chain})
-        return Match(uniq, [out], MHAParams(q_src, k_src, v_src, heads, assumed))
+        return Match(uniq, [out], MHAParams(q_src, k_src, v_src, heads, assumed, reason, bias, total))
 
     def rewrite(self, b: Builder, m: Match) -> list[ir.Value]:
         p: MHAParams = m.params
         q, k_in, v = (_rank3(b, x) for x in (p.q, p.k, p.v))
+        if p.cpu:
+            return [_cpu_attention(b, self.name, p, q, k_in, v)]
         bq, mq, k = static_shape(q)  # type: ignore[misc]
         n = static_shape(k_in)[1]  # type: ignore[index]
         op = self.target.mha_variant(mq, n, p.heads)  # type: ignore[misc]
@@ -221,6 +234,53 @@ class SDMHAFusion(Rule):
         node = b.dispatch(op, [q, k_in, v, mask_v], attrs, dtype=q.dtype, shape=[bq, mq, k],
                           assumed=p.assumed)
         return [node.outputs[0]]
+
+
+def _bias_side(add: ir.Node) -> int | None:
+    """Which input of the Add before the Softmax is the addend (a runtime mask), the other being Q·Kᵀ's
+    product (maybe scaled): None where neither is."""
+    for i, v in enumerate(add.inputs):
+        other = add.inputs[1 - i]
+        p = other.producer() if other is not None else None
+        while p is not None and p.op_type in ("Mul", "Div") and p.domain in ("", "ai.onnx"):
+            p = p.inputs[0].producer() if p.inputs[0] is not None else None
+        if p is not None and p.op_type == "MatMul" and v is not None:
+            return i
+    return None
+
+
+def _bias_fits(bias: ir.Value, b: int, h: int, m: int, n: int) -> bool:
+    """Whether onnxruntime's MultiHeadAttention takes ``bias`` as its attention_bias: [B or 1, H or 1, M, N]
+    (leading axes of 1 may be missing)."""
+    shape = static_shape(bias)
+    if shape is None or len(shape) > 4 or not is_float(bias):
+        return False
+    full = (1,) * (4 - len(shape)) + tuple(shape)
+    return full[0] in (1, b) and full[1] in (1, h) and full[2:] == (m, n)
+
+
+def _cpu_attention(b: Builder, rule: str, p: MHAParams, q: ir.Value, k: ir.Value, v: ir.Value) -> ir.Value:
+    """The attention the target cannot take (a causal mask, a per-head bias: SDMHA's mask is one row over the
+    keys) as one onnxruntime ``com.microsoft.MultiHeadAttention`` on the CPU: Q [B, M, C], K and V [B, N, C],
+    the scores' addend as its attention_bias, the scale as the product of every scalar met. One CPU node
+    instead of the head moves, two MatMuls, the Add and the Softmax."""
+    inputs: list[ir.Value | None] = [q, k, v]
+    if p.bias is not None:
+        shape = static_shape(p.bias)
+        assert shape is not None
+        bias = p.bias
+        if len(shape) < 4:
+            full = [1] * (4 - len(shape)) + list(shape)
+            bias = b.op("Reshape", [bias, b.const(np.asarray(full, np.int64), "shape")], dtype=bias.dtype,
+                        shape=full).outputs[0]
+        inputs += [None, None, bias]
+    bq, mq, _ = static_shape(q)  # type: ignore[misc]
+    cv = static_shape(v)[2]  # type: ignore[index]
+    node = b.op("MultiHeadAttention", inputs, {"num_heads": p.heads, "scale": float(p.scale)}, domain=MICROSOFT,
+                dtype=q.dtype, shape=[bq, mq, cv])
+    node.metadata_props[DECLINED_TAG] = (f"{rule}: {p.cpu}; runs on the CPU as one onnxruntime "
+                                         "MultiHeadAttention")
+    return node.outputs[0]
 
 
 def _rank3(b: Builder, x: ir.Value) -> ir.Value:

@@ -73,6 +73,16 @@ def _escapes(m: Match) -> ir.Value | None:
     return None
 
 
+def _first_producer(graph: ir.Graph, values: Sequence[ir.Value]) -> ir.Node | None:
+    """The earliest node (in graph order) that writes one of ``values``: every reader of every value comes
+    after it, and so do the new nodes' inputs, which the matched nodes read before."""
+    made = [v.producer() for v in values]
+    if len(values) == 1 or len({id(n) for n in made}) == 1:
+        return made[0]
+    wanted = {id(n) for n in made if n is not None}
+    return next((n for n in graph if id(n) in wanted), None)
+
+
 def apply_rules(graph: ir.Graph, rules: Sequence[Rule], stats: RuleStats | None = None) -> RuleStats:
     """Run each rule over the whole graph in order (rule-major, so earlier rules take precedence)."""
     stats = stats or RuleStats()
@@ -96,7 +106,7 @@ def apply_rules(graph: ir.Graph, rules: Sequence[Rule], stats: RuleStats | None 
                 continue
             b = Builder(graph, rule.name, rule.target)
             new_values = rule.rewrite(b, found)
-            last = found.outputs[-1].producer() or node  # new nodes go where the match ends
+            last = _first_producer(graph, found.outputs) or node  # new nodes go before the first value replaced
             replace(graph, last, found.nodes, b.nodes, found.outputs, list(new_values))
             stats.fired[rule.name] += 1
     return stats

@@ -85,3 +85,59 @@ class SDConvFusion(Rule):
                           dtype=p.x.dtype, shape=nhwc_shape(out_shape), assumed=p.assumed)
         back = b.op("Transpose", [conv.outputs[0]], {"perm": NHWC_TO_NCHW}, dtype=p.x.dtype, shape=out_shape)
         return [back.outputs[0]]
+
+
+_DENSE_LIMIT = 1 << 22  # elements of the dense weight an average pool becomes (8 MB in bf16)
+
+
+class SDPoolFusion(Rule):
+    """An average pool over k x k windows as an SDConv with a constant weight: each output channel the mean of
+    its own input channel's window (OHWI weight, 1/k^2 on the channel diagonal, exact in bf16 for k = 2),
+    Kandinsky's resnet downsampling. The NPU multiplies C times the pool's adds for it (C x C x k x k
+    weights); past ``_DENSE_LIMIT`` weight elements the pool stays on the CPU with that reason."""
+
+    name = "SDPoolFusion"
+    anchors = ("AveragePool",)
+
+    def match(self, node: ir.Node) -> Match | str | None:
+        x = node.inputs[0]
+        x_shape, y_shape = static_shape(x), static_shape(node.outputs[0])
+        kernel = [int(k) for k in attr(node, "kernel_shape", [])]
+        if x_shape is None or y_shape is None or len(x_shape) != 4 or len(kernel) != 2:
+            return "only 2-D average pools of static shape"
+        pads = [int(p) for p in attr(node, "pads", [0, 0, 0, 0])]
+        if any(pads) and not attr(node, "count_include_pad", 0):
+            return "padded windows averaged over their valid values only (count_include_pad=0): no one weight"
+        if attr(node, "ceil_mode", 0) or any(int(d) != 1 for d in attr(node, "dilations", [1, 1])) or \
+                attr(node, "auto_pad", "NOTSET") not in ("NOTSET", b"NOTSET"):
+            return "ceil_mode, dilations or auto_pad"
+        c = x_shape[1]
+        if c * c * kernel[0] * kernel[1] > _DENSE_LIMIT:
+            return (f"as an SDConv its weight would be {c}x{c}x{kernel[0]}x{kernel[1]} (the target has no "
+                    "depthwise convolution)")
+        strides = [int(s) for s in attr(node, "strides", [1, 1])]
+        reason, assumed = self.target.spec("SDConv").check(
+            {"w": (c, kernel[0], kernel[1], c), "group": 1, "dilations": [1, 1], "strides": strides, "pads": pads})
+        if reason:
+            return reason
+        return Match([node], [node.outputs[0]], ConvParams(x, x, None, strides, pads, [1, 1], 1, assumed))  # type: ignore[arg-type]
+
+    def rewrite(self, b: Builder, m: Match) -> list[ir.Value]:
+        p: ConvParams = m.params
+        node = m.nodes[0]
+        kh, kw = (int(k) for k in attr(node, "kernel_shape"))
+        x_shape, out_shape = static_shape(p.x), static_shape(m.outputs[0])
+        assert x_shape is not None and out_shape is not None
+        c = x_shape[1]
+        weight = np.zeros((c, kh, kw, c), np.float32)
+        weight[np.arange(c), :, :, np.arange(c)] = 1.0 / (kh * kw)
+        w = b.const(weight, "avg_pool_ohwi")
+        bias = b.const(np.zeros(c, np.float32), "avg_pool_zero_bias")
+        xt = b.op("Transpose", [p.x], {"perm": NCHW_TO_NHWC}, dtype=p.x.dtype, shape=nhwc_shape(x_shape))
+        conv = b.dispatch("SDConv", [xt.outputs[0], w, bias],
+                          {"input_shape": nhwc_shape(x_shape), "output_shape": nhwc_shape(out_shape),
+                           "weight_shape": [c, kh, kw, c], "strides": p.strides, "pads": p.pads,
+                           "dilations": [1, 1], "group": 1, "kernel_shape": [kh, kw]},
+                          dtype=p.x.dtype, shape=nhwc_shape(out_shape), assumed=p.assumed)
+        back = b.op("Transpose", [conv.outputs[0]], {"perm": NHWC_TO_NCHW}, dtype=p.x.dtype, shape=out_shape)
+        return [back.outputs[0]]

@@ -1,0 +1,52 @@
+"""ONNX's own conformance node tests (``tests/node_tests.py``) through ``sdnpu compile``: every one of the
+1,884 either compiles or is refused in one line; none ends in a traceback. In four chunks, so the suite's
+workers share them."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from . import node_tests
+
+CHUNKS = 4
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("chunk", range(CHUNKS))
+def test_no_node_test_ends_in_a_traceback(chunk, tmp_path):
+    import logging
+
+    logging.getLogger("sdnpu").setLevel(logging.ERROR)
+    cases = list(node_tests.cases())[chunk::CHUNKS]
+    assert len(cases) > 400
+    outcomes = {}
+    for i, case in enumerate(cases):
+        kind, text = node_tests.outcome(case, tmp_path / f"{i}_{case.name}")
+        outcomes[case.name] = (kind, text)
+    tracebacks = {name: text.splitlines()[-1] for name, (kind, text) in outcomes.items() if kind == "traceback"}
+    assert not tracebacks, tracebacks
+    assert sum(kind == "compiled" for kind, _ in outcomes.values()) > 0.8 * len(cases)
+
+
+def test_a_resize_given_its_scales_as_an_input_is_checked_with_its_own(tmp_path):
+    """ONNX's test_resize_upsample_scales_nearest: the scales are a graph input. The fidelity run takes the
+    test's own inputs beside the model (test_data_set_0/), not random scales."""
+    case = next(node_tests.cases("^test_resize_upsample_scales_nearest$"))
+    kind, text = node_tests.outcome(case, tmp_path / "case")
+    assert kind == "compiled" and "min cosine 1.000000" in text, text
+
+
+def test_a_shape_input_without_test_data_is_said(tmp_path):
+    """Without the test's inputs, an input that decides a shape (a Reshape's) has no seeded value: the compile
+    goes on without the check and says why."""
+    import shutil
+
+    from sdnpu.convert.compile import compile_file
+
+    case = next(node_tests.cases("^test_reshape_extended_dims$"))
+    path = node_tests.write_case(case, tmp_path / "case")
+    shutil.rmtree(tmp_path / "case" / "test_data_set_0")
+    report = compile_file(Path(path), tmp_path / "case" / "dd")
+    assert report["fidelity"] is None and "a shape" in report["fidelity_skipped"]
