@@ -335,6 +335,30 @@ class _Planner:
         return out
 
 
+def _forward_axis(r: ir.Node, v: ir.Value, axis: int) -> int | None:
+    """The axis of ``r``'s output that ``v``'s ``axis`` becomes, where ``r`` works row by row along it (the
+    planner checks the rest when it builds ``r``'s parts); None where it plainly does not."""
+    out = static_shape(r.outputs[0])
+    vs = static_shape(v)
+    if out is None or vs is None or not _onnx(r):
+        return None
+    op = r.op_type
+    if op in UNARY or op in NARY or op in REDUCE or op in ("Softmax", "LayerNormalization", "Concat", "Split", "Slice"):
+        a = axis + (len(out) - len(vs))
+        return a if 0 <= a < len(out) and out[a] == vs[axis] else None
+    if op == "Transpose":  # only where the axis keeps its place: a head split's Transpose is where the
+        moved = list(attr(r, "perm")).index(axis)  # attention rule reads its [B, S, H, D] source, whole
+        return moved if moved == axis else None
+    if op == "Reshape":
+        before = int(np.prod(vs[:axis]))
+        return next((a for a, d in enumerate(out) if d == vs[axis] and int(np.prod(out[:a])) == before), None)
+    if op == "MatMul" and r.inputs[0] is v and axis <= len(vs) - 2:
+        return axis + (len(out) - len(vs))
+    if op == "Gemm" and r.inputs[0] is v and axis == 0:
+        return 0
+    return None
+
+
 def _cut_once(graph: ir.Graph, cut: ir.Node, edges: dict[ir.Value, bool],
               cut_edges: dict[tuple[ir.Value, int, Bounds], list[ir.Value]]) -> bool:
     x = cut.inputs[0]
@@ -357,18 +381,35 @@ def _cut_once(graph: ir.Graph, cut: ir.Node, edges: dict[ir.Value, bool],
         targets = list(zip(cut.outputs, pieces, strict=True))
     else:
         targets = [(cut.outputs[0], pieces[bounds.index(_slice_span(cut, shape[axis]))])]
+    # every value now made of parts keeps its other readers: one that works row by row is made of parts too
+    # (Flux.2's fused projection cut into q, k, v, mlp per stream), the rest read the parts' Concat (attention's
+    # keys and values: an SDConcat on the NPU)
+    whole: dict[int, tuple[ir.Value, int]] = {}
+    done = 0
+    while done < len(planner.whole):
+        v, a, bd = planner.whole[done]
+        done += 1
+        for use in list(v.uses()):
+            r = use.node
+            if r is cut or any((o, ax, bd) in planner.memo for o in r.outputs for ax in range(len(static_shape(o) or ()))):
+                continue  # the cut, or a node already made of parts (on the way to the cut)
+            ax = _forward_axis(r, v, a)
+            try:
+                if ax is None:
+                    raise _Fail("not row by row")
+                for o in r.outputs:
+                    planner.parts(o, ax, bd)
+            except _Fail:
+                whole[id(v)] = (v, a)
+        if v.is_graph_output():
+            whole[id(v)] = (v, a)
     b = planner.b
-    rebuilt: dict[int, ir.Value] = {}
-    for v, a, bd in planner.whole:  # a value now made of parts keeps its other readers: they read the parts' Concat
-        if v.is_graph_output() or any(u.node is not cut for u in v.uses()):
-            ps = planner.memo[(v, a, bd)]
-            rebuilt[id(v)] = b.op("Concat", ps, {"axis": a}, dtype=v.dtype, shape=list(static_shape(v))).outputs[0]  # type: ignore[arg-type]
+    rebuilt = {k: b.op("Concat", planner.memo[(v, a, bounds)], {"axis": a}, dtype=v.dtype,
+                       shape=list(static_shape(v))).outputs[0] for k, (v, a) in whole.items()}  # type: ignore[arg-type]
     made = set(map(id, b.nodes))
     graph.insert_before(cut, b.nodes)
-    for v, _, _ in planner.whole:
-        new = rebuilt.get(id(v))
-        if new is None:
-            continue
+    for k, new in rebuilt.items():
+        v = whole[k][0]
         for u in list(v.uses()):
             if u.node is not cut and id(u.node) not in made:
                 u.node.replace_input_with(u.idx, new)
