@@ -65,7 +65,7 @@ def main() -> None:
     from sdnpu.convert.compile import compile_file, plan_specialization, write_specialized
     from sdnpu.passes.pipeline import CompileOptions
     from sdnpu.progress import release_memory
-    from sdnpu.sizes import sizes_of
+    from sdnpu.formats.sizes import sizes_of
 
     comp_dir = Path(args.models) / args.component
     sizes = sizes_of(comp_dir)

@@ -4,7 +4,8 @@
 """
 
 from sdnpu.convert.driver import ComponentResult, ConvertOptions, ConvertResult, convert, parse_components
-from sdnpu.convert.sources import COMPONENTS, Source, preset_names, resolve_source
+from sdnpu.components import COMPONENTS
+from sdnpu.convert.sources import Source, preset_names, resolve_source
 
 __all__ = [
     "COMPONENTS",

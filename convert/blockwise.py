@@ -37,6 +37,8 @@ import numpy as np
 
 from sdnpu.convert.sources import PRESET_SEED, Source
 from sdnpu.errors import SdnpuError
+from sdnpu.formats.weights import FILE as WEIGHTS_FILE
+from sdnpu.formats.weights import make_record, read_record, write_record
 from sdnpu.progress import peak_rss_bytes, release_memory, step
 
 log = logging.getLogger(__name__)
@@ -406,7 +408,6 @@ def _parameters(per_piece: list[dict[str, Any]], alias: dict[str, str]) -> dict[
 def _stitch_provenance(parts: list[Path], dd_dir: Path, alias32: dict[str, str], alias_dd: dict[str, str]) -> None:
     """dd/weights.json for the stitched dispatch model: each piece's record under its prefix, its ``init``
     references renamed to the stitched fp32 graph's constants (a repeat to the one kept)."""
-    from sdnpu.passes import provenance
 
     def rename(expr: Any, i: int) -> Any:
         if isinstance(expr, dict):
@@ -418,15 +419,14 @@ def _stitch_provenance(parts: list[Path], dd_dir: Path, alias32: dict[str, str],
             return [rename(v, i) for v in expr]
         return expr
 
-    weights: dict[str, Any] = {}
+    stitched_weights: dict[str, Any] = {}
     for i, part in enumerate(parts):
-        record = provenance.read_record(part.parent / provenance.FILE)
+        record = read_record(part.parent / WEIGHTS_FILE)
         for name, expr in record["weights"].items():
             stitched = f"b{i}/{name}"
             if stitched not in alias_dd:
-                weights[stitched] = rename(expr, i)
-    (dd_dir / provenance.FILE).write_text(json.dumps({"format": provenance.FORMAT, "version": provenance.VERSION,
-                                                      "source": "model.onnx", "weights": weights}))
+                stitched_weights[stitched] = rename(expr, i)
+    write_record(dd_dir / WEIGHTS_FILE, make_record("model.onnx", stitched_weights))
 
 
 def _repartition(path: Path, target: Any) -> None:

@@ -15,13 +15,17 @@ from typing import Any
 
 import numpy as np
 
+from sdnpu.components import COMPONENTS
 from sdnpu.errors import SdnpuError
 from sdnpu.fileio import staged_dir
 from sdnpu.memory import check_fits
-from sdnpu.ops import handoff, prologue
+from sdnpu.formats import handoff, prologue, weights
+from sdnpu.onnxrun import prologue_output_shapes, run_onnx
 from sdnpu.passes.pipeline import CompileOptions
-from sdnpu.pipelines import Size, default_resolution, handoff_values, pipeline_outputs, prologue_inputs, signature
-from sdnpu.pipelines import vae_scale_factor
+from sdnpu.imagesize import Size
+from sdnpu.signatures import signature
+from sdnpu.specs import default_resolution, handoff_values, pipeline_outputs, prologue_inputs
+from sdnpu.signatures import vae_scale_factor
 from sdnpu.progress import peak_rss_bytes, release_memory, step
 from sdnpu.reports.fidelity import fidelity, generic_inputs
 
@@ -72,7 +76,6 @@ def static_shapes(path: Path, overrides: dict[str, list[int]] | None = None, res
     (``--shape``) win. Inputs that stay dynamic are an error naming them."""
     import onnx
 
-    from sdnpu.convert.sources import COMPONENTS
     from sdnpu.passes.pipeline import unreadable
 
     try:
@@ -101,24 +104,6 @@ def static_shapes(path: Path, overrides: dict[str, list[int]] | None = None, res
             + ", ".join(f"{k} {v}" for k, v in missing.items()),
             hint="pass them, e.g. " + " ".join(f"--shape {k}=" + ",".join("N" for _ in v) for k, v in missing.items()))
     return shapes
-
-
-def run_onnx(path: Path, feeds: dict[str, np.ndarray], optimize: bool = False) -> dict[str, np.ndarray]:
-    """Run a graph on onnxruntime's CPU provider; dispatch ops run through their reference bodies.
-    Graph optimizations are off by default: they would fold every weight's bf16->fp32 cast into an fp32
-    copy (twice the memory) and can reorder float math. Handoff values (``sdnpu.ops.handoff``) are taken
-    and given in the fp32 graph's form; a step prologue (``sdnpu.ops.prologue``) runs first on the fp32
-    graph's inputs."""
-    import onnxruntime as ort
-
-    opts = ort.SessionOptions()
-    opts.graph_optimization_level = (ort.GraphOptimizationLevel.ORT_ENABLE_BASIC if optimize
-                                     else ort.GraphOptimizationLevel.ORT_DISABLE_ALL)
-    opts.log_severity_level = 3
-    sess = ort.InferenceSession(str(path), opts, providers=["CPUExecutionProvider"])
-    names = [o.name for o in sess.get_outputs()]
-    feeds = prologue.run_with(path, sess, feeds)  # a dispatch model's step prologue first, where it has one
-    return dict(zip(names, handoff.run(sess, names, feeds), strict=True))
 
 
 def _read_config(path: Path) -> dict[str, Any]:
@@ -175,7 +160,7 @@ def compile_into(source: Path, dd_dir: Path, info: dict[str, Any], options: Comp
     if pro is not None:
         save(pro, dd_dir / prologue.FILE)
         _validate(dd_dir / prologue.FILE, name, f"cut from {out.name}", "`--no-compile` keeps the exported graph")
-    (dd_dir / provenance.FILE).write_text(json.dumps(provenance.record(model.graph, source.name)))
+    weights.write_record(dd_dir / weights.FILE, provenance.record(model.graph, source.name))
     del model
     release_memory()
     _validate(out, name, f"compiled from {source}", "`--no-compile` keeps the exported graph")
@@ -211,7 +196,7 @@ def plan_specialization(primary: Path, source: Path, target: Any) -> Any:
             dims[name] = handoff.graph_shape(dims[name], to_reference)
     steps = prologue.of_proto(model)  # the step prologue's values, at this size
     if steps is not None:
-        dims.update(prologue.output_shapes(steps.path(primary), {k: dims[k] for k in steps.inputs}))
+        dims.update(prologue_output_shapes(steps.path(primary), {k: dims[k] for k in steps.inputs}))
     handles: dict[str, Any] = {}
     try:
         plan = specialize(model, target, dims, lambda t: shared.tensor_bytes(primary.parent, t, handles))
@@ -232,7 +217,6 @@ def write_specialized(plan: Any, primary: Path, source: Path, dest: Path, dd_dir
     it reads, validate it, and write its report and weight record into ``dd_dir`` as a compile does (with
     ``check``, the fidelity run against ``source``). Returns (the report, what the graph shares)."""
     from sdnpu.convert import shared
-    from sdnpu.passes import provenance
     from sdnpu.reports import report as reports
 
     name = info.get("component", source.parent.name)
@@ -247,10 +231,10 @@ def write_specialized(plan: Any, primary: Path, source: Path, dest: Path, dd_dir
              "specialized_from": _size_name(first)}
     report = reports.build(dest, source, passes, {**info, **extra}, fid, options.target)
     reports.write(dd_dir, report)
-    record = json.loads((primary.parent / provenance.FILE).read_text())
-    weights = {k: v for k, v in record["weights"].items() if k not in set(plan.dropped)}
-    weights.update({k: provenance.LITERAL for k in plan.new_masks})
-    (dd_dir / provenance.FILE).write_text(json.dumps({**record, "source": source.name, "weights": weights}))
+    record = json.loads((primary.parent / weights.FILE).read_text())
+    kept = {k: v for k, v in record["weights"].items() if k not in set(plan.dropped)}
+    kept.update({k: weights.LITERAL for k in plan.new_masks})
+    weights.write_record(dd_dir / weights.FILE, {**record, "source": source.name, "weights": kept})
     return report, stats
 
 
@@ -324,7 +308,7 @@ def output_names(path: Path) -> list[str]:
 def _refuse_shared_dd(dd_dir: Path) -> None:
     """``sdnpu compile`` replaces its output folder whole: refuse a component's ``dd/`` that holds the
     dispatch models of several sizes over one data file (``sdnpu.convert.shared``), which it would drop."""
-    from sdnpu.sizes import sizes_of
+    from sdnpu.formats.sizes import sizes_of
 
     if dd_dir.name != "dd" or not dd_dir.is_dir():
         return

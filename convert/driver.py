@@ -20,7 +20,6 @@ from typing import Any
 
 from sdnpu import __version__
 from sdnpu.convert import blockwise, shared
-from sdnpu.convert.components import build_wrapper
 from sdnpu.convert.export import (
     CHECK_RTOL,
     DEFAULT_OPSET,
@@ -30,33 +29,23 @@ from sdnpu.convert.export import (
     torch_outputs,
 )
 from sdnpu.convert.compile import OUTPUT_CHOICES, run_onnx
-from sdnpu.convert.parameters import FILE as PARAMETERS_FILE
+from sdnpu.formats.parameters import FILE as PARAMETERS_FILE
 from sdnpu.convert.parameters import map_parameters
-from sdnpu.convert.sources import COMPONENT_MODULES, COMPONENTS, Source, resolve_source
+from sdnpu.components import COMPONENTS, LORA_COMPONENTS, SIZED, module_of
+from sdnpu.convert.sources import Source, resolve_source
 from sdnpu.errors import SdnpuError, storage_error
-from sdnpu.ops import prologue
+from sdnpu.formats import prologue
 from sdnpu.ops.target import DEFAULT_TARGET
 from sdnpu.fileio import atomic_write_bytes, atomic_write_json, recover_staging, staged_dir
-from sdnpu.lora.adapters import COMPONENTS as LORA_COMPONENTS
 from sdnpu.lora.adapters import LoraFile, LoraSpec, fuse_into, read_lora
 from sdnpu.memory import available_bytes, check_fits
 from sdnpu.passes.pipeline import CompileOptions
-from sdnpu.pipelines import (
-    SIZED,
-    Signature,
-    Size,
-    check_resolution,
-    handoff_values,
-    parse_sizes,
-    prologue_inputs,
-    sample_inputs,
-    signature,
-    unet_text_time,
-    vae_scale_factor,
-)
-from sdnpu.pipelines import default_resolution as resolution_rule
+from sdnpu.imagesize import Size, parse_sizes
+from sdnpu.signatures import Signature, sample_inputs, signature, unet_text_time, vae_scale_factor
+from sdnpu.specs import check_resolution, handoff_values, prologue_inputs
+from sdnpu.specs import default_resolution as resolution_rule
 from sdnpu.progress import peak_rss_bytes, release_memory, step
-from sdnpu.sizes import SizeFiles, read_manifest, sizes_of, write_manifest
+from sdnpu.formats.sizes import SizeFiles, read_manifest, sizes_of, write_manifest
 from sdnpu.reports.fidelity import fidelity
 from sdnpu.worker import run_in_worker
 
@@ -186,7 +175,7 @@ def convert(source: str | Path, components: str | Sequence[str] = "all", out: st
     if options.loras and "transformer" in src.modules:
         raise SdnpuError(f"{src.name} is an SD3 pipeline: sdnpu fuses LoRAs into UNets and CLIP encoders (SDXL, "
                          "SD 1.x) only", hint="convert it without --lora")
-    weights = {key: module_bytes(src, key) for key in dict.fromkeys(COMPONENT_MODULES[c] for c in comps)}
+    weights = {key: module_bytes(src, key) for key in dict.fromkeys(module_of(c) for c in comps)}
     by_block: set[str] = set()
     for key, need in weights.items():  # one that cannot fit: before anything is written
         if blockwise.supports(src, key) and (options.blockwise or not _fits(need, BLOCKWISE_SHARE)):
@@ -219,7 +208,7 @@ def convert(source: str | Path, components: str | Sequence[str] = "all", out: st
     results: list[ComponentResult] = []
     cached: tuple[str, Any] | None = None
     for i, comp in enumerate(comps):
-        key = COMPONENT_MODULES[comp]
+        key = module_of(comp)
         comp_sizes = sizes if comp in SIZED else sizes[:1]
         if options.add:
             results += _add_sizes(src, comp, out_dir / comp, comp_sizes, factor, options, fingerprint)
@@ -239,7 +228,7 @@ def convert(source: str | Path, components: str | Sequence[str] = "all", out: st
                 cached = (key, _load(src, comp, key))
             holder.append(cached[1])  # the torch stage takes it out, so it holds the last reference
             cached = (key, (cached[1][0], 0.0))  # a second component of the same module loaded nothing
-            if not (i + 1 < len(comps) and COMPONENT_MODULES[comps[i + 1]] == key):
+            if not (i + 1 < len(comps) and module_of(comps[i + 1]) == key):
                 cached = None
         job = _Job(comp, key, res, factor, options)
         with staged_dir(out_dir / comp) as stage:
@@ -315,7 +304,7 @@ def _add_sizes(src: Source, comp: str, comp_dir: Path, sizes: list[Size], factor
                  "it has " + ", ".join(str(s) for s in sizes))
         return []
     results = []
-    job = _Job(comp, COMPONENT_MODULES[comp], new[0], factor, options)
+    job = _Job(comp, module_of(comp), new[0], factor, options)
     for size in new:
         result, stats = _convert_size(src, replace(job, res=size), comp_dir, fingerprint)
         result.path = comp_dir / SizeFiles(size, False).model
@@ -493,8 +482,8 @@ def _check_module_fits(key: str, need: int, comps: list[str]) -> None:
         return
     avail = available_bytes()
     assert avail is not None
-    names = [c for c in comps if COMPONENT_MODULES[c] == key]
-    others = [c for c in comps if COMPONENT_MODULES[c] != key]
+    names = [c for c in comps if module_of(c) == key]
+    others = [c for c in comps if module_of(c) != key]
     hint = f"convert the others: --model {','.join(others)}" if others else "convert it on a machine with more memory"
     raise SdnpuError(f"{', '.join(names)} cannot be converted here: the {key} module's fp32 weights alone are "
                      f"{_human(need)} and this machine has {_human(avail)} available (its export holds them beside "
@@ -553,6 +542,8 @@ def _fuse_loras(src: Source, job: _Job, module: Any) -> dict[str, Any] | None:
 def _torch_stage(src: Source, job: _Job, path: str, holder: list[Any]) -> _TorchStage:
     """Load (unless ``holder`` has the module), run PyTorch on the seeded inputs, export. Every torch
     object lives and dies in here."""
+    from sdnpu.convert.wrappers import build_wrapper  # imports torch: only the torch stage does
+
     comp = job.component
     module, load_s = holder.pop() if holder else _load(src, comp, job.key)
     seconds = {"load": round(load_s, 2)}
@@ -667,7 +658,7 @@ def _write_records(src: Source, job: _Job, stage: Path, fingerprint: str, result
     atomic_write_json(stage / "export.json", {
         "component": comp,
         "source": {"name": src.name, "kind": src.kind, "path": str(src.root), "fingerprint": fingerprint},
-        "module_class": src.classes[COMPONENT_MODULES[comp]],
+        "module_class": src.classes[module_of(comp)],
         "exporter": options.exporter,
         "opset": options.opset,
         **_resolution(res),
@@ -694,7 +685,7 @@ def _compile_info(src: Source, job: _Job, fingerprint: str, lora: dict[str, Any]
 
 def _place_prologue(compiled: Path, dd_dir: Path, size: Size) -> None:
     """A size compiled in full beside the primary (``compiled``, in the scratch folder) reads its step prologue
-    (``sdnpu.ops.prologue``) from the component's ``dd/``: the primary's where the two compute the same (the
+    (``sdnpu.formats.prologue``) from the component's ``dd/``: the primary's where the two compute the same (the
     same digest: one prologue serves every size), else its own copy under the size's name, which its model
     then names."""
     import onnx

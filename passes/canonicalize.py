@@ -40,7 +40,7 @@ TARGET_OPSET = 20
 RULE = "Canonicalize"
 # model metadata: the constants cut from a larger one for this graph's size (``_crop_constants``), which the
 # size specializer cannot re-derive from another size's dispatch model
-SIZED_CONSTANTS_KEY = "sdnpu.sized_constants"
+from sdnpu.formats.keys import SIZED_CONSTANTS_KEY  # noqa: E402
 
 
 def _to_reshape(graph: ir.Graph) -> int:

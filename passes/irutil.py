@@ -8,7 +8,7 @@ from typing import Any
 import numpy as np
 import onnx_ir as ir
 
-from sdnpu.ops.tags import ASSUMED_TAG, RULE_TAG, VIEWS_TAG
+from sdnpu.formats.keys import ASSUMED_TAG, RULE_TAG, VIEWS_TAG
 from sdnpu.ops.target import Target
 from sdnpu.passes import provenance
 from sdnpu.passes.provenance import Step

@@ -62,8 +62,8 @@ EXTERNAL_DATA_ENV = "SDNPU_EXTERNAL_DATA_ABOVE"
 class CompileOptions:
     """What a compile is for: the target and the precision (validated once, here); ``handoff``: graph inputs
     and outputs that another dispatch model writes or reads, kept bf16 in the NPU's layout
-    (``sdnpu.ops.handoff``); ``prologue``: graph inputs whose CPU work goes into the step prologue that
-    another dispatch model shares (``sdnpu.ops.prologue``)."""
+    (``sdnpu.formats.handoff``); ``prologue``: graph inputs whose CPU work goes into the step prologue that
+    another dispatch model shares (``sdnpu.formats.prologue``)."""
 
     target: Target = field(default_factory=get_target)
     precision: str = "bf16"

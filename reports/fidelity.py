@@ -9,7 +9,7 @@ from typing import Any
 
 import numpy as np
 
-from sdnpu.ops import prologue
+from sdnpu.formats import prologue
 
 
 def generic_inputs(path: Path, seed: int = 0, shapes: dict[str, list[int]] | None = None) -> dict[str, np.ndarray]:

@@ -25,10 +25,13 @@ from typing import Any
 
 import numpy as np
 
+from sdnpu.components import CLIP_ENCODERS
 from sdnpu.errors import SdnpuError
-from sdnpu.ops import handoff, prologue
-from sdnpu.ops.handoff import handover
-from sdnpu.pipelines import UNET_BATCH, Size, pipeline_outputs, vae_scale_factor
+from sdnpu.formats import handoff, prologue
+from sdnpu.formats.handoff import handover
+from sdnpu.imagesize import Size
+from sdnpu.signatures import UNET_BATCH, vae_scale_factor
+from sdnpu.specs import pipeline_outputs
 from sdnpu.progress import release_memory
 from sdnpu.runtime.controlnet import ControlSpec, check_compatible, config_of, control_image, controlnet_folder, keep
 from sdnpu.runtime.controlnet import residual_inputs
@@ -158,7 +161,7 @@ class Pipeline(Stages):
             return self._encode(parts, text)
 
     def _encoders(self) -> tuple[str, ...]:
-        return ("text_encoder", "text_encoder_2") if self.sdxl else ("text_encoder",)
+        return CLIP_ENCODERS if self.sdxl else CLIP_ENCODERS[:1]
 
     @property
     def encoders(self) -> tuple[str, ...]:

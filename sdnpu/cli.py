@@ -12,7 +12,9 @@ from collections.abc import Sequence
 from typing import Any
 
 from sdnpu import __version__
+from sdnpu.components import COMPONENTS, LORA_COMPONENTS
 from sdnpu.errors import SdnpuError, storage_error
+from sdnpu.formats.overlay import applied_names
 
 log = logging.getLogger("sdnpu")
 
@@ -153,7 +155,7 @@ def _cmd_generate(args: argparse.Namespace) -> int:
     pipe = Pipeline(Path(args.models), reference=args.reference, runtime=runtime)
     height, width = pipe.image_size
     if (args.width or width, args.height or height) != (width, height):  # another of the folder's sizes
-        from sdnpu.pipelines import Size
+        from sdnpu.imagesize import Size
 
         pipe = Pipeline(Path(args.models), reference=args.reference, runtime=runtime,
                         size=Size(args.height or height, args.width or width))
@@ -173,9 +175,7 @@ def _cmd_generate(args: argparse.Namespace) -> int:
     if runtime.loras:
         how += f"; LoRA {', '.join(str(s) for s in runtime.loras)} applied at session open"
     else:
-        from sdnpu.lora.overlay import applied_names
-
-        names = applied_names(Path(args.models))
+        names = applied_names(Path(args.models), LORA_COMPONENTS)
         if names:
             how += f"; the folder's LoRA {names}"
     how += f"; text encoders {', '.join(pipe.encoders)}"
@@ -236,7 +236,7 @@ def _cmd_verify(args: argparse.Namespace) -> int:
 
     size = None
     if args.width or args.height:
-        from sdnpu.pipelines import Size
+        from sdnpu.imagesize import Size
 
         if not (args.width and args.height):
             raise SdnpuError("--width and --height go together in sdnpu verify",
@@ -264,7 +264,6 @@ def _cmd_verify(args: argparse.Namespace) -> int:
 
 def build_parser() -> argparse.ArgumentParser:
     from sdnpu.convert.export import DEFAULT_OPSET, EXPORTERS
-    from sdnpu.convert.sources import COMPONENTS
     from sdnpu.ops.target import DEFAULT_TARGET, target_names
 
     parser = argparse.ArgumentParser(prog="sdnpu", description="Stable Diffusion to NPU dispatch models.")

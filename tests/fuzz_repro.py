@@ -386,16 +386,17 @@ def provenance_violations(source: onnx.ModelProto, compiled: ir.Model, final: on
     """Every constant of the dispatch model replays from the input graph's constants through the steps its
     record names, byte for byte (passes/provenance.py: what a LoRA needs); one line per constant that does
     not, or that a pass made without saying how."""
+    from sdnpu.formats.weights import check_replay, constant_reader
     from sdnpu.passes import provenance
 
-    read = provenance.constant_reader(ir.serde.deserialize_model(source))
+    read = constant_reader(ir.serde.deserialize_model(source))
     weights = provenance.record(compiled.graph, "fuzz")["weights"]
-    return provenance.check_replay(weights, ir.serde.deserialize_model(final).graph, read)[1]
+    return check_replay(weights, ir.serde.deserialize_model(final).graph, read)[1]
 
 
 def check(model: onnx.ModelProto, precision: str = "bf16") -> Outcome:
     """Compile ``model`` and compare every stage with it; raises ``Mismatch`` (or the compiler's error)."""
-    from sdnpu.ops.tags import REASON_TAG, REGION_TAG
+    from sdnpu.formats.keys import REASON_TAG, REGION_TAG
     from sdnpu.passes.cleanup import attach_functions
     from sdnpu.passes.pipeline import CompileOptions, compile_model
 

@@ -55,7 +55,7 @@ def t5_folder(tmp_path_factory):
 
 def test_a_t5_that_does_not_fit_converts_block_by_block_and_matches_the_module(blockwise_preset):
     from sdnpu.convert.blockwise import whole_module
-    from sdnpu.passes import provenance
+    from sdnpu.formats import weights as provenance
 
     blockwise_preset, _ = blockwise_preset
     out = blockwise_preset.out / "text_encoder_3"

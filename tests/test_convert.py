@@ -15,8 +15,8 @@ import pytest
 
 from sdnpu.convert import COMPONENTS, convert, resolve_source
 from sdnpu.convert import driver as driver_mod
-from sdnpu.convert.components import build_wrapper
-from sdnpu.pipelines import sample_inputs, signature
+from sdnpu.convert.wrappers import build_wrapper
+from sdnpu.signatures import sample_inputs, signature
 from sdnpu.convert.compile import run_onnx
 from sdnpu.convert.export import torch_outputs
 from sdnpu.reports.fidelity import fidelity
@@ -222,7 +222,7 @@ def test_resolution_must_fit_the_unet(tmp_path):
 @pytest.mark.parametrize("text, size", [("1152x896", (896, 1152)), ("1024", (1024, 1024)),
                                         (" 640 X 1536 ", (1536, 640))])
 def test_sizes_are_written_width_by_height(text, size):
-    from sdnpu.pipelines import Size
+    from sdnpu.imagesize import Size
 
     assert Size.parse(text) == size and Size.of(size) == size
 

@@ -13,7 +13,8 @@ import onnxruntime as ort
 import pytest
 from onnx import helper
 
-from sdnpu.ops import handoff
+from sdnpu import onnxrun
+from sdnpu.formats import handoff
 from sdnpu.passes.pipeline import CompileOptions, compile_model
 
 from .graphs import feeds_for, model, run, to_ir, to_proto
@@ -93,11 +94,11 @@ def test_outputs_leave_in_the_npus_form_and_the_scale_multiplies_on_the_npu():
     assert ops["SDMul"] == 3 and ops["SDConcat"] == 1
     feeds = {**feeds_for(m), "scale": np.asarray(0.7, np.float32)}
     want = run(m, feeds)
-    got = handoff.run(session(out), ["y1", "y2", "y3"], feeds)  # back in the fp32 graph's form
+    got = onnxrun.run(session(out), ["y1", "y2", "y3"], feeds)  # back in the fp32 graph's form
     for a, b in zip(want, got, strict=True):
         assert b.dtype == np.float32 and b.shape == a.shape
         np.testing.assert_allclose(b, a, rtol=BF16_TOL, atol=BF16_TOL * np.abs(a).max())
-    native = handoff.run(session(out), ["y1"], feeds, native=True)[0]
+    native = onnxrun.run(session(out), ["y1"], feeds, native=True)[0]
     assert handoff.is_bf16(native) and native.shape == (2, 6, 6, 8)
     np.testing.assert_array_equal(handoff.to_reference(native, (0, 3, 1, 2)), got[0])
 
@@ -111,11 +112,11 @@ def test_inputs_enter_in_the_npus_form_from_either_form():
     assert cpu_ops(plain) - cpu_ops(out) == {"Transpose": 1, "CastAvx": 1}  # res's edge, gone
     feeds = feeds_for(m)
     want = run(m, feeds)[0]
-    fp32 = handoff.run(session(out), ["y"], feeds)[0]
+    fp32 = onnxrun.run(session(out), ["y"], feeds)[0]
     np.testing.assert_allclose(fp32, want, rtol=BF16_TOL, atol=BF16_TOL * np.abs(want).max())
     nhwc = handoff.to_graph(feeds["res"], (0, 3, 1, 2))
     assert handoff.is_bf16(nhwc) and nhwc.shape == (2, 6, 6, 8)
-    native = handoff.run(session(out), ["y"], {**feeds, "res": nhwc})[0]
+    native = onnxrun.run(session(out), ["y"], {**feeds, "res": nhwc})[0]
     np.testing.assert_array_equal(native, fp32)
 
 

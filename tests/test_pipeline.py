@@ -13,10 +13,10 @@ import torch
 
 from sdnpu.convert import resolve_source
 from sdnpu.convert.compile import fidelity, run_onnx
-from sdnpu.convert.components import build_wrapper
+from sdnpu.convert.wrappers import build_wrapper
 from sdnpu.ops.target import get_target
 from sdnpu.passes.pipeline import CompileOptions, compile_model, load
-from sdnpu.pipelines import sample_inputs, signature
+from sdnpu.signatures import sample_inputs, signature
 
 from .graphs import run, to_proto
 

@@ -15,7 +15,8 @@ from onnx import helper
 
 from sdnpu.convert.compile import compile_file, run_onnx
 from sdnpu.errors import SdnpuError
-from sdnpu.ops import prologue
+from sdnpu import onnxrun
+from sdnpu.formats import prologue
 from sdnpu.passes.pipeline import CompileOptions
 
 from .graphs import feeds_for, model, run
@@ -127,7 +128,7 @@ def test_only_the_named_inputs_work_moves(tmp_path):
 def test_the_prologue_serves_every_size(tmp_path):
     """Its shapes are symbolic: the values for other input sizes come out of the same prologue."""
     path, _ = compiled(tmp_path / "a", step_graph(), {"x", "t"})
-    shapes = prologue.output_shapes(path.with_name(prologue.FILE), {"x": [2, 8, 10, 6], "t": [2, 4]})
+    shapes = onnxrun.prologue_output_shapes(path.with_name(prologue.FILE), {"x": [2, 8, 10, 6], "t": [2, 4]})
     assert shapes == {"prologue.x": [2, 10, 6, 8], "prologue.t": [2, 4]}  # x NHWC
 
 
@@ -153,7 +154,7 @@ def test_a_size_compiled_in_full_reads_the_primarys_prologue_or_its_own(tmp_path
     """Where the specializer refuses a size and it is compiled in full, its prologue is the primary's when they
     compute the same (one file serves every size), else its own copy under the size's name."""
     from sdnpu.convert.driver import _place_prologue
-    from sdnpu.pipelines import Size
+    from sdnpu.imagesize import Size
 
     primary, _ = compiled(tmp_path / "primary", step_graph(), {"x", "t"})
     same, _ = compiled(tmp_path / "same", step_graph(names="other_"), {"x", "t"})

@@ -176,7 +176,7 @@ def test_sd3_takes_more_sizes(tiny_sd3, tmp_path, caplog):
     import logging
 
     from sdnpu.convert import convert
-    from sdnpu.pipelines import Size
+    from sdnpu.imagesize import Size
 
     folder = tmp_path / "tiny-sd3"
     shutil.copytree(tiny_sd3.out, folder)

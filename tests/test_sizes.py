@@ -16,10 +16,10 @@ from sdnpu.cli import main
 from sdnpu.convert import convert
 from sdnpu.convert import shared
 from sdnpu.errors import SdnpuError
-from sdnpu.pipelines import SDXL_BUCKETS, Size, parse_sizes
+from sdnpu.imagesize import SDXL_BUCKETS, Size, parse_sizes
 from sdnpu.runtime import GenerateOptions, Pipeline, RuntimeOptions, open_component
 from sdnpu.runtime.session import SharedWeights
-from sdnpu.sizes import read_manifest, sizes_of
+from sdnpu.formats.sizes import read_manifest, sizes_of
 from tests.conftest import _arrays, _tree
 
 WIDE = Size(256, 320)  # 320x256

@@ -10,7 +10,7 @@ import onnx
 import pytest
 from onnx import helper
 
-from sdnpu.ops.tags import VIEWS_TAG
+from sdnpu.formats.keys import VIEWS_TAG
 from sdnpu.ops.target import get_target
 from sdnpu.passes.cleanup import contract_violations
 
