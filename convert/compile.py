@@ -76,7 +76,7 @@ def static_shapes(path: Path, overrides: dict[str, list[int]] | None = None, res
     (``--shape``) win. Inputs that stay dynamic are an error naming them."""
     import onnx
 
-    from sdnpu.passes.pipeline import unreadable
+    from sdnpu.passes.modelfile import unreadable
 
     try:
         model = onnx.load(str(path), load_external_data=False)
@@ -141,12 +141,13 @@ def compile_into(source: Path, dd_dir: Path, info: dict[str, Any], options: Comp
 
     from sdnpu.passes import provenance
     from sdnpu.passes.canonicalize import bind_input_shapes
-    from sdnpu.passes.pipeline import compile_model, load, records_json, save
+    from sdnpu.passes.manager import records_json
+    from sdnpu.passes.modelfile import load, save
+    from sdnpu.passes.pipeline import compile_model, pass_names
     from sdnpu.reports import report as reports
 
     name = info.get("component", source.parent.name)
-    with step(log, f"[{name}] compiling for {options.target.name} (canonicalize, fuse, layout, glue, views, "
-                   "precision, cleanup, partition)"):
+    with step(log, f"[{name}] compiling for {options.target.name} ({', '.join(pass_names(options))})"):
         model = load(source)
         if shapes:
             bind_input_shapes(model, shapes)

@@ -21,6 +21,7 @@ from typing import Any
 import numpy as np
 
 from sdnpu.errors import SdnpuError
+from sdnpu.passes.modelfile import save
 
 log = logging.getLogger(__name__)
 
@@ -41,8 +42,6 @@ def _strip_metadata(model: Any) -> None:
 
 def save_ir(model: Any, path: Path) -> None:
     """Save with weights inline below 2 GB and in one ``<name>.data`` file above (the compiler's rule)."""
-    from sdnpu.passes.pipeline import save
-
     save(model, path)
 
 

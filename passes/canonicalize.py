@@ -30,7 +30,6 @@ import onnx_ir.passes.common as common
 import onnxscript.optimizer
 
 from sdnpu.passes import provenance
-from sdnpu.passes.joint import joint_attention
 from sdnpu.passes.irutil import Builder, const, remove_dead_nodes, replace, static_shape
 from sdnpu.passes.manager import PassResult
 
@@ -615,7 +614,6 @@ def canonicalize(model: ir.Model) -> PassResult:
             break
     if cropped:
         model.metadata_props[SIZED_CONSTANTS_KEY] = ",".join(sorted({c for c in cropped}))
-    counts.update(joint_attention(model.graph))  # SD3's MMDiT: one attention per query part, heads after the norms
     common.RemoveUnusedNodesPass()(model)
     counts["nodes removed"] = max(0, n_before - len(model.graph))
     # shape annotations alone (ShapeInferencePass) do not count as a change

@@ -14,7 +14,7 @@ seed 12345, generation only); "outputs changed" are those whose dispatch-model e
 - the *reference* is the input graph run in fp32 (an fp16 graph widened to fp32 first: its weights as
   stored, its own fp16 rounding counted as an error like ours); ``scale`` is max |reference| per output,
   ``err`` max |out - reference| over the output.
-- fp32 tier (after canonicalize, fuse, layout and glue, fp32 graph): these passes change no precision,
+- fp32 tier (after canonicalize, joint, fuse, layout and glue, fp32 graph): these passes change no precision,
   only the order of float operations (GroupNorm's body reduces differently from InstanceNormalization,
   MHA scales once instead of twice) and, in canonicalize's sinusoid, cos(a) into sin(a + pi/2), the fp32
   rounding of the argument (2^-24 |a|): ``err <= FP32_REL * scale``, FP32_REL = 1e-4, the project's tier
@@ -98,7 +98,7 @@ FRESH_FEEDS, SMALL = 2, 0.25  # an output over its bound whose scale is < SMALL 
 BF16_EPS, FP16_EPS, FP32_EPS = 2.0**-8, 2.0**-11, 2.0**-24
 SENSITIVITY_DRAWS = 2
 FLOAT_TYPES = (T.FLOAT, T.FLOAT16)
-STAGES = ("canonicalize", "fuse", "layout", "glue")  # before precision: the fp32 / fp16 tier
+STAGES = ("canonicalize", "joint", "fuse", "layout", "glue")  # before precision: the fp32 / fp16 tier
 NP_OF = {T.FLOAT: np.float32, T.FLOAT16: np.float16, T.BFLOAT16: ml_dtypes.bfloat16, T.INT64: np.int64,
          T.INT32: np.int32, T.BOOL: np.bool_}
 STORAGE = {"bfloat16": T.BFLOAT16, "float": T.FLOAT, "uint8": T.UINT8, "uint16": T.UINT16}  # Input.dtype

@@ -10,6 +10,8 @@ from pathlib import Path
 
 import numpy as np
 import onnx
+import onnx_ir as ir
+import onnxruntime as ort
 import pytest
 from onnx import helper
 
@@ -17,7 +19,9 @@ from sdnpu.convert.compile import compile_file, run_onnx
 from sdnpu.errors import SdnpuError
 from sdnpu import onnxrun
 from sdnpu.formats import prologue
-from sdnpu.passes.pipeline import CompileOptions
+from sdnpu.ops.target import get_target
+from sdnpu.passes.pipeline import CompileOptions, pipeline
+from sdnpu.passes.prologue import prologue_pass
 
 from .graphs import feeds_for, model, run
 
@@ -193,3 +197,48 @@ def test_pack_carries_the_prologue(tmp_path, monkeypatch):
     counts = pack_model(path, tmp_path / "packed")
     assert counts["step prologue copied"] == 1 and counts["SDConv weights -> bfp16ebs8 blob"] == 2
     assert (tmp_path / "packed" / prologue.FILE).read_bytes() == path.with_name(prologue.FILE).read_bytes()
+
+
+# ---- the pass by itself (``sdnpu.passes.prologue.prologue_pass``), on what the passes before it leave -----------
+
+def after_cleanup(m: onnx.ModelProto) -> ir.Model:
+    irm = ir.serde.deserialize_model(m)
+    for name, fn in pipeline(CompileOptions()):
+        fn(irm)
+        if name == "cleanup":
+            return irm
+    raise AssertionError("no cleanup pass")
+
+
+def test_the_pass_cuts_the_step_inputs_cpu_work_into_a_model_of_its_own():
+    m = step_graph()
+    irm = after_cleanup(m)
+    before = Counter(n.op_type for n in irm.graph)
+    result = prologue_pass(irm, get_target(), frozenset({"x", "t"}))
+    assert result.modified and result.counts == {"CPU nodes moved": 5, "values handed over": 2}
+    pro = result.details["prologue"]
+    moved = Counter(n.op_type for n in pro.graph)
+    # x's Transpose and cast, t's frequency product, its Sin and cast
+    assert moved == {"Transpose": 1, "CastAvx": 2, "Mul": 1, "Sin": 1}
+    assert before - Counter(n.op_type for n in irm.graph) == moved
+    assert [v.name for v in irm.graph.inputs] == ["prologue.x", "prologue.t"]
+    record = prologue.decode(irm.metadata_props[prologue.KEY])
+    assert record.inputs == ("x", "t") and record.outputs == ("prologue.x", "prologue.t")
+    assert record == prologue.decode(pro.metadata_props[prologue.KEY])
+    sessions = []
+    for part in (pro, irm):
+        proto = ir.serde.serialize_model(part)
+        onnx.checker.check_model(proto, full_check=True)
+        sessions.append(ort.InferenceSession(proto.SerializeToString(), providers=["CPUExecutionProvider"]))
+    feeds = feeds_for(m)
+    values = onnxrun.run_prologue(sessions[0], feeds)  # the prologue first, then the model on its values
+    got = onnxrun.run(sessions[1], ["y"], values)[0]
+    want = run(m, feeds)[0]
+    np.testing.assert_allclose(got, want, rtol=BF16_TOL, atol=BF16_TOL * np.abs(want).max())
+
+
+def test_the_pass_leaves_a_graph_without_such_work_as_it_is():
+    irm = after_cleanup(step_graph())
+    result = prologue_pass(irm, get_target(), frozenset({"not_an_input"}))
+    assert not result.modified and prologue.KEY not in irm.metadata_props
+    assert [v.name for v in irm.graph.inputs] == ["x", "t"]

@@ -14,6 +14,7 @@ from sdnpu.passes.canonicalize import canonicalize
 from sdnpu.passes.fuse import fuse
 from sdnpu.passes.glue import lower_glue
 from sdnpu.passes.layout import layout
+from sdnpu.passes.pipeline import joint
 from sdnpu.passes.views import absorb_views
 
 from .graphs import feeds_for, model, ops, run, to_ir, with_functions
@@ -31,9 +32,10 @@ def n(op: str, ins: list[str], outs: list[str], **attrs) -> onnx.NodeProto:
 
 
 def lowered(m: onnx.ModelProto):
-    """canonicalize, fuse, layout, glue and views: every dispatch op in place, still fp32."""
+    """canonicalize, joint, fuse, layout, glue and views: every dispatch op in place, still fp32."""
     irm = to_ir(m)
     canonicalize(irm)
+    joint(irm)
     fuse(irm, TARGET)
     layout(irm)
     lower_glue(irm, TARGET)
