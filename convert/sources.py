@@ -14,13 +14,16 @@ import json
 import logging
 import os
 import shutil
+from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field
+from functools import cached_property
 from pathlib import Path
 from typing import Any, Literal
 
 from sdnpu.components import COMPONENTS, MODULES, module_of
 from sdnpu.errors import SdnpuError
 from sdnpu.fileio import atomic_write_bytes, staged_dir
+from sdnpu.specs import PipelineConfig
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")  # no model hub is reachable; never try one
 
@@ -57,6 +60,25 @@ def _read_json(path: Path) -> dict[str, Any]:
     if not isinstance(data, dict):
         raise SdnpuError(f"{path} does not hold a JSON object")
     return data
+
+
+class _Configs(Mapping[str, dict[str, Any]]):
+    """A source's module configs by module key, each read from its folder when first asked for."""
+
+    def __init__(self, modules: Mapping[str, Path]) -> None:
+        self._modules = modules
+        self._read: dict[str, dict[str, Any]] = {}
+
+    def __getitem__(self, key: str) -> dict[str, Any]:
+        if key not in self._read:
+            self._read[key] = _read_json(self._modules[key] / "config.json")
+        return self._read[key]
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self._modules)
+
+    def __len__(self) -> int:
+        return len(self._modules)
 
 
 def _module_class(config: dict[str, Any]) -> str | None:
@@ -101,6 +123,15 @@ class Source:
 
     def module_config(self, component: str) -> dict[str, Any]:
         return _read_json(self.module_dir(component) / "config.json")
+
+    @cached_property
+    def _configs(self) -> _Configs:
+        return _Configs(self.modules)
+
+    def pipeline_config(self) -> PipelineConfig:
+        """The source's module configs (each read once, when first asked for) and whether it is SDXL's
+        (``sdnpu.specs``: every component's spec comes from it)."""
+        return PipelineConfig(self._configs, sdxl="text_encoder_2" in self.modules)
 
     def fingerprint(self) -> str:
         """A content hash of what defines the weights: the configs, and for folders each weight

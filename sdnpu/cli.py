@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import logging
 import os
@@ -71,9 +72,9 @@ def _cmd_compile(args: argparse.Namespace) -> int:
             shapes[name] = [int(d) for d in dims.split(",") if d] if dims else []
         except ValueError as e:
             raise SdnpuError(f"cannot read --shape {item!r}", hint="write NAME=D,D,... e.g. sample=2,4,128,128") from e
-    report = compile_file(Path(args.model), Path(args.out) if args.out else None,
-                          CompileOptions.named(args.target, args.precision), verify=not args.no_verify,
-                          shapes=shapes, res=args.res, outputs=args.outputs)
+    options = dataclasses.replace(CompileOptions.named(args.target, args.precision), shapes=shapes)
+    report = compile_file(Path(args.model), Path(args.out) if args.out else None, options, verify=not args.no_verify,
+                          res=args.res, outputs=args.outputs)
     print(render_text(report), end="")
     return 0
 

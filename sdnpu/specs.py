@@ -32,10 +32,16 @@ _UNET_LIKE = frozenset({"UNet", "UNetResiduals", "ControlNet"})
 _STEP_SHARING = frozenset({"UNetResiduals", "ControlNet"})
 
 
+def _wrapper(component: str) -> str | None:
+    """The component's wrapper (its kind of graph); None for a name that is not a component (a graph compiled
+    alone, in a folder of another name)."""
+    return components.row(component).wrapper if component in components.COMPONENTS else None
+
+
 def resolution_step(component: str, config: dict[str, Any], vae_factor: int) -> int:
     """The resolution must be a multiple of this (each down block halves the latent, and the UNet's
     skip connections need the halves to line up again)."""
-    wrapper = components.row(component).wrapper
+    wrapper = _wrapper(component)
     if wrapper in _UNET_LIKE:
         return vae_factor * 2 ** (len(config["block_out_channels"]) - 1)
     if wrapper == "Transformer":  # latents cut into patch x patch tokens
@@ -93,7 +99,7 @@ def pipeline_outputs(component: str, config: dict[str, Any], sdxl: bool) -> list
 def handoff_values(component: str, config: dict[str, Any]) -> frozenset[str]:
     """The graph inputs and outputs of ``component`` that another dispatch model writes or reads, kept in the
     NPU's form (``sdnpu.formats.handoff``): a ControlNet's residuals, and the residual UNet's inputs for them."""
-    wrapper = components.row(component).wrapper
+    wrapper = _wrapper(component)
     if wrapper == "ControlNet":
         return frozenset(controlnet_outputs(config))
     if wrapper == "UNetResiduals":
@@ -105,7 +111,7 @@ def prologue_inputs(component: str, config: dict[str, Any]) -> frozenset[str]:
     """The graph inputs of ``component`` whose CPU work goes into the step prologue it shares with the other
     dispatch models of a step (``sdnpu.formats.prologue``): a ControlNet's and the residual UNet's UNet inputs
     (the latents, the timestep, the text, SDXL's added conditioning), which both read each step."""
-    if components.row(component).wrapper not in _STEP_SHARING:
+    if _wrapper(component) not in _STEP_SHARING:
         return frozenset()
     return frozenset(spec.name for spec in signature("unet", config, 512).inputs)  # names: any size will do
 

@@ -157,15 +157,15 @@ def test_a_missing_or_broken_prologue_and_a_missing_input_are_one_clear_error(tm
 def test_a_size_compiled_in_full_reads_the_primarys_prologue_or_its_own(tmp_path):
     """Where the specializer refuses a size and it is compiled in full, its prologue is the primary's when they
     compute the same (one file serves every size), else its own copy under the size's name."""
-    from sdnpu.convert.driver import _place_prologue
+    from sdnpu.convert.sized import place_prologue
     from sdnpu.imagesize import Size
 
     primary, _ = compiled(tmp_path / "primary", step_graph(), {"x", "t"})
     same, _ = compiled(tmp_path / "same", step_graph(names="other_"), {"x", "t"})
-    _place_prologue(same, primary.parent, Size.of("320x256"))
+    place_prologue(same, primary.parent, Size.of("320x256"))
     assert sorted(p.name for p in primary.parent.glob("prologue*")) == [prologue.FILE]
     other, _ = compiled(tmp_path / "other", step_graph(freq=3.0), {"x", "t"})
-    _place_prologue(other, primary.parent, Size.of("320x256"))
+    place_prologue(other, primary.parent, Size.of("320x256"))
     spec = prologue.of_proto(onnx.load(str(other), load_external_data=False))
     assert spec is not None and spec.file == "prologue.320x256.onnx"
     assert prologue.of_proto(onnx.load(str(primary.parent / spec.file))).digest == spec.digest

@@ -302,7 +302,7 @@ def test_specializing_refuses_what_it_cannot_rederive(two_sizes):
 
 
 def test_a_size_that_cannot_be_specialized_is_compiled_in_full(two_sizes, tmp_path, monkeypatch, caplog):
-    import sdnpu.convert.compile as compile_module
+    import sdnpu.convert.specialized as compile_module
     from sdnpu.passes.specialize import CannotSpecialize
 
     folder = tmp_path / "m"
