@@ -7,10 +7,10 @@ from __future__ import annotations
 import logging
 from dataclasses import dataclass, field
 
+from sdnpu.components import module_of
 from sdnpu.convert import blockwise
 from sdnpu.convert.options import ConvertOptions
 from sdnpu.convert.sources import Source
-from sdnpu.components import module_of
 from sdnpu.errors import SdnpuError
 from sdnpu.memory import available_bytes
 

@@ -14,7 +14,7 @@ from sdnpu.errors import SdnpuError
 from sdnpu.imagesize import Size
 from sdnpu.passes.modelfile import unreadable
 from sdnpu.signatures import signature, vae_scale_factor
-from sdnpu.specs import default_resolution, pipeline_outputs
+from sdnpu.specs import DENOISER_MODULES, default_resolution, pipeline_outputs
 
 log = logging.getLogger(__name__)
 
@@ -82,7 +82,7 @@ def static_shapes(path: Path, overrides: dict[str, list[int]] | None = None, res
     if dynamic and component in COMPONENTS and config_path.is_file():
         config = read_config(config_path)
         vae = _sibling_vae_config(path.parent) or (config if component.startswith("vae") else None)
-        denoiser = config if component in ("unet", "transformer") else None
+        denoiser = config if component in DENOISER_MODULES else None  # a component of that name: the module itself
         size = Size.of(default_resolution(denoiser, vae) if res is None else res)
         sig = signature(component, config, size, vae_scale_factor(vae))
         shapes = {spec.name: list(spec.shape) for spec in sig.inputs if spec.name in dynamic}

@@ -21,6 +21,7 @@ from pathlib import Path
 from typing import Any, Literal
 
 from sdnpu.components import COMPONENTS, MODULES, module_of
+from sdnpu.convert.tokenizer import t5_tokenizer_files, tokenizer_files
 from sdnpu.errors import SdnpuError
 from sdnpu.fileio import atomic_write_bytes, staged_dir
 from sdnpu.specs import PipelineConfig
@@ -188,8 +189,6 @@ class Source:
             if self.kind == "preset" and name.startswith("tokenizer"):
                 if name not in index:
                     continue
-                from sdnpu.convert.tokenizer import t5_tokenizer_files, tokenizer_files
-
                 pad = "<|endoftext|>" if name == "tokenizer" else "!"  # CLIP-L's, and OpenCLIP's bigG's
                 files = t5_tokenizer_files() if name == "tokenizer_3" else tokenizer_files(pad)
                 with staged_dir(out / name) as stage:

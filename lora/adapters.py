@@ -153,8 +153,11 @@ def _skeleton(folder: Path, component: str) -> Any:
 
 def _peft_state_dict(state_dict: dict[str, Any], component: str) -> dict[str, Any]:
     """The component's keys as PEFT names them (the conversions diffusers' loaders apply)."""
-    from diffusers.utils import convert_state_dict_to_diffusers, convert_state_dict_to_peft, \
-        convert_unet_state_dict_to_peft
+    from diffusers.utils import (
+        convert_state_dict_to_diffusers,
+        convert_state_dict_to_peft,
+        convert_unet_state_dict_to_peft,
+    )
 
     sd = {k.removeprefix(f"{component}."): v for k, v in state_dict.items() if k.startswith(f"{component}.")}
     if not sd:

@@ -21,6 +21,7 @@ from collections import Counter
 
 import onnx_ir as ir
 
+from sdnpu.errors import SdnpuError
 from sdnpu.ops.target import OpSpec, Target
 from sdnpu.passes.irutil import Builder, static_shape
 from sdnpu.passes.provenance import step
@@ -46,8 +47,6 @@ def bfp_variant_fits(spec: OpSpec, node: ir.Node) -> bool:
 
 def precision(model: ir.Model, target: Target, mode: str = "bf16") -> PassResult:
     if mode not in PRECISIONS:
-        from sdnpu.errors import SdnpuError
-
         raise SdnpuError(f"unknown precision {mode!r}", hint=f"choose one of: {', '.join(PRECISIONS)}")
     graph = model.graph
     counts: Counter[str] = Counter()

@@ -8,6 +8,9 @@ from typing import Any
 
 from sdnpu.components import order_key, ordered
 from sdnpu.errors import SdnpuError
+from sdnpu.formats.keys import TARGET_KEY
+from sdnpu.formats.sizes import sizes_of
+from sdnpu.reports.report import build
 
 SCHEMA = Path(__file__).with_name("report.schema.json")
 
@@ -35,14 +38,10 @@ def _from_onnx(path: Path) -> dict[str, Any]:
     """A report for a dispatch model that has none beside it (rebuilt from the model's own tags)."""
     import onnx
 
-    from sdnpu.reports.report import build
-
     try:
         model = onnx.load(str(path), load_external_data=False)
     except Exception as e:  # protobuf's DecodeError and friends
         raise SdnpuError(f"{path} is not a readable ONNX model: {type(e).__name__}: {e}") from e
-    from sdnpu.formats.keys import TARGET_KEY
-
     if not any(p.key == TARGET_KEY for p in model.metadata_props):
         raise SdnpuError(f"{path} is not a dispatch model: no target is recorded in it",
                          hint="compile it first: `sdnpu compile MODEL.onnx`")
@@ -103,8 +102,6 @@ def _find(path: Path) -> list[tuple[str, dict[str, Any], Path]]:
 
 
 def _other_sizes(comp_dir: Path, name: str) -> list[tuple[str, dict[str, Any], Path]]:
-    from sdnpu.formats.sizes import sizes_of
-
     return [(name, _read(comp_dir / f.report), comp_dir / f.dispatch) for f in sizes_of(comp_dir) if not f.primary]
 
 

@@ -26,8 +26,8 @@ import numpy as np
 from sdnpu.errors import SdnpuError
 from sdnpu.fileio import staged_dir
 from sdnpu.formats import prologue
-from sdnpu.formats.sizes import sizes_of
 from sdnpu.formats.keys import PACKED_KEY, TARGET_KEY
+from sdnpu.formats.sizes import sizes_of
 from sdnpu.ops.target import get_target
 
 log = logging.getLogger(__name__)

@@ -26,10 +26,10 @@ import numpy as np
 from sdnpu.components import CLIP_ENCODERS
 from sdnpu.errors import SdnpuError
 from sdnpu.imagesize import Size
+from sdnpu.runtime.session import Component, RuntimeOptions, component_path
+from sdnpu.runtime.stages import Stages, load_scheduler, read_index
 from sdnpu.signatures import UNET_BATCH, vae_scale_factor
 from sdnpu.specs import pipeline_outputs
-from sdnpu.runtime.pipeline import Stages, load_scheduler, read_index
-from sdnpu.runtime.session import Component, RuntimeOptions, component_path
 
 log = logging.getLogger(__name__)
 

@@ -28,8 +28,6 @@ from sdnpu.formats import handoff, prologue
 from sdnpu.formats.overlay import DATA, OVERLAY_DIR, overlay_initializers, read_manifest
 from sdnpu.formats.sizes import sizes_of
 from sdnpu.imagesize import Size
-from sdnpu.lora import overlay
-from sdnpu.lora.adapters import LoraSpec
 from sdnpu.memory import available_bytes
 
 log = logging.getLogger(__name__)
@@ -422,6 +420,10 @@ def lora_initializers(comp_dir: Path, component: str, reference: bool, specs: tu
     ``reference`` its fp32 graph) and the LoRAs: ``specs`` computed now, else the component's overlay
     (``sdnpu lora apply``: mapped from its file for a dispatch model; for the fp32 graph, computed again
     from the overlay's LoRA files, so that both carry the same LoRAs)."""
+    # here: computing LoRAs pulls the overlay's readers (onnx_ir) and diffusers in; a plain session needs neither
+    from sdnpu.lora import overlay
+    from sdnpu.lora.adapters import LoraSpec
+
     if component not in LORA_COMPONENTS:
         return {}, None
     if not specs:

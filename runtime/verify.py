@@ -18,18 +18,18 @@ from typing import Any
 
 import numpy as np
 
+from sdnpu.components import COMPONENTS, LORA_COMPONENTS, SIZED
 from sdnpu.errors import SdnpuError
 from sdnpu.fileio import atomic_write_json
+from sdnpu.formats.overlay import read_manifest
+from sdnpu.formats.sizes import SizeFiles, sizes_of
+from sdnpu.imagesize import Size
 from sdnpu.memory import check_fits, estimate
 from sdnpu.progress import step
 from sdnpu.reports import report as reports
 from sdnpu.reports.fidelity import RANGE_RUNS, fidelity, pessimistic_model, range_inputs, worst
-from sdnpu.components import COMPONENTS, LORA_COMPONENTS, SIZED
-from sdnpu.formats.overlay import read_manifest
-from sdnpu.runtime.pipeline import GenerateOptions, Pipeline
-from sdnpu.imagesize import Size
 from sdnpu.runtime.session import RuntimeOptions, component_path, open_component, open_component_path
-from sdnpu.formats.sizes import SizeFiles, sizes_of
+from sdnpu.runtime.text2image import GenerateOptions, Pipeline
 from sdnpu.worker import run_in_worker
 
 log = logging.getLogger(__name__)

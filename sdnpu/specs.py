@@ -26,6 +26,8 @@ from sdnpu.signatures import (
     vae_scale_factor,
 )
 
+# The modules whose sample size sets a pipeline's resolution, the first present.
+DENOISER_MODULES = ("unet", "transformer")
 # Wrappers whose module is a UNet's down path (the resolution rule of its skip connections).
 _UNET_LIKE = frozenset({"UNet", "UNetResiduals", "ControlNet"})
 # Wrappers that run each denoising step beside another dispatch model and share the step's inputs with it.
@@ -183,7 +185,7 @@ class PipelineConfig:
         alone: 1024 for SDXL's, 512 for SD 1.x's)."""
         if "unet" not in self.modules and "controlnet" in self.modules:
             return 1024 if unet_text_time(self.modules["controlnet"]) else 512
-        denoiser = next((m for m in ("unet", "transformer") if m in self.modules), None)
+        denoiser = next((m for m in DENOISER_MODULES if m in self.modules), None)
         return default_resolution(self.modules[denoiser] if denoiser else None, self.vae)
 
     def check_resolution(self, res: int | Size, names: list[str]) -> None:

@@ -15,7 +15,7 @@ from sdnpu.passes.canonicalize import canonicalize
 from sdnpu.passes.pipeline import CompileOptions, joint, pass_names
 
 from .graphs import feeds_for, model, ops, run, to_ir, to_proto
-from .test_mmdit import B, C, H, S1, S2, joint_attention, n, w
+from .test_mmdit import S1, S2, B, C, H, joint_attention, n, w
 
 SPLIT = "joint attention split by query part"
 SUNK = "head transposes moved below row ops"

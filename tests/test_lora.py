@@ -16,8 +16,7 @@ from onnx import numpy_helper
 from sdnpu.cli import main
 from sdnpu.errors import SdnpuError
 from sdnpu.formats.overlay import overlay_initializers, read_manifest
-from sdnpu.lora import LoraSpec
-from sdnpu.lora import overlay
+from sdnpu.lora import LoraSpec, overlay
 from sdnpu.lora.seeded import write_seeded_lora, write_summed_lora
 
 LORA_COMPONENTS = ("unet", "text_encoder", "text_encoder_2")
