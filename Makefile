@@ -66,8 +66,8 @@ generate: $(STAMP)
 	@test -n "$(PROMPT)" || { echo 'make generate PROMPT="a cat" [MODELS=models/sdxl-base] [STEPS=30] [IMAGE=image.png]'; exit 2; }
 	$(BIN)/sdnpu generate --models $(MODELS) --prompt "$(PROMPT)" --steps $(STEPS) --out $(IMAGE)
 
-# Two workers (pytest-xdist): much of the suite is single-threaded Python (torch's exporter, process start-up);
-# on 2 cores 10 min 21 s against 15 min 40 s for one.
+# Two workers (pytest-xdist): much of the suite is single-threaded Python (torch's exporter, process start-up),
+# so two run it in about two thirds of one's time on 2 cores (bench/results.md).
 test: $(STAMP)
 	$(BIN)/python -m pytest -q -n 2
 

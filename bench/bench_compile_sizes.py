@@ -62,10 +62,11 @@ def main() -> None:
     args = p.parse_args()
 
     from sdnpu.convert import shared
-    from sdnpu.convert.compile import compile_file, plan_specialization, write_specialized
+    from sdnpu.convert.compile import compile_file
+    from sdnpu.convert.specialized import plan_specialization, write_specialized
     from sdnpu.passes.pipeline import CompileOptions
     from sdnpu.progress import release_memory
-    from sdnpu.sizes import sizes_of
+    from sdnpu.formats.sizes import sizes_of
 
     comp_dir = Path(args.models) / args.component
     sizes = sizes_of(comp_dir)
@@ -93,8 +94,8 @@ def main() -> None:
             plan = plan_specialization(dd, source, options.target)
             planned = time.perf_counter() - t0
             out_name = f"replaced.{f.size}.onnx"
-            report, stats = write_specialized(plan, dd, source, scratch / "dd" / out_name, scratch / f"r-{f.size}",
-                                              {"component": args.component}, options, None, planned)
+            report, stats = write_specialized(plan, scratch / "dd" / out_name, scratch / f"r-{f.size}",
+                                              {"component": args.component}, options, None)
             spec = time.perf_counter() - t0
             total_spec += spec
             row = {"size": str(f.size), "specialize_s": round(spec, 2), "plan_s": round(planned, 3),

@@ -20,7 +20,7 @@ from pathlib import Path
 CHILD = """
 import dataclasses, sys
 from sdnpu.runtime import ControlSpec, GenerateOptions, Pipeline
-from sdnpu.runtime.pipeline import Pipeline as P
+from sdnpu.runtime.text2image import Pipeline as P
 
 shared = sys.argv[1] == "shared"
 stage = P._stage_runtime

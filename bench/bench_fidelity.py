@@ -33,7 +33,7 @@ DEFAULT_COMPONENTS = "text_encoder,text_encoder_2,vae_encoder,vae_decoder,unet"
 def _run(path: Path, comp_dir: Path, component: str, feeds: dict) -> dict:
     """The dispatch model at ``path`` on ``feeds``, with the component's LoRA overlay where it has one."""
     from sdnpu.convert.compile import run_onnx
-    from sdnpu.lora.overlay import read_manifest
+    from sdnpu.formats.overlay import read_manifest
     from sdnpu.runtime.session import RuntimeOptions, open_component_path
 
     if read_manifest(comp_dir / "dd") is None:
@@ -46,9 +46,9 @@ def measure(source: str, models: Path, component: str, res: int | None, loras: t
     import torch
 
     from sdnpu.convert import resolve_source
-    from sdnpu.convert.components import build_wrapper
+    from sdnpu.convert.wrappers import build_wrapper
     from sdnpu.convert.driver import default_resolution
-    from sdnpu.pipelines import sample_inputs, signature, vae_scale_factor
+    from sdnpu.signatures import sample_inputs, signature, vae_scale_factor
     from sdnpu.reports.fidelity import RANGE_RUNS
 
     src = resolve_source(source)
@@ -62,13 +62,13 @@ def measure(source: str, models: Path, component: str, res: int | None, loras: t
         if "timestep" in feeds:
             feeds["timestep"] = np.full(feeds["timestep"].shape, t, feeds["timestep"].dtype)
         runs.append(feeds)
-    from sdnpu.convert.sources import COMPONENT_MODULES
+    from sdnpu.components import module_of
 
     export = models / component / "export.json"
     if export.is_file() and json.loads(export.read_text()).get("blockwise"):
-        refs, bfs, seconds = _blockwise_torch(src, COMPONENT_MODULES[component], runs, sig.outputs)
+        refs, bfs, seconds = _blockwise_torch(src, module_of(component), runs, sig.outputs)
         return _compare(component, models, runs, refs, bfs, seconds, sig.outputs)
-    module = src.load_module(COMPONENT_MODULES[component])
+    module = src.load_module(module_of(component))
     if loras:
         from sdnpu.lora.adapters import fuse_into, read_lora
 

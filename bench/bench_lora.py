@@ -105,6 +105,7 @@ def compare_stacked_with_sum(folder: Path, files: list[Path], scales: list[float
     their sum, and compare every replaced weight: bf16 steps apart, and how many values differ."""
     import ml_dtypes
 
+    from sdnpu.formats.overlay import overlay_initializers
     from sdnpu.lora import LoraSpec, overlay
     from sdnpu.lora.seeded import write_summed_lora
 
@@ -119,7 +120,7 @@ def compare_stacked_with_sum(folder: Path, files: list[Path], scales: list[float
     overlay.apply(folder, [LoraSpec(total)])
     lines = []
     for comp, stacked_dir in aside.items():
-        summed, manifest = overlay.overlay_initializers(folder / comp / "dd")
+        summed, manifest = overlay_initializers(folder / comp / "dd")
         stacked = json.loads((stacked_dir / "lora.json").read_text())
         raw = np.memmap(stacked_dir / "weights.data", dtype=np.uint8, mode="r")
         values = differing = 0

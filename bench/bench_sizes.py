@@ -24,7 +24,7 @@ ROOT = Path(__file__).resolve().parent.parent
 CHILD = """
 import sys
 import numpy as np
-from sdnpu.pipelines import Size
+from sdnpu.imagesize import Size
 from sdnpu.runtime.session import RuntimeOptions, SharedWeights, open_component
 folder, component, share = sys.argv[1], sys.argv[2], sys.argv[3] == "1"
 shared = SharedWeights() if share else None

@@ -41,7 +41,7 @@ def _bytes(comp: Path, entry: tuple) -> bytes:
 
 
 def compare(fused: Path, applied: Path) -> str:
-    from sdnpu.lora.overlay import DATA, OVERLAY_DIR, read_manifest
+    from sdnpu.formats.overlay import DATA, OVERLAY_DIR, read_manifest
 
     manifest = read_manifest(applied / "dd")
     if manifest is None:

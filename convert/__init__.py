@@ -3,8 +3,10 @@
 ``convert/`` is the one place in sdnpu that builds torch modules.
 """
 
-from sdnpu.convert.driver import ComponentResult, ConvertOptions, ConvertResult, convert, parse_components
-from sdnpu.convert.sources import COMPONENTS, Source, preset_names, resolve_source
+from sdnpu.components import COMPONENTS
+from sdnpu.convert.driver import convert, parse_components
+from sdnpu.convert.options import ComponentResult, ConvertOptions, ConvertResult
+from sdnpu.convert.sources import Source, preset_names, resolve_source
 
 __all__ = [
     "COMPONENTS",

@@ -28,16 +28,27 @@ import logging
 import shutil
 import time
 from collections.abc import Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
 
 import numpy as np
 
+from sdnpu.convert.compile import REPLACED, compile_into, log_offload, validate_dispatch_model, write_report
+from sdnpu.convert.export import CHECK_RTOL, export_module
+from sdnpu.convert.job import MODEL_FILE, Job, compile_info, write_records
+from sdnpu.convert.options import ComponentResult
+from sdnpu.convert.parameters import map_parameters
 from sdnpu.convert.sources import PRESET_SEED, Source
+from sdnpu.convert.stitch import StitchStats, stitch
 from sdnpu.errors import SdnpuError
+from sdnpu.formats.weights import FILE as WEIGHTS_FILE
+from sdnpu.formats.weights import make_record, read_record, write_record
+from sdnpu.onnxrun import run_onnx
+from sdnpu.passes.partition import partition
 from sdnpu.progress import peak_rss_bytes, release_memory, step
+from sdnpu.reports.fidelity import fidelity
 
 log = logging.getLogger(__name__)
 
@@ -219,158 +230,197 @@ class Chain:
     dispatch: np.ndarray | None
 
 
-def convert_blockwise(src: Source, job: Any, stage: Path, fingerprint: str) -> Any:
+@dataclass
+class _Run:
+    """A block-by-block conversion under way: the pieces' files and records so far, the times, the chains."""
+
+    job: Job
+    work: Path  # the pieces' folders
+    x: np.ndarray  # the seeded input (token ids)
+    in_name: str
+    out_name: str
+    seconds: dict[str, float] = field(default_factory=lambda: dict.fromkeys(
+        ("torch_run", "export", "onnx_run", "compile", "stitch"), 0.0))
+    fp32_parts: list[Path] = field(default_factory=list)
+    dd_parts: list[Path] = field(default_factory=list)
+    records: dict[str, dict[str, int]] = field(default_factory=dict)  # the pieces' pass counts, summed
+    params: list[dict[str, Any]] = field(default_factory=list)  # each piece's parameters.json
+    worst_piece: float = 0.0
+    n_params: int = 0
+    chain: Chain | None = None
+
+    def timed(self, what: str, started: float) -> None:
+        self.seconds[what] += time.perf_counter() - started
+
+
+def convert_blockwise(src: Source, job: Job, stage: Path) -> ComponentResult:
     """Convert ``job`` (text_encoder_3) into ``stage`` block by block: ``model.onnx`` (+ data) stitched from
     the pieces' fp32 graphs, ``dd/`` from their dispatch models. Returns the ComponentResult."""
-    import torch
-
-    from sdnpu.convert import driver
-    from sdnpu.convert.compile import REPLACED, _validate, compile_into, run_onnx
-    from sdnpu.convert.export import CHECK_RTOL, export_module
-    from sdnpu.convert.stitch import stitch
-    from sdnpu.convert.parameters import map_parameters
-    from sdnpu.reports import report as reports
-    from sdnpu.reports.fidelity import fidelity
-
-    comp, options = job.component, job.options
-    config = src.module_config(comp)
-    sig = job.signature(config)
-    feeds = driver.sample_inputs(sig, config, job.res)
-    (in_name,), (out_name,) = list(feeds), list(sig.outputs)
-    seq_len = int(feeds[in_name].shape[1])
-    work = stage / ".pieces"
-    shutil.rmtree(work, ignore_errors=True)
-    work.mkdir()
-    seconds: dict[str, float] = {"torch_run": 0.0, "export": 0.0, "onnx_run": 0.0, "compile": 0.0, "stitch": 0.0}
-    fp32_parts: list[Path] = []
-    dd_parts: list[Path] = []
-    records: dict[str, dict[str, int]] = {}
-    params: list[dict[str, Any]] = []
-    worst_piece = 0.0
-    n_params = 0
-    chain: Chain | None = None
-    x = feeds[in_name]
+    feeds = job.sample_inputs()
+    (in_name,), (out_name,) = list(feeds), list(job.signature().outputs)
+    run = _Run(job, stage / ".pieces", feeds[in_name], in_name, out_name)
+    shutil.rmtree(run.work, ignore_errors=True)
+    run.work.mkdir()
     started = time.perf_counter()
     try:
-        for i, n, piece in pieces(src, job.key, seq_len):
-            n_params += sum(p.numel() for p in piece.parameters())
-            name = f"piece{i:03d}"
-            folder = work / name
-            folder.mkdir()
-            path = folder / driver.MODEL_FILE
-            piece_in = in_name if i == 0 else "hidden_states"
-            piece_out = out_name if i == n - 1 else "block_output"
-            t0 = time.perf_counter()
-            with torch.no_grad():
-                t_in = torch.from_numpy(x if chain is None else chain.torch)
-                t_out = piece(t_in).numpy().copy()
-            seconds["torch_run"] += time.perf_counter() - t0
-            t0 = time.perf_counter()
-            try:
-                export_module(piece, (t_in,), [piece_in], [piece_out], path, exporter=options.exporter,
-                              opset=options.opset)
-                params.append(map_parameters(piece, path))
-            except SdnpuError:
-                raise
-            except Exception as e:
-                raise SdnpuError(f"torch's {options.exporter} exporter failed on {comp}'s block {i}: "
-                                 f"{type(e).__name__}: {e}") from e
-            seconds["export"] += time.perf_counter() - t0
-            del piece, t_in
-            release_memory()
-            onnx_in = x if chain is None else chain.onnx
-            t0 = time.perf_counter()
-            got = run_onnx(path, {piece_in: onnx_in}, optimize=True)[piece_out] if options.check else t_out
-            seconds["onnx_run"] += time.perf_counter() - t0
-            if options.check and chain is not None:
-                # this piece alone, on PyTorch's input: its own export error, not the chain's
-                alone = run_onnx(path, {piece_in: chain.torch}, optimize=True)[piece_out]
-                worst_piece = max(worst_piece, float(np.max(np.abs(alone - t_out)) / max(np.max(np.abs(t_out)), 1e-30)))
-            elif options.check:
-                worst_piece = max(worst_piece, float(np.max(np.abs(got - t_out)) / max(np.max(np.abs(t_out)), 1e-30)))
-            dispatch = None
-            if options.compile:
-                t0 = time.perf_counter()
-                report = compile_into(path, folder / "dd", {"component": f"{comp} block {i}"},
-                                      options.compile_options, check=None)
-                seconds["compile"] += time.perf_counter() - t0
-                for rec in report["passes"]:
-                    bucket = records.setdefault(rec["name"], {})
-                    for k, v in rec.get("counts", {}).items():
-                        if isinstance(v, (int, float)):
-                            bucket[k] = bucket.get(k, 0) + v
-                if options.check:
-                    d_in = x if chain is None else chain.dispatch
-                    t0 = time.perf_counter()
-                    dispatch = run_onnx(folder / "dd" / REPLACED, {piece_in: d_in})[piece_out]
-                    seconds["onnx_run"] += time.perf_counter() - t0
-                dd_parts.append(folder / "dd" / REPLACED)
-            chain = Chain(t_out, got, dispatch)
-            fp32_parts.append(path)
-            log.info("[%s] block %d of %d done (%.0f s so far, peak memory %.1f GB)", comp, i + 1, n,
+        for i, n, piece in pieces(src, job.key, int(run.x.shape[1])):
+            _piece(run, i, n, piece)
+            log.info("[%s] block %d of %d done (%.0f s so far, peak memory %.1f GB)", job.component, i + 1, n,
                      time.perf_counter() - started, peak_rss_bytes() / 1e9)
-        assert chain is not None
-        check_data = None  # before stitching: a graph that does not match is not worth writing
-        if options.check:
-            ref = {out_name: chain.torch}
-            fid = fidelity(ref, {out_name: chain.onnx})
-            worst = fid["outputs"][out_name]["max_rel"]
-            log.info("[%s] ONNX vs PyTorch (chained over %d blocks): max abs error %.3g, max rel error %.3g, "
-                     "min cosine %.9f", comp, len(fp32_parts), fid["max_abs"], worst, fid["min_cosine"])
-            if not worst <= CHECK_RTOL:
-                raise SdnpuError(f"the exported {comp} does not match PyTorch: off by {worst:.3g} of its range "
-                                 f"(tolerance {CHECK_RTOL:g})", hint="try the other exporter (--exporter)")
-            check_data = {"max_abs_error": fid["max_abs"], "max_rel_error": worst, "min_cosine": fid["min_cosine"],
-                          "rel_tolerance": CHECK_RTOL, "outputs": fid["outputs"], "blockwise": True,
-                          "worst_block_max_rel_error": worst_piece}
-        t0 = time.perf_counter()
-        with step(log, f"[{comp}] stitching {len(fp32_parts)} pieces into {driver.MODEL_FILE}"):
-            s32 = stitch(fp32_parts, stage / driver.MODEL_FILE, "hidden_states", consume=True)
-        report = None
-        if options.compile:
-            (stage / "dd").mkdir(exist_ok=True)
-            target = options.compile_options.target
-            with step(log, f"[{comp}] stitching {len(dd_parts)} dispatch models into dd/{REPLACED}"):
-                sdd = stitch(dd_parts, stage / "dd" / REPLACED, "hidden_states",
-                             cast=(target.domain, "CastAvx"), consume=True)
-            log.info("[%s] %d boundary casts between the blocks cancelled; %d repeated constants kept once",
-                     comp, sdd.casts_cancelled, sdd.deduplicated)
-            _repartition(stage / "dd" / REPLACED, target)
-            _stitch_provenance(dd_parts, stage / "dd", s32.alias, sdd.alias)
-        seconds["stitch"] = time.perf_counter() - t0
-        shutil.rmtree(work, ignore_errors=True)
-        import onnx
-
-        with step(log, f"[{comp}] validating the stitched graph (onnx.checker, full check)") as t:
-            onnx.checker.check_model(str(stage / driver.MODEL_FILE), full_check=True)
-        seconds["onnx_check"] = t.seconds
-        summary = None
-        if options.compile:
-            _validate(stage / "dd" / REPLACED, comp, "stitched from its blocks", "`--no-compile` keeps the graph")
-            fid_dd = None
-            if options.check:
-                fid_dd = fidelity({out_name: chain.onnx}, {out_name: chain.dispatch})
-                log.info("[%s] dispatch vs fp32 (chained): min cosine %.6f, max abs error %.3g", comp,
-                         fid_dd["min_cosine"], fid_dd["max_abs"])
-            passes = [{"name": k, "seconds": 0.0, "counts": v} for k, v in records.items()]
-            passes.append({"name": "stitch", "seconds": round(seconds["stitch"], 3),
-                           "counts": {"pieces": sdd.pieces, "boundary casts cancelled": sdd.casts_cancelled,
-                                      "repeated constants kept once": sdd.deduplicated}})
-            info = {**driver._compile_info(src, job, fingerprint, None), "target": target.name,
-                    "precision": options.precision, "peak_rss_bytes": peak_rss_bytes(),
-                    "blockwise": {"pieces": len(dd_parts)}}
-            report = reports.build(stage / "dd" / REPLACED, stage / driver.MODEL_FILE, passes, info, fid_dd, target)
-            reports.write(stage / "dd", report)
-            summary = report["summary"]
-            log.info("[%s] offload rate %.2f%% (%d dispatch ops, %d CPU nodes, %d NPU regions)", comp,
-                     100 * summary["offload_rate"], summary["offloaded_nodes"], summary["cpu_nodes"],
-                     summary["npu_regions"])
+        check_data = _check_chain(run)  # before stitching: a graph that does not match is not worth writing
+        s32, summary = _stitch(run, stage)
     finally:
-        shutil.rmtree(work, ignore_errors=True)
-    seconds = {k: round(v, 2) for k, v in seconds.items()}
-    sources = _parameters(params, s32.alias)
-    return driver.blockwise_result(src, job, stage, fingerprint, n_params, seconds, check_data, summary,
-                                   s32.nodes, sources)
+        shutil.rmtree(run.work, ignore_errors=True)
+    seconds = {k: round(v, 2) for k, v in run.seconds.items()}
+    result = ComponentResult(component=job.component, path=stage / MODEL_FILE, nodes=s32.nodes,
+                             parameters=run.n_params, seconds=seconds, peak_rss_bytes=peak_rss_bytes(),
+                             check=check_data, report=summary)
+    write_records(job, stage, result, _parameters(run.params, s32.alias), blockwise=True)
+    return result
+
+
+def _piece(run: _Run, i: int, n: int, piece: Any) -> None:
+    """Piece ``i`` of ``n``: run in PyTorch on the torch chain, exported, run in onnxruntime on the fp32
+    chain (and alone on PyTorch's input, its own error), compiled and its dispatch model run on the dispatch
+    chain."""
+    import torch
+
+    job, options = run.job, run.job.options
+    run.n_params += sum(p.numel() for p in piece.parameters())
+    folder = run.work / f"piece{i:03d}"
+    folder.mkdir()
+    path = folder / MODEL_FILE
+    piece_in = run.in_name if i == 0 else "hidden_states"
+    piece_out = run.out_name if i == n - 1 else "block_output"
+    t0 = time.perf_counter()
+    with torch.no_grad():
+        t_in = torch.from_numpy(run.x if run.chain is None else run.chain.torch)
+        t_out = piece(t_in).numpy().copy()
+    run.timed("torch_run", t0)
+    t0 = time.perf_counter()
+    try:
+        export_module(piece, (t_in,), [piece_in], [piece_out], path, exporter=options.export_with)
+        run.params.append(map_parameters(piece, path))
+    except SdnpuError:
+        raise
+    except Exception as e:
+        raise SdnpuError(f"torch's {options.exporter} exporter failed on {job.component}'s block {i}: "
+                         f"{type(e).__name__}: {e}") from e
+    run.timed("export", t0)
+    del piece, t_in
+    release_memory()
+    got = _run_fp32(run, path, (piece_in, piece_out), t_out)
+    dispatch = _compile_piece(run, i, path, (piece_in, piece_out)) if options.compile else None
+    run.chain = Chain(t_out, got, dispatch)
+    run.fp32_parts.append(path)
+
+
+def _run_fp32(run: _Run, path: Path, names: tuple[str, str], t_out: np.ndarray) -> np.ndarray:
+    """The piece's fp32 graph on the fp32 chain (PyTorch's output where the job does not check), and its own
+    error against PyTorch on PyTorch's input."""
+    piece_in, piece_out = names
+    onnx_in = run.x if run.chain is None else run.chain.onnx
+    t0 = time.perf_counter()
+    got = run_onnx(path, {piece_in: onnx_in}, optimize=True)[piece_out] if run.job.options.check else t_out
+    run.timed("onnx_run", t0)
+    if run.job.options.check:
+        # this piece alone, on PyTorch's input: its own export error, not the chain's
+        alone = got if run.chain is None else run_onnx(path, {piece_in: run.chain.torch}, optimize=True)[piece_out]
+        run.worst_piece = max(run.worst_piece,
+                              float(np.max(np.abs(alone - t_out)) / max(np.max(np.abs(t_out)), 1e-30)))
+    return got
+
+
+def _compile_piece(run: _Run, i: int, path: Path, names: tuple[str, str]) -> np.ndarray | None:
+    """The piece compiled (its pass counts summed into ``run.records``) and, where the job checks, its dispatch
+    model run on the dispatch chain."""
+    piece_in, piece_out = names
+    options = run.job.options
+    t0 = time.perf_counter()
+    report = compile_into(path, path.parent / "dd", {"component": f"{run.job.component} block {i}"},
+                          options.compile_options, check=None)
+    run.timed("compile", t0)
+    for rec in report["passes"]:
+        bucket = run.records.setdefault(rec["name"], {})
+        for k, v in rec.get("counts", {}).items():
+            if isinstance(v, (int, float)):
+                bucket[k] = bucket.get(k, 0) + v
+    dispatch = None
+    if options.check:
+        d_in = run.x if run.chain is None else run.chain.dispatch
+        t0 = time.perf_counter()
+        dispatch = run_onnx(path.parent / "dd" / REPLACED, {piece_in: d_in})[piece_out]
+        run.timed("onnx_run", t0)
+    run.dd_parts.append(path.parent / "dd" / REPLACED)
+    return dispatch
+
+
+def _check_chain(run: _Run) -> dict[str, Any] | None:
+    """The chained fp32 graphs against chained PyTorch: the whole module's check."""
+    comp, chain = run.job.component, run.chain
+    assert chain is not None
+    if not run.job.options.check:
+        return None
+    fid = fidelity({run.out_name: chain.torch}, {run.out_name: chain.onnx})
+    worst = fid["outputs"][run.out_name]["max_rel"]
+    log.info("[%s] ONNX vs PyTorch (chained over %d blocks): max abs error %.3g, max rel error %.3g, "
+             "min cosine %.9f", comp, len(run.fp32_parts), fid["max_abs"], worst, fid["min_cosine"])
+    if not worst <= CHECK_RTOL:
+        raise SdnpuError(f"the exported {comp} does not match PyTorch: off by {worst:.3g} of its range "
+                         f"(tolerance {CHECK_RTOL:g})", hint="try the other exporter (--exporter)")
+    return {"max_abs_error": fid["max_abs"], "max_rel_error": worst, "min_cosine": fid["min_cosine"],
+            "rel_tolerance": CHECK_RTOL, "outputs": fid["outputs"], "blockwise": True,
+            "worst_block_max_rel_error": run.worst_piece}
+
+
+def _stitch(run: _Run, stage: Path) -> tuple[StitchStats, dict[str, Any] | None]:
+    """The pieces stitched into ``stage/model.onnx`` and ``stage/dd/replaced.onnx`` (each piece deleted as it
+    is copied), both checked, and the dispatch model's report. Returns the fp32 stitch and the summary."""
+    import onnx
+
+    comp, options = run.job.component, run.job.options
+    t0 = time.perf_counter()
+    with step(log, f"[{comp}] stitching {len(run.fp32_parts)} pieces into {MODEL_FILE}"):
+        s32 = stitch(run.fp32_parts, stage / MODEL_FILE, "hidden_states", consume=True)
+    sdd = None
+    if options.compile:
+        (stage / "dd").mkdir(exist_ok=True)
+        target = options.compile_options.target
+        with step(log, f"[{comp}] stitching {len(run.dd_parts)} dispatch models into dd/{REPLACED}"):
+            sdd = stitch(run.dd_parts, stage / "dd" / REPLACED, "hidden_states",
+                         cast=(target.domain, "CastAvx"), consume=True)
+        log.info("[%s] %d boundary casts between the blocks cancelled; %d repeated constants kept once",
+                 comp, sdd.casts_cancelled, sdd.deduplicated)
+        _repartition(stage / "dd" / REPLACED, target)
+        _stitch_provenance(run.dd_parts, stage / "dd", s32.alias, sdd.alias)
+    run.seconds["stitch"] = time.perf_counter() - t0
+    shutil.rmtree(run.work, ignore_errors=True)
+    with step(log, f"[{comp}] validating the stitched graph (onnx.checker, full check)") as t:
+        onnx.checker.check_model(str(stage / MODEL_FILE), full_check=True)
+    run.seconds["onnx_check"] = t.seconds
+    return s32, (_report(run, stage, sdd) if sdd is not None else None)
+
+
+def _report(run: _Run, stage: Path, sdd: StitchStats) -> dict[str, Any]:
+    """The stitched dispatch model validated, run against the chained fp32 graphs, and reported."""
+    comp, options, chain = run.job.component, run.job.options, run.chain
+    assert chain is not None
+    validate_dispatch_model(stage / "dd" / REPLACED, comp, "stitched from its blocks", "`--no-compile` keeps the graph")
+    fid_dd = None
+    if options.check:
+        fid_dd = fidelity({run.out_name: chain.onnx}, {run.out_name: chain.dispatch})
+        log.info("[%s] dispatch vs fp32 (chained): min cosine %.6f, max abs error %.3g", comp,
+                 fid_dd["min_cosine"], fid_dd["max_abs"])
+    passes = [{"name": k, "seconds": 0.0, "counts": v} for k, v in run.records.items()]
+    passes.append({"name": "stitch", "seconds": round(run.seconds["stitch"], 3),
+                   "counts": {"pieces": sdd.pieces, "boundary casts cancelled": sdd.casts_cancelled,
+                              "repeated constants kept once": sdd.deduplicated}})
+    info = {**compile_info(run.job, None), "target": options.compile_options.target.name,
+            "precision": options.precision, "peak_rss_bytes": peak_rss_bytes(),
+            "blockwise": {"pieces": len(run.dd_parts)}}
+    report = write_report(stage / "dd", stage / "dd" / REPLACED, stage / MODEL_FILE, passes, info, fid_dd)
+    log_offload(comp, report)
+    return report["summary"]  # type: ignore[no-any-return]
 
 
 def _parameters(per_piece: list[dict[str, Any]], alias: dict[str, str]) -> dict[str, Any]:
@@ -406,7 +456,6 @@ def _parameters(per_piece: list[dict[str, Any]], alias: dict[str, str]) -> dict[
 def _stitch_provenance(parts: list[Path], dd_dir: Path, alias32: dict[str, str], alias_dd: dict[str, str]) -> None:
     """dd/weights.json for the stitched dispatch model: each piece's record under its prefix, its ``init``
     references renamed to the stitched fp32 graph's constants (a repeat to the one kept)."""
-    from sdnpu.passes import provenance
 
     def rename(expr: Any, i: int) -> Any:
         if isinstance(expr, dict):
@@ -418,15 +467,14 @@ def _stitch_provenance(parts: list[Path], dd_dir: Path, alias32: dict[str, str],
             return [rename(v, i) for v in expr]
         return expr
 
-    weights: dict[str, Any] = {}
+    stitched_weights: dict[str, Any] = {}
     for i, part in enumerate(parts):
-        record = provenance.read_record(part.parent / provenance.FILE)
+        record = read_record(part.parent / WEIGHTS_FILE)
         for name, expr in record["weights"].items():
             stitched = f"b{i}/{name}"
             if stitched not in alias_dd:
-                weights[stitched] = rename(expr, i)
-    (dd_dir / provenance.FILE).write_text(json.dumps({"format": provenance.FORMAT, "version": provenance.VERSION,
-                                                      "source": "model.onnx", "weights": weights}))
+                stitched_weights[stitched] = rename(expr, i)
+    write_record(dd_dir / WEIGHTS_FILE, make_record("model.onnx", stitched_weights))
 
 
 def _repartition(path: Path, target: Any) -> None:
@@ -434,8 +482,6 @@ def _repartition(path: Path, target: Any) -> None:
     regions meet where the casts went): the graph is read without its weights and written back so."""
     import onnx
     import onnx_ir as ir
-
-    from sdnpu.passes.partition import partition
 
     proto = onnx.load(str(path), load_external_data=False)
     model = ir.serde.deserialize_model(proto)

@@ -15,12 +15,14 @@ from __future__ import annotations
 
 import logging
 import tempfile
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 
 from sdnpu.errors import SdnpuError
+from sdnpu.passes.modelfile import save
 
 log = logging.getLogger(__name__)
 
@@ -41,22 +43,31 @@ def _strip_metadata(model: Any) -> None:
 
 def save_ir(model: Any, path: Path) -> None:
     """Save with weights inline below 2 GB and in one ``<name>.data`` file above (the compiler's rule)."""
-    from sdnpu.passes.pipeline import save
-
     save(model, path)
 
 
+@dataclass(frozen=True)
+class Exporter:
+    """Which of torch's exporters writes the graph, at which opset; validated when made."""
+
+    name: str = "dynamo"
+    opset: int = DEFAULT_OPSET
+
+    def __post_init__(self) -> None:
+        if self.name not in EXPORTERS:
+            raise SdnpuError(f"unknown exporter {self.name!r}", hint=f"choose one of: {', '.join(EXPORTERS)}")
+        if self.opset < MIN_OPSET:
+            raise SdnpuError(f"opset {self.opset} is too old", hint=f"use opset {MIN_OPSET} or newer")
+
+
 def export_module(wrapper: Any, args: tuple[Any, ...], input_names: list[str], output_names: list[str],
-                  path: Path, exporter: str = "dynamo", opset: int = DEFAULT_OPSET) -> None:
+                  path: Path, exporter: Exporter = Exporter()) -> None:
     """Export ``wrapper(*args)`` to ``path`` (and ``path.data`` past 2 GB)."""
     import onnx_ir as ir
     import torch
 
-    if exporter not in EXPORTERS:
-        raise SdnpuError(f"unknown exporter {exporter!r}", hint=f"choose one of: {', '.join(EXPORTERS)}")
-    if opset < MIN_OPSET:
-        raise SdnpuError(f"opset {opset} is too old", hint=f"use opset {MIN_OPSET} or newer")
-    if exporter == "dynamo":
+    opset = exporter.opset
+    if exporter.name == "dynamo":
         # its optimizer folds the graph's own arithmetic: T5's position buckets take Log(0) = -inf in a branch
         # that a Where drops; numpy's warnings about it say nothing about the result
         with np.errstate(all="ignore"):

@@ -1,4 +1,5 @@
-"""Which PyTorch parameter each constant of an exported graph holds: ``<component>/parameters.json``.
+"""Which PyTorch parameter each constant of an exported graph holds: ``<component>/parameters.json``
+(its format: ``sdnpu.formats.parameters``).
 
 The exporters keep a parameter's name where the graph reads it as it is (``unet.conv_in.weight``), but
 dynamo folds a Linear's ``weight.T`` into an anonymous constant (``val_194``) and TorchScript names it
@@ -10,7 +11,7 @@ explain (equal samples: both all zeros, say) is recorded as ambiguous, with its 
 explains (a constant the exporter computed) is left out. Names are the module's own, without the
 wrapper's attribute (``down_blocks.0.resnets.0.conv1.weight``, ``text_model.encoder.layers.0...``).
 
-Together with ``dd/weights.json`` (passes/provenance.py) this takes every weight of a dispatch op back to a
+Together with ``dd/weights.json`` (``sdnpu.formats.weights``) this takes every weight of a dispatch op back to a
 module parameter and the steps that made it.
 """
 
@@ -23,9 +24,8 @@ from typing import Any
 import numpy as np
 
 from sdnpu import external
+from sdnpu.formats.parameters import make_record
 
-FORMAT, VERSION = "sdnpu-parameters", 1
-FILE = "parameters.json"
 SAMPLE = 64
 
 
@@ -112,5 +112,4 @@ def map_parameters(wrapper: Any, path: Path) -> dict[str, Any]:
         elif matches:
             found[t.name] = {"param": None, "candidates": [m[0] for m in matches]}
             ambiguous += 1
-    return {"format": FORMAT, "version": VERSION, "module": prefix, "ambiguous": ambiguous,
-            "initializers": found}
+    return make_record(prefix, ambiguous, found)

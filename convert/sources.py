@@ -14,12 +14,17 @@ import json
 import logging
 import os
 import shutil
+from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field
+from functools import cached_property
 from pathlib import Path
 from typing import Any, Literal
 
+from sdnpu.components import COMPONENTS, MODULES, module_of
+from sdnpu.convert.tokenizer import t5_tokenizer_files, tokenizer_files
 from sdnpu.errors import SdnpuError
 from sdnpu.fileio import atomic_write_bytes, staged_dir
+from sdnpu.specs import PipelineConfig
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")  # no model hub is reachable; never try one
 
@@ -28,38 +33,16 @@ log = logging.getLogger(__name__)
 PRESETS_DIR = Path(__file__).parent / "presets"
 PRESET_SEED = 0
 
-# Exported component -> the pipeline module it comes from.
-COMPONENT_MODULES: dict[str, str] = {
-    "text_encoder": "text_encoder",
-    "text_encoder_2": "text_encoder_2",
-    "text_encoder_3": "text_encoder_3",  # SD3's T5
-    "vae_encoder": "vae",
-    "vae_decoder": "vae",
-    "unet": "unet",
-    "unet_controlnet": "unet",  # the UNet taking a ControlNet's residuals
-    "controlnet": "controlnet",
-    "transformer": "transformer",  # SD3's MMDiT
-}
-COMPONENTS: tuple[str, ...] = tuple(COMPONENT_MODULES)
-
-# Module classes we know how to export, by the name that model_index.json / config.json gives.
+# Module classes we know how to export, by the name that model_index.json / config.json gives: the library that
+# has the class, and the pipeline module a folder holding one alone stands for.
 _CLASSES: dict[str, tuple[str, str]] = {
-    "UNet2DConditionModel": ("diffusers", "UNet2DConditionModel"),
-    "AutoencoderKL": ("diffusers", "AutoencoderKL"),
-    "CLIPTextModel": ("transformers", "CLIPTextModel"),
-    "CLIPTextModelWithProjection": ("transformers", "CLIPTextModelWithProjection"),
-    "ControlNetModel": ("diffusers", "ControlNetModel"),
-    "SD3Transformer2DModel": ("diffusers", "SD3Transformer2DModel"),
-    "T5EncoderModel": ("transformers", "T5EncoderModel"),
-}
-_CLASS_MODULES: dict[str, tuple[str, ...]] = {
-    "UNet2DConditionModel": ("unet",),
-    "AutoencoderKL": ("vae",),
-    "CLIPTextModel": ("text_encoder",),
-    "CLIPTextModelWithProjection": ("text_encoder_2",),
-    "ControlNetModel": ("controlnet",),
-    "SD3Transformer2DModel": ("transformer",),
-    "T5EncoderModel": ("text_encoder_3",),
+    "UNet2DConditionModel": ("diffusers", "unet"),
+    "AutoencoderKL": ("diffusers", "vae"),
+    "CLIPTextModel": ("transformers", "text_encoder"),
+    "CLIPTextModelWithProjection": ("transformers", "text_encoder_2"),
+    "ControlNetModel": ("diffusers", "controlnet"),
+    "SD3Transformer2DModel": ("diffusers", "transformer"),
+    "T5EncoderModel": ("transformers", "text_encoder_3"),
 }
 _WEIGHT_SUFFIXES = (".safetensors", ".bin")
 _PIPELINE_FOLDERS = ("scheduler", "tokenizer", "tokenizer_2", "tokenizer_3")
@@ -78,6 +61,25 @@ def _read_json(path: Path) -> dict[str, Any]:
     if not isinstance(data, dict):
         raise SdnpuError(f"{path} does not hold a JSON object")
     return data
+
+
+class _Configs(Mapping[str, dict[str, Any]]):
+    """A source's module configs by module key, each read from its folder when first asked for."""
+
+    def __init__(self, modules: Mapping[str, Path]) -> None:
+        self._modules = modules
+        self._read: dict[str, dict[str, Any]] = {}
+
+    def __getitem__(self, key: str) -> dict[str, Any]:
+        if key not in self._read:
+            self._read[key] = _read_json(self._modules[key] / "config.json")
+        return self._read[key]
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self._modules)
+
+    def __len__(self) -> int:
+        return len(self._modules)
 
 
 def _module_class(config: dict[str, Any]) -> str | None:
@@ -101,11 +103,11 @@ class Source:
     def components(self) -> list[str]:
         """The exportable components this source provides, in the canonical order (the UNet that takes a
         ControlNet's residuals where the source has a ControlNet too; asked for by name, any UNet gives it)."""
-        return [c for c in COMPONENTS if COMPONENT_MODULES[c] in self.modules
+        return [c for c in COMPONENTS if module_of(c) in self.modules
                 and (c != "unet_controlnet" or "controlnet" in self.modules)]
 
     def module_dir(self, component: str) -> Path:
-        key = COMPONENT_MODULES[component]
+        key = module_of(component)
         if key not in self.modules:
             if self.kind == "component" or not (self.root / "model_index.json").is_file():
                 raise SdnpuError(
@@ -122,6 +124,15 @@ class Source:
 
     def module_config(self, component: str) -> dict[str, Any]:
         return _read_json(self.module_dir(component) / "config.json")
+
+    @cached_property
+    def _configs(self) -> _Configs:
+        return _Configs(self.modules)
+
+    def pipeline_config(self) -> PipelineConfig:
+        """The source's module configs (each read once, when first asked for) and whether it is SDXL's
+        (``sdnpu.specs``: every component's spec comes from it)."""
+        return PipelineConfig(self._configs, sdxl="text_encoder_2" in self.modules)
 
     def fingerprint(self) -> str:
         """A content hash of what defines the weights: the configs, and for folders each weight
@@ -144,8 +155,8 @@ class Source:
         folder = self.modules[key]
         config = _read_json(folder / "config.json")
         cls_name = self.classes[key]
-        library, attr = _CLASSES[cls_name]
-        cls = getattr(__import__(library, fromlist=[attr]), attr)
+        library = _CLASSES[cls_name][0]
+        cls = getattr(__import__(library, fromlist=[cls_name]), cls_name)
         if self.kind == "preset":
             torch.manual_seed(PRESET_SEED)
             try:
@@ -178,8 +189,6 @@ class Source:
             if self.kind == "preset" and name.startswith("tokenizer"):
                 if name not in index:
                     continue
-                from sdnpu.convert.tokenizer import t5_tokenizer_files, tokenizer_files
-
                 pad = "<|endoftext|>" if name == "tokenizer" else "!"  # CLIP-L's, and OpenCLIP's bigG's
                 files = t5_tokenizer_files() if name == "tokenizer_3" else tokenizer_files(pad)
                 with staged_dir(out / name) as stage:
@@ -262,12 +271,12 @@ def resolve_source(source: str | os.PathLike[str]) -> Source:
 def _module_source(name: str, kind: Literal["preset", "component"], path: Path) -> Source:
     """One module's folder (``config.json``): a component folder, or a one-module preset."""
     cls = _module_class(_read_json(path / "config.json"))
-    if cls not in _CLASS_MODULES:
+    if cls not in _CLASSES:
         raise SdnpuError(
             f"{path} holds a {cls or 'unknown'} module, which sdnpu cannot export",
             hint=f"supported module classes: {', '.join(_CLASSES)}",
         )
-    (key,) = _CLASS_MODULES[cls]
+    key = _CLASSES[cls][1]
     return Source(name=name, kind=kind, root=path, modules={key: path}, classes={key: cls})
 
 
@@ -275,7 +284,7 @@ def _pipeline_source(name: str, kind: Literal["preset", "pipeline"], root: Path)
     index = _read_json(root / "model_index.json")
     modules: dict[str, Path] = {}
     classes: dict[str, str] = {}
-    for key in sorted(set(COMPONENT_MODULES.values())):
+    for key in sorted(MODULES):
         entry = index.get(key)
         if not (isinstance(entry, list) and len(entry) == 2 and entry[1]):
             continue  # not part of this pipeline (e.g. SD 1.5 has no text_encoder_2)

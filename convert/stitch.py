@@ -89,119 +89,143 @@ def _cancel_casts(nodes: list[onnx.NodeProto], link: str, outputs: set[str], cas
     return len(readers) + 1
 
 
+@dataclass
+class _Stitching:
+    """What the stitched graph gathers from its pieces, piece after piece."""
+
+    dest: Path
+    chain_input: str
+    prefix: str
+    stats: StitchStats
+    nodes: list[onnx.NodeProto] = field(default_factory=list)
+    inits: list[onnx.TensorProto] = field(default_factory=list)
+    value_info: list[onnx.ValueInfoProto] = field(default_factory=list)
+    functions: dict[tuple[str, str, str], onnx.FunctionProto] = field(default_factory=dict)
+    opsets: dict[str, int] = field(default_factory=dict)
+    seen: dict[str, str] = field(default_factory=dict)  # digest -> kept name
+    links: list[str] = field(default_factory=list)  # each chained value
+    head: dict[str, Any] = field(default_factory=dict)
+    graph_inputs: list[onnx.ValueInfoProto] = field(default_factory=list)
+    graph_outputs: list[onnx.ValueInfoProto] = field(default_factory=list)
+    previous_out: str | None = None
+    offset: int = 0
+
+    @property
+    def data_name(self) -> str:
+        return self.dest.name + ".data"
+
+
 def stitch(pieces: list[Path], dest: Path, chain_input: str, *, prefix: str = "b",
            cast: tuple[str, str] | None = None, consume: bool = False) -> StitchStats:
     """Write ``dest`` (and ``dest.data``) from the graphs ``pieces`` in order. ``chain_input``: the name of
     each later piece's input that takes the previous piece's (only) output. ``cast``: the (domain, op_type) of
     the boundary cast to cancel between pieces (dispatch models). ``consume``: delete each piece's graph and
     data once copied (the disk then holds the pieces or the stitched graph, not both)."""
-    stats = StitchStats(pieces=len(pieces))
-    data_name = dest.name + ".data"
-    nodes: list[onnx.NodeProto] = []
-    inits: list[onnx.TensorProto] = []
-    value_info: list[onnx.ValueInfoProto] = []
-    functions: dict[tuple[str, str, str], onnx.FunctionProto] = {}
-    opsets: dict[str, int] = {}
-    seen: dict[str, str] = {}  # digest -> kept name
-    alias: dict[str, str] = {}  # a dropped duplicate -> the kept constant
-    links: list[str] = []
-    head: dict[str, Any] = {}
-    graph_inputs: list[onnx.ValueInfoProto] = []
-    graph_outputs: list[onnx.ValueInfoProto] = []
-    offset = 0
-    with open(dest.parent / data_name, "wb") as data:
-        previous_out: str | None = None
+    st = _Stitching(dest, chain_input, prefix, StitchStats(pieces=len(pieces)))
+    with open(dest.parent / st.data_name, "wb") as data:
         for i, path in enumerate(pieces):
             m = onnx.load(str(path), load_external_data=False)
-            g = m.graph
-            own = {where[0] for t in g.initializer if (where := external.place(t))}  # the piece's data files
-            if i == 0:  # what the stitched model takes from the first piece (copied: nothing of a piece is kept)
-                head = {"graph": g.name, "ir_version": m.ir_version, "producer_name": m.producer_name,
-                        "producer_version": m.producer_version,
-                        "metadata": [(p.key, p.value) for p in m.metadata_props]}
-            inputs = [v.name for v in g.input]
-            outs = [v.name for v in g.output]
-            last = i == len(pieces) - 1
-            if i > 0 and (len(inputs) != 1 or inputs[0] != chain_input):
-                raise ValueError(f"piece {path} takes {inputs}, not the one chained input {chain_input!r}")
-            if not last and len(outs) != 1:
-                raise ValueError(f"piece {path} gives {outs}, not one chained output")
-            names: dict[str, str] = {}
-            every = {n for node in g.node for n in (*node.input, *node.output) if n}
-            every |= {t.name for t in g.initializer} | {v.name for v in g.value_info}
-            every |= {node.name for node in g.node if node.name}
-            for n in every:
-                names[n] = f"{prefix}{i}/{n}"
-            if i == 0:
-                for n in inputs:
-                    names[n] = n
-            else:
-                assert previous_out is not None
-                names[chain_input] = previous_out
-                links.append(previous_out)
-            if last:
-                for n in outs:
-                    names[n] = n
-            _rename_graph(g, names)
-            if i == 0:
-                graph_inputs = [_copy(v) for v in g.input]
-            if last:
-                graph_outputs = [_copy(v) for v in g.output]
-            previous_out = g.output[0].name
-            handles: dict[str, Any] = {}
-            try:
-                for t in g.initializer:
-                    raw = shared.tensor_bytes(path.parent, t, handles)  # its values' bytes, wherever they lie
-                    if len(raw) <= _DEDUP_BYTES:
-                        digest = hashlib.sha256(f"{t.data_type}:{list(t.dims)}".encode() + raw).hexdigest()
-                        if digest in seen:
-                            alias[t.name] = seen[digest]
-                            stats.deduplicated += 1
-                            continue
-                        seen[digest] = t.name
-                    kept = onnx.TensorProto(name=t.name, data_type=t.data_type, dims=list(t.dims))
-                    if len(raw) < _INLINE_BYTES:
-                        kept.raw_data = raw
-                    else:
-                        pad = (-offset) % _ALIGN
-                        data.write(b"\0" * pad + raw)
-                        external.point(kept, data_name, offset + pad, len(raw))
-                        offset += pad + len(raw)
-                    inits.append(kept)
-            finally:
-                for handle in handles.values():
-                    handle.close()
-            nodes.extend(_copy(n) for n in g.node)
-            value_info.extend(_copy(v) for v in g.value_info)
-            for f in m.functions:
-                functions.setdefault((f.domain, f.name, getattr(f, "overload", "")), _copy(f))
-            for o in m.opset_import:
-                opsets[o.domain] = max(opsets.get(o.domain, 0), o.version)
-            del m, g
+            own = {where[0] for t in m.graph.initializer if (where := external.place(t))}  # the piece's data files
+            _add_piece(st, m, path, (i, i == len(pieces) - 1), data)
+            del m
             log.debug("stitched piece %d of %d (%s)", i + 1, len(pieces), path)
             if consume:
                 for location in own:
-                    if (path.parent / location).resolve() != (dest.parent / data_name).resolve():
+                    if (path.parent / location).resolve() != (dest.parent / st.data_name).resolve():
                         (path.parent / location).unlink(missing_ok=True)
                 path.unlink()
-    stats.data_bytes = offset
-    if not offset:
-        (dest.parent / data_name).unlink()  # every constant inline: no data file
+    return _write(st, cast)
+
+
+def _add_piece(st: _Stitching, m: onnx.ModelProto, path: Path, place: tuple[int, bool], data: Any) -> None:
+    """Piece ``m`` (at ``path``; ``place``: its index, and whether it is the last) renamed apart, chained to the
+    one before, and copied in."""
+    g, (i, last) = m.graph, place
+    if i == 0:  # what the stitched model takes from the first piece (copied: nothing of a piece is kept)
+        st.head = {"graph": g.name, "ir_version": m.ir_version, "producer_name": m.producer_name,
+                   "producer_version": m.producer_version, "metadata": [(p.key, p.value) for p in m.metadata_props]}
+    inputs = [v.name for v in g.input]
+    outs = [v.name for v in g.output]
+    if i > 0 and (len(inputs) != 1 or inputs[0] != st.chain_input):
+        raise ValueError(f"piece {path} takes {inputs}, not the one chained input {st.chain_input!r}")
+    if not last and len(outs) != 1:
+        raise ValueError(f"piece {path} gives {outs}, not one chained output")
+    every = {n for node in g.node for n in (*node.input, *node.output) if n}
+    every |= {t.name for t in g.initializer} | {v.name for v in g.value_info}
+    every |= {node.name for node in g.node if node.name}
+    names = {n: f"{st.prefix}{i}/{n}" for n in every}
+    if i == 0:
+        names.update((n, n) for n in inputs)
+    else:
+        assert st.previous_out is not None
+        names[st.chain_input] = st.previous_out
+        st.links.append(st.previous_out)
+    if last:
+        names.update((n, n) for n in outs)
+    _rename_graph(g, names)
+    if i == 0:
+        st.graph_inputs = [_copy(v) for v in g.input]
+    if last:
+        st.graph_outputs = [_copy(v) for v in g.output]
+    st.previous_out = g.output[0].name
+    _copy_weights(st, g, path.parent, data)
+    st.nodes.extend(_copy(n) for n in g.node)
+    st.value_info.extend(_copy(v) for v in g.value_info)
+    for f in m.functions:
+        st.functions.setdefault((f.domain, f.name, getattr(f, "overload", "")), _copy(f))
+    for o in m.opset_import:
+        st.opsets[o.domain] = max(st.opsets.get(o.domain, 0), o.version)
+
+
+def _copy_weights(st: _Stitching, g: onnx.GraphProto, folder: Path, data: Any) -> None:
+    """A piece's constants, byte for byte: small repeats kept once, small ones inline, the rest appended to the
+    stitched data file."""
+    handles: dict[str, Any] = {}
+    try:
+        for t in g.initializer:
+            raw = shared.tensor_bytes(folder, t, handles)  # its values' bytes, wherever they lie
+            if len(raw) <= _DEDUP_BYTES:
+                digest = hashlib.sha256(f"{t.data_type}:{list(t.dims)}".encode() + raw).hexdigest()
+                if digest in st.seen:
+                    st.stats.alias[t.name] = st.seen[digest]
+                    st.stats.deduplicated += 1
+                    continue
+                st.seen[digest] = t.name
+            kept = onnx.TensorProto(name=t.name, data_type=t.data_type, dims=list(t.dims))
+            if len(raw) < _INLINE_BYTES:
+                kept.raw_data = raw
+            else:
+                pad = (-st.offset) % _ALIGN
+                data.write(b"\0" * pad + raw)
+                external.point(kept, st.data_name, st.offset + pad, len(raw))
+                st.offset += pad + len(raw)
+            st.inits.append(kept)
+    finally:
+        for handle in handles.values():
+            handle.close()
+
+
+def _write(st: _Stitching, cast: tuple[str, str] | None) -> StitchStats:
+    """The stitched graph: repeats read the constant kept, the boundary casts between pieces cancelled."""
+    stats, nodes = st.stats, st.nodes
+    stats.data_bytes = st.offset
+    if not st.offset:
+        (st.dest.parent / st.data_name).unlink()  # every constant inline: no data file
     for n in nodes:
-        n.input[:] = [alias.get(x, x) for x in n.input]
-    outputs = {v.name for v in graph_outputs}
+        n.input[:] = [stats.alias.get(x, x) for x in n.input]
+    outputs = {v.name for v in st.graph_outputs}
     if cast is not None:
-        for link in links:
+        for link in st.links:
             stats.casts_cancelled += _cancel_casts(nodes, link, outputs, cast)
     present = {x for n in nodes for x in (*n.input, *n.output)}
-    value_info = [v for v in value_info if v.name in present]
-    graph = onnx.helper.make_graph(nodes, head["graph"], graph_inputs, graph_outputs, inits,
+    value_info = [v for v in st.value_info if v.name in present]
+    graph = onnx.helper.make_graph(nodes, st.head["graph"], st.graph_inputs, st.graph_outputs, st.inits,
                                    value_info=value_info)
-    model = onnx.helper.make_model(graph, opset_imports=[onnx.helper.make_opsetid(d, v) for d, v in opsets.items()],
-                                   functions=list(functions.values()), ir_version=head["ir_version"],
-                                   producer_name=head["producer_name"], producer_version=head["producer_version"])
-    for key, value in head["metadata"]:
+    model = onnx.helper.make_model(graph, opset_imports=[onnx.helper.make_opsetid(d, v) for d, v in st.opsets.items()],
+                                   functions=list(st.functions.values()), ir_version=st.head["ir_version"],
+                                   producer_name=st.head["producer_name"], producer_version=st.head["producer_version"])
+    for key, value in st.head["metadata"]:
         model.metadata_props.add(key=key, value=value)
-    onnx.save(model, str(dest))
-    stats.nodes, stats.initializers, stats.alias = len(nodes), len(inits), alias
+    onnx.save(model, str(st.dest))
+    stats.nodes, stats.initializers = len(nodes), len(st.inits)
     return stats

@@ -25,19 +25,10 @@ from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
 
+from sdnpu.components import LORA_MODULES, module_of
 from sdnpu.errors import SdnpuError
 
 log = logging.getLogger(__name__)
-
-COMPONENTS = ("unet", "text_encoder", "text_encoder_2", "unet_controlnet")  # the components a LoRA can change
-MODULES = ("unet", "text_encoder", "text_encoder_2")  # the pipeline modules a LoRA file has parts for
-
-
-def module_of(component: str) -> str:
-    """The pipeline module whose LoRA part changes ``component`` (the UNet that takes a ControlNet's residuals
-    is the UNet)."""
-    return "unet" if component == "unet_controlnet" else component
-
 
 @dataclass(frozen=True)
 class LoraSpec:
@@ -130,13 +121,13 @@ def read_lora(spec: LoraSpec, sdxl: bool, unet_config: dict[str, Any] | None) ->
     stray = []
     for key in state_dict:
         prefix = key.split(".", 1)[0]
-        if prefix in MODULES:
+        if prefix in LORA_MODULES:
             lora.components[prefix] = lora.components.get(prefix, 0) + 1
         else:
             stray.append(key)
     if stray:
         raise SdnpuError(f"{path}: {len(stray)} keys belong to no component sdnpu applies LoRAs to (first "
-                         f"{stray[0]!r})", hint=f"LoRAs change {', '.join(MODULES)}")
+                         f"{stray[0]!r})", hint=f"LoRAs change {', '.join(LORA_MODULES)}")
     return lora
 
 
@@ -162,8 +153,11 @@ def _skeleton(folder: Path, component: str) -> Any:
 
 def _peft_state_dict(state_dict: dict[str, Any], component: str) -> dict[str, Any]:
     """The component's keys as PEFT names them (the conversions diffusers' loaders apply)."""
-    from diffusers.utils import convert_state_dict_to_diffusers, convert_state_dict_to_peft, \
-        convert_unet_state_dict_to_peft
+    from diffusers.utils import (
+        convert_state_dict_to_diffusers,
+        convert_state_dict_to_peft,
+        convert_unet_state_dict_to_peft,
+    )
 
     sd = {k.removeprefix(f"{component}."): v for k, v in state_dict.items() if k.startswith(f"{component}.")}
     if not sd:

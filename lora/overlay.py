@@ -4,7 +4,7 @@ For each component a LoRA changes (the UNet, the text encoders), the module weig
 the exported graph (``<component>/parameters.json``: which graph constant holds which parameter, as it is or
 transposed), merged in fp32 from the *base* values (``adapters.Adapters.merged``), and every constant of
 the dispatch model computed from them is computed again by replaying its record (``dd/weights.json``,
-``passes/provenance.py``): the same transposes, slices, concatenations and bf16/bfp16 rounding the compiler
+``sdnpu.formats.weights``): the same transposes, slices, concatenations and bf16/bfp16 rounding the compiler
 applied. Only those constants are written, to ``<component>/dd/lora/weights.data``, with
 ``dd/lora/lora.json`` naming each one's offset, dtype and shape, the LoRAs and their scales. The base files
 are never written; the overlay folder is swapped in whole (``fileio.staged_dir``), so an interrupted apply
@@ -21,11 +21,12 @@ a model that is not the component's own (``sdnpu verify``'s pessimistic copy: ``
 from __future__ import annotations
 
 import contextlib
-import hashlib
 import json
 import logging
 import os
+import queue
 import shutil
+import threading
 import time
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
@@ -33,18 +34,21 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
+import onnx
+import onnx_ir as ir
 
+from sdnpu.components import LORA_COMPONENTS, module_of
 from sdnpu.errors import SdnpuError
 from sdnpu.fileio import atomic_write_json, recover_staging, staged_dir
-from sdnpu.lora.adapters import COMPONENTS, Adapters, LoraFile, LoraSpec, module_of, read_lora, sha256
+from sdnpu.formats import parameters, weights
+from sdnpu.formats.overlay import ALIGN, DATA, FORMAT, MANIFEST, OVERLAY_DIR, VERSION, base_digest, read_manifest
+from sdnpu.lora.adapters import Adapters, LoraFile, LoraSpec, read_lora, sha256
+from sdnpu.reports.report import write as write_report
 
 log = logging.getLogger(__name__)
 
-FORMAT, VERSION = "sdnpu-lora", 1
-OVERLAY_DIR = "lora"  # <component>/dd/lora/
-MANIFEST = "lora.json"
-DATA = "weights.data"
-ALIGN = 64
+__all__ = ["Applied", "apply", "compute", "compute_in_memory", "manifest_specs", "pipeline_folder", "read_loras",
+           "remove", "status"]
 
 
 def pipeline_folder(path: str | Path) -> tuple[Path, list[str]]:
@@ -56,16 +60,16 @@ def pipeline_folder(path: str | Path) -> tuple[Path, list[str]]:
         raise SdnpuError(f"{root} is an SD3 pipeline: sdnpu applies LoRAs to SDXL and SD 1.x folders only",
                          hint="LoRAs for SD3's transformer are not supported yet")
     if (path / "model_index.json").is_file():
-        comps = [c for c in COMPONENTS if (path / c / "dd" / "replaced.onnx").is_file()]
+        comps = [c for c in LORA_COMPONENTS if (path / c / "dd" / "replaced.onnx").is_file()]
         if not comps:
             raise SdnpuError(f"{path} has no compiled UNet or text encoder",
                              hint="convert them first: make convert MODEL=unet")
         return path, comps
-    if path.name in COMPONENTS and (path / "dd" / "replaced.onnx").is_file() and (
+    if path.name in LORA_COMPONENTS and (path / "dd" / "replaced.onnx").is_file() and (
             path.parent / "model_index.json").is_file():
         return path.parent, [path.name]
     raise SdnpuError(f"{path} is not a converted pipeline folder (no model_index.json) or one of its "
-                     f"components ({', '.join(COMPONENTS)})", hint="give the folder sdnpu convert wrote, "
+                     f"components ({', '.join(LORA_COMPONENTS)})", hint="give the folder sdnpu convert wrote, "
                      "e.g. models/sdxl-base")
 
 
@@ -86,10 +90,6 @@ def read_loras(folder: Path, specs: Sequence[LoraSpec]) -> list[LoraFile]:
     return loras
 
 
-def _weights_digest(comp_dir: Path) -> str:
-    return hashlib.sha256((comp_dir / "dd" / "weights.json").read_bytes()).hexdigest()
-
-
 @dataclass
 class _Sources:
     """What a component's overlay is computed from."""
@@ -100,21 +100,8 @@ class _Sources:
 
 
 def _sources(comp_dir: Path) -> _Sources:
-    from sdnpu.convert.parameters import FILE as PARAMETERS, FORMAT as PFORMAT
-    from sdnpu.passes.provenance import FILE as WEIGHTS, read_record
-
-    path = comp_dir / PARAMETERS
-    try:
-        data = json.loads(path.read_text())
-    except FileNotFoundError:
-        raise SdnpuError(f"{path} is missing", hint="convert the component again with this version of sdnpu "
-                         "(it maps the graph's constants to the module's parameters)") from None
-    except ValueError as e:
-        raise SdnpuError(f"{path} is not readable JSON: {e}", hint="convert the component again") from e
-    if data.get("format") != PFORMAT:
-        raise SdnpuError(f"{path} is not an sdnpu parameter map", hint="convert the component again")
-    params = {v["param"]: (name, v["transform"]) for name, v in data["initializers"].items() if v.get("param")}
-    return _Sources(comp_dir, params, read_record(comp_dir / "dd" / WEIGHTS)["weights"])
+    params = parameters.constants_by_parameter(parameters.read_record(comp_dir))
+    return _Sources(comp_dir, params, weights.read_record(comp_dir / "dd" / weights.FILE)["weights"])
 
 
 def _changed_constants(src: _Sources, adapters: Adapters) -> dict[str, tuple[str, str]]:
@@ -133,14 +120,10 @@ def _changed_constants(src: _Sources, adapters: Adapters) -> dict[str, tuple[str
 def compute(comp_dir: Path, adapters: Adapters, reference: bool = False) -> Iterator[tuple[str, np.ndarray]]:
     """The constants the LoRAs change, one at a time: of the dispatch model (``dd/replaced.onnx``: the
     replayed records, in their storage dtype) or, with ``reference``, of the fp32 graph (``model.onnx``)."""
-    import onnx_ir as ir
-
-    from sdnpu.passes.provenance import constant_reader
-
     src = _sources(comp_dir)
     changed = _changed_constants(src, adapters)
     model = ir.load(comp_dir / "model.onnx")
-    read = constant_reader(model)
+    read = weights.constant_reader(model)
 
     def offset(name: str) -> int:
         tensor = model.graph.initializers[name].const_value
@@ -153,9 +136,7 @@ def compute(comp_dir: Path, adapters: Adapters, reference: bool = False) -> Iter
 
 def _compute(src: _Sources, changed: dict[str, tuple[str, str]], adapters: Adapters,
              read: Callable[[str], np.ndarray], reference: bool) -> Iterator[tuple[str, np.ndarray]]:
-    import torch
-
-    from sdnpu.passes.provenance import evaluate, leaves
+    import torch  # here: the overlay's readers (the runtime, verify) never import torch
 
     def merged(name: str) -> np.ndarray:
         """The graph constant ``name`` with the LoRAs merged, in the graph's layout (a transposed weight is
@@ -173,9 +154,9 @@ def _compute(src: _Sources, changed: dict[str, tuple[str, str]], adapters: Adapt
     order = {name: i for i, name in enumerate(changed)}
     affected = []
     for dd_name, expr in src.weights.items():
-        reads = leaves(expr) & changed.keys() if not expr.get("literal") else set()
+        reads = weights.leaves(expr) & changed.keys() if not expr.get("literal") else set()
         if reads:
-            affected.append((min(order[r] for r in reads), dd_name, leaves(expr)))
+            affected.append((min(order[r] for r in reads), dd_name, weights.leaves(expr)))
     affected.sort()
     uses: dict[str, int] = {}
     for _, _, reads in affected:
@@ -191,7 +172,7 @@ def _compute(src: _Sources, changed: dict[str, tuple[str, str]], adapters: Adapt
         return cache[name]
 
     for _, dd_name, reads in affected:
-        yield dd_name, evaluate(src.weights[dd_name], read_merged)
+        yield dd_name, weights.evaluate(src.weights[dd_name], read_merged)
         for r in reads & changed.keys():
             uses[r] -= 1
             if not uses[r]:
@@ -200,8 +181,6 @@ def _compute(src: _Sources, changed: dict[str, tuple[str, str]], adapters: Adapt
 
 def _dispatch_tensors(comp_dir: Path) -> dict[str, tuple[int, list[int]]]:
     """The dispatch model's initializers: name -> (ONNX data type, shape), read without their data."""
-    import onnx
-
     model = onnx.load(str(comp_dir / "dd" / "replaced.onnx"), load_external_data=False)
     return {t.name: (t.data_type, list(t.dims)) for t in model.graph.initializer}
 
@@ -211,9 +190,6 @@ class _Writer:
     next weight (CPU-bound; numpy and torch release the GIL). At most two arrays wait."""
 
     def __init__(self, path: Path) -> None:
-        import queue
-        import threading
-
         self.file = open(path, "wb")  # noqa: SIM115 -- closed in close()
         self.queue: queue.Queue[np.ndarray | None] = queue.Queue(maxsize=2)
         self.error: BaseException | None = None
@@ -273,7 +249,7 @@ def _write_overlay(staging: Path, comp_dir: Path, adapters: Adapters) -> dict[st
         writer.close(sync=done)
     manifest = {"format": FORMAT, "version": VERSION, "component": comp_dir.name,
                 "loras": [lora.describe() for lora in adapters.loras], "modules": len(adapters.modules),
-                "base": {"weights.json sha256": _weights_digest(comp_dir)}, "data": DATA, "bytes": offset,
+                "base": {"weights.json sha256": base_digest(comp_dir)}, "data": DATA, "bytes": offset,
                 "tensors": tensors}
     atomic_write_json(staging / MANIFEST, manifest)
     return manifest
@@ -285,8 +261,6 @@ def _report_entry(manifest: dict[str, Any]) -> dict[str, Any]:
 
 
 def _update_report(comp_dir: Path, entry: dict[str, Any] | None) -> None:
-    from sdnpu.reports.report import write
-
     path = comp_dir / "dd" / "report.json"
     if not path.is_file():
         return
@@ -297,7 +271,7 @@ def _update_report(comp_dir: Path, entry: dict[str, Any] | None) -> None:
         del report["lora"]
     else:
         report["lora"] = entry
-    write(comp_dir / "dd", report)
+    write_report(comp_dir / "dd", report)
 
 
 @dataclass
@@ -367,42 +341,6 @@ def remove(path: str | Path) -> list[str]:
     return [c for c in comps if _remove_component(folder / c)]
 
 
-def read_manifest(dd_dir: Path) -> dict[str, Any] | None:
-    """``dd/lora/lora.json`` checked against the folder's base, or None where there is no overlay."""
-    path = dd_dir / OVERLAY_DIR / MANIFEST
-    if not path.is_file():
-        return None
-    try:
-        manifest = json.loads(path.read_text())
-    except ValueError as e:
-        raise SdnpuError(f"{path} is not readable JSON: {e}", hint="sdnpu lora remove, then apply again") from e
-    if manifest.get("format") != FORMAT or manifest.get("version") != VERSION:
-        raise SdnpuError(f"{path} is not an sdnpu LoRA overlay this version reads",
-                         hint="sdnpu lora remove, then apply again")
-    if manifest["base"]["weights.json sha256"] != _weights_digest(dd_dir.parent):
-        raise SdnpuError(f"the LoRA overlay in {dd_dir / OVERLAY_DIR} was computed for another compilation "
-                         "of this component", hint="sdnpu lora remove, then apply the LoRAs again")
-    data = dd_dir / OVERLAY_DIR / manifest["data"]
-    if not data.is_file() or data.stat().st_size != manifest["bytes"]:
-        raise SdnpuError(f"{data} is missing or truncated", hint="sdnpu lora remove, then apply again")
-    return manifest
-
-
-def overlay_initializers(dd_dir: Path) -> tuple[dict[str, np.ndarray], dict[str, Any] | None]:
-    """The overlay's tensors (mapped from its data file, not read), by initializer name, and its manifest."""
-    import ml_dtypes
-
-    manifest = read_manifest(dd_dir)
-    if manifest is None:
-        return {}, None
-    raw = np.memmap(dd_dir / OVERLAY_DIR / manifest["data"], dtype=np.uint8, mode="r")
-    out = {}
-    for name, t in manifest["tensors"].items():
-        dtype = ml_dtypes.bfloat16 if t["dtype"] == "bfloat16" else np.dtype(t["dtype"])
-        out[name] = raw[t["offset"]:t["offset"] + t["length"]].view(dtype).reshape(t["shape"])
-    return out, manifest
-
-
 def manifest_specs(manifest: dict[str, Any]) -> list[LoraSpec]:
     """The LoRAs an overlay was computed from, as given to ``apply``; their files must still be there,
     unchanged."""
@@ -429,20 +367,6 @@ def compute_in_memory(comp_dir: Path, specs: Sequence[LoraSpec], reference: bool
     if not adapters.modules:
         return {}, []
     return dict(compute(comp_dir, adapters, reference)), [lora.describe() for lora in adapters.loras]
-
-
-def applied_names(folder: Path) -> str:
-    """The LoRAs applied anywhere in ``folder``, as one string ("" where none)."""
-    names: list[str] = []
-    for comp in COMPONENTS:
-        path = folder / comp / "dd" / OVERLAY_DIR / MANIFEST
-        if path.is_file():
-            try:
-                loras = json.loads(path.read_text())["loras"]
-            except (ValueError, KeyError):
-                continue
-            names += [f"{x['name']}:{x['scale']:g}" for x in loras if f"{x['name']}:{x['scale']:g}" not in names]
-    return ", ".join(names)
 
 
 def status(path: str | Path) -> dict[str, dict[str, Any] | None]:

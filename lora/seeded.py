@@ -19,7 +19,13 @@ import re
 from pathlib import Path
 from typing import Any
 
+from sdnpu.components import LORA_MODULES
 from sdnpu.errors import SdnpuError
+from sdnpu.lora.adapters import _skeleton
+
+# The modules in the order their seeds are drawn (each module's seeds depend on its place here): the UNet first,
+# as the seeded LoRAs of bench/results.md were drawn.
+SEED_ORDER = ("unet", *(m for m in LORA_MODULES if m != "unet"))
 
 UNET_TARGETS = re.compile(r"(attn[12]\.(to_q|to_k|to_v|to_out\.0)|ff\.net\.0\.proj|ff\.net\.2)$")
 UNET_CONVS = re.compile(r"resnets\.\d+\.(conv1|conv2)$")
@@ -53,8 +59,6 @@ def _sgm_rest(kind: str, rest: str) -> str:
 def _targets(folder: Path, component: str, convs: bool) -> list[tuple[str, Any]]:
     import torch
 
-    from sdnpu.lora.adapters import _skeleton
-
     pattern = UNET_TARGETS if component == "unet" else TEXT_TARGETS
     found = []
     for name, m in _skeleton(folder, component).named_modules():
@@ -73,8 +77,6 @@ def write_seeded_lora(folder: str | Path, out: str | Path, rank: int = 32, namin
     import torch
     from safetensors.torch import save_file
 
-    from sdnpu.lora.adapters import MODULES
-
     folder = Path(folder)
     if naming not in ("diffusers", "kohya"):
         raise SdnpuError(f"unknown LoRA naming {naming!r}", hint="diffusers or kohya")
@@ -82,13 +84,13 @@ def write_seeded_lora(folder: str | Path, out: str | Path, rank: int = 32, namin
     sdxl = (folder / "text_encoder_2" / "config.json").is_file()
     tensors: dict[str, Any] = {}
     counts: dict[str, int] = {}
-    for comp in components or MODULES:
+    for comp in components or SEED_ORDER:
         if not (folder / comp / "config.json").is_file():
             continue
         targets = _targets(folder, comp, convs)
         counts[comp] = len(targets)
         for i, (name, m) in enumerate(targets):
-            g = torch.Generator().manual_seed(seed * 1_000_003 + MODULES.index(comp) * 100_003 + i)
+            g = torch.Generator().manual_seed(seed * 1_000_003 + SEED_ORDER.index(comp) * 100_003 + i)
             if isinstance(m, torch.nn.Conv2d):
                 a_shape, b_shape = (rank, m.in_channels, *m.kernel_size), (m.out_channels, rank, 1, 1)
                 fan_in = m.in_channels * m.kernel_size[0] * m.kernel_size[1]

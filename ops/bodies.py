@@ -19,7 +19,8 @@ from onnx import AttributeProto as A
 from onnx import TensorProto as T
 from onnx import helper
 
-from sdnpu.ops.target import FLOAT, INT, INTS, STRING, STRINGS, OpSpec, Target
+from sdnpu.ops import bfp
+from sdnpu.ops.target import FLOAT, INT, INTS, STRING, STRINGS, Input, OpSpec, Target
 
 ONNX_OPSET = 20  # what the bodies are written against
 _ATTR_TYPES = {INT: A.INT, INTS: A.INTS, FLOAT: A.FLOAT, STRING: A.STRING, STRINGS: A.STRINGS}
@@ -178,8 +179,6 @@ _DEFAULTS = {"nonlinear": ""}
 
 
 def _bfp_round(b: Body, x: str, axis_last: bool = True) -> str:
-    from sdnpu.ops import bfp
-
     if axis_last:
         return bfp.body(b, x)
     t = b.op("Transpose", x, perm=[0, 2, 1])  # [B, N, K] -> [B, K, N]: blocks along N (P·V reduces over N)
@@ -247,8 +246,6 @@ def functions_for(target: Target, op_types: set[str]) -> list[onnx.FunctionProto
 
 def dummy(spec_input: object) -> np.ndarray:
     """The zero buffer for a dummy input (AMD's test models use zeros)."""
-    from sdnpu.ops.target import Input
-
     assert isinstance(spec_input, Input)
     dtypes = {"float": np.float32, "uint8": np.uint8, "uint16": np.uint16}
     return np.zeros(spec_input.dummy_shape, dtype=dtypes[spec_input.dtype])

@@ -22,6 +22,8 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+from sdnpu.errors import SdnpuError
+
 # ONNX attribute types, as the tables write them (AttributeProto.AttributeType names).
 INT, INTS, FLOAT, STRING, STRINGS = "INT", "INTS", "FLOAT", "STRING", "STRINGS"
 
@@ -197,8 +199,6 @@ def get_target(name: str = DEFAULT_TARGET) -> Target:
     """The target called ``name``; an unknown name is an SdnpuError listing the known ones."""
     _load_builtin()
     if name not in _FACTORIES:
-        from sdnpu.errors import SdnpuError
-
         raise SdnpuError(f"unknown target {name!r}", hint=f"choose one of: {', '.join(sorted(_FACTORIES))}")
     if name not in _CACHE:
         _CACHE[name] = _FACTORIES[name]()
@@ -206,4 +206,4 @@ def get_target(name: str = DEFAULT_TARGET) -> Target:
 
 
 def _load_builtin() -> None:
-    from sdnpu.ops import amd_xdna2  # noqa: F401  (registers itself)
+    from sdnpu.ops import amd_xdna2  # noqa: F401  (registers itself; here: it imports this module, a cycle)

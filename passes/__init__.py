@@ -1,1 +1,2 @@
-"""Offload compiler passes: canonicalize -> fuse -> layout -> precision -> cleanup -> partition."""
+"""The offload compiler's passes. The pass list, with its order constraints, is declared once: ``pipeline`` in
+``sdnpu.passes.pipeline``."""

@@ -29,8 +29,9 @@ import onnx_ir as ir
 import onnxscript.optimizer
 from onnx_ir.passes import common
 from sdnpu.passes import provenance
-from sdnpu.passes.irutil import Builder, attr, const, remove_dead_nodes, replace, static_shape
-from sdnpu.passes.joint import joint_attention
+from sdnpu.errors import SdnpuError
+from sdnpu.passes.irutil import Builder, attr, const, producer, remove_dead_nodes, replace, scalar, static_shape
+from sdnpu.passes.provenance import step
 from sdnpu.passes.manager import PassResult
 from sdnpu.passes.tables import simplify_tables
 
@@ -40,7 +41,7 @@ TARGET_OPSET = 20
 RULE = "Canonicalize"
 # model metadata: the constants cut from a larger one for this graph's size (``_crop_constants``), which the
 # size specializer cannot re-derive from another size's dispatch model
-SIZED_CONSTANTS_KEY = "sdnpu.sized_constants"
+from sdnpu.formats.keys import SIZED_CONSTANTS_KEY  # noqa: E402
 
 
 def _to_reshape(graph: ir.Graph) -> int:
@@ -196,7 +197,6 @@ def _reciprocals(graph: ir.Graph) -> int:
 
 def _drop_neutral(graph: ir.Graph) -> int:
     """x * 1, x / 1 and x + 0 (a resnet's output_scale_factor of 1, as TorchScript writes it) are x."""
-    from sdnpu.passes.irutil import scalar
 
     done = 0
     for node in list(graph):
@@ -464,7 +464,6 @@ def _scatter_rows(graph: ir.Graph) -> int:
 def _pad_into_conv(graph: ir.Graph) -> int:
     """Pad(x, zeros on H and W) -> Conv becomes one Conv with those pads (the VAE encoder's downsampler
     pads right and bottom by one; dynamo already writes it this way). Not a cropping (negative) Pad."""
-    from sdnpu.passes.irutil import attr, const
 
     done = 0
     for node in list(graph):
@@ -493,7 +492,6 @@ def _pad_into_conv(graph: ir.Graph) -> int:
 
 def _erf_gelu(graph: ir.Graph) -> int:
     """x * (erf(x / sqrt 2) + 1) * 0.5, as TorchScript writes GELU below opset 20 (optimum: opset 18) -> Gelu."""
-    from sdnpu.passes.irutil import producer, scalar
 
     def other(node: ir.Node, v: ir.Value | None) -> ir.Value | None:
         return node.inputs[1] if node.inputs[0] is v else node.inputs[0]
@@ -541,7 +539,6 @@ def _tanh_gelu(graph: ir.Graph) -> int:
     """0.5 * x * (1 + tanh(sqrt(2/pi) * (x + 0.044715 * x^3))), as transformers' ``NewGELUActivation`` (T5's
     ``gelu_new``) exports, -> Gelu(approximate='tanh'). The cube may be Pow(x, 3) or x*x*x; the halving may
     come first (HF's ``0.5 * x * ...``) or last. Every intermediate must be read by the chain alone."""
-    from sdnpu.passes.irutil import producer, scalar
 
     def other(node: ir.Node, v: ir.Value | None) -> ir.Value | None:
         return node.inputs[1] if node.inputs[0] is v else node.inputs[0]
@@ -627,7 +624,6 @@ def _tanh_gelu(graph: ir.Graph) -> int:
 def _unflip_concat(graph: ir.Graph) -> int:
     """Concat(Slice(C, h:), Slice(C, :h)) of C = Concat(P1, P2) along one axis, each slice one part ->
     Concat(P2, P1) (diffusers' flip_sin_to_cos, as the exporters write it)."""
-    from sdnpu.passes.irutil import attr, const, producer
 
     done = 0
     for node in list(graph):
@@ -677,7 +673,6 @@ def _unflip_concat(graph: ir.Graph) -> int:
 def _sincos(graph: ir.Graph) -> int:
     """Concat(Sin(a) | Cos(a), ...) along the last axis with a = Mul(x, f), f a constant along that axis ->
     Sin(Mul(x, f') + phase), f' the parts' f side by side and phase pi/2 where a part is a cosine."""
-    from sdnpu.passes.irutil import attr, const, producer
 
     done = 0
     for node in list(graph):
@@ -746,8 +741,6 @@ def _expand_into_constant(graph: ir.Graph) -> int:
     """Mul/Add(Expand(s), c) with ``s`` one value and ``c`` a small constant -> Mul/Add(s, c broadcast to the
     result's shape), the broadcast done once offline: the UNet's timestep expanded to the batch, times the
     sinusoid's frequencies, is one CPU node instead of two. The same numbers (each element is s op c)."""
-    from sdnpu.passes.irutil import const, producer
-    from sdnpu.passes.provenance import step
 
     done = 0
     for node in list(graph):
@@ -821,7 +814,6 @@ def _crop_constants(graph: ir.Graph, cropped: list[str]) -> int:
 def bind_input_shapes(model: ir.Model, shapes: dict[str, list[int]]) -> None:
     """Give graph inputs static shapes (an NPU needs them; optimum exports dynamic axes). Shape inference
     in ``canonicalize`` then carries them through the graph."""
-    from sdnpu.errors import SdnpuError
 
     inputs = {v.name: v for v in model.graph.inputs}
     for name, dims in shapes.items():
@@ -955,7 +947,6 @@ def canonicalize(model: ir.Model) -> PassResult:
             break
     if cropped:
         model.metadata_props[SIZED_CONSTANTS_KEY] = ",".join(sorted({c for c in cropped}))
-    counts.update(joint_attention(model.graph))  # SD3's MMDiT: one attention per query part, heads after the norms
     common.RemoveUnusedNodesPass()(model)
     _keep_output_names(model.graph, outputs)
     counts["nodes removed"] = max(0, n_before - len(model.graph))

@@ -9,7 +9,7 @@ from collections import Counter
 import onnx_ir as ir
 
 from sdnpu.ops.bodies import functions_for
-from sdnpu.ops.tags import TARGET_KEY
+from sdnpu.formats.keys import TARGET_KEY
 from sdnpu.ops.target import INT, INTS, STRING, STRINGS, Target
 from sdnpu.passes.irutil import attr, remove_dead_nodes, remove_unused_initializers
 from sdnpu.passes.manager import PassResult

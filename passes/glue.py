@@ -26,7 +26,7 @@ from collections.abc import Callable
 import numpy as np
 import onnx_ir as ir
 
-from sdnpu.ops.tags import DECLINED_TAG
+from sdnpu.formats.keys import DECLINED_TAG
 from sdnpu.ops.target import Target, prod
 from sdnpu.passes.irutil import Builder, bmk_view, const, is_float, producer, replace, scalar, static_shape, unview
 from sdnpu.passes.provenance import step

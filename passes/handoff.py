@@ -2,7 +2,7 @@
 
 After precision, a 4-D activation leaving the graph runs ``dispatch op -> CastAvx(fp32) -> Transpose(NCHW)``
 on the CPU, and one entering it ``Transpose(NHWC) -> CastAvx(bf16) -> dispatch ops``. Where the value goes
-from one dispatch model straight into another (``sdnpu.ops.handoff``), this pass removes that edge: the
+from one dispatch model straight into another (``sdnpu.formats.handoff``), this pass removes that edge: the
 output becomes the dispatch op's bf16 value, the input a bf16 input in the graph's layout, under the same
 name, and the model records each one's form (metadata ``sdnpu.handoff``) so that the runtime can convert
 fp32 values in the fp32 graph's layout where it has those.
@@ -19,7 +19,7 @@ from collections.abc import Iterable
 
 import onnx_ir as ir
 
-from sdnpu.ops import handoff
+from sdnpu.formats import handoff
 from sdnpu.ops.target import Target
 from sdnpu.passes.irutil import attr
 from sdnpu.passes.manager import PassResult

@@ -8,7 +8,8 @@ from typing import Any
 import numpy as np
 import onnx_ir as ir
 
-from sdnpu.ops.tags import ASSUMED_TAG, RULE_TAG, VIEWS_TAG
+from sdnpu.formats.keys import ASSUMED_TAG, RULE_TAG, VIEWS_TAG
+from sdnpu.ops.bodies import dummy
 from sdnpu.ops.target import Target
 from sdnpu.passes import provenance
 from sdnpu.passes.provenance import Step
@@ -76,8 +77,6 @@ class Builder:
                  dtype: ir.DataType | None, shape: Sequence[int], assumed: Sequence[str] = ()) -> ir.Node:
         """A dispatch op of the target: ``attrs`` are the shape and op attributes; the dtype lists come from
         the table, and dummy inputs (buffers AMD's kernels take but do not read) are appended."""
-        from sdnpu.ops.bodies import dummy
-
         assert self.target is not None, "dispatch ops need the target"
         spec = self.target.spec(op_type)
         ins = list(inputs)

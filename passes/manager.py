@@ -1,11 +1,11 @@
-"""What a pass returns and how the declared pipeline is run."""
+"""What a pass returns, how the declared pipeline (``sdnpu.passes.pipeline``) is run, and its records."""
 
 from __future__ import annotations
 
 import logging
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
 
 import onnx_ir as ir
 
@@ -52,3 +52,14 @@ def run_passes(model: ir.Model, passes: Sequence[tuple[str, PassFn]],
         if after_each is not None:
             after_each(name, model)
     return records
+
+
+def records_json(records: list[PassRecord]) -> list[dict[str, object]]:
+    """The pass records as plain data (the report stores them)."""
+    out: list[dict[str, object]] = []
+    for r in records:
+        item: dict[str, object] = {"name": r.name, "seconds": round(r.seconds, 3), "counts": dict(r.result.counts)}
+        if "regions" in r.result.details:
+            item["regions"] = [asdict(reg) for reg in r.result.details["regions"]]  # type: ignore[union-attr]
+        out.append(item)
+    return out

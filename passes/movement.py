@@ -11,7 +11,7 @@ from __future__ import annotations
 import numpy as np
 import onnx_ir as ir
 
-from sdnpu.passes.irutil import attr, const, static_shape
+from sdnpu.passes.irutil import attr, const, scalar, static_shape
 
 MOVEMENT_OPS = frozenset({"Reshape", "Transpose", "Squeeze", "Unsqueeze", "Flatten"})
 MAX_SIMULATED = 1 << 26  # elements; larger tensors are not simulated (int32 index tensor: 256 MB)
@@ -52,8 +52,6 @@ def index_tensor(shape: tuple[int, ...]) -> np.ndarray | None:
 def trace_up(v: ir.Value, allow_scale: bool = True) -> tuple[ir.Value, list[ir.Node], float]:
     """Walk up from ``v`` through movement nodes (and Mul/Div by a scalar constant): the source value,
     the nodes from the source down to ``v``, and the product of the scalar factors met."""
-    from sdnpu.passes.irutil import scalar
-
     nodes: list[ir.Node] = []
     scale = 1.0
     while True:

@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 import networkx as nx
 import onnx_ir as ir
 
-from sdnpu.ops.tags import DECLINED_TAG, REASON_TAG, REGION_TAG
+from sdnpu.formats.keys import DECLINED_TAG, REASON_TAG, REGION_TAG
 from sdnpu.ops.target import Target
 from sdnpu.passes.manager import PassResult
 

@@ -1,6 +1,9 @@
-"""The offload compiler: one declared pipeline, read top to bottom.
+"""The offload compiler: one declared pipeline, read top to bottom. ``pipeline`` below is the list, the only
+one: the compile stage's log line and the report's pass records are read from it.
 
     canonicalize  one spelling of every pattern, whatever the exporter wrote
+    joint         SD3's joint attention in the form SDMHA takes (passes/joint.py); after canonicalize (one
+                  spelling of the norms and the head splits), before fuse (the attention rule reads its form)
     fuse          the big op families -> the target's dispatch ops (passes/fuse.py orders the rules)
     layout        NHWC between dispatch ops; needs the fused ops (it cancels their boundary Transposes)
     glue          the element-wise ops between them -> dispatch ops; after layout, which pushes Transposes
@@ -17,23 +20,18 @@
                   cleanup (the final CPU nodes); only where asked
     partition     NPU regions and the reason for every CPU node; last, it describes the final graph
 
-Every pass after canonicalize reads the target (``CompileOptions.target``): its table says what a dispatch
-op is. ``load`` leaves an ONNX file's weights on disk (onnx_ir reads external data lazily); the pipeline runs
-on it; ``save`` writes the dispatch model. Derived weights (transposed, bf16) are computed one at a time
-while saving, so a compile holds no full second copy of the weights (sdnpu.convert.compile drives this).
+Every pass after joint reads the target (``CompileOptions.target``): its table says what a dispatch op is.
+``sdnpu.passes.modelfile`` loads a model with its weights left on disk and saves the dispatch model;
+``sdnpu.convert.compile`` drives a compile from file to report.
 """
 
 from __future__ import annotations
 
-import errno
-import logging
-import os
-import shutil
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
-from pathlib import Path
 
 import onnx_ir as ir
+import onnx_ir.passes.common as common
 
 from sdnpu.errors import SdnpuError
 from sdnpu.ops.target import DEFAULT_TARGET, Target, get_target
@@ -42,47 +40,63 @@ from sdnpu.passes.cleanup import cleanup
 from sdnpu.passes.fuse import fuse
 from sdnpu.passes.glue import lower_glue
 from sdnpu.passes.handoff import handoff_pass
+from sdnpu.passes.joint import joint_attention
 from sdnpu.passes.layout import layout
-from sdnpu.passes.manager import PassFn, PassRecord, run_passes
+from sdnpu.passes.manager import PassFn, PassRecord, PassResult, run_passes
 from sdnpu.passes.partition import partition
 from sdnpu.passes.precision import PRECISIONS, precision
 from sdnpu.passes.prologue import prologue_pass
 from sdnpu.passes.views import absorb_views
 
-log = logging.getLogger(__name__)
+__all__ = ["CompileOptions", "compile_model", "joint", "pass_names", "pipeline"]
 
-PROTOBUF_LIMIT = 2**31 - 2**26
-# Test/debug knob: weights go to external data when they total more than this many bytes (default: the
-# protobuf limit, so only full-size models do). SDNPU_EXTERNAL_DATA_ABOVE=0 sends a tiny model's weights
-# there too, which is how the tests exercise external data (and a kill during its write) in seconds.
-EXTERNAL_DATA_ENV = "SDNPU_EXTERNAL_DATA_ABOVE"
+Shapes = tuple[tuple[str, tuple[int, ...]], ...]
 
 
 @dataclass(frozen=True)
 class CompileOptions:
     """What a compile is for: the target and the precision (validated once, here); ``handoff``: graph inputs
     and outputs that another dispatch model writes or reads, kept bf16 in the NPU's layout
-    (``sdnpu.ops.handoff``); ``prologue``: graph inputs whose CPU work goes into the step prologue that
-    another dispatch model shares (``sdnpu.ops.prologue``)."""
+    (``sdnpu.formats.handoff``); ``prologue``: graph inputs whose CPU work goes into the step prologue that
+    another dispatch model shares (``sdnpu.formats.prologue``); ``shapes``: static shapes for graph inputs
+    with dynamic axes, by name (a mapping is taken too)."""
 
     target: Target = field(default_factory=get_target)
     precision: str = "bf16"
     handoff: frozenset[str] = frozenset()
     prologue: frozenset[str] = frozenset()
+    shapes: Shapes = ()
 
     def __post_init__(self) -> None:
         if self.precision not in PRECISIONS:
             raise SdnpuError(f"unknown precision {self.precision!r}", hint=f"choose one of: {', '.join(PRECISIONS)}")
+        if isinstance(self.shapes, Mapping):
+            object.__setattr__(self, "shapes", tuple(sorted((k, tuple(int(d) for d in v))
+                                                            for k, v in self.shapes.items())))
 
     @classmethod
     def named(cls, target: str = DEFAULT_TARGET, precision: str = "bf16") -> CompileOptions:
         return cls(get_target(target), precision)
+
+    @property
+    def input_shapes(self) -> dict[str, list[int]]:
+        """``shapes`` as ``{input: [dims]}``."""
+        return {k: list(v) for k, v in self.shapes}
+
+
+def joint(model: ir.Model) -> PassResult:
+    """SD3's MMDiT attention in SDMHA's form (``sdnpu.passes.joint``: one attention per query part, the head
+    Transposes below the per-head norms); a graph without joint attention is left as it is."""
+    counts = joint_attention(model.graph)
+    common.RemoveUnusedNodesPass()(model)
+    return PassResult(modified=bool(sum(counts.values())), counts=dict(counts))
 
 
 def pipeline(options: CompileOptions) -> list[tuple[str, PassFn]]:
     t = options.target
     return [
         ("canonicalize", canonicalize),
+        ("joint", joint),
         ("fuse", lambda m: fuse(m, t)),
         ("layout", layout),
         ("glue", lambda m: lower_glue(m, t)),
@@ -95,77 +109,11 @@ def pipeline(options: CompileOptions) -> list[tuple[str, PassFn]]:
     ]
 
 
-def unreadable(path: Path, err: Exception) -> SdnpuError:
-    """The error for a file that onnx cannot parse: truncated, or not ONNX at all."""
-    return SdnpuError(f"{path} is not a readable ONNX model: {type(err).__name__}: {err}",
-                      hint="re-export it; a truncated file or missing external data gives this")
-
-
-def load(path: Path) -> ir.Model:
-    try:
-        model = ir.load(path)
-    except FileNotFoundError as e:
-        raise SdnpuError(f"{path} not found") from e
-    except Exception as e:  # protobuf's DecodeError and friends
-        raise unreadable(path, e) from e
-    _check_external_data(model, path)
-    return model
-
-
-def _check_external_data(model: ir.Model, path: Path) -> None:
-    """External data is read lazily, deep inside the compile: name a missing or short file now."""
-    sizes: dict[str, int] = {}
-    for graph in model.graphs():
-        for value in graph.initializers.values():
-            tensor = value.const_value
-            if not isinstance(tensor, ir.ExternalTensor):
-                continue
-            data = str(tensor.path)
-            if data not in sizes:
-                sizes[data] = os.path.getsize(data) if os.path.isfile(data) else -1
-            if sizes[data] < 0:
-                raise SdnpuError(f"{path} keeps its weights in {tensor.location}, which is missing ({data})",
-                                 hint=f"copy {tensor.location} beside {path.name}: the two belong together")
-            end = (tensor.offset or 0) + (tensor.length if tensor.length is not None else tensor.nbytes)
-            if sizes[data] < end:
-                raise SdnpuError(f"{data} is truncated: {sizes[data]:,} bytes, {path.name} needs {end:,}",
-                                 hint="the copy is incomplete: copy it again, or re-export the model")
-
-
-def save(model: ir.Model, path: Path) -> None:
-    """Write ``model`` to ``path``; its weights go to ``path.data`` past the protobuf limit, or where some are
-    still the source's external data (a weight no pass changed, e.g. the text encoders' token table that
-    stays with its CPU Gather): those are copied into our own file, never referenced in the source's."""
-    values = [v.const_value for v in model.graph.initializers.values() if v.const_value is not None]
-    total = sum(t.nbytes for t in values)
-    external = any(isinstance(t, ir.ExternalTensor) for t in values)
-    try:
-        if external or total > int(os.environ.get(EXTERNAL_DATA_ENV, PROTOBUF_LIMIT)):
-            ir.save(model, path, external_data=path.name + ".data", size_threshold_bytes=1024)
-        else:
-            ir.save(model, path)
-    except OSError as e:
-        # numpy's tofile reports a short write as "N requested and M written", without an errno
-        if e.errno is None and shutil.disk_usage(path.parent).free < total:
-            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), str(path)) from e
-        if e.errno is not None and e.filename is None:  # a failed write names no file: name the model
-            raise OSError(e.errno, e.strerror, str(path)) from e
-        raise
+def pass_names(options: CompileOptions) -> list[str]:
+    """The passes a compile with ``options`` runs, in order."""
+    return [name for name, _ in pipeline(options)]
 
 
 def compile_model(model: ir.Model, options: CompileOptions | None = None,
                   after_each: Callable[[str, ir.Model], None] | None = None) -> list[PassRecord]:
     return run_passes(model, pipeline(options or CompileOptions()), after_each)
-
-
-def records_json(records: list[PassRecord]) -> list[dict[str, object]]:
-    """The pass records as plain data (the report stores them)."""
-    from dataclasses import asdict
-
-    out: list[dict[str, object]] = []
-    for r in records:
-        item: dict[str, object] = {"name": r.name, "seconds": round(r.seconds, 3), "counts": dict(r.result.counts)}
-        if "regions" in r.result.details:
-            item["regions"] = [asdict(reg) for reg in r.result.details["regions"]]  # type: ignore[union-attr]
-        out.append(item)
-    return out

@@ -20,7 +20,9 @@ from __future__ import annotations
 from collections import Counter
 
 import onnx_ir as ir
-from sdnpu.ops.tags import RULE_TAG
+
+from sdnpu.errors import SdnpuError
+from sdnpu.formats.keys import RULE_TAG
 from sdnpu.ops.target import OpSpec, Target
 from sdnpu.passes.irutil import Builder, static_shape
 from sdnpu.passes.manager import PassResult
@@ -115,8 +117,6 @@ def _entry(graph: ir.Graph, target: Target, v: ir.Value, entries: dict[int, ir.V
 
 def precision(model: ir.Model, target: Target, mode: str = "bf16") -> PassResult:
     if mode not in PRECISIONS:
-        from sdnpu.errors import SdnpuError
-
         raise SdnpuError(f"unknown precision {mode!r}", hint=f"choose one of: {', '.join(PRECISIONS)}")
     graph = model.graph
     counts: Counter[str] = Counter()

@@ -1,5 +1,5 @@
 """Prologue pass: the CPU work a dispatch model does on the graph inputs named in ``CompileOptions.prologue``
-(a step's inputs that another dispatch model reads too) moves into a model of its own (``sdnpu.ops.prologue``).
+(a step's inputs that another dispatch model reads too) moves into a model of its own (``sdnpu.formats.prologue``).
 
 After cleanup, the nodes that are not dispatch ops and compute only from those inputs and constants (the
 latents' Transpose and CastAvx, the timestep's sinusoid and its cast, ...) are taken out of the graph in
@@ -22,7 +22,7 @@ from collections import Counter
 
 import onnx_ir as ir
 
-from sdnpu.ops import prologue as spec
+from sdnpu.formats import prologue as spec
 from sdnpu.ops.target import Target
 from sdnpu.passes.cleanup import attach_functions
 from sdnpu.passes.irutil import remove_unused_initializers

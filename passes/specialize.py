@@ -34,7 +34,7 @@ from typing import Any
 
 import numpy as np
 
-from sdnpu.ops.tags import VIEWS_TAG
+from sdnpu.formats.keys import SIZED_CONSTANTS_KEY, VIEWS_TAG
 from sdnpu.ops.target import Target, prod
 
 __all__ = ["CannotSpecialize", "Specialized", "specialize"]
@@ -314,8 +314,6 @@ def specialize(model: Any, target: Target, inputs: Mapping[str, Sequence[int]],
     graph inputs of ``inputs`` (name -> shape); ``read(tensor)``: a small initializer's bytes (the masks are
     checked against what the compiler writes). Raises CannotSpecialize with the reason (see the module doc)."""
     import onnx
-
-    from sdnpu.passes.canonicalize import SIZED_CONSTANTS_KEY
 
     sized = {p.key: p.value for p in model.metadata_props}.get(SIZED_CONSTANTS_KEY)
     if sized:

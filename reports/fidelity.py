@@ -8,7 +8,8 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
-from sdnpu.ops import prologue
+
+from sdnpu.formats import prologue
 
 
 class CannotFeed(Exception):

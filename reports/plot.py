@@ -10,7 +10,7 @@ from pathlib import Path
 from typing import Any
 
 from sdnpu.errors import SdnpuError
-from sdnpu.ops.tags import REGION_TAG
+from sdnpu.formats.keys import REGION_TAG
 
 _NPU_COLORS = ("#2a9d8f", "#457b9d", "#8ab17d", "#6d597a", "#e9c46a")
 _CPU_COLOR = "#d62828"

@@ -23,8 +23,8 @@ import onnx
 
 from sdnpu import __version__
 from sdnpu.fileio import atomic_write_text
-from sdnpu.ops import handoff, prologue
-from sdnpu.ops.tags import ASSUMED_TAG, REASON_TAG, REGION_TAG, RULE_TAG, TARGET_KEY, VIEWS_TAG
+from sdnpu.formats import handoff, prologue
+from sdnpu.formats.keys import ASSUMED_TAG, REASON_TAG, REGION_TAG, RULE_TAG, TARGET_KEY, VIEWS_TAG
 from sdnpu.ops.target import Target, get_target
 
 SCHEMA_VERSION = 2
@@ -177,7 +177,7 @@ def build(replaced: Path, source_model: Path | None, passes: list[dict[str, Any]
 
 
 def _prologue(replaced: Path, model: onnx.ModelProto, offloaded: int, total: int) -> dict[str, Any] | None:
-    """The step prologue of the dispatch model (``sdnpu.ops.prologue``): its file, digest, inputs and values,
+    """The step prologue of the dispatch model (``sdnpu.formats.prologue``): its file, digest, inputs and values,
     its CPU nodes with their reasons, and the offload rate with them counted in this graph (as if it did that
     work alone, as a graph without a prologue does)."""
     spec = prologue.of_proto(model)

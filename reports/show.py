@@ -6,11 +6,13 @@ import json
 from pathlib import Path
 from typing import Any
 
+from sdnpu.components import order_key, ordered
 from sdnpu.errors import SdnpuError
+from sdnpu.formats.keys import TARGET_KEY
+from sdnpu.formats.sizes import sizes_of
+from sdnpu.reports.report import build
 
 SCHEMA = Path(__file__).with_name("report.schema.json")
-COMPONENT_ORDER = ("text_encoder", "text_encoder_2", "text_encoder_3", "vae_encoder", "vae_decoder", "unet",
-                   "unet_controlnet", "controlnet", "transformer")
 
 
 def validate(report: dict[str, Any], where: Path) -> None:
@@ -36,14 +38,10 @@ def _from_onnx(path: Path) -> dict[str, Any]:
     """A report for a dispatch model that has none beside it (rebuilt from the model's own tags)."""
     import onnx
 
-    from sdnpu.reports.report import build
-
     try:
         model = onnx.load(str(path), load_external_data=False)
     except Exception as e:  # protobuf's DecodeError and friends
         raise SdnpuError(f"{path} is not a readable ONNX model: {type(e).__name__}: {e}") from e
-    from sdnpu.ops.tags import TARGET_KEY
-
     if not any(p.key == TARGET_KEY for p in model.metadata_props):
         raise SdnpuError(f"{path} is not a dispatch model: no target is recorded in it",
                          hint="compile it first: `sdnpu compile MODEL.onnx`")
@@ -95,8 +93,7 @@ def _find(path: Path) -> list[tuple[str, dict[str, Any], Path]]:
     if not found:
         raise SdnpuError(f"no offload report under {path}",
                          hint="reports are written by `sdnpu convert` (OUT/<component>/dd/report.json)")
-    order = {c: i for i, c in enumerate(COMPONENT_ORDER)}
-    found.sort(key=lambda item: (order.get(item[0], len(order)), item[0]))
+    found.sort(key=lambda item: order_key(item[0]))
     out = []
     for name, p in found:  # each component's primary size, then its other sizes (sizes.json)
         out.append((name, _read(p), p.with_name("replaced.onnx")))
@@ -105,8 +102,6 @@ def _find(path: Path) -> list[tuple[str, dict[str, Any], Path]]:
 
 
 def _other_sizes(comp_dir: Path, name: str) -> list[tuple[str, dict[str, Any], Path]]:
-    from sdnpu.sizes import sizes_of
-
     return [(name, _read(comp_dir / f.report), comp_dir / f.dispatch) for f in sizes_of(comp_dir) if not f.primary]
 
 
@@ -126,7 +121,7 @@ def summary_lines(reports: list[tuple[str, dict[str, Any]]]) -> str:
                      f"{s['npu_regions']:>9}{macs}{cos:>12}")
         tot_npu += s["offloaded_nodes"]
         tot_cpu += s["cpu_nodes"]
-    shared: dict[str, tuple[int, list[str]]] = {}  # a step prologue (sdnpu.ops.prologue) counts once
+    shared: dict[str, tuple[int, list[str]]] = {}  # a step prologue (sdnpu.formats.prologue) counts once
     for name, r in reports:
         steps = r.get("prologue")
         if steps:
@@ -149,7 +144,7 @@ def diff(a: list[tuple[str, dict[str, Any]]], b: list[tuple[str, dict[str, Any]]
         if len(base_a) == len(a) and len(base_b) == len(b):
             da, db = base_a, base_b
     lines: list[str] = []
-    for name in sorted(set(da) | set(db), key=lambda n: (COMPONENT_ORDER.index(n) if n in COMPONENT_ORDER else 9, n)):
+    for name in ordered(set(da) | set(db)):
         if name not in da or name not in db:
             lines.append(f"{name}: only in {'B' if name in db else 'A'}")
             continue

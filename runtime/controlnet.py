@@ -7,10 +7,10 @@ runs on the UNet's batch with its scale; outside its [start, end] share of the s
 ``controlnet_keep``) diffusers runs it at scale 0, whose residuals are 0: it does not run, and the UNet adds
 zeros (the same numbers, one ControlNet run less a step). The residuals of several ControlNets are summed
 (diffusers' ``MultiControlNetModel``) and go to the UNet that takes them (``unet_controlnet``). Between the
-two dispatch models the residuals stay in the NPU's form (bf16, NHWC: ``sdnpu.ops.handoff``), with no
+two dispatch models the residuals stay in the NPU's form (bf16, NHWC: ``sdnpu.formats.handoff``), with no
 Transpose or cast on the CPU at either edge; several ControlNets' are summed in fp32 and rounded to bf16 once.
 The CPU work on the step's inputs that the ControlNets and the UNet share runs once a step (their step
-prologue, ``sdnpu.ops.prologue``). The fp32 graphs (``--reference``) pass
+prologue, ``sdnpu.formats.prologue``). The fp32 graphs (``--reference``) pass
 them as they write them (NCHW, fp32).
 """
 
@@ -24,7 +24,7 @@ from typing import Any
 import numpy as np
 
 from sdnpu.errors import SdnpuError
-from sdnpu.pipelines import UNET_BATCH, controlnet_outputs, residual_input, residual_shapes
+from sdnpu.signatures import UNET_BATCH, controlnet_outputs, residual_input, residual_shapes
 
 __all__ = ["ControlSpec", "check_compatible", "config_of", "control_image", "controlnet_folder", "keep",
            "residual_inputs"]

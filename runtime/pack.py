@@ -25,8 +25,9 @@ import numpy as np
 
 from sdnpu.errors import SdnpuError
 from sdnpu.fileio import staged_dir
-from sdnpu.ops import prologue
-from sdnpu.ops.tags import TARGET_KEY
+from sdnpu.formats import prologue
+from sdnpu.formats.keys import PACKED_KEY, TARGET_KEY
+from sdnpu.formats.sizes import sizes_of
 from sdnpu.ops.target import get_target
 
 log = logging.getLogger(__name__)
@@ -112,7 +113,7 @@ def pack_model(source: Path, out_dir: Path) -> dict[str, int]:
     del model.graph.initializer[:]
     model.graph.initializer.extend(kept)
     del model.functions[:]  # the bodies read the unpacked weights: only AMD's custom ops run this copy
-    model.metadata_props.add(key="sdnpu.packed", value=f"{PACKER_MODULE}.sd")
+    model.metadata_props.add(key=PACKED_KEY, value=f"{PACKER_MODULE}.sd")
     out_dir.mkdir(parents=True, exist_ok=True)
     big = sum(t.ByteSize() for t in model.graph.initializer) > (1 << 31) - (1 << 26)
     onnx.save(model, str(out_dir / source.name), save_as_external_data=big,
@@ -130,8 +131,6 @@ def pack(folder: str | Path) -> dict[str, dict[str, int]]:
     every size's model under its own name (``replaced.WxH.onnx``), each with its own packed weights: AMD's
     packing follows per-shape layer parameters, so one size's blobs are not assumed to fit another's.
     Returns counts by component (``"<component> WxH"`` for the sizes after the first)."""
-    from sdnpu.sizes import sizes_of
-
     folder = Path(folder)
     sources = sorted(folder.glob("*/dd/replaced.onnx")) or sorted(folder.glob("dd/replaced.onnx"))
     if not sources:

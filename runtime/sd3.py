@@ -23,14 +23,16 @@ from typing import Any
 
 import numpy as np
 
+from sdnpu.components import CLIP_ENCODERS
 from sdnpu.errors import SdnpuError
-from sdnpu.pipelines import UNET_BATCH, Size, pipeline_outputs, vae_scale_factor
-from sdnpu.runtime.pipeline import Stages, load_scheduler, read_index
+from sdnpu.imagesize import Size
 from sdnpu.runtime.session import Component, RuntimeOptions, component_path
+from sdnpu.runtime.stages import Stages, load_scheduler, read_index
+from sdnpu.signatures import UNET_BATCH, vae_scale_factor
+from sdnpu.specs import pipeline_outputs
 
 log = logging.getLogger(__name__)
 
-CLIP_ENCODERS = ("text_encoder", "text_encoder_2")
 
 
 def is_sd3(index: dict[str, Any]) -> bool:
@@ -52,7 +54,7 @@ class SD3Pipeline(Stages):
         self.reference, self.keep, self.runtime = reference, keep_sessions, runtime or RuntimeOptions()
         self.index = read_index(self.folder)
         self.size = Size.of(size) if size is not None else None
-        for name in ("text_encoder", "text_encoder_2", "transformer", "vae_decoder"):
+        for name in (*CLIP_ENCODERS, "transformer", "vae_decoder"):
             component_path(self.folder, name, reference, self.size)  # refused, with the fix, if absent
         # T5 is optional, as in diffusers: without it its part of the prompt is zeros
         self.t5 = (self.folder / "text_encoder_3" / "export.json").is_file()

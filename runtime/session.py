@@ -21,10 +21,14 @@ from typing import Any
 
 import numpy as np
 
-from sdnpu import external
+from sdnpu import external, onnxrun
+from sdnpu.components import LORA_COMPONENTS, SIZED, TEXT_ENCODERS
 from sdnpu.errors import SdnpuError
+from sdnpu.formats import handoff, prologue
+from sdnpu.formats.overlay import DATA, OVERLAY_DIR, overlay_initializers, read_manifest
+from sdnpu.formats.sizes import sizes_of
+from sdnpu.imagesize import Size
 from sdnpu.memory import available_bytes
-from sdnpu.ops import handoff, prologue
 
 log = logging.getLogger(__name__)
 
@@ -33,7 +37,6 @@ DISPATCH_MODEL = Path("dd") / "replaced.onnx"
 REFERENCE_MODEL = Path("model.onnx")
 CUSTOM_OPS_ENV = "SDNPU_CUSTOM_OPS"  # the custom-op library's path, where --custom-ops is not given
 DD_CACHE_NAMES = ("cache", ".cache")
-TEXT_ENCODERS = ("text_encoder", "text_encoder_2", "text_encoder_3")
 
 
 @dataclass(frozen=True)
@@ -70,7 +73,7 @@ class Component:
     custom_ops: Path | None = None  # the library registered on it, if any
     lora: list[dict[str, Any]] | None = None  # the LoRAs its weights carry (None: the base weights)
     replaced: Any = None  # arrays handed to the external-initializer API (they must live as long as the session)
-    prologue: Any = None  # the session of its step prologue (``sdnpu.ops.prologue``), where it has one
+    prologue: Any = None  # the session of its step prologue (``sdnpu.formats.prologue``), where it has one
 
     @property
     def inputs(self) -> dict[str, list[int]]:
@@ -82,9 +85,9 @@ class Component:
 
     @property
     def handoff(self) -> dict[str, tuple[int, ...]]:
-        """The inputs and outputs kept in the NPU's form (``sdnpu.ops.handoff``): name -> the permutation to
+        """The inputs and outputs kept in the NPU's form (``sdnpu.formats.handoff``): name -> the permutation to
         the fp32 graph's layout."""
-        return handoff.decode(self.session.get_modelmeta().custom_metadata_map.get(handoff.KEY))
+        return handoff.of_session(self.session)
 
     def zeros(self, name: str) -> np.ndarray:
         """Zeros for the input ``name``, in the form the model takes it (bf16 in the NPU's layout for a handoff
@@ -105,7 +108,7 @@ class Component:
         for every model whose prologue has the same digest. {} where it has none."""
         if self.prologue is None:
             return {}
-        return prologue.run(self.prologue, feeds)
+        return onnxrun.run_prologue(self.prologue, feeds)
 
     def run(self, feeds: dict[str, np.ndarray], outputs: list[str] | None = None, native: bool = False
             ) -> dict[str, np.ndarray]:
@@ -113,7 +116,7 @@ class Component:
         output comes back in the fp32 graph's form, or with ``native`` as the model gives it. Where the model
         has a step prologue, ``feeds`` may hold its values (``prepare``); else it runs on the fp32 graph's
         inputs in ``feeds`` first."""
-        feeds = prologue.run_with(self.path, self.session, feeds, self.prologue)
+        feeds = onnxrun.run_with_prologue(self.path, self.session, feeds, self.prologue)
         forms = self.handoff
         for name, shape in self.inputs.items():
             if name not in feeds:
@@ -125,7 +128,7 @@ class Component:
                 raise SdnpuError(f"{self.name}: input {name!r} has shape {got}, the model takes {shape}",
                                  hint="converted models have static shapes: convert again with another RES")
         names = outputs or self.outputs
-        return dict(zip(names, handoff.run(self.session, names, feeds, native), strict=True))
+        return dict(zip(names, onnxrun.run(self.session, names, feeds, native), strict=True))
 
 
 def _weight_bytes(path: Path) -> int:
@@ -190,9 +193,6 @@ def component_path(folder: Path, component: str, reference: bool = False, size: 
     if size is None or component in TEXT_ENCODERS:
         path = comp_dir / (REFERENCE_MODEL if reference else DISPATCH_MODEL)
     else:
-        from sdnpu.sizes import sizes_of
-        from sdnpu.pipelines import Size
-
         size = Size.of(size)
         have = sizes_of(comp_dir)
         match = next((f for f in have if f.size == size), None)
@@ -200,7 +200,7 @@ def component_path(folder: Path, component: str, reference: bool = False, size: 
             listed = ", ".join(str(f.size) for f in have) or "none recorded"
             raise SdnpuError(f"{comp_dir} is not converted at {size} (converted: {listed})",
                              hint=f"add the size: sdnpu convert --source {_source_of(comp_dir)} --model "
-                             f"{','.join(_sized_components(Path(folder)) or [component])} --out {Path(folder)} "
+                             f"{','.join(_sized_components(Path(folder), component))} --out {Path(folder)} "
                              f"--res {size} --add")
         path = comp_dir / (match.model if reference else match.dispatch)
     if not path.is_file():
@@ -209,11 +209,9 @@ def component_path(folder: Path, component: str, reference: bool = False, size: 
     return path
 
 
-def _sized_components(folder: Path) -> list[str]:
-    """The components of a converted folder whose graphs depend on the image size."""
-    from sdnpu.pipelines import SIZED
-
-    return [c for c in SIZED if (folder / c / "export.json").is_file()]
+def _sized_components(folder: Path, first: str) -> list[str]:
+    """The components of a converted folder whose graphs depend on the image size, ``first`` first."""
+    return [first, *(c for c in SIZED if c != first and (folder / c / "export.json").is_file())]
 
 
 def _source_of(comp_dir: Path) -> str:
@@ -353,19 +351,15 @@ def open_component_path(path: Path, component: str, reference: bool = False,
         how += f"; its step prologue {spec.file}"
     log.info("%s: %s (%s)", component, path, how)
     return Component(component, path, session, opts, library, loras, arrays,
-                     prologue.open_session(spec.path(path)) if spec is not None else None)
+                     onnxrun.open_prologue(spec.path(path)) if spec is not None else None)
 
 
 def _overlay_beside(path: Path, comp_dir: Path, component: str, reference: bool, specs: tuple[Any, ...]
                     ) -> dict[str, Any] | None:
     """The manifest of the overlay (``sdnpu lora apply``) that the dispatch model at ``path`` can read in
     place: the component's own ``dd/replaced.onnx`` (its ``dd/lora/`` lies below it), no LoRAs given."""
-    from sdnpu.lora.adapters import COMPONENTS
-
-    if reference or specs or component not in COMPONENTS or path.resolve().parent != (comp_dir / "dd").resolve():
+    if reference or specs or component not in LORA_COMPONENTS or path.resolve().parent != (comp_dir / "dd").resolve():
         return None
-    from sdnpu.lora.overlay import read_manifest
-
     manifest = read_manifest(comp_dir / "dd")
     if manifest is None or path.resolve() == (comp_dir / DISPATCH_MODEL).resolve():
         return manifest
@@ -401,8 +395,6 @@ def relocate_to_overlay(path: Path, opts: Any, manifest: dict[str, Any]) -> byte
     given through ``add_external_initializers`` (``bench/bench_lora_open.py``)."""
     import onnx
 
-    from sdnpu.lora.overlay import DATA, OVERLAY_DIR
-
     proto = onnx.load(str(path), load_external_data=False)
     tensors = manifest["tensors"]
     found = 0
@@ -428,17 +420,18 @@ def lora_initializers(comp_dir: Path, component: str, reference: bool, specs: tu
     ``reference`` its fp32 graph) and the LoRAs: ``specs`` computed now, else the component's overlay
     (``sdnpu lora apply``: mapped from its file for a dispatch model; for the fp32 graph, computed again
     from the overlay's LoRA files, so that both carry the same LoRAs)."""
+    # here: computing LoRAs pulls the overlay's readers (onnx_ir) and diffusers in; a plain session needs neither
     from sdnpu.lora import overlay
-    from sdnpu.lora.adapters import COMPONENTS, LoraSpec
+    from sdnpu.lora.adapters import LoraSpec
 
-    if component not in COMPONENTS:
+    if component not in LORA_COMPONENTS:
         return {}, None
     if not specs:
-        manifest = overlay.read_manifest(comp_dir / "dd")
+        manifest = read_manifest(comp_dir / "dd")
         if manifest is None:
             return {}, None
         if not reference:
-            return _renamed(overlay.overlay_initializers(comp_dir / "dd")[0], comp_dir, path), manifest["loras"]
+            return _renamed(overlay_initializers(comp_dir / "dd")[0], comp_dir, path), manifest["loras"]
         specs = tuple(overlay.manifest_specs(manifest))
     arrays, loras = overlay.compute_in_memory(comp_dir, [s if isinstance(s, LoraSpec) else LoraSpec.parse(s)
                                                          for s in specs], reference)

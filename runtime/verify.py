@@ -18,19 +18,18 @@ from typing import Any
 
 import numpy as np
 
+from sdnpu.components import COMPONENTS, LORA_COMPONENTS, SIZED
 from sdnpu.errors import SdnpuError
 from sdnpu.fileio import atomic_write_json
+from sdnpu.formats.overlay import read_manifest
+from sdnpu.formats.sizes import SizeFiles, sizes_of
+from sdnpu.imagesize import Size
 from sdnpu.memory import check_fits, estimate
 from sdnpu.progress import step
 from sdnpu.reports import report as reports
 from sdnpu.reports.fidelity import RANGE_RUNS, fidelity, pessimistic_model, range_inputs, worst
-from sdnpu.reports.show import COMPONENT_ORDER
-from sdnpu.lora.adapters import COMPONENTS as LORA_COMPONENTS
-from sdnpu.lora.overlay import read_manifest
-from sdnpu.runtime.pipeline import GenerateOptions, Pipeline
-from sdnpu.pipelines import SIZED, Size
 from sdnpu.runtime.session import RuntimeOptions, component_path, open_component, open_component_path
-from sdnpu.sizes import SizeFiles, sizes_of
+from sdnpu.runtime.text2image import GenerateOptions, Pipeline
 from sdnpu.worker import run_in_worker
 
 log = logging.getLogger(__name__)
@@ -116,7 +115,7 @@ def verify(folder: str | Path, steps: int = 3, seed: int = 0, prompt: str = "a p
     VAEs) are verified at it and the pipeline runs at it; their reports of that size get the results."""
     folder = Path(folder)
     size = Size.of(size) if size is not None else None
-    present = [c for c in COMPONENT_ORDER if (folder / c / "dd" / "report.json").is_file()
+    present = [c for c in COMPONENTS if (folder / c / "dd" / "report.json").is_file()
                and (folder / c / "model.onnx").is_file()]
     if not present:
         raise SdnpuError(f"no converted component with a dispatch model under {folder}",

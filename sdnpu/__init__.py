@@ -1,8 +1,11 @@
 """sdnpu: a model-conversion and NPU-offload compiler for Stable Diffusion.
 
 The stages install as one namespace: ``sdnpu.convert`` (export from diffusers), ``sdnpu.passes``
-(the offload compiler), ``sdnpu.reports``, ``sdnpu.runtime`` and ``sdnpu.ops``. This top-level
-package holds only what every stage shares: the error type, atomic file writes and progress logging.
+(the offload compiler), ``sdnpu.reports``, ``sdnpu.lora``, ``sdnpu.runtime`` and ``sdnpu.ops`` (the target).
+This top-level package holds what every stage shares: the component table (``components``), the formats
+(``formats``), each component's signature and spec (``signatures``, ``specs``, ``imagesize``), running graphs
+in onnxruntime (``onnxrun``), the error type, atomic file writes, progress logging, memory and workers; and
+the CLI (docs/design.md has the map).
 """
 
 from __future__ import annotations

@@ -1,18 +1,38 @@
-"""The ``sdnpu`` command line. The library only logs; this module prints and sets up logging."""
+"""The ``sdnpu`` command line. The library only logs; this module prints and sets up logging.
+
+The stages import torch, diffusers and onnxruntime only where they use them, so that the CLI starts without
+them."""
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import logging
 import os
 import sys
 import warnings
 from collections.abc import Sequence
+from pathlib import Path
 from typing import Any
 
 from sdnpu import __version__
+from sdnpu.components import COMPONENTS, LORA_COMPONENTS
+from sdnpu.convert import ConvertOptions, convert
+from sdnpu.convert.compile import compile_file
+from sdnpu.convert.export import DEFAULT_OPSET, EXPORTERS
 from sdnpu.errors import SdnpuError, storage_error
+from sdnpu.formats.overlay import applied_names
+from sdnpu.imagesize import Size
+from sdnpu.lora import LoraSpec, overlay
+from sdnpu.ops.target import DEFAULT_TARGET, target_names
+from sdnpu.passes.pipeline import CompileOptions
+from sdnpu.reports import show
+from sdnpu.reports.plot import plot
+from sdnpu.reports.report import render_text
+from sdnpu.runtime import GenerateOptions, Pipeline, RuntimeOptions, save_png, verify
+from sdnpu.runtime.controlnet import ControlSpec
+from sdnpu.runtime.pack import PACKED_DIR, pack
 
 log = logging.getLogger("sdnpu")
 
@@ -27,8 +47,6 @@ def _human_bytes(n: float) -> str:
 
 
 def _cmd_convert(args: argparse.Namespace) -> int:
-    from sdnpu.convert import ConvertOptions, convert
-
     options = ConvertOptions(res=args.res, exporter=args.exporter, opset=args.opset, check=not args.no_check,
                              compile=not args.no_compile, outputs=args.outputs, target=args.target,
                              precision=args.precision, loras=tuple(args.lora or ()), add=args.add,
@@ -56,12 +74,6 @@ def _cmd_convert(args: argparse.Namespace) -> int:
 
 
 def _cmd_compile(args: argparse.Namespace) -> int:
-    from pathlib import Path
-
-    from sdnpu.convert.compile import compile_file
-    from sdnpu.passes.pipeline import CompileOptions
-    from sdnpu.reports.report import render_text
-
     shapes = {}
     for item in args.shape or []:
         name, _, dims = item.partition("=")
@@ -69,19 +81,14 @@ def _cmd_compile(args: argparse.Namespace) -> int:
             shapes[name] = [int(d) for d in dims.split(",") if d] if dims else []
         except ValueError as e:
             raise SdnpuError(f"cannot read --shape {item!r}", hint="write NAME=D,D,... e.g. sample=2,4,128,128") from e
-    report = compile_file(Path(args.model), Path(args.out) if args.out else None,
-                          CompileOptions.named(args.target, args.precision), verify=not args.no_verify,
-                          shapes=shapes, res=args.res, outputs=args.outputs)
+    options = dataclasses.replace(CompileOptions.named(args.target, args.precision), shapes=shapes)
+    report = compile_file(Path(args.model), Path(args.out) if args.out else None, options, verify=not args.no_verify,
+                          res=args.res, outputs=args.outputs)
     print(render_text(report), end="")
     return 0
 
 
 def _cmd_report(args: argparse.Namespace) -> int:
-    from pathlib import Path
-
-    from sdnpu.reports import show
-    from sdnpu.reports.report import render_text
-
     paths = [Path(p) for p in args.paths]
     if args.fail_under is not None:
         show.below([], args.fail_under)  # a value that is not a percent fails before anything is printed
@@ -101,8 +108,6 @@ def _cmd_report(args: argparse.Namespace) -> int:
     else:
         print(show.summary_lines(reports), end="")
     if args.plot:
-        from sdnpu.reports.plot import plot
-
         plot(found, Path(args.plot))
         print(f"wrote {args.plot}", file=sys.stderr)
     if args.fail_under is not None:
@@ -116,7 +121,6 @@ def _cmd_report(args: argparse.Namespace) -> int:
 def _control_specs(args: argparse.Namespace) -> tuple[Any, ...]:
     """--controlnet DIR (repeated) with one --control-image each; --control-scale/-start/-end once for all, or
     once per ControlNet."""
-    from sdnpu.runtime.controlnet import ControlSpec
 
     nets, images = args.controlnet or [], args.control_image or []
     if len(images) != len(nets):
@@ -141,11 +145,8 @@ def _control_specs(args: argparse.Namespace) -> tuple[Any, ...]:
 
 
 def _cmd_generate(args: argparse.Namespace) -> int:
-    from pathlib import Path
-
     from tqdm import tqdm
 
-    from sdnpu.runtime import GenerateOptions, Pipeline, RuntimeOptions, save_png
 
     optimize = {"auto": None, "on": True, "off": False}[args.optimize]
     runtime = RuntimeOptions.from_env(args.custom_ops, npu_text_encoders=args.npu_text_encoders, optimize=optimize,
@@ -153,8 +154,6 @@ def _cmd_generate(args: argparse.Namespace) -> int:
     pipe = Pipeline(Path(args.models), reference=args.reference, runtime=runtime)
     height, width = pipe.image_size
     if (args.width or width, args.height or height) != (width, height):  # another of the folder's sizes
-        from sdnpu.pipelines import Size
-
         pipe = Pipeline(Path(args.models), reference=args.reference, runtime=runtime,
                         size=Size(args.height or height, args.width or width))
     opts = GenerateOptions(args.prompt, args.negative_prompt, args.steps, args.guidance, args.seed, args.scheduler,
@@ -173,9 +172,7 @@ def _cmd_generate(args: argparse.Namespace) -> int:
     if runtime.loras:
         how += f"; LoRA {', '.join(str(s) for s in runtime.loras)} applied at session open"
     else:
-        from sdnpu.lora.overlay import applied_names
-
-        names = applied_names(Path(args.models))
+        names = applied_names(Path(args.models), LORA_COMPONENTS)
         if names:
             how += f"; the folder's LoRA {names}"
     how += f"; text encoders {', '.join(pipe.encoders)}"
@@ -188,14 +185,10 @@ def _cmd_generate(args: argparse.Namespace) -> int:
 
 
 def _lora_specs(items: Sequence[str] | None) -> tuple[object, ...]:
-    from sdnpu.lora import LoraSpec
-
     return tuple(LoraSpec.parse(x) for x in items or ())
 
 
 def _cmd_lora(args: argparse.Namespace) -> int:
-    from sdnpu.lora import overlay
-
     if args.action == "apply":
         if not args.lora:
             raise SdnpuError("no LoRA given", hint="sdnpu lora apply MODELS --lora FILE[:SCALE] [--lora ...]")
@@ -221,8 +214,6 @@ def _cmd_lora(args: argparse.Namespace) -> int:
 
 
 def _cmd_pack(args: argparse.Namespace) -> int:
-    from sdnpu.runtime.pack import PACKED_DIR, pack
-
     results = pack(args.models)
     for name, counts in results.items():
         print(f"{name:<16}{', '.join(f'{k} {v}' for k, v in counts.items()) or 'nothing to pack'}")
@@ -232,12 +223,8 @@ def _cmd_pack(args: argparse.Namespace) -> int:
 
 
 def _cmd_verify(args: argparse.Namespace) -> int:
-    from sdnpu.runtime import verify
-
     size = None
     if args.width or args.height:
-        from sdnpu.pipelines import Size
-
         if not (args.width and args.height):
             raise SdnpuError("--width and --height go together in sdnpu verify",
                              hint="give both: the size to verify, one the folder is converted at")
@@ -263,10 +250,6 @@ def _cmd_verify(args: argparse.Namespace) -> int:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    from sdnpu.convert.export import DEFAULT_OPSET, EXPORTERS
-    from sdnpu.convert.sources import COMPONENTS
-    from sdnpu.ops.target import DEFAULT_TARGET, target_names
-
     parser = argparse.ArgumentParser(prog="sdnpu", description="Stable Diffusion to NPU dispatch models.")
     parser.add_argument("--version", action="version", version=f"sdnpu {__version__}")
     parser.add_argument("-q", "--quiet", action="store_true", help="only warnings and errors")

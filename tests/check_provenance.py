@@ -20,7 +20,7 @@ from typing import Any
 
 import onnx_ir as ir
 
-from sdnpu.passes import provenance
+from sdnpu.formats import weights as provenance
 
 MAC_OPS = ("SDConv", "SDGemm", "SDMatMul")  # the ops whose weights a LoRA changes
 
@@ -38,7 +38,7 @@ def replay(source_path: Path, dd: Path, record: dict[str, Any] | None = None) ->
 def mac_weights_named(folder: Path) -> int:
     """In a converted component folder: every SDConv / SDGemm / SDMatMul weight's float sources are module
     parameters in parameters.json; returns how many weights were traced."""
-    from sdnpu.convert.parameters import FILE
+    from sdnpu.formats.parameters import FILE
 
     found = json.loads((folder / FILE).read_text())["initializers"]
     weights = provenance.read_record(folder / "dd" / provenance.FILE)["weights"]

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import onnx
 from onnx import helper
-from sdnpu.ops.tags import VIEWS_TAG
+from sdnpu.formats.keys import VIEWS_TAG
 from sdnpu.ops.target import Target, get_target
 from sdnpu.passes.cleanup import contract_violations
 

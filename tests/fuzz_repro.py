@@ -14,7 +14,7 @@ seed 12345, generation only); "outputs changed" are those whose dispatch-model e
 - the *reference* is the input graph run in fp32 (an fp16 graph widened to fp32 first: its weights as
   stored, its own fp16 rounding counted as an error like ours); ``scale`` is max |reference| per output,
   ``err`` max |out - reference| over the output.
-- fp32 tier (after canonicalize, fuse, layout and glue, fp32 graph): these passes change no precision,
+- fp32 tier (after canonicalize, joint, fuse, layout and glue, fp32 graph): these passes change no precision,
   only the order of float operations (GroupNorm's body reduces differently from InstanceNormalization,
   MHA scales once instead of twice) and, in canonicalize's sinusoid, cos(a) into sin(a + pi/2), the fp32
   rounding of the argument (2^-24 |a|): ``err <= FP32_REL * scale``, FP32_REL = 1e-4, the project's tier
@@ -98,7 +98,7 @@ FRESH_FEEDS, SMALL = 2, 0.25  # an output over its bound whose scale is < SMALL 
 BF16_EPS, FP16_EPS, FP32_EPS = 2.0**-8, 2.0**-11, 2.0**-24
 SENSITIVITY_DRAWS = 2
 FLOAT_TYPES = (T.FLOAT, T.FLOAT16)
-STAGES = ("canonicalize", "fuse", "layout", "glue")  # before precision: the fp32 / fp16 tier
+STAGES = ("canonicalize", "joint", "fuse", "layout", "glue")  # before precision: the fp32 / fp16 tier
 NP_OF = {T.FLOAT: np.float32, T.FLOAT16: np.float16, T.BFLOAT16: ml_dtypes.bfloat16, T.INT64: np.int64,
          T.INT32: np.int32, T.BOOL: np.bool_}
 STORAGE = {"bfloat16": T.BFLOAT16, "float": T.FLOAT, "uint8": T.UINT8, "uint16": T.UINT16}  # Input.dtype
@@ -386,16 +386,17 @@ def provenance_violations(source: onnx.ModelProto, compiled: ir.Model, final: on
     """Every constant of the dispatch model replays from the input graph's constants through the steps its
     record names, byte for byte (passes/provenance.py: what a LoRA needs); one line per constant that does
     not, or that a pass made without saying how."""
+    from sdnpu.formats.weights import check_replay, constant_reader
     from sdnpu.passes import provenance
 
-    read = provenance.constant_reader(ir.serde.deserialize_model(source))
+    read = constant_reader(ir.serde.deserialize_model(source))
     weights = provenance.record(compiled.graph, "fuzz")["weights"]
-    return provenance.check_replay(weights, ir.serde.deserialize_model(final).graph, read)[1]
+    return check_replay(weights, ir.serde.deserialize_model(final).graph, read)[1]
 
 
 def check(model: onnx.ModelProto, precision: str = "bf16") -> Outcome:
     """Compile ``model`` and compare every stage with it; raises ``Mismatch`` (or the compiler's error)."""
-    from sdnpu.ops.tags import REASON_TAG, REGION_TAG
+    from sdnpu.formats.keys import REASON_TAG, REGION_TAG
     from sdnpu.passes.cleanup import attach_functions
     from sdnpu.passes.pipeline import CompileOptions, compile_model
 

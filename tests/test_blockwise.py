@@ -30,10 +30,10 @@ def _outputs(folder):
 def blockwise_preset(tmp_path_factory):
     """tiny-sd3's T5 where it does not fit: the driver converts it block by block by itself. Beside it, the
     same T5 converted whole (other seeded weights, the same graph)."""
-    from sdnpu.convert import driver
+    from sdnpu.convert import budget
 
     mp = pytest.MonkeyPatch()
-    mp.setattr(driver, "available_bytes", lambda: 20_000_000)  # 20 MB: the T5's 17.5 MB are over half of it
+    mp.setattr(budget, "available_bytes", lambda: 20_000_000)  # 20 MB: the T5's 17.5 MB are over half of it
     try:
         out = tmp_path_factory.mktemp("t5-blockwise")
         result = convert("tiny-sd3", "text_encoder_3", out=out)
@@ -55,7 +55,7 @@ def t5_folder(tmp_path_factory):
 
 def test_a_t5_that_does_not_fit_converts_block_by_block_and_matches_the_module(blockwise_preset):
     from sdnpu.convert.blockwise import whole_module
-    from sdnpu.passes import provenance
+    from sdnpu.formats import weights as provenance
 
     blockwise_preset, _ = blockwise_preset
     out = blockwise_preset.out / "text_encoder_3"

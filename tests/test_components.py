@@ -4,7 +4,8 @@ import pytest
 
 from sdnpu.convert.sources import PRESETS_DIR
 from sdnpu.errors import SdnpuError
-from sdnpu.pipelines import default_resolution, resolution_step, sample_inputs, signature, vae_scale_factor
+from sdnpu.signatures import sample_inputs, signature, vae_scale_factor
+from sdnpu.specs import default_resolution, resolution_step
 
 
 def _config(preset: str, module: str) -> dict:

@@ -12,7 +12,7 @@ import pytest
 from sdnpu.convert import convert, parse_components, resolve_source
 from sdnpu.convert.compile import generic_inputs, run_onnx
 from sdnpu.errors import SdnpuError
-from sdnpu.pipelines import controlnet_outputs, sample_inputs, signature
+from sdnpu.signatures import controlnet_outputs, sample_inputs, signature
 
 
 @pytest.fixture(scope="module", params=["tiny-controlnet-sdxl", "tiny-controlnet-sd15"])
@@ -46,7 +46,7 @@ def test_a_controlnet_exports_matches_pytorch_and_compiles(converted):
     # narrowest residual width (each wider one, twice the one before, is SDConcat of it with itself)
     import onnx
 
-    from sdnpu.ops import handoff
+    from sdnpu.formats import handoff
 
     model = onnx.load(str(folder / "dd" / "replaced.onnx"), load_external_data=False)
     assert handoff.of_proto(model) == {o: (0, 3, 1, 2) for o in outputs}
@@ -193,7 +193,7 @@ def test_generate_with_a_controlnet_draws_what_diffusers_draws(control_setup, ti
     """`sdnpu generate --controlnet ... --reference` against diffusers' StableDiffusionXLControlNetPipeline on
     the same weights, control image, seed and starting latents; the dispatch models stay close, and the step
     prologue the ControlNet and the UNet share runs once a step."""
-    from sdnpu.ops import prologue
+    from sdnpu import onnxrun
     from sdnpu.runtime import ControlSpec, GenerateOptions, Pipeline
     from sdnpu.runtime.session import Component
 
@@ -211,7 +211,8 @@ def test_generate_with_a_controlnet_draws_what_diffusers_draws(control_setup, ti
                                                              seed=5))
     assert np.abs(plain.astype(int) - drawn.astype(int)).max() > 10  # the ControlNet changed the picture
     runs = []
-    monkeypatch.setattr(prologue, "run", lambda session, feeds, run=prologue.run: runs.append(1) or run(session, feeds))
+    monkeypatch.setattr(onnxrun, "run_prologue", lambda session, feeds, run=onnxrun.run_prologue: runs.append(1) or run(
+        session, feeds))
     nets = []
     monkeypatch.setattr(Component, "run", lambda self, *a, run=Component.run, **k: (
         nets.append(1) if self.name == "controlnet" else None) or run(self, *a, **k))
@@ -310,7 +311,7 @@ def test_the_unet_that_takes_the_residuals(control_setup, tiny_conversion):
     residuals in the NPU's form (bf16, NHWC), and its CPU nodes are the plain UNet's."""
     import torch
 
-    from sdnpu.pipelines import residual_shapes
+    from sdnpu.signatures import residual_shapes
 
     folder, first, _, _, _ = control_setup
     export = json.loads((folder / "unet_controlnet" / "export.json").read_text())
@@ -366,7 +367,7 @@ def test_sd15_controlnet_draws_what_diffusers_draws(tiny_sd15_conversion, tmp_pa
     from PIL import Image
     from transformers import CLIPTokenizer
 
-    from sdnpu.ops import prologue
+    from sdnpu import onnxrun
     from sdnpu.runtime import ControlSpec, GenerateOptions, Pipeline
 
     folder = tmp_path / "sd15"
@@ -398,7 +399,8 @@ def test_sd15_controlnet_draws_what_diffusers_draws(tiny_sd15_conversion, tmp_pa
     diff = np.abs(theirs.astype(int) - drawn.astype(int))
     assert diff.max() <= 1 and np.mean(diff > 0) < 1e-3, (diff.max(), np.mean(diff > 0))
     runs = []
-    monkeypatch.setattr(prologue, "run", lambda session, feeds, run=prologue.run: runs.append(1) or run(session, feeds))
+    monkeypatch.setattr(onnxrun, "run_prologue", lambda session, feeds, run=onnxrun.run_prologue: runs.append(1) or run(
+        session, feeds))
     steps: list[int] = []
     dispatch = Pipeline(folder)(opts, progress=lambda i, n: steps.append(n))
     assert len(runs) == len(steps) == steps[-1]  # one run a step for both models (the same digest), not one each
@@ -411,7 +413,8 @@ def test_a_lora_changes_the_unet_that_takes_the_residuals_as_it_changes_the_unet
     replaced tensors byte-identical to the UNet's), and a ControlNet generation with the applied overlay draws
     what `generate --lora` (the tensors computed as the sessions open) draws, not what the base weights draw."""
     from sdnpu.lora import LoraSpec
-    from sdnpu.lora.overlay import apply, overlay_initializers
+    from sdnpu.formats.overlay import overlay_initializers
+    from sdnpu.lora.overlay import apply
     from sdnpu.lora.seeded import write_seeded_lora
     from sdnpu.runtime import ControlSpec, GenerateOptions, Pipeline, RuntimeOptions
 

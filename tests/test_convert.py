@@ -14,9 +14,9 @@ import onnx
 import pytest
 
 from sdnpu.convert import COMPONENTS, convert, resolve_source
-from sdnpu.convert import driver as driver_mod
-from sdnpu.convert.components import build_wrapper
-from sdnpu.pipelines import sample_inputs, signature
+from sdnpu.convert import budget, stages, torch_stage
+from sdnpu.convert.wrappers import build_wrapper
+from sdnpu.signatures import sample_inputs, signature
 from sdnpu.convert.compile import run_onnx
 from sdnpu.convert.export import torch_outputs
 from sdnpu.reports.fidelity import fidelity
@@ -127,7 +127,7 @@ def test_two_runs_are_byte_identical(tmp_path, tiny_conversion):
 def test_large_modules_export_in_a_worker_process(tmp_path, tiny_conversion, monkeypatch):
     """Above ISOLATE_BYTES the torch side runs in a spawned process (torch's exporter holds on to tensors);
     the result is the same graph, byte for byte."""
-    monkeypatch.setattr(driver_mod, "ISOLATE_BYTES", 0)
+    monkeypatch.setattr(budget, "ISOLATE_BYTES", 0)
     result = convert("tiny-sdxl", "vae_decoder", out=tmp_path, compile=False)
     assert result.components[0].check["max_rel_error"] <= FP32_REL_TOL
     assert result.components[0].path.read_bytes() == (tiny_conversion.out / "vae_decoder" / "model.onnx").read_bytes()
@@ -138,7 +138,7 @@ def test_worker_errors_come_back_as_clear_errors(tmp_path, monkeypatch):
 
     from sdnpu.convert.sources import PRESETS_DIR
 
-    monkeypatch.setattr(driver_mod, "ISOLATE_BYTES", 0)
+    monkeypatch.setattr(budget, "ISOLATE_BYTES", 0)
     vae = tmp_path / "vae"
     shutil.copytree(PRESETS_DIR / "tiny-sdxl" / "vae", vae)
     (vae / "diffusion_pytorch_model.safetensors").write_bytes(b"not safetensors")
@@ -174,7 +174,7 @@ def test_failed_export_keeps_previous_output(tmp_path, tiny_conversion, monkeypa
         path.write_bytes(b"half a model")
         raise RuntimeError("simulated exporter crash")
 
-    monkeypatch.setattr(driver_mod, "export_module", broken_export)
+    monkeypatch.setattr(torch_stage, "export_module", broken_export)
     with pytest.raises(SdnpuError, match="dynamo exporter failed on vae_decoder: RuntimeError"):
         convert("tiny-sdxl", "vae_decoder", out=tmp_path)
     assert (tmp_path / "vae_decoder" / "model.onnx").read_bytes() == before
@@ -183,8 +183,8 @@ def test_failed_export_keeps_previous_output(tmp_path, tiny_conversion, monkeypa
 
 def test_mismatch_with_pytorch_fails_and_keeps_previous_output(tmp_path, tiny_conversion, monkeypatch):
     before = _seed_previous_output(tiny_conversion, tmp_path)
-    real = driver_mod.run_onnx
-    monkeypatch.setattr(driver_mod, "run_onnx", lambda *a, **k: {n: o + 0.5 for n, o in real(*a, **k).items()})
+    real = stages.run_onnx
+    monkeypatch.setattr(stages, "run_onnx", lambda *a, **k: {n: o + 0.5 for n, o in real(*a, **k).items()})
     with pytest.raises(SdnpuError, match="does not match PyTorch: output 'sample'"):
         convert("tiny-sdxl", "vae_decoder", out=tmp_path)
     assert (tmp_path / "vae_decoder" / "model.onnx").read_bytes() == before
@@ -222,7 +222,7 @@ def test_resolution_must_fit_the_unet(tmp_path):
 @pytest.mark.parametrize("text, size", [("1152x896", (896, 1152)), ("1024", (1024, 1024)),
                                         (" 640 X 1536 ", (1536, 640))])
 def test_sizes_are_written_width_by_height(text, size):
-    from sdnpu.pipelines import Size
+    from sdnpu.imagesize import Size
 
     assert Size.parse(text) == size and Size.of(size) == size
 

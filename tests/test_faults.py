@@ -29,7 +29,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 import pytest
-from sdnpu.passes.pipeline import EXTERNAL_DATA_ENV
+from sdnpu.passes.modelfile import EXTERNAL_DATA_ENV
 
 SEED = int(os.environ.get("SDNPU_FAULT_SEED", "0"))
 CONVERT = ["convert", "--source", "tiny-sdxl", "--model", "vae_decoder"]

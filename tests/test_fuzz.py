@@ -436,7 +436,7 @@ def test_fuzz_missed_fusion(build: Any, op: str, cpu: set[str]) -> None:
 def test_a_refused_match_names_its_reason_on_every_node() -> None:
     """GroupNorm whose InstanceNormalization output is also a graph output: the report said 'no rule offloads
     InstanceNormalization'; the rule that refused (and why) is named on each node of the refused match."""
-    from sdnpu.ops.tags import REASON_TAG
+    from sdnpu.formats.keys import REASON_TAG
     from sdnpu.passes.pipeline import compile_model
 
     m = group_norm_one_channel_per_group()

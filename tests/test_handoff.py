@@ -9,16 +9,21 @@ from collections import Counter
 
 import numpy as np
 import onnx
+import onnx_ir as ir
 import onnxruntime as ort
 import pytest
 from onnx import helper
 
-from sdnpu.ops import handoff
-from sdnpu.passes.pipeline import CompileOptions, compile_model
+from sdnpu import onnxrun
+from sdnpu.formats import handoff
+from sdnpu.ops.target import get_target
+from sdnpu.passes.handoff import handoff_pass
+from sdnpu.passes.pipeline import CompileOptions, compile_model, pipeline
 
-from .graphs import feeds_for, model, run, to_ir, to_proto
+from .graphs import feeds_for, model, run, to_ir, to_proto, with_functions
 
 R = np.random.default_rng(3)
+TARGET = get_target()
 BF16_TOL = 2**-7  # a few bf16 roundings on values of order 1 (one conv, one add): measured < 2**-8 here
 
 
@@ -93,11 +98,11 @@ def test_outputs_leave_in_the_npus_form_and_the_scale_multiplies_on_the_npu():
     assert ops["SDMul"] == 3 and ops["SDConcat"] == 1
     feeds = {**feeds_for(m), "scale": np.asarray(0.7, np.float32)}
     want = run(m, feeds)
-    got = handoff.run(session(out), ["y1", "y2", "y3"], feeds)  # back in the fp32 graph's form
+    got = onnxrun.run(session(out), ["y1", "y2", "y3"], feeds)  # back in the fp32 graph's form
     for a, b in zip(want, got, strict=True):
         assert b.dtype == np.float32 and b.shape == a.shape
         np.testing.assert_allclose(b, a, rtol=BF16_TOL, atol=BF16_TOL * np.abs(a).max())
-    native = handoff.run(session(out), ["y1"], feeds, native=True)[0]
+    native = onnxrun.run(session(out), ["y1"], feeds, native=True)[0]
     assert handoff.is_bf16(native) and native.shape == (2, 6, 6, 8)
     np.testing.assert_array_equal(handoff.to_reference(native, (0, 3, 1, 2)), got[0])
 
@@ -111,11 +116,11 @@ def test_inputs_enter_in_the_npus_form_from_either_form():
     assert cpu_ops(plain) - cpu_ops(out) == {"Transpose": 1, "CastAvx": 1}  # res's edge, gone
     feeds = feeds_for(m)
     want = run(m, feeds)[0]
-    fp32 = handoff.run(session(out), ["y"], feeds)[0]
+    fp32 = onnxrun.run(session(out), ["y"], feeds)[0]
     np.testing.assert_allclose(fp32, want, rtol=BF16_TOL, atol=BF16_TOL * np.abs(want).max())
     nhwc = handoff.to_graph(feeds["res"], (0, 3, 1, 2))
     assert handoff.is_bf16(nhwc) and nhwc.shape == (2, 6, 6, 8)
-    native = handoff.run(session(out), ["y"], {**feeds, "res": nhwc})[0]
+    native = onnxrun.run(session(out), ["y"], {**feeds, "res": nhwc})[0]
     np.testing.assert_array_equal(native, fp32)
 
 
@@ -165,3 +170,48 @@ def test_a_spread_shared_by_an_op_lowered_later_keeps_the_graph_in_order():
     feeds = {**feeds_for(m), "s": np.asarray(0.6, np.float32)}
     for a, b in zip(run(m, feeds), run(out, feeds), strict=True):
         np.testing.assert_allclose(b, a, rtol=BF16_TOL, atol=BF16_TOL * np.abs(a).max())
+
+
+# ---- the pass by itself (``sdnpu.passes.handoff.handoff_pass``), on what the passes before it leave -------------
+
+def through(m: onnx.ModelProto, last: str):
+    """``m`` through the pipeline up to and including the pass ``last``."""
+    irm = to_ir(m)
+    for name, fn in pipeline(CompileOptions()):
+        fn(irm)
+        if name == last:
+            return irm
+    raise AssertionError(f"no pass {last}")
+
+
+def test_the_pass_removes_each_named_outputs_edge_and_records_its_form():
+    m = residuals_out()
+    irm = through(m, "precision")
+    before = Counter(n.op_type for n in irm.graph)
+    names = frozenset({"y1", "y2", "y3"})
+    result = handoff_pass(irm, TARGET, names)
+    assert result.modified and result.counts == {"outputs kept bf16": 3, "CPU nodes removed": 6}
+    assert before - Counter(n.op_type for n in irm.graph) == {"CastAvx": 3, "Transpose": 3}  # one pair each
+    assert handoff.decode(irm.metadata_props[handoff.KEY]) == {f"y{i}": (0, 3, 1, 2) for i in (1, 2, 3)}
+    assert all(v.dtype == ir.DataType.BFLOAT16 for v in irm.graph.outputs)
+    out = with_functions(irm, TARGET)
+    onnx.checker.check_model(out, full_check=True)
+    feeds = {**feeds_for(m), "scale": np.asarray(0.7, np.float32)}
+    for a, b in zip(run(m, feeds), onnxrun.run(session(out), ["y1", "y2", "y3"], feeds), strict=True):
+        np.testing.assert_allclose(b, a, rtol=BF16_TOL, atol=BF16_TOL * np.abs(a).max())
+    again = handoff_pass(irm, TARGET, names)  # bf16 already: nothing left to do
+    assert not again.modified and not again.counts
+
+
+def test_the_pass_takes_a_named_input_in_the_npus_form():
+    irm = through(residual_in(), "precision")
+    result = handoff_pass(irm, TARGET, frozenset({"res"}))
+    assert result.counts == {"inputs kept bf16": 1, "CPU nodes removed": 2}
+    res = next(v for v in irm.graph.inputs if v.name == "res")
+    assert res.dtype == ir.DataType.BFLOAT16 and list(res.shape) == [2, 6, 6, 8]
+
+
+def test_the_pass_leaves_a_model_without_named_values_as_it_is():
+    irm = through(residuals_out(), "precision")
+    result = handoff_pass(irm, TARGET, frozenset({"not_an_output"}))
+    assert not result.modified and handoff.KEY not in irm.metadata_props

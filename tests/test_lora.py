@@ -15,8 +15,8 @@ from onnx import numpy_helper
 
 from sdnpu.cli import main
 from sdnpu.errors import SdnpuError
-from sdnpu.lora import LoraSpec
-from sdnpu.lora import overlay
+from sdnpu.formats.overlay import overlay_initializers, read_manifest
+from sdnpu.lora import LoraSpec, overlay
 from sdnpu.lora.seeded import write_seeded_lora, write_summed_lora
 
 LORA_COMPONENTS = ("unet", "text_encoder", "text_encoder_2")
@@ -62,7 +62,7 @@ def _initializers(model: Path) -> dict[str, bytes]:
 def _adapted(comp_dir: Path) -> dict[str, bytes]:
     """The dispatch model's weights with the folder's overlay over them."""
     weights = _initializers(comp_dir / "dd" / "replaced.onnx")
-    arrays, _ = overlay.overlay_initializers(comp_dir / "dd")
+    arrays, _ = overlay_initializers(comp_dir / "dd")
     weights.update({name: np.asarray(a).tobytes() for name, a in arrays.items()})
     return weights
 
@@ -84,7 +84,7 @@ def test_the_overlay_is_what_diffusers_fuse_lora_converts_to(folder, loras, fuse
         assert not differ, f"{comp}: {len(differ)} weights differ from the fused conversion, e.g. {differ[:3]}"
         base = _initializers(folder / comp / "dd" / "replaced.onnx")
         changed = sum(base[n] != want[n] for n in want)
-        assert changed == len(overlay.read_manifest(folder / comp / "dd")["tensors"]) > 0
+        assert changed == len(read_manifest(folder / comp / "dd")["tensors"]) > 0
         report = json.loads((folder / comp / "dd" / "report.json").read_text())
         fused_report = json.loads((fused / comp / "dd" / "report.json").read_text())
         assert report["summary"] == fused_report["summary"]  # offload rate and op counts
@@ -146,13 +146,13 @@ def test_three_stacked_loras_match_their_sum(folder, loras, tmp_path):
     (bf16 weights within one bf16 step, in a handful of values)."""
     specs = [LoraSpec(loras["diffusers"], 0.5), LoraSpec(loras["b"], 0.25), LoraSpec(loras["c"], 1.0)]
     overlay.apply(folder, specs)
-    stacked = {c: overlay.overlay_initializers(folder / c / "dd")[0] for c in LORA_COMPONENTS}
+    stacked = {c: overlay_initializers(folder / c / "dd")[0] for c in LORA_COMPONENTS}
     stacked = {c: {n: np.asarray(a).astype(np.float32) for n, a in a_.items()} for c, a_ in stacked.items()}
     total = tmp_path / "sum.safetensors"
     write_summed_lora([loras["diffusers"], loras["b"], loras["c"]], [0.5, 0.25, 1.0], total)
     overlay.apply(folder, [LoraSpec(total)])
     for comp in LORA_COMPONENTS:
-        arrays = overlay.overlay_initializers(folder / comp / "dd")[0]
+        arrays = overlay_initializers(folder / comp / "dd")[0]
         summed = {n: np.asarray(a).astype(np.float32) for n, a in arrays.items()}
         assert summed.keys() == stacked[comp].keys()
         values = differing = 0
@@ -226,7 +226,7 @@ def test_both_replacement_paths_on_a_model_with_external_data(folder, loras):
                     size_threshold=1024)
     graph = onnx.load(str(dd / "replaced.onnx"), load_external_data=False).graph
     kinds = {t.name: t.data_location for t in graph.initializer}
-    replaced = overlay.read_manifest(dd)["tensors"]
+    replaced = read_manifest(dd)["tensors"]
     assert any(kinds[n] == onnx.TensorProto.EXTERNAL for n in replaced)
     in_place = open_component(folder, "unet", options=RuntimeOptions(optimize=False))
     at_open = open_component(folder, "unet", options=RuntimeOptions(optimize=False, loras=(spec,)))

@@ -130,7 +130,7 @@ def test_joint_attention_keeps_the_streams_apart_and_records_the_assumed_norm():
     """Each query part attends over the joint keys and values: the image part's SDFlatMHA reads Q [B, S1, C]
     and the text part's Q [B, S2, C], both K and V [B, S1 + S2, C]; SDRMSNorm is recorded as an assumed
     capability (AMD's pass writes it; no DD source registers it)."""
-    from sdnpu.ops.tags import ASSUMED_TAG
+    from sdnpu.formats.keys import ASSUMED_TAG
 
     irm = lowered(joint_attention())
     mha = [node for node in irm.graph if node.op_type == "SDFlatMHA"]

@@ -14,6 +14,7 @@ import pytest
 
 from sdnpu.cli import main
 from sdnpu.errors import SdnpuError
+from sdnpu.formats.keys import PACKED_KEY
 from sdnpu.runtime.pack import pack
 
 
@@ -65,7 +66,7 @@ def test_pack_feeds_the_packer_what_it_takes(tiny_conversion, tmp_path, monkeypa
     gemm = next(c for c in calls if c[0] == "gemm")
     assert gemm[4] == "SDGemm" and gemm[6] is True and gemm[5][2] == gemm[2][0]  # input_shape [B, M, K], W [K, N]
     packed = onnx.load(str(dd / "packed" / "replaced.onnx"))
-    assert not packed.functions and {p.key: p.value for p in packed.metadata_props}["sdnpu.packed"]
+    assert not packed.functions and {p.key: p.value for p in packed.metadata_props}[PACKED_KEY]
     inits = {t.name: t for t in packed.graph.initializer}
     for node in packed.graph.node:
         if node.op_type in ("SDConv", "SDGemm"):

@@ -7,7 +7,7 @@ import pytest
 from onnx import TensorProto as T
 from onnx import helper
 
-from sdnpu.ops.tags import DECLINED_TAG, REASON_TAG, REGION_TAG
+from sdnpu.formats.keys import DECLINED_TAG, REASON_TAG, REGION_TAG
 from sdnpu.ops.target import get_target
 from sdnpu.passes.partition import partition, propose_regions
 

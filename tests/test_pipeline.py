@@ -13,10 +13,11 @@ import torch
 
 from sdnpu.convert import resolve_source
 from sdnpu.convert.compile import fidelity, run_onnx
-from sdnpu.convert.components import build_wrapper
+from sdnpu.convert.wrappers import build_wrapper
 from sdnpu.ops.target import get_target
-from sdnpu.passes.pipeline import CompileOptions, compile_model, load
-from sdnpu.pipelines import sample_inputs, signature
+from sdnpu.passes.modelfile import load
+from sdnpu.passes.pipeline import CompileOptions, compile_model
+from sdnpu.signatures import sample_inputs, signature
 
 from .graphs import run, to_proto
 
@@ -128,7 +129,7 @@ def test_every_pass_keeps_the_numbers(tiny_conversion, component):
         seen.append(name)
 
     compile_model(load(source), after_each=check)
-    assert seen == ["canonicalize", "fuse", "layout", "glue", "views", "precision", "cleanup", "partition"]
+    assert seen == ["canonicalize", "joint", "fuse", "layout", "glue", "views", "precision", "cleanup", "partition"]
 
 
 @pytest.mark.parametrize("component", list(EXPECTED))

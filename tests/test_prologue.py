@@ -10,13 +10,18 @@ from pathlib import Path
 
 import numpy as np
 import onnx
+import onnx_ir as ir
+import onnxruntime as ort
 import pytest
 from onnx import helper
 
 from sdnpu.convert.compile import compile_file, run_onnx
 from sdnpu.errors import SdnpuError
-from sdnpu.ops import prologue
-from sdnpu.passes.pipeline import CompileOptions
+from sdnpu import onnxrun
+from sdnpu.formats import prologue
+from sdnpu.ops.target import get_target
+from sdnpu.passes.pipeline import CompileOptions, pipeline
+from sdnpu.passes.prologue import prologue_pass
 
 from .graphs import feeds_for, model, run
 
@@ -127,7 +132,7 @@ def test_only_the_named_inputs_work_moves(tmp_path):
 def test_the_prologue_serves_every_size(tmp_path):
     """Its shapes are symbolic: the values for other input sizes come out of the same prologue."""
     path, _ = compiled(tmp_path / "a", step_graph(), {"x", "t"})
-    shapes = prologue.output_shapes(path.with_name(prologue.FILE), {"x": [2, 8, 10, 6], "t": [2, 4]})
+    shapes = onnxrun.prologue_output_shapes(path.with_name(prologue.FILE), {"x": [2, 8, 10, 6], "t": [2, 4]})
     assert shapes == {"prologue.x": [2, 10, 6, 8], "prologue.t": [2, 4]}  # x NHWC
 
 
@@ -152,15 +157,15 @@ def test_a_missing_or_broken_prologue_and_a_missing_input_are_one_clear_error(tm
 def test_a_size_compiled_in_full_reads_the_primarys_prologue_or_its_own(tmp_path):
     """Where the specializer refuses a size and it is compiled in full, its prologue is the primary's when they
     compute the same (one file serves every size), else its own copy under the size's name."""
-    from sdnpu.convert.driver import _place_prologue
-    from sdnpu.pipelines import Size
+    from sdnpu.convert.sized import place_prologue
+    from sdnpu.imagesize import Size
 
     primary, _ = compiled(tmp_path / "primary", step_graph(), {"x", "t"})
     same, _ = compiled(tmp_path / "same", step_graph(names="other_"), {"x", "t"})
-    _place_prologue(same, primary.parent, Size.of("320x256"))
+    place_prologue(same, primary.parent, Size.of("320x256"))
     assert sorted(p.name for p in primary.parent.glob("prologue*")) == [prologue.FILE]
     other, _ = compiled(tmp_path / "other", step_graph(freq=3.0), {"x", "t"})
-    _place_prologue(other, primary.parent, Size.of("320x256"))
+    place_prologue(other, primary.parent, Size.of("320x256"))
     spec = prologue.of_proto(onnx.load(str(other), load_external_data=False))
     assert spec is not None and spec.file == "prologue.320x256.onnx"
     assert prologue.of_proto(onnx.load(str(primary.parent / spec.file))).digest == spec.digest
@@ -192,3 +197,48 @@ def test_pack_carries_the_prologue(tmp_path, monkeypatch):
     counts = pack_model(path, tmp_path / "packed")
     assert counts["step prologue copied"] == 1 and counts["SDConv weights -> bfp16ebs8 blob"] == 2
     assert (tmp_path / "packed" / prologue.FILE).read_bytes() == path.with_name(prologue.FILE).read_bytes()
+
+
+# ---- the pass by itself (``sdnpu.passes.prologue.prologue_pass``), on what the passes before it leave -----------
+
+def after_cleanup(m: onnx.ModelProto) -> ir.Model:
+    irm = ir.serde.deserialize_model(m)
+    for name, fn in pipeline(CompileOptions()):
+        fn(irm)
+        if name == "cleanup":
+            return irm
+    raise AssertionError("no cleanup pass")
+
+
+def test_the_pass_cuts_the_step_inputs_cpu_work_into_a_model_of_its_own():
+    m = step_graph()
+    irm = after_cleanup(m)
+    before = Counter(n.op_type for n in irm.graph)
+    result = prologue_pass(irm, get_target(), frozenset({"x", "t"}))
+    assert result.modified and result.counts == {"CPU nodes moved": 5, "values handed over": 2}
+    pro = result.details["prologue"]
+    moved = Counter(n.op_type for n in pro.graph)
+    # x's Transpose and cast, t's frequency product, its Sin and cast
+    assert moved == {"Transpose": 1, "CastAvx": 2, "Mul": 1, "Sin": 1}
+    assert before - Counter(n.op_type for n in irm.graph) == moved
+    assert [v.name for v in irm.graph.inputs] == ["prologue.x", "prologue.t"]
+    record = prologue.decode(irm.metadata_props[prologue.KEY])
+    assert record.inputs == ("x", "t") and record.outputs == ("prologue.x", "prologue.t")
+    assert record == prologue.decode(pro.metadata_props[prologue.KEY])
+    sessions = []
+    for part in (pro, irm):
+        proto = ir.serde.serialize_model(part)
+        onnx.checker.check_model(proto, full_check=True)
+        sessions.append(ort.InferenceSession(proto.SerializeToString(), providers=["CPUExecutionProvider"]))
+    feeds = feeds_for(m)
+    values = onnxrun.run_prologue(sessions[0], feeds)  # the prologue first, then the model on its values
+    got = onnxrun.run(sessions[1], ["y"], values)[0]
+    want = run(m, feeds)[0]
+    np.testing.assert_allclose(got, want, rtol=BF16_TOL, atol=BF16_TOL * np.abs(want).max())
+
+
+def test_the_pass_leaves_a_graph_without_such_work_as_it_is():
+    irm = after_cleanup(step_graph())
+    result = prologue_pass(irm, get_target(), frozenset({"not_an_input"}))
+    assert not result.modified and prologue.KEY not in irm.metadata_props
+    assert [v.name for v in irm.graph.inputs] == ["x", "t"]

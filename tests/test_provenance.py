@@ -14,7 +14,7 @@ from onnx import TensorProto as T
 from onnx import helper, numpy_helper
 
 from sdnpu.errors import SdnpuError
-from sdnpu.passes import provenance
+from sdnpu.formats import weights as provenance
 from tests.check_provenance import mac_weights_named, replay
 
 COMPONENTS = ["text_encoder", "text_encoder_2", "vae_encoder", "vae_decoder", "unet"]
@@ -127,8 +127,9 @@ def test_every_mac_weight_names_its_module_parameter(tiny_conversion, component)
     Linear and Conv2d weight of the module that the graph holds is found."""
     import torch
 
-    from sdnpu.convert.parameters import FILE, FORMAT, VERSION
-    from sdnpu.convert.sources import COMPONENT_MODULES, resolve_source
+    from sdnpu.formats.parameters import FILE, FORMAT, VERSION
+    from sdnpu.components import module_of
+    from sdnpu.convert.sources import resolve_source
 
     folder = tiny_conversion.out / component
     record = json.loads((folder / FILE).read_text())
@@ -136,7 +137,7 @@ def test_every_mac_weight_names_its_module_parameter(tiny_conversion, component)
     found = record["initializers"]
     assert mac_weights_named(folder) > 0
 
-    module = resolve_source("tiny-sdxl").load_module(COMPONENT_MODULES[component])
+    module = resolve_source("tiny-sdxl").load_module(module_of(component))
     params = dict(module.named_parameters())
     read = provenance.constant_reader(ir.load(folder / "model.onnx"))
     for name, entry in found.items():

@@ -8,12 +8,13 @@ import onnx
 import pytest
 from onnx import helper
 
-from sdnpu.ops.tags import DECLINED_TAG, VIEWS_TAG
+from sdnpu.formats.keys import DECLINED_TAG, RULE_TAG, VIEWS_TAG
 from sdnpu.ops.target import get_target
 from sdnpu.passes.canonicalize import canonicalize
 from sdnpu.passes.fuse import fuse
 from sdnpu.passes.glue import lower_glue
 from sdnpu.passes.layout import layout
+from sdnpu.passes.pipeline import joint
 from sdnpu.passes.views import absorb_views
 
 from .graphs import feeds_for, model, ops, run, to_ir, with_functions
@@ -31,9 +32,10 @@ def n(op: str, ins: list[str], outs: list[str], **attrs) -> onnx.NodeProto:
 
 
 def lowered(m: onnx.ModelProto):
-    """canonicalize, fuse, layout, glue and views: every dispatch op in place, still fp32."""
+    """canonicalize, joint, fuse, layout, glue and views: every dispatch op in place, still fp32."""
     irm = to_ir(m)
     canonicalize(irm)
+    joint(irm)
     fuse(irm, TARGET)
     layout(irm)
     lower_glue(irm, TARGET)
@@ -175,7 +177,7 @@ def test_groupnorm_takes_the_silu_after_it_and_stores_gamma_then_beta():
     m = group_norm(True)
     irm = lowered(m)
     node = next(x for x in irm.graph if x.op_type == "SDGroupNorm")
-    assert node.attributes["nonlinear"].value == "Silu" and node.metadata_props["sdnpu.rule"] == "SDGroupNormFusion"
+    assert node.attributes["nonlinear"].value == "Silu" and node.metadata_props[RULE_TAG] == "SDGroupNormFusion"
     assert node.attributes["groups"].value == 4 and list(node.attributes["wts_shape"].value) == [16]
     gamma = onnx.numpy_helper.to_array(next(i for i in m.graph.initializer if i.name == "gamma")).reshape(-1)
     np.testing.assert_array_equal(node.inputs[1].const_value.numpy()[:8], gamma)

@@ -232,7 +232,7 @@ def test_a_non_square_size_draws_what_diffusers_draws(two_sizes, tiny_pipeline_f
     import torch
     from diffusers import StableDiffusionXLPipeline
 
-    from sdnpu.pipelines import Size
+    from sdnpu.imagesize import Size
 
     export = json.loads((two_sizes / "unet" / "export.320x256.json").read_text())
     assert export["resolution"] is None and export["size"] == {"height": 256, "width": 320}

@@ -180,7 +180,7 @@ def test_sd3_takes_more_sizes(tiny_sd3, tmp_path, caplog):
     import logging
 
     from sdnpu.convert import convert
-    from sdnpu.pipelines import Size
+    from sdnpu.imagesize import Size
 
     folder = tmp_path / "tiny-sd3"
     shutil.copytree(tiny_sd3.out, folder)
@@ -199,10 +199,10 @@ def test_a_module_too_large_for_the_machine_is_refused_before_any_export(tmp_pat
     """A module whose fp32 weights do not fit the machine's memory, and that has no block-by-block conversion,
     is refused in one line naming the size and the way around it, before anything is exported or written
     (T5, larger here, would convert block by block: tests/test_blockwise.py)."""
-    from sdnpu.convert import driver
+    from sdnpu.convert import budget, driver
     from sdnpu.errors import SdnpuError
 
-    monkeypatch.setattr(driver, "available_bytes", lambda: 8_000_000)  # 8 MB: tiny-sd3's CLIP-G has 12.95 MB
+    monkeypatch.setattr(budget, "available_bytes", lambda: 8_000_000)  # 8 MB: tiny-sd3's CLIP-G has 12.95 MB
     out = tmp_path / "out"
     with pytest.raises(SdnpuError, match=r"text_encoder_2 cannot be converted here: the text_encoder_2 module's "
                                          r"fp32 weights alone are 12\.95 MB and this machine has 8\.00 MB") as e:

@@ -16,10 +16,10 @@ from sdnpu.cli import main
 from sdnpu.convert import convert
 from sdnpu.convert import shared
 from sdnpu.errors import SdnpuError
-from sdnpu.pipelines import SDXL_BUCKETS, Size, parse_sizes
+from sdnpu.imagesize import SDXL_BUCKETS, Size, parse_sizes
 from sdnpu.runtime import GenerateOptions, Pipeline, RuntimeOptions, open_component
 from sdnpu.runtime.session import SharedWeights
-from sdnpu.sizes import read_manifest, sizes_of
+from sdnpu.formats.sizes import read_manifest, sizes_of
 from tests.conftest import _arrays, _tree
 
 WIDE = Size(256, 320)  # 320x256
@@ -302,7 +302,7 @@ def test_specializing_refuses_what_it_cannot_rederive(two_sizes):
 
 
 def test_a_size_that_cannot_be_specialized_is_compiled_in_full(two_sizes, tmp_path, monkeypatch, caplog):
-    import sdnpu.convert.compile as compile_module
+    import sdnpu.convert.specialized as compile_module
     from sdnpu.passes.specialize import CannotSpecialize
 
     folder = tmp_path / "m"

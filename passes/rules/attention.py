@@ -26,7 +26,7 @@ from dataclasses import dataclass
 import numpy as np
 import onnx_ir as ir
 
-from sdnpu.ops.tags import DECLINED_TAG
+from sdnpu.formats.keys import DECLINED_TAG
 from sdnpu.passes import movement
 from sdnpu.passes.irutil import Builder, attr, const, is_float, producer, scalar, static_shape
 from sdnpu.passes.rules.base import Match, Rule

@@ -19,7 +19,7 @@ from typing import Any
 
 import onnx_ir as ir
 
-from sdnpu.ops.tags import DECLINED_TAG
+from sdnpu.formats.keys import DECLINED_TAG
 from sdnpu.ops.target import Target
 from sdnpu.passes.irutil import Builder, replace
 

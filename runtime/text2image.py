@@ -25,14 +25,26 @@ from typing import Any
 
 import numpy as np
 
+from sdnpu.components import CLIP_ENCODERS
 from sdnpu.errors import SdnpuError
-from sdnpu.ops import handoff, prologue
-from sdnpu.ops.handoff import handover
-from sdnpu.pipelines import UNET_BATCH, Size, pipeline_outputs, vae_scale_factor
-from sdnpu.progress import release_memory
-from sdnpu.runtime.controlnet import ControlSpec, check_compatible, config_of, control_image, controlnet_folder, keep
-from sdnpu.runtime.controlnet import residual_inputs
+from sdnpu.fileio import atomic_write_bytes
+from sdnpu.formats import handoff, prologue
+from sdnpu.formats.handoff import handover
+from sdnpu.imagesize import Size
+from sdnpu.runtime.controlnet import (
+    ControlSpec,
+    check_compatible,
+    config_of,
+    control_image,
+    controlnet_folder,
+    keep,
+    residual_inputs,
+)
+from sdnpu.runtime.sd3 import SD3Pipeline, is_sd3
 from sdnpu.runtime.session import Component, RuntimeOptions, choose_optimize, component_path, open_component
+from sdnpu.runtime.stages import Stages, load_scheduler, read_index
+from sdnpu.signatures import UNET_BATCH, vae_scale_factor
+from sdnpu.specs import pipeline_outputs
 
 log = logging.getLogger(__name__)
 
@@ -50,49 +62,6 @@ class GenerateOptions:
     controlnets: tuple[ControlSpec, ...] = ()  # ControlNets and their control images (runtime/controlnet.py)
 
 
-class Stages:
-    """Sessions opened per stage of a pipeline (``folder``, ``reference``, ``runtime``, ``size``, ``keep``:
-    set by the pipeline), dropped after it unless kept."""
-
-    folder: Path
-    reference: bool
-    keep: bool
-    runtime: RuntimeOptions
-    size: Size | None
-    parts: dict[str, Component]
-
-    @contextlib.contextmanager
-    def _using(self, *names: str, runtime: RuntimeOptions | None = None) -> Iterator[dict[str, Component]]:
-        """Sessions for ``names`` for the length of a stage (kept when ``keep_sessions``); ``runtime``: how to
-        make them, where not as the pipeline's."""
-        runtime = runtime or self.runtime
-        parts = {n: self.parts.get(n) or open_component(self.folder, n, self.reference, runtime, self.size)
-                 for n in names}
-        if self.keep:
-            self.parts.update(parts)
-        try:
-            yield parts
-        finally:
-            parts.clear()
-            if not self.keep:
-                release_memory()
-
-
-def load_scheduler(folder: Path, name: str | None) -> Any:
-    """The folder's scheduler (``scheduler/scheduler_config.json``), or diffusers' scheduler class ``name``
-    made from that config."""
-    import diffusers
-
-    config = json.loads((folder / "scheduler" / "scheduler_config.json").read_text())
-    cls_name = name or config["_class_name"]
-    cls = getattr(diffusers, cls_name, None)
-    if cls is None or not hasattr(cls, "from_config"):
-        raise SdnpuError(f"unknown scheduler {cls_name!r}",
-                         hint="a diffusers scheduler class, e.g. EulerDiscreteScheduler, DDIMScheduler "
-                         "(FlowMatchEulerDiscreteScheduler for SD3)")
-    return cls.from_config(config)
-
-
 class Pipeline(Stages):
     """A converted folder and the loop that runs its components (an SD3 folder gets ``SD3Pipeline``, with
     the same interface).
@@ -104,8 +73,6 @@ class Pipeline(Stages):
     optimizations, threads; see ``sdnpu.runtime.session.RuntimeOptions``)."""
 
     def __new__(cls, folder: str | Path, *args: Any, **kwargs: Any) -> Any:
-        from sdnpu.runtime.sd3 import SD3Pipeline, is_sd3
-
         if is_sd3(read_index(Path(folder))):
             return SD3Pipeline(folder, *args, **kwargs)
         return super().__new__(cls)
@@ -158,7 +125,7 @@ class Pipeline(Stages):
             return self._encode(parts, text)
 
     def _encoders(self) -> tuple[str, ...]:
-        return ("text_encoder", "text_encoder_2") if self.sdxl else ("text_encoder",)
+        return CLIP_ENCODERS if self.sdxl else CLIP_ENCODERS[:1]
 
     @property
     def encoders(self) -> tuple[str, ...]:
@@ -324,21 +291,6 @@ class Pipeline(Stages):
         return load_scheduler(self.folder, name)
 
 
-def read_index(folder: Path) -> dict[str, Any]:
-    """A converted folder's ``model_index.json``, or the error that says it is not one."""
-    path = folder / "model_index.json"
-    if not path.is_file():
-        raise SdnpuError(f"{folder} is not a converted pipeline folder (no model_index.json)",
-                         hint="make convert MODEL=all writes one: models/<source name>/")
-    try:
-        index = json.loads(path.read_text())
-    except (OSError, ValueError) as e:
-        raise SdnpuError(f"cannot read {path}: {e}", hint="convert the pipeline again") from e
-    if not isinstance(index, dict):
-        raise SdnpuError(f"{path} does not hold a JSON object", hint="convert the pipeline again")
-    return index
-
-
 def _penultimate(component: Component, config_path: Path) -> str:
     """The hidden states SDXL reads from a text encoder: the penultimate layer's (``pipeline_outputs``, from
     the encoder's num_hidden_layers; a dispatch model keeps only that one, the fp32 graph has them all)."""
@@ -359,8 +311,6 @@ def save_png(image: np.ndarray, path: Path) -> None:
     import io
 
     from PIL import Image
-
-    from sdnpu.fileio import atomic_write_bytes
 
     buf = io.BytesIO()
     Image.fromarray(image).save(buf, format="PNG")

@@ -2,7 +2,7 @@
 
 A component converted at several sizes keeps one graph per size over one copy of the weights
 (``sdnpu.convert.shared`` writes them); this is what every stage reads of that layout (``runtime`` picks a
-size's graphs, ``reports`` lists them), torch-free like ``sdnpu.pipelines``.
+size's graphs, ``reports`` lists them), torch-free like every format here.
 """
 
 from __future__ import annotations
@@ -14,7 +14,7 @@ from typing import Any
 
 from sdnpu.errors import SdnpuError
 from sdnpu.fileio import atomic_write_json
-from sdnpu.pipelines import Size
+from sdnpu.imagesize import Size
 
 MANIFEST = "sizes.json"
 FORMAT, VERSION = "sdnpu-sizes", 1

@@ -7,6 +7,7 @@ Such a graph input or output is a *handoff value*. Its form is written on the mo
 ``sdnpu.handoff``: each name with the permutation that turns the graph's form into the fp32 graph's, e.g.
 ``[0, 3, 1, 2]`` for NHWC -> NCHW), so that every reader can convert between the two forms:
 ``to_graph`` (fp32 in the fp32 graph's layout -> the handoff form) and ``to_reference`` (back).
+Running a session on such values is ``sdnpu.onnxrun.run``.
 
 bf16 arrays are ``ml_dtypes.bfloat16`` numpy arrays; converting fp32 -> bf16 rounds to nearest even, as
 CastAvx does.
@@ -18,14 +19,16 @@ import json
 from collections.abc import Mapping, Sequence
 from typing import Any
 
+import ml_dtypes
 import numpy as np
 
-KEY = "sdnpu.handoff"
+from sdnpu.formats.keys import HANDOFF_KEY as KEY
+
+__all__ = ["KEY", "add", "bf16", "decode", "encode", "graph_shape", "handover", "is_bf16", "of_proto",
+           "of_session", "to_graph", "to_reference"]
 
 
 def bf16() -> Any:
-    import ml_dtypes
-
     return ml_dtypes.bfloat16
 
 
@@ -47,6 +50,11 @@ def decode(text: str | None) -> dict[str, tuple[int, ...]]:
 def of_proto(model: Any) -> dict[str, tuple[int, ...]]:
     """The handoff values of an ``onnx.ModelProto``."""
     return decode(next((p.value for p in model.metadata_props if p.key == KEY), None))
+
+
+def of_session(session: Any) -> dict[str, tuple[int, ...]]:
+    """The handoff values of an onnxruntime session's model."""
+    return decode(session.get_modelmeta().custom_metadata_map.get(KEY))
 
 
 def graph_shape(shape: Sequence[int], to_reference: Sequence[int]) -> list[int]:
@@ -74,66 +82,6 @@ def add(a: np.ndarray, b: np.ndarray) -> np.ndarray:
     if is_bf16(a) or is_bf16(b):
         return (a.astype(np.float32) + b.astype(np.float32)).astype(bf16())
     return a + b
-
-
-def run(session: Any, names: Sequence[str], feeds: Mapping[str, np.ndarray], native: bool = False
-        ) -> list[np.ndarray]:
-    """``session.run(names, feeds)`` for an onnxruntime session whose graph may take or give bf16 values
-    (onnxruntime's Python API has no numpy type for them). A handoff input takes its handoff form, or the
-    fp32 graph's form (converted); a handoff output comes back in the fp32 graph's form, or with ``native``
-    in its handoff form (for the dispatch model that reads it)."""
-    inputs = {i.name: i for i in session.get_inputs()}
-    outputs = {o.name: o for o in session.get_outputs()}
-    if not any(inputs[k].type == "tensor(bfloat16)" for k in feeds if k in inputs) and not any(
-            outputs[n].type == "tensor(bfloat16)" for n in names):
-        return list(session.run(list(names), dict(feeds)))
-    import onnxruntime as ort
-    from onnx import TensorProto
-
-    forms = decode(session.get_modelmeta().custom_metadata_map.get(KEY))
-    io = session.io_binding()
-    keep: list[Any] = []  # the buffers behind the bound values live until the run is done
-    for k, a in feeds.items():
-        if k in inputs and inputs[k].type == "tensor(bfloat16)":
-            a = to_graph(a, forms[k]) if k in forms else np.asarray(a).astype(bf16())
-            value = ort.OrtValue.ortvalue_from_numpy_with_onnx_type(
-                np.ascontiguousarray(a).view(np.uint16), TensorProto.BFLOAT16)
-        else:
-            value = ort.OrtValue.ortvalue_from_numpy(np.ascontiguousarray(a))
-        keep.append(value)
-        io.bind_ortvalue_input(k, value)
-    buffers: dict[str, np.ndarray] = {}
-    for n in names:
-        static = all(isinstance(d, int) for d in outputs[n].shape)
-        if outputs[n].type == "tensor(bfloat16)" and static:
-            buffers[n] = np.empty([int(d) for d in outputs[n].shape], np.uint16)
-            io.bind_ortvalue_output(n, ort.OrtValue.ortvalue_from_numpy_with_onnx_type(buffers[n],
-                                                                                        TensorProto.BFLOAT16))
-        else:
-            io.bind_output(n, "cpu")
-    session.run_with_iobinding(io)
-    got = io.get_outputs()
-    result = []
-    for n, value in zip(names, got, strict=True):
-        if n in buffers or outputs[n].type == "tensor(bfloat16)":
-            a = (buffers[n] if n in buffers else _bf16_copy(value)).view(bf16())
-            result.append(a if native or n not in forms else to_reference(a, forms[n]))
-        else:
-            result.append(value.numpy())
-    return result
-
-
-def _bf16_copy(value: Any) -> np.ndarray:
-    """A copy (uint16) of a bf16 OrtValue that onnxruntime allocated (an output whose shape the graph leaves
-    symbolic): its Python API reads no bf16 into numpy."""
-    import ctypes
-
-    shape = tuple(value.shape())
-    n = int(np.prod(shape)) if shape else 1
-    if n == 0:
-        return np.empty(shape, np.uint16)
-    raw = (ctypes.c_uint16 * n).from_address(value.data_ptr())
-    return np.ctypeslib.as_array(raw).copy().reshape(shape)
 
 
 def handover(a: np.ndarray, produced: Sequence[int] | None, taken: Sequence[int] | None) -> np.ndarray:

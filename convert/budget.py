@@ -1,0 +1,99 @@
+"""Memory budgeting for a conversion: how much fp32 weight each module has, which modules export in a worker
+process of their own, which convert block by block, and which cannot be converted here at all (refused
+before anything is written)."""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass, field
+
+from sdnpu.components import module_of
+from sdnpu.convert import blockwise
+from sdnpu.convert.options import ConvertOptions
+from sdnpu.convert.sources import Source
+from sdnpu.errors import SdnpuError
+from sdnpu.memory import available_bytes
+
+log = logging.getLogger(__name__)
+
+# Modules above this many bytes of fp32 weights are exported in a child process: torch 2.13's exporter
+# keeps tensors alive after it returns (held outside Python's reach), and at full SDXL size that is 10 GB
+# sitting beside onnxruntime's copy during the check. A process that exits gives everything back.
+ISOLATE_BYTES = 1 << 30
+
+# A module whose fp32 weights alone take more than this share of the available memory is refused before any
+# export: the torch stage holds them beside PyTorch's activations and the exporter's own tensors (the SD 3.5
+# transformer, 9.0 GB of weights, peaked at 21.4 GB over its whole conversion). T5 (SD 3.5's T5-XXL: 19.0 GB)
+# goes block by block instead (BLOCKWISE_SHARE).
+MODULE_SHARE = 0.8
+
+# A module that can convert block by block does so where its fp32 weights exceed this share of the available
+# memory: whole, its export holds the weights, PyTorch's run, the exporter's copies and then onnxruntime's copy
+# (the SD 3.5 transformer peaked at 2.4x its weights), and block by block costs only time.
+BLOCKWISE_SHARE = 0.5
+
+
+def human(n: int) -> str:
+    return f"{n / 1e9:.2f} GB" if n >= 1e8 else f"{n / 1e6:.2f} MB" if n >= 1e5 else f"{n / 1e3:.1f} kB"
+
+
+def module_bytes(src: Source, key: str) -> int:
+    """fp32 weight bytes of module ``key``: counted on the meta device for presets, from the weight files'
+    sizes for folders (fp16 files count twice)."""
+    if src.kind == "preset":
+        import torch  # presets only: a folder's size is read from its files
+
+        with torch.device("meta"):
+            module = src.load_module(key)
+        return 4 * sum(p.numel() for p in module.parameters())
+    total = 0
+    for f in src.modules[key].iterdir():
+        if f.suffix in (".safetensors", ".bin"):
+            total += f.stat().st_size * (2 if ".fp16." in f.name else 1)
+    return total
+
+
+def fits(need: int, share: float) -> bool:
+    avail = available_bytes()
+    return avail is None or need <= share * avail
+
+
+def check_module_fits(key: str, need: int, comps: list[str]) -> None:
+    """Refuse module ``key`` (``need`` bytes of fp32 weights) where it cannot fit (``MODULE_SHARE``)."""
+    if fits(need, MODULE_SHARE):
+        return
+    avail = available_bytes()
+    assert avail is not None
+    names = [c for c in comps if module_of(c) == key]
+    others = [c for c in comps if module_of(c) != key]
+    hint = f"convert the others: --model {','.join(others)}" if others else "convert it on a machine with more memory"
+    raise SdnpuError(f"{', '.join(names)} cannot be converted here: the {key} module's fp32 weights alone are "
+                     f"{human(need)} and this machine has {human(avail)} available (its export holds them beside "
+                     "PyTorch's activations and the exporter's own copies)", hint=hint)
+
+
+@dataclass
+class Budget:
+    """Each module's fp32 weight bytes, and those that convert block by block."""
+
+    weights: dict[str, int]
+    by_block: set[str] = field(default_factory=set)
+
+    def isolate(self, key: str) -> bool:
+        """Whether module ``key``'s torch stage runs in a worker process (``ISOLATE_BYTES``)."""
+        return self.weights[key] > ISOLATE_BYTES
+
+
+def plan(src: Source, comps: list[str], options: ConvertOptions) -> Budget:
+    """The budget of converting ``comps`` of ``src``; a module that cannot fit is refused now."""
+    budget = Budget({key: module_bytes(src, key) for key in dict.fromkeys(module_of(c) for c in comps)})
+    for key, need in budget.weights.items():  # one that cannot fit: before anything is written
+        if blockwise.supports(src, key) and (options.blockwise or not fits(need, BLOCKWISE_SHARE)):
+            budget.by_block.add(key)
+            log.info("%s: %s of fp32 weights; converting it block by block", key, human(need))
+            continue
+        check_module_fits(key, need, comps)
+    if options.blockwise and not budget.by_block:
+        log.warning("--blockwise: none of %s converts block by block (only %s do); converting them whole",
+                    ", ".join(comps), ", ".join(blockwise.CLASSES))
+    return budget

@@ -1,0 +1,93 @@
+"""What a conversion is asked for and what it gives back: ``ConvertOptions`` (validated when made, before
+anything is loaded), ``ComponentResult`` for each graph written and ``ConvertResult`` for the run."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+from sdnpu.convert.compile import OUTPUT_CHOICES
+from sdnpu.convert.export import DEFAULT_OPSET, Exporter
+from sdnpu.convert.sources import Source
+from sdnpu.errors import SdnpuError
+from sdnpu.imagesize import Size, parse_sizes
+from sdnpu.lora.adapters import LoraSpec
+from sdnpu.ops.target import DEFAULT_TARGET
+from sdnpu.passes.pipeline import CompileOptions
+
+
+@dataclass(frozen=True)
+class ConvertOptions:
+    """How ``convert`` exports, checks and compiles; validated once, when made (a bad value is an
+    SdnpuError naming the choices before anything is loaded).
+
+    ``res``: the image sizes (``parse_sizes``: a ``Size``, a side, "WxH", a comma-separated list or
+    "sdxl-buckets"; None: the model's own), the first the primary (see ``sdnpu.convert.shared``); ``add``:
+    add the sizes to the conversion already in OUT, writing only theirs; ``check``:
+    run the exported graph against PyTorch and the dispatch model against the graph; ``compile``: write
+    ``<component>/dd/``; ``outputs``: "pipeline" (the dispatch models keep what a diffusers pipeline reads)
+    or "all"; ``target``: the NPU whose op contract the dispatch models are written in; ``precision``: bf16
+    or bfp16; ``loras``: LoRAs fused into the UNet and text encoders before export."""
+
+    res: Size | int | str | Sequence[Size | int | str] | None = None
+    exporter: str = "dynamo"
+    opset: int = DEFAULT_OPSET
+    check: bool = True
+    compile: bool = True
+    outputs: str = "pipeline"
+    target: str = DEFAULT_TARGET
+    precision: str = "bf16"
+    loras: tuple[LoraSpec, ...] = ()  # diffusers' fuse_lora, before export
+    add: bool = False
+    blockwise: bool = False  # T5 block by block even where it fits whole (it does where it does not)
+
+    def __post_init__(self) -> None:
+        self.export_with  # noqa: B018 -- validates exporter and opset
+        if self.outputs not in OUTPUT_CHOICES:
+            raise SdnpuError(f"unknown --outputs {self.outputs!r}", hint=f"choose one of: {', '.join(OUTPUT_CHOICES)}")
+        if self.res is not None:
+            object.__setattr__(self, "res", tuple(parse_sizes(self.res)))  # type: ignore[arg-type]
+            for size in self.res:  # type: ignore[union-attr]
+                if min(size) <= 0:
+                    raise SdnpuError(f"size {size} is not a positive number of pixels",
+                                     hint="RES is WxH in pixels (1152x896), or one number for a square (1024)")
+        self.compile_options  # noqa: B018 -- validates target and precision
+        object.__setattr__(self, "loras", tuple(LoraSpec.parse(x) if isinstance(x, str) else x for x in self.loras))
+
+    @property
+    def compile_options(self) -> CompileOptions:
+        return CompileOptions.named(self.target, self.precision)
+
+    @property
+    def export_with(self) -> Exporter:
+        return Exporter(self.exporter, self.opset)
+
+
+@dataclass
+class ComponentResult:
+    component: str
+    path: Path
+    nodes: int
+    parameters: int
+    seconds: dict[str, float] = field(default_factory=dict)
+    peak_rss_bytes: int = 0
+    check: dict[str, Any] | None = None  # worst errors and per-output errors vs PyTorch
+    report: dict[str, Any] | None = None  # the offload report's summary, when compiled
+    size: str = ""  # WxH
+
+    def to_json(self) -> dict[str, Any]:
+        data = asdict(self)
+        data["path"] = str(self.path)
+        return data
+
+
+@dataclass
+class ConvertResult:
+    source: Source
+    out: Path
+    resolution: Size  # the primary size
+    components: list[ComponentResult]
+    pipeline_files: list[str]
+    sizes: list[Size] = field(default_factory=list)  # every size converted (or, with --add, added)

@@ -1,0 +1,161 @@
+"""The thin torch wrappers that give each component's module a positional, tuple-returning ``forward`` to
+export, in the signature ``sdnpu.signatures.signature`` describes; the component table names each one
+(``sdnpu.components``, its ``wrapper`` column).
+
+This module imports torch: the stage that builds torch modules imports it when it runs (nothing else does).
+The classes take the module as an argument and close over nothing: a class that captured the module would keep
+its weights alive as long as anything (torch's export caches) holds the class.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from sdnpu import components
+from sdnpu.signatures import clip_projection, unet_text_time
+
+
+class TextEncoder(torch.nn.Module):
+    def __init__(self, model: Any, projection: bool) -> None:
+        super().__init__()
+        self.model = model
+        self.projection = projection
+
+    @classmethod
+    def of(cls, module: Any, component: str, config: dict[str, Any]) -> torch.nn.Module:
+        return cls(module, projection=clip_projection(component, config))
+
+    def forward(self, input_ids: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        out = self.model(input_ids=input_ids, output_hidden_states=True, return_dict=True)
+        first = (out.text_embeds, out.last_hidden_state) if self.projection else (
+            out.last_hidden_state, out.pooler_output)
+        return first + tuple(out.hidden_states)
+
+
+class UNet(torch.nn.Module):
+    def __init__(self, unet: Any) -> None:
+        super().__init__()
+        self.unet = unet
+
+    @classmethod
+    def of(cls, module: Any, component: str, config: dict[str, Any]) -> torch.nn.Module:
+        return UNetTextTime(module) if unet_text_time(config) else UNet(module)
+
+    def forward(self, sample: torch.Tensor, timestep: torch.Tensor,
+                encoder_hidden_states: torch.Tensor) -> tuple[torch.Tensor]:
+        return (self.unet(sample, timestep, encoder_hidden_states, return_dict=False)[0],)
+
+
+class UNetTextTime(UNet):
+    def forward(self, sample: torch.Tensor, timestep: torch.Tensor, encoder_hidden_states: torch.Tensor,  # type: ignore[override]
+                text_embeds: torch.Tensor, time_ids: torch.Tensor) -> tuple[torch.Tensor]:
+        added = {"text_embeds": text_embeds, "time_ids": time_ids}
+        return (self.unet(sample, timestep, encoder_hidden_states, added_cond_kwargs=added,
+                          return_dict=False)[0],)
+
+
+class VaeEncoder(torch.nn.Module):
+    def __init__(self, vae: Any) -> None:
+        super().__init__()
+        self.vae = vae
+
+    @classmethod
+    def of(cls, module: Any, component: str, config: dict[str, Any]) -> torch.nn.Module:
+        return cls(module)
+
+    def forward(self, sample: torch.Tensor) -> tuple[torch.Tensor]:
+        return (self.vae.encode(sample, return_dict=False)[0].parameters,)
+
+
+class VaeDecoder(VaeEncoder):
+    def forward(self, latent_sample: torch.Tensor) -> tuple[torch.Tensor]:  # type: ignore[override]
+        return (self.vae.decode(latent_sample, return_dict=False)[0],)
+
+
+class UNetResiduals(torch.nn.Module):
+    """The UNet taking a ControlNet's residuals: (sample, timestep, encoder_hidden_states, [text_embeds,
+    time_ids], down_block_additional_residuals..., mid_block_additional_residual) -> out_sample."""
+
+    def __init__(self, unet: Any, text_time: bool) -> None:
+        super().__init__()
+        self.unet = unet
+        self.text_time = text_time
+
+    @classmethod
+    def of(cls, module: Any, component: str, config: dict[str, Any]) -> torch.nn.Module:
+        return cls(module, text_time=unet_text_time(config))
+
+    def forward(self, *args: torch.Tensor) -> tuple[torch.Tensor]:
+        n = 5 if self.text_time else 3
+        sample, timestep, encoder_hidden_states = args[:3]
+        added = {"text_embeds": args[3], "time_ids": args[4]} if self.text_time else None
+        residuals = args[n:]
+        return (self.unet(sample, timestep, encoder_hidden_states, added_cond_kwargs=added,
+                          down_block_additional_residuals=tuple(residuals[:-1]),
+                          mid_block_additional_residual=residuals[-1], return_dict=False)[0],)
+
+
+class ControlNet(torch.nn.Module):
+    """diffusers' ControlNetModel: (sample, timestep, encoder_hidden_states, [text_embeds, time_ids],
+    controlnet_cond, conditioning_scale) -> the down-block residuals, then the mid-block's."""
+
+    def __init__(self, controlnet: Any, text_time: bool) -> None:
+        super().__init__()
+        self.controlnet = controlnet
+        self.text_time = text_time
+
+    @classmethod
+    def of(cls, module: Any, component: str, config: dict[str, Any]) -> torch.nn.Module:
+        return cls(module, text_time=unet_text_time(config))
+
+    def forward(self, *args: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        sample, timestep, encoder_hidden_states = args[:3]
+        added = {"text_embeds": args[3], "time_ids": args[4]} if self.text_time else None
+        controlnet_cond, conditioning_scale = args[-2:]
+        down, mid = self.controlnet(sample, timestep, encoder_hidden_states, controlnet_cond=controlnet_cond,
+                                    conditioning_scale=conditioning_scale, added_cond_kwargs=added,
+                                    return_dict=False)
+        return (*down, mid)
+
+
+class T5Encoder(torch.nn.Module):
+    def __init__(self, model: Any) -> None:
+        super().__init__()
+        self.model = model
+
+    @classmethod
+    def of(cls, module: Any, component: str, config: dict[str, Any]) -> torch.nn.Module:
+        return cls(module)
+
+    def forward(self, input_ids: torch.Tensor) -> tuple[torch.Tensor]:
+        return (self.model(input_ids=input_ids, return_dict=True).last_hidden_state,)
+
+
+class Transformer(torch.nn.Module):
+    """SD3's MMDiT: (hidden_states, timestep, encoder_hidden_states, pooled_projections) -> out_sample."""
+
+    def __init__(self, transformer: Any) -> None:
+        super().__init__()
+        self.transformer = transformer
+
+    @classmethod
+    def of(cls, module: Any, component: str, config: dict[str, Any]) -> torch.nn.Module:
+        return cls(module)
+
+    def forward(self, hidden_states: torch.Tensor, timestep: torch.Tensor, encoder_hidden_states: torch.Tensor,
+                pooled_projections: torch.Tensor) -> tuple[torch.Tensor]:
+        return (self.transformer(hidden_states=hidden_states, timestep=timestep,
+                                 encoder_hidden_states=encoder_hidden_states,
+                                 pooled_projections=pooled_projections, return_dict=False)[0],)
+
+
+_BY_NAME: dict[str, Any] = {"TextEncoder": TextEncoder, "T5Encoder": T5Encoder, "Transformer": Transformer,
+                            "UNet": UNet, "VaeEncoder": VaeEncoder, "VaeDecoder": VaeDecoder,
+                            "ControlNet": ControlNet, "UNetResiduals": UNetResiduals}
+
+
+def build_wrapper(component: str, module: Any, config: dict[str, Any]) -> Any:
+    """A torch module whose forward takes the signature's inputs in order and returns a tuple."""
+    return _BY_NAME[components.row(component).wrapper].of(module, component, config).eval()

@@ -1,0 +1,193 @@
+"""What the stages ask of a component, built once: ``ComponentSpec`` (its signature at a size, its resolution
+rule, the outputs a pipeline reads, its handoff values and step-prologue inputs) from ``PipelineConfig``, a
+pipeline's module configs read once. The rules themselves are the functions below; the export stage, the
+compile stage and the runtime read them through a spec, or call them where they have one config at hand.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+from sdnpu import components
+from sdnpu.errors import SdnpuError
+from sdnpu.imagesize import Size
+from sdnpu.signatures import (
+    Signature,
+    clip_projection,
+    controlnet_outputs,
+    residual_input,
+    sample_inputs,
+    signature,
+    unet_text_time,
+    vae_scale_factor,
+)
+
+# The modules whose sample size sets a pipeline's resolution, the first present.
+DENOISER_MODULES = ("unet", "transformer")
+# Wrappers whose module is a UNet's down path (the resolution rule of its skip connections).
+_UNET_LIKE = frozenset({"UNet", "UNetResiduals", "ControlNet"})
+# Wrappers that run each denoising step beside another dispatch model and share the step's inputs with it.
+_STEP_SHARING = frozenset({"UNetResiduals", "ControlNet"})
+
+
+def _wrapper(component: str) -> str | None:
+    """The component's wrapper (its kind of graph); None for a name that is not a component (a graph compiled
+    alone, in a folder of another name)."""
+    return components.row(component).wrapper if component in components.COMPONENTS else None
+
+
+def resolution_step(component: str, config: dict[str, Any], vae_factor: int) -> int:
+    """The resolution must be a multiple of this (each down block halves the latent, and the UNet's
+    skip connections need the halves to line up again)."""
+    wrapper = _wrapper(component)
+    if wrapper in _UNET_LIKE:
+        return vae_factor * 2 ** (len(config["block_out_channels"]) - 1)
+    if wrapper == "Transformer":  # latents cut into patch x patch tokens
+        return vae_factor * int(config.get("patch_size", 2))
+    return vae_factor
+
+
+def default_resolution(unet_config: dict[str, Any] | None, vae_config: dict[str, Any] | None) -> int:
+    """The resolution a pipeline was trained at, in pixels: the UNet's (or SD3 transformer's) sample size times
+    the VAE's scale factor (1024 for SDXL and SD 3.5, 512 for SD 1.5); the VAE's own sample size without a
+    UNet; else 1024."""
+    if unet_config is not None:
+        return int(unet_config["sample_size"]) * vae_scale_factor(vae_config)
+    if vae_config is not None:
+        return int(vae_config["sample_size"])
+    return 1024
+
+
+def check_resolution(res: int | Size, configs: dict[str, dict[str, Any]], vae_factor: int) -> None:
+    """Stop, naming the nearest sizes that fit, when a component in ``configs`` cannot take ``res``."""
+    size = Size.of(res)
+    for comp, config in configs.items():
+        if components.row(comp).text_encoder:
+            continue
+        m = resolution_step(comp, config, vae_factor)
+        if min(size) > 0 and not size.height % m and not size.width % m:
+            continue
+        if min(size) <= 0:
+            raise SdnpuError(f"size {size} is not a positive number of pixels",
+                             hint="RES is WxH in pixels (1152x896), or one number for a square (1024)")
+        sides = [sorted({max(m, v // m * m), max(m, -(-v // m) * m)}) for v in (size.height, size.width)]
+        near = sorted({Size(h, w) for h in sides[0] for w in sides[1]},
+                      key=lambda s: (abs(s.height - size.height) + abs(s.width - size.width), s.width, s.height))
+        raise SdnpuError(f"size {size} does not fit the {comp}: each side must be a multiple of {m}",
+                         hint=f"the nearest that fit: {', '.join(str(s) for s in near[:4])}")
+
+
+def pipeline_outputs(component: str, config: dict[str, Any], sdxl: bool) -> list[str] | None:
+    """The outputs of ``component`` that a diffusers pipeline reads (None: all of them).
+
+    The text encoders are exported with every hidden state (optimum's signature), but SDXL reads only the
+    penultimate hidden states of both encoders and text_encoder_2's pooled ``text_embeds`` (SD3 the same of
+    both its CLIP encoders: each has the projection); SD 1.x/2.x read ``last_hidden_state``. Every other output
+    would cost a CastAvx on the CPU and, past the penultimate layer, NPU work nobody uses. The UNet, the
+    transformer, SD3's T5 and the VAEs have one output.
+    """
+    if component not in components.CLIP_ENCODERS:
+        return None
+    if not sdxl and component == "text_encoder":
+        return ["last_hidden_state"]
+    penultimate = f"hidden_states.{int(config['num_hidden_layers']) - 1}"
+    return ["text_embeds", penultimate] if clip_projection(component, config) else [penultimate]
+
+
+def handoff_values(component: str, config: dict[str, Any]) -> frozenset[str]:
+    """The graph inputs and outputs of ``component`` that another dispatch model writes or reads, kept in the
+    NPU's form (``sdnpu.formats.handoff``): a ControlNet's residuals, and the residual UNet's inputs for them."""
+    wrapper = _wrapper(component)
+    if wrapper == "ControlNet":
+        return frozenset(controlnet_outputs(config))
+    if wrapper == "UNetResiduals":
+        return frozenset(residual_input(o) for o in controlnet_outputs(config))
+    return frozenset()
+
+
+def prologue_inputs(component: str, config: dict[str, Any]) -> frozenset[str]:
+    """The graph inputs of ``component`` whose CPU work goes into the step prologue it shares with the other
+    dispatch models of a step (``sdnpu.formats.prologue``): a ControlNet's and the residual UNet's UNet inputs
+    (the latents, the timestep, the text, SDXL's added conditioning), which both read each step."""
+    if _wrapper(component) not in _STEP_SHARING:
+        return frozenset()
+    return frozenset(spec.name for spec in signature("unet", config, 512).inputs)  # names: any size will do
+
+
+@dataclass(frozen=True)
+class ComponentSpec:
+    """One component of a pipeline, as every stage asks about it: built once (``PipelineConfig.spec``)."""
+
+    name: str
+    config: dict[str, Any]  # its module's config.json
+    vae_factor: int  # the pipeline VAE's scale factor (8 without a VAE)
+    sdxl: bool | None  # whether its pipeline is SDXL's (has a text_encoder_2); None: unknown
+
+    @property
+    def row(self) -> components.ComponentRow:
+        return components.row(self.name)
+
+    @property
+    def module(self) -> str:
+        return self.row.module
+
+    def signature(self, res: int | Size) -> Signature:
+        return signature(self.name, self.config, res, self.vae_factor)
+
+    def sample_inputs(self, res: int | Size, seed: int = 0) -> dict[str, np.ndarray]:
+        return sample_inputs(self.signature(res), self.config, res, seed)
+
+    @property
+    def resolution_step(self) -> int:
+        return resolution_step(self.name, self.config, self.vae_factor)
+
+    @property
+    def pipeline_outputs(self) -> list[str] | None:
+        return pipeline_outputs(self.name, self.config, bool(self.sdxl))
+
+    @property
+    def handoff(self) -> frozenset[str]:
+        return handoff_values(self.name, self.config)
+
+    @property
+    def prologue(self) -> frozenset[str]:
+        return prologue_inputs(self.name, self.config)
+
+
+@dataclass(frozen=True)
+class PipelineConfig:
+    """A pipeline's module configs, each read once (``modules``: model_index.json's key -> config.json), and
+    whether the pipeline is SDXL's."""
+
+    modules: Mapping[str, dict[str, Any]]
+    sdxl: bool | None = None
+
+    def config(self, component: str) -> dict[str, Any]:
+        return self.modules[components.module_of(component)]
+
+    @property
+    def vae(self) -> dict[str, Any] | None:
+        return self.modules.get("vae")
+
+    @property
+    def vae_factor(self) -> int:
+        return vae_scale_factor(self.vae)
+
+    def spec(self, component: str) -> ComponentSpec:
+        return ComponentSpec(component, self.config(component), self.vae_factor, self.sdxl)
+
+    def default_resolution(self) -> int:
+        """The resolution the pipeline was trained at (``default_resolution``: 1024 for SDXL; a ControlNet
+        alone: 1024 for SDXL's, 512 for SD 1.x's)."""
+        if "unet" not in self.modules and "controlnet" in self.modules:
+            return 1024 if unet_text_time(self.modules["controlnet"]) else 512
+        denoiser = next((m for m in DENOISER_MODULES if m in self.modules), None)
+        return default_resolution(self.modules[denoiser] if denoiser else None, self.vae)
+
+    def check_resolution(self, res: int | Size, names: list[str]) -> None:
+        """Stop, naming the nearest sizes that fit, when one of the components ``names`` cannot take ``res``."""
+        check_resolution(res, {c: self.config(c) for c in names}, self.vae_factor)

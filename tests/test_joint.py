@@ -1,0 +1,104 @@
+"""The joint pass (``sdnpu.passes.joint`` through ``sdnpu.passes.pipeline.joint``) on small graphs: SD3's joint
+attention split by query part and its head Transposes moved below the per-head norms, the numbers kept
+(plain ONNX, fp32), and the graphs it must leave as they are."""
+
+from __future__ import annotations
+
+from collections import Counter
+
+import numpy as np
+import onnx
+import onnx_ir as ir
+import pytest
+
+from sdnpu.passes.canonicalize import canonicalize
+from sdnpu.passes.pipeline import CompileOptions, joint, pass_names
+
+from .graphs import feeds_for, model, ops, run, to_ir, to_proto
+from .test_mmdit import S1, S2, B, C, H, joint_attention, n, w
+
+SPLIT = "sequence cuts computed as their parts"
+SUNK = "head transposes moved below row ops"
+
+
+def jointed(m: onnx.ModelProto):
+    """canonicalize, then the joint pass: (its result, the model)."""
+    irm = to_ir(m)
+    canonicalize(irm)
+    before = Counter(ops(irm))
+    return joint(irm), irm, before
+
+
+def assert_same(m: onnx.ModelProto, irm: ir.Model) -> onnx.ModelProto:
+    out = to_proto(irm)
+    onnx.checker.check_model(out, full_check=True)
+    feeds = feeds_for(m)
+    for a, b in zip(run(m, feeds), run(out, feeds), strict=True):
+        np.testing.assert_allclose(b, a, rtol=1e-5, atol=1e-5)
+    return out
+
+
+@pytest.mark.parametrize("norm", [True, False])
+@pytest.mark.parametrize("spelling", ["dynamo", "torchscript"])
+def test_one_attention_per_query_part_and_the_slices_go(norm, spelling):
+    m = joint_attention(norm=norm, spelling=spelling)
+    result, irm, before = jointed(m)
+    assert result.modified and result.counts[SPLIT] == 2  # each stream's Slice
+    after = ops(irm)
+    assert before["Slice"] == 2 and after["Slice"] == 0  # the streams' cut: gone
+    assert before["Softmax"] == 1 and after["Softmax"] == 2  # one per query part, over the joint keys
+    assert after["MatMul"] == before["MatMul"] + 2  # Q K^T and P V for each part: the same MACs, split
+    assert_same(m, irm)
+
+
+def test_the_per_head_norms_run_on_rows_before_the_head_transpose():
+    """SD3.5's Q/K RMSNorm over D commutes with the head split's Transpose, which moves below it: the norms'
+    ReduceMean then reads [B, S, H, D] rows."""
+    m = joint_attention(norm=True)
+    result, irm, _ = jointed(m)
+    assert result.counts[SUNK] > 0
+    shapes = {tuple(node.inputs[0].shape) for node in irm.graph if node.op_type == "ReduceMean"}
+    assert shapes == {(B, S1, H, C // H), (B, S2, H, C // H)}
+    assert_same(m, irm)
+
+
+def test_the_last_blocks_image_only_cut_is_split_too():
+    m = joint_attention(parts="image")
+    result, irm, _ = jointed(m)
+    assert result.counts[SPLIT] == 1 and ops(irm)["Slice"] == 0
+    assert_same(m, irm)
+
+
+@pytest.mark.parametrize("kwargs", [{"parts": "misaligned"}, {"softmax_axis": 2}],
+                         ids=["a cut that is not the streams'", "a softmax over the queries"])
+def test_near_misses_keep_the_attention_whole(kwargs):
+    m = joint_attention(**kwargs)
+    result, irm, before = jointed(m)
+    assert result.counts[SPLIT] == 0
+    assert ops(irm)["Softmax"] == 1 and ops(irm)["Slice"] == before["Slice"] == 2
+    assert_same(m, irm)
+
+
+def test_a_graph_without_joint_attention_is_left_as_it_is():
+    """A UNet's self-attention (one stream, no Concat): nothing to split, nothing moves, ``modified`` False."""
+    s, d = S1 + S2, C // H
+    nodes = [n("MatMul", ["x", "wq"], ["q"]), n("MatMul", ["x", "wk"], ["k"]),
+             n("Reshape", ["q", "split"], ["q4"]), n("Transpose", ["q4"], ["qh"], perm=[0, 2, 1, 3]),
+             n("Reshape", ["k", "split"], ["k4"]), n("Transpose", ["k4"], ["kt"], perm=[0, 2, 3, 1]),
+             n("MatMul", ["qh", "kt"], ["sc"]), n("Softmax", ["sc"], ["y"], axis=-1)]
+    m = model(nodes, {"x": [B, s, C]}, {"y": [B, H, s, s]},
+              {"wq": w(C, C), "wk": w(C, C), "split": np.array([B, s, H, d])})
+    irm = to_ir(m)
+    canonicalize(irm)
+    before = to_proto(irm).SerializeToString(deterministic=True)
+    result = joint(irm)
+    assert not result.modified and not any(result.counts.values())
+    assert to_proto(irm).SerializeToString(deterministic=True) == before
+
+
+def test_the_joint_pass_runs_right_after_canonicalize():
+    names = pass_names(CompileOptions())
+    assert names[:3] == ["canonicalize", "joint", "fuse"]
+    both = pass_names(CompileOptions(handoff=frozenset({"a"}), prologue=frozenset({"b"})))
+    assert both == ["canonicalize", "joint", "fuse", "layout", "glue", "views", "precision", "handoff", "cleanup",
+                    "prologue", "partition"]
