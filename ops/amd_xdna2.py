@@ -127,6 +127,10 @@ def _rms_registry(p: Params) -> str | None:
     return "SDRMSNorm: not in the DD snapshot's registry; ROU's pass lists SD3.5's shapes commented out"
 
 
+def _concat_constant(p: Params) -> str | None:
+    return "a constant operand" if p.get("b_const") else None
+
+
 def _resize_2x(p: Params) -> str | None:
     a, c = p["x"], p["y"]
     if len(a) != 4 or c != [a[0], 2 * a[1], 2 * a[2], a[3]]:
@@ -448,7 +452,10 @@ _CONCAT = _binary(
      "DD tests/cpp/sd_concat/model.py:40-63", "DD src/ops/sd/concat.cpp:159-185, 253 (axis, two tensors)",
      "ROU passes.sd15.concat_to_sd_concat (index 66831085692): two activations, not both 2-D, copies axis"),
     extra=(Attr("axis", INT, "the Concat's axis", "copied"),),
-    limits=(Limit("not 2-D", "not both operands 2-D", "ROU index 66831085692", _not_both_2d),), output=_concat_out)
+    limits=(Limit("not 2-D", "not both operands 2-D", "ROU index 66831085692", _not_both_2d),
+            Limit("constant operand", "one operand a constant (AuraFlow's register tokens): AMD's test models and "
+                  "passes concatenate two activations; a constant is a bf16 initializer as SDAdd's B may be",
+                  "DD tests/cpp/sd_concat/model.py:40-63", _concat_constant, assumed=True)), output=_concat_out)
 _SLICE = OpSpec(
     "SDSlice", "A slice keyed only by its (input, output) shapes: the kernel has no start/end attributes, and "
     "AMD's passes use it for SD3's joint-attention splits only. The rules do not emit it.",
@@ -486,6 +493,12 @@ _CPU_REASONS = {
 }
 
 
+# what the rules ask for -> AMD's op (the attention's three variants: ``mha_variant``)
+FAMILIES = {"conv": "SDConv", "gemm": "SDGemm", "matmul": "SDMatMul", "layer_norm": "SDLayerNorm",
+            "rms_norm": "SDRMSNorm", "group_norm": "SDGroupNorm", "silu": "SDSilu", "gelu": "SDGelu",
+            "resize": "SDResize", "add": "SDAdd", "mul": "SDMul", "concat": "SDConcat", "slice": "SDSlice"}
+
+
 def build() -> Target:
     ops = [_CONV, _GEMM, _MATMUL,
            _mha("SDMHA", "v2", "is_flash_mha", "The flash variant: M >= 256 and N >= 128.", bfp="SDMHA_bfp"),
@@ -495,7 +508,7 @@ def build() -> Target:
            _LAYER_NORM, _RMS_NORM, _GROUP_NORM, _SILU, _GELU, _RESIZE, _ADD, _MUL, _CONCAT, _SLICE]
     table = {op.op_type: op for op in ops}
     return Target(NAME, __doc__ or "", DOMAIN, 1, table, _CAST_AVX, SOURCES, _CPU_REASONS, mha_variant,
-                  mha_mask_length)
+                  mha_mask_length, FAMILIES)
 
 
 def mha_variant(m: int, n: int, heads: int) -> str:

@@ -22,6 +22,8 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+import numpy as np
+
 from sdnpu.errors import SdnpuError
 
 # ONNX attribute types, as the tables write them (AttributeProto.AttributeType names).
@@ -139,6 +141,12 @@ class OpSpec:
         return None, assumed
 
 
+def attention_mask(length: int, n: int) -> np.ndarray:
+    """The one additive row over the keys that an attention kernel reads: 0 for the ``n`` keys, -inf for the
+    padding up to ``length`` (float32; the rules and the size specializer cast it)."""
+    return np.where(np.arange(length) < n, 0.0, -np.inf).astype(np.float32)
+
+
 @dataclass(frozen=True)
 class Target:
     """One NPU's op contract: its dispatch ops, the CPU<->NPU boundary cast, and the sources cited."""
@@ -154,6 +162,21 @@ class Target:
     # Attention: which op takes Q length M, K/V length N and H heads, and its mask length for (B, M, K, N)
     mha_variant: Callable[[int, int, int], str] | None = None
     mha_mask_length: Callable[[int, int, int, int], int] | None = None
+    # op family ("gemm", "conv", "add", ...) -> this target's op type: what the rules and the glue ask for
+    families: Mapping[str, str] = field(default_factory=dict)
+
+    def op(self, family: str) -> OpSpec:
+        """The target's op of ``family`` ("gemm": the linear layer's op, "add": the element-wise sum, ...)."""
+        name = self.families.get(family)
+        if name is None:
+            raise SdnpuError(f"target {self.name} has no op of the {family!r} family",
+                             hint=f"its table names {', '.join(sorted(self.families))}")
+        return self.ops[name]
+
+    def mha_mask(self, b: int, m: int, k: int, n: int) -> np.ndarray:
+        """The attention's mask for (B, M, K, N): ``attention_mask`` at the target's length."""
+        assert self.mha_mask_length is not None
+        return attention_mask(self.mha_mask_length(b, m, k, n), n)
 
     def is_dispatch(self, domain: str, op_type: str) -> bool:
         return domain == self.domain and (op_type in self.ops or op_type in self.bfp_variants)

@@ -30,7 +30,7 @@ import onnxscript.optimizer
 from onnx_ir.passes import common
 from sdnpu.passes import provenance
 from sdnpu.errors import SdnpuError
-from sdnpu.passes.irutil import Builder, attr, const, producer, remove_dead_nodes, replace, scalar, static_shape
+from sdnpu.passes.irutil import Builder, attr, const, producer, remove_dead_nodes, replace, reroute, scalar, static_shape
 from sdnpu.passes.provenance import step
 from sdnpu.passes.manager import PassResult
 from sdnpu.passes.tables import simplify_tables
@@ -388,7 +388,7 @@ def _rotations(graph: ir.Graph, edge: set[ir.Value]) -> int:
             if np.any(src < 0) or np.any(src // d != row) or not (np.all(cols == cols[:1]) and np.all(sign == sign[:1])):
                 continue
             if np.array_equal(cols[0], np.arange(d)) and np.all(sign[0] == 1):  # moved back where it was
-                y.replace_all_uses_with(x, replace_graph_outputs=True)
+                reroute(graph, y, x)
                 done += 1
                 continue
             rotation = np.zeros((d, d), np.float32)
@@ -396,7 +396,7 @@ def _rotations(graph: ir.Graph, edge: set[ir.Value]) -> int:
             b = Builder(graph, RULE)
             mm = b.op("MatMul", [x, b.const(rotation, "rotation")], dtype=y.dtype, shape=shape)
             graph.insert_before(node, b.nodes)
-            y.replace_all_uses_with(mm.outputs[0], replace_graph_outputs=True)
+            reroute(graph, y, mm.outputs[0])
             done += 1
     if done:
         remove_dead_nodes(graph)

@@ -82,7 +82,7 @@ class _Glue:
             if sig.inputs[0] is x:
                 if len(s.uses()) != 1 or s.is_graph_output():  # type: ignore[union-attr]
                     return "the sigmoid is also read elsewhere"
-                return [sig, node], [self.unary(b, "SDSilu", x)]
+                return [sig, node], [self.unary(b, "silu", x)]
             inner = producer(sig.inputs[0], "Mul")
             c = scalar(next((v for v in inner.inputs if v is not x), None)) if inner is not None else None
             if inner is not None and x in inner.inputs and c is not None and abs(c - QUICK_GELU) < 1e-3:
@@ -90,10 +90,10 @@ class _Glue:
                     return "quick_gelu's intermediates are also read elsewhere"
                 if static_shape(node.outputs[0]) != static_shape(x):
                     return "the constant broadcasts x to another shape"
-                scaled = self.binary(b, "SDMul", x, self.vector(b, x, c))
+                scaled = self.binary(b, "mul", x, self.vector(b, x, c))
                 if isinstance(scaled, str):
                     return scaled
-                y = self.binary(b, "SDMul", self.unary(b, "SDSilu", scaled), self.vector(b, x, 1.0 / c))
+                y = self.binary(b, "mul", self.unary(b, "silu", scaled), self.vector(b, x, 1.0 / c))
                 return ([inner, sig, node], [y]) if not isinstance(y, str) else y
         return None
 
@@ -108,10 +108,11 @@ class _Glue:
         approximate = node.attributes.get("approximate")
         approx = approximate.value if approximate is not None else "none"
         approx = approx.decode() if isinstance(approx, bytes) else approx
-        reason, assumed = self.target.spec("SDGelu").check({"x": view, "approximate": approx})
+        gelu = self.target.op("gelu")
+        reason, assumed = gelu.check({"x": view, "approximate": approx})
         if reason:
             return reason
-        y = b.dispatch("SDGelu", [x], {"input_shape": view, "output_shape": view, "approximate": approx},
+        y = b.dispatch(gelu.op_type, [x], {"input_shape": view, "output_shape": view, "approximate": approx},
                        dtype=x.dtype, shape=view, assumed=assumed).outputs[0]
         return [node], [unview(b, y, shape)]
 
@@ -121,7 +122,7 @@ class _Glue:
         a, c = node.inputs
         if a is None or c is None:
             return None
-        op = "SDAdd" if node.op_type in ("Add", "Sub") else "SDMul"
+        op = "add" if node.op_type in ("Add", "Sub") else "mul"
         if node.op_type in ("Sub", "Div"):
             k = const(c)
             if k is None:
@@ -144,11 +145,14 @@ class _Glue:
         if not _onnx(node, "Concat") or len(node.inputs) < 2:
             return None
         out_shape = static_shape(node.outputs[0])
-        if out_shape is None or any(static_shape(v) is None or v.const_value is not None for v in node.inputs):
-            return "operands without static shapes, or constants"
+        if out_shape is None or any(static_shape(v) is None for v in node.inputs):
+            return "operands without static shapes"
+        if all(v.const_value is not None for v in node.inputs):  # type: ignore[union-attr]
+            return "every operand is a constant"
         rank = len(out_shape)
         axis = int(node.attributes["axis"].value) % rank
         lifted = rank == 2 and axis == 1  # [B, C] along C: the kernel's NHWC channel concat on [B, 1, 1, C]
+        rows = rank == 2 and axis == 0  # [S, C] along S (Flux.2's rotary tables): the sequence concat of [1, S, C]
         acc: ir.Value = node.inputs[0]  # type: ignore[assignment]
         acc_shape = list(static_shape(acc))  # type: ignore[arg-type]
         for v in node.inputs[1:]:
@@ -156,21 +160,24 @@ class _Glue:
             c_shape = list(acc_shape)
             c_shape[axis] += v_shape[axis]
             a_view, b_view, c_view = ([[s[0], 1, 1, s[1]] for s in (acc_shape, v_shape, c_shape)] if lifted
+                                      else [[1, *s] for s in (acc_shape, v_shape, c_shape)] if rows
                                       else (acc_shape, v_shape, c_shape))
-            reason, assumed = self.target.spec("SDConcat").check({"a": a_view, "b": b_view, "op": "Concat"})
+            constant = acc.const_value is not None or v.const_value is not None  # type: ignore[union-attr]
+            reason, assumed = self.target.op("concat").check({"a": a_view, "b": b_view, "op": "Concat",
+                                                                  "b_const": constant})
             if reason:
                 return reason
-            acc = b.dispatch("SDConcat", [acc, v], {"a_shape": a_view, "b_shape": b_view, "c_shape": c_view,
-                                                    "axis": 3 if lifted else axis},
+            acc = b.dispatch(self.target.op("concat").op_type, [acc, v], {"a_shape": a_view, "b_shape": b_view, "c_shape": c_view,
+                                                    "axis": 3 if lifted else 1 if rows else axis},
                              dtype=node.outputs[0].dtype, shape=c_view, assumed=assumed).outputs[0]
             acc_shape = c_shape
         return [node], [unview(b, acc, out_shape)]
 
     # --- helpers ---
 
-    def unary(self, b: Builder, op: str, x: ir.Value) -> ir.Value:
+    def unary(self, b: Builder, family: str, x: ir.Value) -> ir.Value:
         shape = list(static_shape(x))  # type: ignore[arg-type]
-        return b.dispatch(op, [x], {"input_shape": shape, "output_shape": shape}, dtype=x.dtype,
+        return b.dispatch(self.target.op(family).op_type, [x], {"input_shape": shape, "output_shape": shape}, dtype=x.dtype,
                           shape=shape).outputs[0]
 
     def vector(self, b: Builder, like: ir.Value, value: float) -> ir.Value:
@@ -198,10 +205,10 @@ class _Glue:
             while w < width:
                 part = [*shape[:-1], w]
                 full = [*shape[:-1], 2 * w]
-                reason, _ = self.target.spec("SDConcat").check({"a": part, "b": part, "op": "Concat"})
+                reason, _ = self.target.op("concat").check({"a": part, "b": part, "op": "Concat"})
                 if reason:
                     break
-                v = b.dispatch("SDConcat", [v, v], {"a_shape": part, "b_shape": part, "c_shape": full,
+                v = b.dispatch(self.target.op("concat").op_type, [v, v], {"a_shape": part, "b_shape": part, "c_shape": full,
                                                     "axis": len(shape) - 1}, dtype=c.dtype, shape=full).outputs[0]
                 w *= 2
                 made[w] = v
@@ -214,7 +221,8 @@ class _Glue:
         made[width] = node.outputs[0]
         return made[width], shape
 
-    def binary(self, b: Builder, op: str, a: ir.Value, c: ir.Value) -> ir.Value | str:
+    def binary(self, b: Builder, family: str, a: ir.Value, c: ir.Value) -> ir.Value | str:
+        """``a + c`` or ``a * c`` (``family`` "add" or "mul") as the target's element-wise op, or why not."""
         a_shape, c_shape = static_shape(a), static_shape(c)
         if a_shape is None or c_shape is None or not is_float(a):
             return "operands without static float shapes"
@@ -235,14 +243,14 @@ class _Glue:
             c_shape = [a_shape[-1]]
         if not bias and prod(c_shape) == 1 and len(a_shape) >= 2:
             c, c_shape = self.spread(b, c, a_shape)
-        reason, assumed = self.target.spec(op).check({"a": a_shape, "b": c_shape, "b_const": bias,
-                                                      "op": op[2:]})
+        spec = self.target.op(family)
+        reason, assumed = spec.check({"a": a_shape, "b": c_shape, "b_const": bias, "op": family.capitalize()})
         if reason:
             return reason
         attrs: dict[str, object] = {"a_shape": a_shape, "b_shape": c_shape, "c_shape": a_shape}
-        if op == "SDAdd":
+        if family == "add":
             attrs["is_bias_add"] = int(bias)
-        return b.dispatch(op, [a, c], attrs, dtype=a.dtype, shape=a_shape, assumed=assumed).outputs[0]
+        return b.dispatch(spec.op_type, [a, c], attrs, dtype=a.dtype, shape=a_shape, assumed=assumed).outputs[0]
 
 
 def lower_glue(model: ir.Model, target: Target) -> PassResult:

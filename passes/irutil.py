@@ -191,6 +191,24 @@ def _unique_name(graph: ir.Graph, hint: str) -> str:
     return name
 
 
+def reroute(graph: ir.Graph, old: ir.Value, new: ir.Value) -> None:
+    """Every reader of ``old`` reads ``new``; where ``old`` is a graph output, ``new`` takes its place and its
+    name (the graph keeps its signature). Where ``new`` cannot take a name (a graph input, an initializer,
+    already a graph output under its own name), an Identity writes it under the old name."""
+    if not old.is_graph_output():
+        old.replace_all_uses_with(new)
+        return
+    name = old.name
+    if new.is_graph_output() or new.is_graph_input() or new.is_initializer() or new.producer() is None:
+        alias = ir.node("Identity", [new], num_outputs=1)
+        alias.outputs[0].dtype, alias.outputs[0].shape = new.dtype, new.shape
+        graph.append(alias)
+        new = alias.outputs[0]
+    old.replace_all_uses_with(new, replace_graph_outputs=True)
+    old.name = f"{name}__rerouted"  # still named, should its producer live on (another of its outputs is read)
+    new.name = name
+
+
 def replace(graph: ir.Graph, anchor: ir.Node, old_nodes: Sequence[ir.Node], new_nodes: Sequence[ir.Node],
             old_values: Sequence[ir.Value], new_values: Sequence[ir.Value]) -> None:
     """Put ``new_nodes`` before ``anchor`` (the last matched node), reroute ``old_values`` to
@@ -201,13 +219,7 @@ def replace(graph: ir.Graph, anchor: ir.Node, old_nodes: Sequence[ir.Node], new_
             new.shape = old.shape
         if new.type is None and old.type is not None:
             new.type = old.type
-        if old.is_graph_output():
-            name = old.name
-            old.replace_all_uses_with(new, replace_graph_outputs=True)
-            old.name = None
-            new.name = name
-        else:
-            old.replace_all_uses_with(new)
+        reroute(graph, old, new)
     graph.remove(list(old_nodes), safe=True)
 
 

@@ -29,6 +29,7 @@ import numpy as np
 import onnx_ir as ir
 
 from sdnpu.passes.streams import split_rows
+from sdnpu.passes.provenance import step
 from sdnpu.passes.irutil import Builder, attr, const, remove_dead_nodes, replace, scalar, static_shape
 
 RULE = "JointAttention"
@@ -36,56 +37,102 @@ HEADS = (0, 2, 1, 3)  # [B, S, H, D] <-> [B, H, S, D]; its own inverse
 _ELEMENTWISE = frozenset({"Add", "Sub", "Mul", "Div", "Sqrt", "Reciprocal", "Pow"})
 
 
-def _is_heads_transpose(node: ir.Node | None) -> bool:
-    return (node is not None and node.op_type == "Transpose" and node.domain in ("", "ai.onnx")
-            and tuple(attr(node, "perm") or ()) == HEADS and len(static_shape(node.outputs[0]) or ()) == 4)
-
-
 # --- heads below the row ops ------------------------------------------------------------------------------
 
-def _row_constant(v: ir.Value | None) -> bool:
-    """A constant that broadcasts along the last axis only (a scalar, or [.., 1, D]): the same on [B, H, S, D]
-    and [B, S, H, D]."""
+def _row_perm(node: ir.Node | None) -> tuple[int, ...] | None:
+    """The perm of a 4-D Transpose that keeps the last axis in place (it moves rows, each row whole): the head
+    split's (0, 2, 1, 3), and the permutes exporters write around a slice assignment (2, 1, 0, 3)."""
+    if node is None or node.op_type != "Transpose" or node.domain not in ("", "ai.onnx"):
+        return None
+    perm = tuple(int(i) for i in attr(node, "perm") or ())
+    return perm if len(perm) == 4 and perm[3] == 3 and len(static_shape(node.outputs[0]) or ()) == 4 else None
+
+
+def _moved_constant(b: Builder, v: ir.Value, perm: tuple[int, ...]) -> ir.Value | None:
+    """A constant operand of an op on a transposed value, as the same op on the value before the Transpose
+    reads it: broadcast to rank 4 and permuted back (offline); None where it is not a constant of rank <= 4."""
     a = const(v)
-    return a is not None and a.ndim <= 4 and all(n == 1 for n in a.shape[:-1])
+    if a is None or a.ndim > 4:
+        return None
+    if all(n == 1 for n in a.shape[:-1]):
+        return v  # along the last axis only: the same either way
+    full = (1,) * (4 - a.ndim) + tuple(a.shape)
+    back = [int(i) for i in np.argsort(perm)]
+    return b.derived(v, [step("reshape", shape=list(full)), step("transpose", perm=back)], [full[i] for i in back],
+                     f"{v.name}_rows")
 
 
 def _sink_into(graph: ir.Graph, node: ir.Node, moved: set[int]) -> bool:
+    """``node`` on values a row Transpose made, as the same node before the Transpose and the Transpose after
+    it: a per-head norm (RMSNorm's Pow and ReduceMean, a LayerNormalization over the last axis), a Concat of
+    the streams, an element-wise op (its constants permuted offline), a product with a constant [D, D] (the
+    rotary embedding's rotation), another row Transpose (the two composed: nothing where they cancel)."""
     op = node.op_type
     if node.domain not in ("", "ai.onnx") or len(node.outputs) != 1:
         return False
     out_shape = static_shape(node.outputs[0])
     if out_shape is None or len(out_shape) != 4:
         return False
-    data = node.inputs[:1] if op in ("ReduceMean", "Pow") else node.inputs
-    heads = [v.producer() for v in data if v is not None and _is_heads_transpose(v.producer())]
+    data = node.inputs[:1] if op in ("ReduceMean", "Pow", "LayerNormalization", "MatMul", "Transpose") else node.inputs
+    sources = [v.producer() for v in data if v is not None and _row_perm(v.producer()) is not None]
+    perms = {_row_perm(t) for t in sources}
+    if len(perms) != 1:
+        return False
+    perm = next(iter(perms))
+    assert perm is not None
+    was_moved = any(id(t) in moved for t in sources)
     if op == "Concat":
-        if len(heads) != len(data):
+        if len(sources) != len(data):
             return False
-    elif op in ("Pow", "ReduceMean"):
-        if len(heads) != 1 or (op == "Pow" and scalar(node.inputs[1]) is None):
+    elif op == "Transpose":
+        pass
+    elif op in ("Pow", "ReduceMean", "LayerNormalization"):
+        if len(sources) != 1 or (op == "Pow" and scalar(node.inputs[1]) is None):
             return False
         if op == "ReduceMean" and (attr(node, "keepdims", 1) != 1 or len(node.inputs) < 2
                                    or const(node.inputs[1]) is None):
             return False
-    elif op in _ELEMENTWISE:  # on values a move brought here, or on head-split values alone (x * x)
-        if not heads or (len(heads) < 2 and not any(id(t) in moved for t in heads)):
+        if op == "LayerNormalization" and (int(attr(node, "axis", -1)) % 4 != 3 or len(node.outputs) != 1):
             return False
-        if any(v is not None and not _is_heads_transpose(v.producer()) and not _row_constant(v) for v in data):
+    elif op == "MatMul":
+        w = static_shape(node.inputs[1])
+        if not was_moved or node.inputs[1] is None or node.inputs[1].const_value is None or w is None or len(w) != 2:
+            return False
+    elif op in _ELEMENTWISE or op in ("Cast", "Neg", "Sigmoid", "Tanh", "Erf", "Gelu"):
+        if len(sources) < 2 and not was_moved:  # on values a move brought here, or on row-moved values alone
             return False
     else:
         return False
     b = Builder(graph, RULE)
-    inputs: list[ir.Value | None] = [v.producer().inputs[0] if v is not None and _is_heads_transpose(v.producer())  # type: ignore[union-attr]
-                                     else v for v in data]
+    inputs: list[ir.Value | None] = []
+    for v in (data if op != "Concat" else node.inputs):
+        if v is not None and _row_perm(v.producer()) is not None:
+            inputs.append(v.producer().inputs[0])  # type: ignore[union-attr]
+        elif v is None or op in ("Pow", "ReduceMean", "LayerNormalization", "MatMul", "Transpose"):
+            inputs.append(v)
+        else:
+            moved_c = _moved_constant(b, v, perm)
+            if moved_c is None:
+                return False
+            inputs.append(moved_c)
     attrs = {k: a.value for k, a in node.attributes.items()}
-    new_shape = tuple(out_shape[i] for i in HEADS)
+    new_shape = tuple(out_shape[i] for i in np.argsort(perm))
+    if op == "Transpose":  # T2(T1(x)) = T(x) with the two perms composed
+        composed = [perm[i] for i in attr(node, "perm")]
+        x = inputs[0]
+        assert x is not None
+        if composed == list(range(4)) and not node.outputs[0].is_graph_output():
+            node.outputs[0].replace_all_uses_with(x)
+            return True
+        y = b.op("Transpose", [x], {"perm": composed}, dtype=node.outputs[0].dtype, shape=out_shape).outputs[0]
+        replace(graph, node, [node], b.nodes, [node.outputs[0]], [y])
+        return True
     if op == "ReduceMean":
         axes = const(node.inputs[1])
-        inputs.append(b.const(np.asarray([HEADS[int(a) % 4] for a in axes.reshape(-1)], np.int64), "axes"))  # type: ignore[union-attr]
-    elif op == "Pow":
-        inputs.append(node.inputs[1])
-    if op == "Concat" and HEADS[attrs.get("axis", 0) % 4] == 1:
+        inputs.append(b.const(np.asarray([perm[int(a) % 4] for a in axes.reshape(-1)], np.int64), "axes"))  # type: ignore[union-attr]
+    elif op in ("Pow", "LayerNormalization", "MatMul"):
+        inputs += node.inputs[1:]
+    if op == "Concat" and perm == HEADS and perm[attrs.get("axis", 0) % 4] == 1:
         # the streams along the sequence, concatenated as the [B, S_i, H * D] views the attention reads
         views = [b.op("Reshape", [v, b.const(np.asarray([s[0], s[1], s[2] * s[3]], np.int64), "shape")],
                       dtype=v.dtype, shape=(s[0], s[1], s[2] * s[3])).outputs[0]  # type: ignore[union-attr]
@@ -96,9 +143,9 @@ def _sink_into(graph: ir.Graph, node: ir.Node, moved: set[int]) -> bool:
                  shape=new_shape).outputs[0]
     else:
         if op == "Concat":
-            attrs["axis"] = HEADS[attrs.get("axis", 0) % 4]
+            attrs["axis"] = perm[attrs.get("axis", 0) % 4]
         y = b.op(op, inputs, attrs, dtype=node.outputs[0].dtype, shape=new_shape).outputs[0]
-    t = b.op("Transpose", [y], {"perm": list(HEADS)}, dtype=y.dtype, shape=out_shape)
+    t = b.op("Transpose", [y], {"perm": list(perm)}, dtype=y.dtype, shape=out_shape)
     moved.add(id(t))
     replace(graph, node, [node], b.nodes, [node.outputs[0]], [t.outputs[0]])
     return True
@@ -108,17 +155,17 @@ def sink_head_transposes(graph: ir.Graph) -> int:
     moved: set[int] = set()
     done = 0
     for _ in range(64):  # one op further each round; an RMSNorm is seven
-        step = 0
+        step_count = 0
         for t in list(graph):
-            if t.graph is None or not _is_heads_transpose(t):
+            if t.graph is None or _row_perm(t) is None:
                 continue
             for use in list(t.outputs[0].uses()):
                 node = use.node
                 if node.graph is not None:
-                    step += _sink_into(graph, node, moved)
+                    step_count += _sink_into(graph, node, moved)
         remove_dead_nodes(graph)
-        done += step
-        if not step:
+        done += step_count
+        if not step_count:
             break
     return done
 

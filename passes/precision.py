@@ -49,7 +49,7 @@ def bfp_variant_fits(spec: OpSpec, node: ir.Node) -> bool:
 # CPU ops onnxruntime runs on bf16 tensors, exactly (they only move bits): between dispatch ops they need no
 # cast. (Its CPU provider has no bf16 Relu, Clip with a bound, Max or Where: a ReLU between two dispatch ops
 # costs a cast each way.)
-_BF16_CPU = frozenset({"Slice", "Reshape", "Transpose", "Gather", "Concat", "Identity"})
+_BF16_CPU = frozenset({"Slice", "Split", "Reshape", "Transpose", "Gather", "Concat", "Identity"})
 _SHAREABLE = frozenset({"Slice", "Reshape", "Transpose"})  # moved onto a cast value only where the cast is shared
 
 
@@ -59,19 +59,38 @@ def _data_inputs(p: ir.Node) -> list[ir.Value | None]:
     return [p.inputs[0]]
 
 
-def _runs_on_bf16(p: ir.Node | None, v: ir.Value, target: Target, entries: dict[int, ir.Value]) -> bool:
-    """Whether ``v`` (read by dispatch ops only) can be made by its CPU producer ``p`` on bf16 values: an exact op
-    of ``_BF16_CPU`` with constant parameters, whose data are bf16 already (dispatch outputs), or, for a move,
-    a float value whose one cast another reader shares."""
-    if p is None or p.op_type not in _BF16_CPU or p.domain not in ("", "ai.onnx") or len(p.outputs) != 1:
+def _movable(p: ir.Node | None) -> bool:
+    """A CPU op of ``_BF16_CPU`` with constant parameters (what to slice, the shape, the indices)."""
+    if p is None or p.op_type not in _BF16_CPU or p.domain not in ("", "ai.onnx"):
         return False
     data = _data_inputs(p)
     params = [w for w in p.inputs if w is not None and w not in data]
-    if v.is_graph_output() or any(w is None for w in data) or any(w.const_value is None for w in params):  # type: ignore[union-attr]
+    return all(w is not None for w in data) and all(w.const_value is not None for w in params)  # type: ignore[union-attr]
+
+
+def _npu_bound(v: ir.Value, target: Target) -> bool:
+    """Every reader of ``v`` is a dispatch op, or a move whose outputs are (Chroma's modulation rows: a Slice, a
+    Reshape and a Split between two dispatch ops); ``v`` is no graph output."""
+    if v.is_graph_output():
         return False
-    if not all(target.is_dispatch(u.node.domain, u.node.op_type) for u in v.uses()):
+    for use in v.uses():
+        n = use.node
+        if target.is_dispatch(n.domain, n.op_type):
+            continue
+        if not _movable(n) or v not in _data_inputs(n) or not all(_npu_bound(o, target) for o in n.outputs):
+            return False
+    return True
+
+
+def _runs_on_bf16(p: ir.Node | None, v: ir.Value, target: Target, entries: dict[int, ir.Value]) -> bool:
+    """Whether ``v`` (and every output of its producer ``p``) can be made by ``p`` on bf16 values: ``p`` moves bits
+    (``_movable``), what it makes goes to the NPU (``_npu_bound``), and its data are bf16 already (dispatch
+    outputs), or bf16 through moves themselves, or for a plain move, a float value whose one cast another
+    reader shares."""
+    if not _movable(p) or not all(_npu_bound(o, target) for o in p.outputs):  # type: ignore[union-attr]
         return False
-    if all(w.dtype == BF16 for w in data):  # type: ignore[union-attr]
+    data = _data_inputs(p)  # type: ignore[arg-type]
+    if all(w.dtype == BF16 or _runs_on_bf16(w.producer(), w, target, entries) for w in data):  # type: ignore[union-attr]
         return True
     return p.op_type in _SHAREABLE and data[0].dtype == v.dtype and (  # type: ignore[union-attr]
         id(data[0]) in entries or len(data[0].uses()) > 1)  # type: ignore[union-attr]
@@ -99,12 +118,14 @@ def _entry(graph: ir.Graph, target: Target, v: ir.Value, entries: dict[int, ir.V
         srcs = [w if w.dtype == BF16 else _entry(graph, target, w, entries, counts) for w in data]  # type: ignore[union-attr]
         rest = [w for w in p.inputs if w not in data]
         inputs: list[ir.Value | None] = [*srcs, *rest] if p.op_type != "Concat" else srcs
-        made = b.op(p.op_type, inputs, {k: a.value for k, a in p.attributes.items()}, domain="", dtype=BF16,
-                    shape=static_shape(v))
+        made = b.op(p.op_type, inputs, {k: a.value for k, a in p.attributes.items()}, domain="",
+                    n_out=len(p.outputs))
+        for new, old in zip(made.outputs, p.outputs, strict=True):
+            new.dtype, new.shape = BF16, old.shape
+            entries[id(old)] = new
         made.metadata_props.update({k: val for k, val in p.metadata_props.items() if k != RULE_TAG})
         graph.insert_before(p, b.nodes)  # after its inputs (made before p), before v's readers
         counts["CPU ops run on the bf16 values"] += 1
-        entries[id(v)] = made.outputs[0]
     else:
         entries[id(v)] = _cast_avx(b, target, v, BF16)
         if p is not None and p.graph is graph:

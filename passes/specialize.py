@@ -13,7 +13,7 @@ shapes and recomputes all of them from the target's op table:
 - an exact attribute (``output_shape``, ``c_shape``) and the output's shape come from ``OpSpec.output``, the
   op's output shape as a function of its attributes; a weight's attribute must not change;
 - attention: ``input_shape`` from Q and K, the variant checked (``Target.mha_variant``), the mask made again
-  at its new length (``Target.mha_mask_length``);
+  at its new length (``Target.mha_mask``);
 - a node on the CPU (plain ONNX) goes through onnx's shape inference, node by node.
 
 It proves its rules on the primary first: specialized to the primary's own shapes, every attribute, value
@@ -35,7 +35,7 @@ from typing import Any
 import numpy as np
 
 from sdnpu.formats.keys import SIZED_CONSTANTS_KEY, VIEWS_TAG
-from sdnpu.ops.target import Target, prod
+from sdnpu.ops.target import Target, attention_mask, prod
 
 __all__ = ["CannotSpecialize", "Specialized", "specialize"]
 
@@ -139,7 +139,7 @@ def _mask(length: int, n: int, data_type: int) -> bytes:
     import ml_dtypes
     import onnx
 
-    mask = np.where(np.arange(length) < n, 0.0, -np.inf).astype(np.float32)
+    mask = attention_mask(length, n)
     if data_type == onnx.TensorProto.BFLOAT16:
         return mask.astype(ml_dtypes.bfloat16).tobytes()
     return mask.astype(onnx.helper.tensor_dtype_to_np_dtype(data_type)).tobytes()

@@ -32,7 +32,7 @@ from collections.abc import Sequence
 
 import numpy as np
 import onnx_ir as ir
-from sdnpu.passes.irutil import Builder, attr, const, remove_dead_nodes, static_shape
+from sdnpu.passes.irutil import Builder, attr, const, remove_dead_nodes, reroute, static_shape
 from sdnpu.passes.provenance import step
 
 log = logging.getLogger(__name__)
@@ -137,6 +137,9 @@ class _Planner:
         elif v.const_value is not None:
             out = [self.b.derived(v, [step("slice", axis=axis, start=lo, stop=hi)], self._shape(shape, axis, lo, hi),
                                   f"{v.name}_rows{lo}") for lo, hi in bounds]
+        elif _edge(v, self.edges) and _onnx(v.producer()) and v.producer().op_type == "Concat" \
+                and int(attr(v.producer(), "axis", 0)) % len(shape) == axis:  # type: ignore[union-attr]
+            out = self._from_concat(v.producer(), axis, bounds)  # type: ignore[arg-type]  # a table made of the parts
         elif _edge(v, self.edges) and _onnx(v.producer()) and v.producer().op_type in ("Reshape", "Transpose") \
                 and v.producer().inputs[0] is not None and _edge(v.producer().inputs[0], self.edges):  # type: ignore[union-attr]
             out = self._through(v, shape, axis, bounds)  # cut the table before its view: the view is the reader's
@@ -414,9 +417,9 @@ def _cut_once(graph: ir.Graph, cut: ir.Node, edges: dict[ir.Value, bool],
             if u.node is not cut and id(u.node) not in made:
                 u.node.replace_input_with(u.idx, new)
         if v.is_graph_output():
-            v.replace_all_uses_with(new, replace_graph_outputs=True)
+            reroute(graph, v, new)
     for old, new in targets:
-        old.replace_all_uses_with(new, replace_graph_outputs=True)
+        reroute(graph, old, new)
     cut_edges.update(planner.new_edges)
     return True
 

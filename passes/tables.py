@@ -26,7 +26,7 @@ from collections import Counter
 
 import numpy as np
 import onnx_ir as ir
-from sdnpu.passes.irutil import Builder, attr, remove_dead_nodes, static_shape
+from sdnpu.passes.irutil import Builder, attr, remove_dead_nodes, reroute, static_shape
 
 RULE = "Tables"
 UNARY = frozenset({"Cos", "Sin", "Cast", "Neg", "Exp", "Sqrt", "Reciprocal", "Abs", "Tanh", "Sigmoid", "Erf"})
@@ -87,6 +87,9 @@ def _sink_unary(graph: ir.Graph, edge: set[ir.Value]) -> int:
         if node.graph is None or not _onnx(node) or node.op_type != "Concat" or len(node.inputs) < 2 \
                 or node.outputs[0] not in edge:
             continue
+        rank = len(static_shape(node.outputs[0]) or ())
+        if not rank or int(attr(node, "axis", 0)) % rank != rank - 1:
+            continue  # along the rows: the streams' parts (Flux.2's text and image tables), which a cut reads apart
         chains = [_unary_chain(v) if v is not None else None for v in node.inputs]
         if any(c is None for c in chains):
             continue
@@ -115,7 +118,7 @@ def _sink_unary(graph: ir.Graph, edge: set[ir.Value]) -> int:
                 y = b.op(n.op_type, [y], {k: a.value for k, a in n.attributes.items()}, dtype=dtype, shape=shape).outputs[0]
         graph.insert_before(node, b.nodes)
         edge.update(n.outputs[0] for n in b.nodes)
-        node.outputs[0].replace_all_uses_with(y, replace_graph_outputs=True)
+        reroute(graph, node.outputs[0], y)
         done += 1
     return done
 
@@ -296,7 +299,7 @@ def _gather_scale(graph: ir.Graph, edge: set[ir.Value]) -> int:
             y = b.op("Reshape", [y, b.const(np.asarray(v_shape, np.int64), "shape")], dtype=v.dtype,
                      shape=list(v_shape)).outputs[0]
         graph.insert_before(node, b.nodes)
-        v.replace_all_uses_with(y, replace_graph_outputs=True)
+        reroute(graph, v, y)
         edge.update(n.outputs[0] for n in b.nodes)
         done += 1
     return done
@@ -357,7 +360,7 @@ def _single_precision(graph: ir.Graph, edge: set[ir.Value]) -> int:
                 o.dtype = ir.DataType.FLOAT
         cast.outputs[0].replace_all_uses_with(x)
         for e in exits:
-            e.outputs[0].replace_all_uses_with(e.inputs[0], replace_graph_outputs=True)  # type: ignore[arg-type]
+            reroute(graph, e.outputs[0], e.inputs[0])  # type: ignore[arg-type]
         done += 1
     return done
 

@@ -69,3 +69,26 @@ def test_a_node_that_breaks_the_table_is_named():
         {"input_shape": [1, 2, 3, 4], "num_heads": [2], "in_dtypes": ["bfloat16"], "out_dtypes": ["bfloat16"],
          "op_version": "v2", "is_flash_mha": 1}), name="heads")
     assert contract_violations(TARGET, node) == ["SDMHA heads: num_heads is INTS, the table says INT"]
+
+
+def test_every_family_names_an_op_of_the_table_and_the_rules_name_none():
+    """The rules and the glue ask the target for a family; a second target with other op names takes them."""
+    import re
+    from pathlib import Path
+
+    from sdnpu.errors import SdnpuError
+
+    assert TARGET.families and all(name in TARGET.ops for name in TARGET.families.values())
+    assert TARGET.op("gemm").op_type == TARGET.families["gemm"]
+    with pytest.raises(SdnpuError, match="no op of the 'fft' family"):
+        TARGET.op("fft")
+    passes = Path(__file__).resolve().parent.parent / "passes"
+    named = set(TARGET.ops)
+    for path in passes.rglob("*.py"):
+        literals = set(re.findall(r'"(SD[A-Za-z0-9_]+)"', path.read_text()))
+        assert not literals & named, (path.name, literals & named)
+
+
+def test_the_attention_mask_is_the_targets_length():
+    m = TARGET.mha_mask(2, 4096, 640, 77)
+    assert m.shape == (TARGET.mha_mask_length(2, 4096, 640, 77),) and (m[:77] == 0).all() and (m[77:] == -float("inf")).all()

@@ -222,8 +222,8 @@ class SDMHAFusion(Rule):
         bq, mq, k = static_shape(q)  # type: ignore[misc]
         n = static_shape(k_in)[1]  # type: ignore[index]
         op = self.target.mha_variant(mq, n, p.heads)  # type: ignore[misc]
-        length = self.target.mha_mask_length(bq, mq, k, n)  # type: ignore[misc]
-        mask = np.where(np.arange(length) < n, 0.0, -np.inf).astype(np.float32)
+        mask = self.target.mha_mask(bq, mq, k, n)
+        length = len(mask)
         mask_v = b.shared_const(mask, f"sdnpu_mha_mask_{length}_{n}")
         spec = self.target.spec(op)
         attrs: dict[str, object] = {"input_shape": [bq, mq, k, n], "num_heads": p.heads,

@@ -61,7 +61,7 @@ class SDConvFusion(Rule):
         pads = [int(p) for p in attr(node, "pads", [0, 0, 0, 0])]
         group = int(attr(node, "group", 1))
         oc, icg, kh, kw = w_shape
-        reason, assumed = self.target.spec("SDConv").check(
+        reason, assumed = self.target.op("conv").check(
             {"w": (oc, kh, kw, icg), "group": group, "dilations": dilations, "strides": strides, "pads": pads})
         if reason:
             return reason
@@ -78,7 +78,7 @@ class SDConvFusion(Rule):
                       f"{p.w.name}_ohwi")
         bias = p.b if p.b is not None else b.const(np.zeros(w_shape[0], np.float32), f"{p.w.name}_zero_bias")
         xt = b.op("Transpose", [p.x], {"perm": NCHW_TO_NHWC}, dtype=p.x.dtype, shape=nhwc_shape(x_shape))
-        conv = b.dispatch("SDConv", [xt.outputs[0], w, bias],
+        conv = b.dispatch(self.target.op("conv").op_type, [xt.outputs[0], w, bias],
                           {"input_shape": nhwc_shape(x_shape), "output_shape": nhwc_shape(out_shape),
                            "weight_shape": nhwc_shape(w_shape), "strides": p.strides, "pads": p.pads,
                            "dilations": p.dilations, "group": p.group, "kernel_shape": list(w_shape[2:])},
@@ -116,7 +116,7 @@ class SDPoolFusion(Rule):
             return (f"as an SDConv its weight would be {c}x{c}x{kernel[0]}x{kernel[1]} (the target has no "
                     "depthwise convolution)")
         strides = [int(s) for s in attr(node, "strides", [1, 1])]
-        reason, assumed = self.target.spec("SDConv").check(
+        reason, assumed = self.target.op("conv").check(
             {"w": (c, kernel[0], kernel[1], c), "group": 1, "dilations": [1, 1], "strides": strides, "pads": pads})
         if reason:
             return reason
@@ -134,7 +134,7 @@ class SDPoolFusion(Rule):
         w = b.const(weight, "avg_pool_ohwi")
         bias = b.const(np.zeros(c, np.float32), "avg_pool_zero_bias")
         xt = b.op("Transpose", [p.x], {"perm": NCHW_TO_NHWC}, dtype=p.x.dtype, shape=nhwc_shape(x_shape))
-        conv = b.dispatch("SDConv", [xt.outputs[0], w, bias],
+        conv = b.dispatch(self.target.op("conv").op_type, [xt.outputs[0], w, bias],
                           {"input_shape": nhwc_shape(x_shape), "output_shape": nhwc_shape(out_shape),
                            "weight_shape": [c, kh, kw, c], "strides": p.strides, "pads": p.pads,
                            "dilations": [1, 1], "group": 1, "kernel_shape": [kh, kw]},

@@ -80,7 +80,7 @@ def gemm_checked(rule: Rule, nodes: list[ir.Node], last: ir.Node, x: ir.Value | 
         return f"input rank {len(x_shape)}: SDGemm views its input as [B, M, K]"
     k, n = (w_shape[1], w_shape[0]) if trans else w_shape
     view = bmk_view(x_shape)
-    reason, assumed = rule.target.spec("SDGemm").check({"x": view})
+    reason, assumed = rule.target.op("gemm").check({"x": view})
     if reason:
         return reason
     return Match(nodes, [last.outputs[0]], GemmParams(x, w, bias, trans, k, n, view, assumed))
@@ -119,7 +119,7 @@ def emit_gemm(b: Builder, p: GemmParams, out_shape: tuple[int, ...] | None, nonl
                                 "weight_shape": [p.k, width], "bias_enable": 1}
     if nonlinear:
         attrs["nonlinear"] = nonlinear
-    node = b.dispatch("SDGemm", [p.x, w, bias], attrs, dtype=p.x.dtype, shape=[*p.view[:2], width],
+    node = b.dispatch(b.target.op("gemm").op_type, [p.x, w, bias], attrs, dtype=p.x.dtype, shape=[*p.view[:2], width],
                       assumed=p.assumed)
     return unview(b, node.outputs[0], out_shape)
 

@@ -89,7 +89,7 @@ class SDGroupNormFusion(Rule):
             out = silu[1]
         eps = float(attr(inorm, "epsilon", 1e-5))
         x4 = (*x_shape, 1) if len(x_shape) == 3 else x_shape
-        reason, assumed = self.target.spec("SDGroupNorm").check({"x": nhwc_shape(x4), "groups": groups})
+        reason, assumed = self.target.op("group_norm").check({"x": nhwc_shape(x4), "groups": groups})
         if reason:
             return reason
         return Match(nodes, [out], (x, gamma, beta, groups, eps, silu is not None, add.name, assumed))
@@ -113,7 +113,7 @@ class SDGroupNormFusion(Rule):
                  "channels_last": 1}
         if silu:
             attrs["nonlinear"] = "Silu"
-        gn = b.dispatch("SDGroupNorm", [xt.outputs[0], wts], attrs, dtype=x.dtype, shape=nhwc_shape(x_shape),
+        gn = b.dispatch(self.target.op("group_norm").op_type, [xt.outputs[0], wts], attrs, dtype=x.dtype, shape=nhwc_shape(x_shape),
                         assumed=assumed)
         y = b.op("Transpose", [gn.outputs[0]], {"perm": NHWC_TO_NCHW}, dtype=x.dtype, shape=x_shape).outputs[0]
         if flat:
@@ -143,7 +143,7 @@ class SDLayerNormFusion(Rule):
                 beta is not None and const(beta).size != k):  # type: ignore[union-attr]
             return "gamma/beta do not hold one value per channel"
         view = bmk_view(shape)
-        reason, assumed = self.target.spec("SDLayerNorm").check({"x": view})
+        reason, assumed = self.target.op("layer_norm").check({"x": view})
         if reason:
             return reason
         return Match([node], [node.outputs[0]], (node.inputs[0], gamma, beta, view,
@@ -154,7 +154,7 @@ class SDLayerNormFusion(Rule):
         k = view[-1]
         gamma = _vector(b, gamma, k)
         beta = b.const(np.zeros(k, np.float32), f"{gamma.name}_zero_beta") if beta is None else _vector(b, beta, k)
-        ln = b.dispatch("SDLayerNorm", [x, gamma, beta],
+        ln = b.dispatch(self.target.op("layer_norm").op_type, [x, gamma, beta],
                         {"input_shape": view, "output_shape": view, "gamma_shape": [k], "beta_shape": [k],
                          "epsilon": eps, "axis": -1}, dtype=x.dtype, shape=view, assumed=assumed)
         return [unview(b, ln.outputs[0], static_shape(m.outputs[0]))]
@@ -241,7 +241,7 @@ class SDRMSNormFusion(Rule):
             if not _per_last_axis(const(scale), k):
                 return None  # a Mul by something else: the norm before it matches alone
             nodes = [*nodes, node]
-        reason, assumed = self.target.spec("SDRMSNorm").check({"x": shape})
+        reason, assumed = self.target.op("rms_norm").check({"x": shape})
         if reason:
             return reason
         return Match(nodes, [node.outputs[0]], (x, scale, eps, list(shape), assumed))
@@ -250,7 +250,7 @@ class SDRMSNormFusion(Rule):
         x, scale, eps, shape, assumed = m.params
         k = shape[-1]
         w = b.const(np.ones(k, np.float32), "rms_norm_ones") if scale is None else _vector(b, scale, k)
-        node = b.dispatch("SDRMSNorm", [x, w], {"input_shape": shape, "output_shape": shape, "beta_shape": [k],
+        node = b.dispatch(self.target.op("rms_norm").op_type, [x, w], {"input_shape": shape, "output_shape": shape, "beta_shape": [k],
                                               "epsilon": eps, "axis": -1}, dtype=x.dtype, shape=shape,
                           assumed=assumed)
         return [node.outputs[0]]

@@ -53,7 +53,7 @@ class SDResizeFusion(Rule):
         x_shape, y_shape = static_shape(node.inputs[0]), static_shape(node.outputs[0])
         if x_shape is None or y_shape is None or len(x_shape) != 4:
             return "only static 4-D resizes are offloaded"
-        reason, assumed = self.target.spec("SDResize").check({
+        reason, assumed = self.target.op("resize").check({
             "x": nhwc_shape(x_shape), "y": nhwc_shape(y_shape), "mode": _text(attr(node, "mode"), "nearest"),
             "nearest_mode": _text(attr(node, "nearest_mode"), "round_prefer_floor"),
             "coord": _text(attr(node, "coordinate_transformation_mode"), "half_pixel")})
@@ -69,6 +69,6 @@ class SDResizeFusion(Rule):
         x_shape, y_shape = static_shape(x), static_shape(m.outputs[0])
         assert x_shape is not None and y_shape is not None
         xt = b.op("Transpose", [x], {"perm": NCHW_TO_NHWC}, dtype=x.dtype, shape=nhwc_shape(x_shape))
-        y = b.dispatch("SDResize", [xt.outputs[0]], {"a_shape": nhwc_shape(x_shape), "c_shape": nhwc_shape(y_shape)},
+        y = b.dispatch(self.target.op("resize").op_type, [xt.outputs[0]], {"a_shape": nhwc_shape(x_shape), "c_shape": nhwc_shape(y_shape)},
                        dtype=x.dtype, shape=nhwc_shape(y_shape), assumed=assumed)
         return [b.op("Transpose", [y.outputs[0]], {"perm": NHWC_TO_NCHW}, dtype=x.dtype, shape=y_shape).outputs[0]]
