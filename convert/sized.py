@@ -144,6 +144,10 @@ def _specialize_or_compile(job: Job, comp_dir: Path, scratch: Path, result: Comp
     except CannotSpecialize as e:
         log.warning("[%s] %s: the dispatch model of %s cannot be re-derived for this size (%s); compiling "
                     "it in full", job.component, job.res, comp_dir, e)
+    except Exception as e:  # noqa: BLE001 - a size is never lost to the shortcut: the full compile is the answer
+        log.warning("[%s] %s: re-deriving the dispatch model of %s failed (%s: %s; a bug in sdnpu's size "
+                    "specializer, please report it); compiling it in full", job.component, job.res, comp_dir,
+                    type(e).__name__, e)
     with step(log, f"[{job.component}] compile stage") as t:
         result.report = compile_stage(job, scratch, kept["feeds"], kept["actual"], kept["lora"])["summary"]
     place_prologue(scratch / "dd" / REPLACED, comp_dir / "dd", job.res)

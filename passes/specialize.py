@@ -27,6 +27,7 @@ The tests hold the result against a full compile of the same size, graph for gra
 
 from __future__ import annotations
 
+import contextlib
 import logging
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
@@ -82,23 +83,33 @@ def _groups(a: Sequence[int], b: Sequence[int]) -> list[tuple[tuple[int, int], t
 
 
 def regroup(src_a: Sequence[int], dst_a: Sequence[int], src_b: Sequence[int],
-            hint: Sequence[int] | None = None) -> Shape:
+            hint: Sequence[int] | None = None, same_as_hint: bool = False) -> Shape:
     """``dst_a`` is a view (reshape) of ``src_a``: the same view of ``src_b``. Merged dims multiply; a dim
     split into several parts keeps them where it did not change, puts its product on its only part above
     1, or takes the parts from ``hint`` (a shape of ``dst_a``'s rank that agrees there: the other operand);
-    otherwise CannotSpecialize."""
+    otherwise CannotSpecialize. ``same_as_hint``: the view is known to be ``hint``'s (two operands the
+    primary read through one view), so a split whose product did not change takes ``hint``'s parts too: a
+    flattened [B, H*W, C] of 24x32 and of 32x24 have one shape, and only the other operand says which."""
     src_a, dst_a, src_b = list(src_a), list(dst_a), list(src_b)
     if src_a == dst_a:
         return src_b
     if len(src_a) != len(src_b):
         raise CannotSpecialize(f"rank changed: {src_a} -> {src_b}")
+
+    def hinted(j0: int, j1: int, p: int, view: Sequence[int]) -> list[int] | None:
+        if hint is None or len(hint) != len(dst_a):
+            return None
+        parts = list(hint[j0:j1])
+        return parts if prod(parts) == p and all((x == 1) == (y == 1) for x, y in zip(parts, view, strict=True)) \
+            else None
+
     out: Shape = []
     for (i0, i1), (j0, j1) in _groups(src_a, dst_a):
         part_a, part_b, view = src_a[i0:i1], src_b[i0:i1], dst_a[j0:j1]
-        if part_a == part_b:
-            out += view
-            continue
         p = prod(part_b)
+        if part_a == part_b:
+            out += (hinted(j0, j1, p, view) if same_as_hint else None) or view
+            continue
         if j1 - j0 == 1:
             out.append(p)
             continue
@@ -106,11 +117,10 @@ def regroup(src_a: Sequence[int], dst_a: Sequence[int], src_b: Sequence[int],
         if len(big) == 1:
             out += [p if k == big[0] else 1 for k in range(len(view))]
             continue
-        if hint is not None and len(hint) == len(dst_a):
-            parts = list(hint[j0:j1])
-            if prod(parts) == p and all((x == 1) == (y == 1) for x, y in zip(parts, view, strict=True)):
-                out += parts
-                continue
+        parts = hinted(j0, j1, p, view)
+        if parts is not None:
+            out += parts
+            continue
         raise CannotSpecialize(f"the view {dst_a} of {src_a} splits {part_a} into {view}, and nothing says how "
                                f"{part_b} splits")
     return out
@@ -203,6 +213,16 @@ class _Walk:
     def _same(self, node: Any) -> None:
         self.new[node.output[0]] = list(self._in(node.input[0]))
 
+    @staticmethod
+    def _output(spec: Any, attrs: dict[str, Any]) -> Shape:
+        """The op's output shape from its attributes by the table's rule; operands it refuses (views re-derived
+        that no longer broadcast: height and width swapped) are a size this cannot re-derive."""
+        try:
+            return list(spec.output(attrs))
+        except (ValueError, IndexError, KeyError, TypeError) as e:
+            shapes = {k: v for k, v in attrs.items() if k.endswith("_shape")}
+            raise CannotSpecialize(f"the table's shape rule refuses {shapes}: {e}") from None
+
     def _dispatch(self, k: int, node: Any) -> None:
         spec = self.target.base_spec(node.op_type)
         if spec.output is None:
@@ -220,11 +240,19 @@ class _Walk:
             hints = [views_b[j] for j in views_b if j != i]
             views_b[i] = regroup(self.old[node.input[i]], views_a[i], self._in(node.input[i]),
                                  hints[0] if hints else None)
+        for i, view in views_a.items():  # operands the primary read through one view keep reading one
+            for j, other in views_b.items():
+                if j != i and list(views_a[j]) == list(view) and other != views_b[i]:
+                    with contextlib.suppress(CannotSpecialize):
+                        alt = regroup(self.old[node.input[i]], view, self._in(node.input[i]), other, True)
+                        if alt == other:
+                            views_b[i] = alt
+                            break
         new = spec.with_views(attrs, views_b)
         for a, i in spec.exact_inputs:
             if a in new and list(new[a]) != self._in(node.input[i]):
                 raise CannotSpecialize(f"{a} {new[a]} is not its input's shape {self._in(node.input[i])}")
-        out = spec.output(new)
+        out = self._output(spec, new)
         for a, _ in spec.exact_outputs:
             if a in new:
                 new[a] = out
@@ -234,7 +262,7 @@ class _Walk:
         # the output tensor: the same view of the op's output as at the primary's size
         if node.output[0] not in self.old:
             raise CannotSpecialize(f"its output {node.output[0]} has no recorded shape")
-        out_attr = spec.output(attrs)
+        out_attr = self._output(spec, attrs)
         self.new[node.output[0]] = regroup(out_attr, self.old[node.output[0]], out)
         changed = {a: v for a, v in new.items() if v != attrs[a]}
         if changed:

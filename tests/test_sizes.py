@@ -337,3 +337,39 @@ def test_verify_at_another_size(two_sizes, tmp_path, capsys):
         assert (folder / comp / "dd" / "report.json").read_text() == before[comp]  # the primary's untouched
     assert main(["verify", str(folder), "--width", "384", "--height", "256"]) == 2
     assert "is not converted at 384x256 (converted: 256x256, 320x256)" in capsys.readouterr().err
+
+
+# (preset, sized components, primary,other, the components re-derived): height and width swapped; one side
+# equal and neither a multiple of 64; swapped again on SD3's VAEs (its transformer is compiled per size).
+# SD 1.5's UNet is refused: its 1x1 proj_in/proj_out convolutions read the [B, H*W, C] tokens as NHWC, and
+# no operand says how 780 tokens split into rows and columns
+SWEEP = [("tiny-sdxl", "unet,vae_decoder,vae_encoder", "256x192,192x256", "unet,vae_decoder,vae_encoder"),
+         ("tiny-sd15", "unet,vae_decoder,vae_encoder", "240x176,240x208", "vae_decoder,vae_encoder"),
+         ("tiny-sd3", "vae_decoder,vae_encoder", "224x160,160x224", "vae_decoder,vae_encoder")]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(("preset", "comps", "res", "expected"), SWEEP, ids=[s[0] for s in SWEEP])
+def test_every_size_pair_is_rederived_as_a_full_compile_writes_it_or_compiled_in_full(preset, comps, res, expected,
+                                                                                        tmp_path, caplog):
+    """The specializer never crashes (issue 27): each second size is re-derived from the primary's dispatch
+    model, tensor for tensor what a full compile of its exported graph writes, or refused with its reason
+    and compiled in full."""
+    from sdnpu.convert.compile import compile_file
+
+    first, second = res.split(",")
+    with caplog.at_level("WARNING"):
+        convert(preset, comps, out=tmp_path / "m", res=res, check=False)
+    assert "bug in sdnpu's size specializer" not in caplog.text
+    derived = []
+    for comp in comps.split(","):
+        report = json.loads((tmp_path / "m" / comp / "dd" / f"report.{second}.json").read_text())
+        if report.get("specialized_from") == first:
+            derived.append(comp)
+        else:
+            assert f"[{comp}] {second}: the dispatch model" in caplog.text and "cannot be re-derived" in caplog.text
+        compile_file(tmp_path / "m" / comp / f"model.{second}.onnx", tmp_path / "full" / comp, verify=False)
+        full = _graph_parts(tmp_path / "full" / comp / "replaced.onnx")
+        ours = _graph_parts(tmp_path / "m" / comp / "dd" / f"replaced.{second}.onnx")
+        assert all(ours[part] == full[part] for part in full), comp
+    assert derived == expected.split(","), caplog.text
