@@ -136,7 +136,7 @@ def table(rows: list[dict]) -> str:
     lines = [head, "|" + "---|" * (head.count("|") - 1)]
     for r in rows:
         if "refused" in r or "exporter_bug" in r:
-            why = r.get("refused") or r["exporter_bug"]
+            why = re.sub(r"/\S*/export/", "<export>/", r.get("refused") or r["exporter_bug"])  # no temp paths
             lines.append(f"| {r['member']} | {r['exporter']} | {why[:150]} |" + " |" * 9)
             continue
         ratio = f"{_fmt(r.get('ratio_max_abs'), '.2f')}x, {_fmt(r.get('ratio_cos'), '.2f')}x"

@@ -176,6 +176,49 @@ def _drop_noop_casts(graph: ir.Graph) -> int:
     return done
 
 
+def _drop_noop_expands(graph: ir.Graph) -> int:
+    """An Expand whose output has its input's static shape moves nothing, nor does a Reshape (or a chain of
+    them) that ends at the shape it started from: TorchScript's attention expands k and v to the
+    [B, H, S, D] they have already and reshapes them to it (grouped-query attention's repeat, at one group per
+    head). Kept: a Reshape to its own shape around an InstanceNormalization (the GroupNorm spelling the norm
+    rule reads, at one channel per group)."""
+    done = 0
+    for node in list(graph):
+        if node.op_type not in ("Expand", "Reshape") or node.domain not in ("", "ai.onnx") or node.inputs[0] is None:
+            continue
+        x, y = node.inputs[0], node.outputs[0]
+        sx, sy, target = static_shape(x), static_shape(y), const(node.inputs[1])
+        if sx is None or target is None or x.dtype != y.dtype:
+            continue
+        if node.op_type == "Reshape":  # a chain of reshapes back to the shape it started from
+            start = x
+            while (p := start.producer()) is not None and p.op_type == "Reshape" and p.domain in ("", "ai.onnx") \
+                    and p.inputs[0] is not None and len(start.uses()) == 1 and not start.is_graph_output():
+                start = p.inputs[0]
+            norm_view = any(u.node.op_type == "InstanceNormalization" for u in y.uses()) or (
+                x.producer() is not None and x.producer().op_type == "InstanceNormalization")  # type: ignore[union-attr]
+            if (start is x and norm_view) or sy is None or static_shape(start) is None \
+                    or tuple(static_shape(start)) != tuple(sy):
+                continue
+            reroute(graph, y, start)
+            graph.remove(node, safe=True)
+            done += 1
+            continue
+        else:
+            try:
+                out = tuple(np.broadcast_shapes(tuple(sx), tuple(int(d) for d in target.reshape(-1))))
+            except ValueError:
+                continue
+            if out != tuple(sx) or (sy is not None and tuple(sy) != out):
+                continue
+        reroute(graph, y, x)
+        graph.remove(node, safe=True)
+        done += 1
+    if done:
+        remove_dead_nodes(graph)
+    return done
+
+
 def _reciprocals(graph: ir.Graph) -> int:
     """Div(1, x) is Reciprocal(x): TorchScript writes an RMSNorm's 1 / sqrt(mean + eps) so, where dynamo and
     torch's own RMSNorm write Reciprocal (or x / sqrt), and the norm rule reads one form."""
@@ -924,6 +967,7 @@ def canonicalize(model: ir.Model) -> PassResult:
     counts["transpose perm written out"] = _explicit_perm(model.graph)
     counts["x*1, x/1, x+0 removed"] = _drop_neutral(model.graph)
     counts["casts to the same type dropped"] = _drop_noop_casts(model.graph)
+    counts["expands and reshapes to the same shape dropped"] = _drop_noop_expands(model.graph)
     counts["1 / x -> Reciprocal"] = _reciprocals(model.graph)
     counts["Erf GELU -> Gelu"] = _erf_gelu(model.graph)
     counts["tanh GELU -> Gelu"] = _tanh_gelu(model.graph)

@@ -200,10 +200,16 @@ def reroute(graph: ir.Graph, old: ir.Value, new: ir.Value) -> None:
         return
     name = old.name
     if new.is_graph_output() or new.is_graph_input() or new.is_initializer() or new.producer() is None:
-        alias = ir.node("Identity", [new], num_outputs=1)
+        alias = ir.node("Identity", [new], num_outputs=1, name=f"{name}_alias")  # reports name every node
         alias.outputs[0].dtype, alias.outputs[0].shape = new.dtype, new.shape
-        graph.append(alias)
-        new = alias.outputs[0]
+        graph.append(alias)  # the output slot takes an Identity of it, the readers read it
+        for i, out in enumerate(graph.outputs):
+            if out is old:
+                graph.outputs[i] = alias.outputs[0]
+        old.replace_all_uses_with(new)
+        old.name = f"{name}__rerouted"
+        alias.outputs[0].name = name
+        return
     old.replace_all_uses_with(new, replace_graph_outputs=True)
     old.name = f"{name}__rerouted"  # still named, should its producer live on (another of its outputs is read)
     new.name = name

@@ -387,6 +387,26 @@ def test_a_scalar_broadcast_chain_is_one_expand_or_none(also_read):
 
 
 
+@pytest.mark.parametrize("case", ["repeat", "grows"])
+def test_an_expand_and_a_reshape_chain_to_the_shape_they_have_go(case):
+    """TorchScript's attention repeats k and v for grouped-query attention: unsqueeze, expand, reshape back;
+    at one group per head the three move nothing and go. Near miss: an Expand that broadcasts (two groups)
+    keeps the chain."""
+    groups = 2 if case == "grows" else 1
+    nodes = [n("Reshape", ["x", "u"], ["x5"]), n("Expand", ["x5", "t"], ["e"]), n("Reshape", ["e", "s"], ["r"]),
+             n("Mul", ["r", "k"], ["y"])]
+    inits = {"u": np.array([2, 1, 4, 3]), "t": np.array([1, groups, 1, 1]), "s": np.array([2 * groups, 4, 3]),
+             "k": w(3)}
+    out = [2 * groups, 4, 3]
+    m = model(nodes, {"x": [2, 4, 3]}, {"y": out}, inits)
+    irm = to_ir(m)
+    canonicalize(irm)
+    expected = {"repeat": {"Mul": 1}, "grows": {"Reshape": 2, "Expand": 1, "Mul": 1}}
+    assert dict(ops(irm)) == expected[case]
+    feeds = feeds_for(m)
+    np.testing.assert_array_equal(run(with_functions(irm, TARGET), feeds)[0], run(m, feeds)[0])
+
+
 def tanh_gelu(spelling: str, coeff: float = 0.044715, also_read: bool = False) -> onnx.ModelProto:
     """0.5 x (1 + tanh(sqrt(2/pi) (x + c x^3))) after a linear layer, in the spellings exporters write."""
     c = {"half": np.array(0.5, np.float32), "one": np.array(1.0, np.float32), "three": np.array(3.0, np.float32),
