@@ -167,9 +167,10 @@ class _Glue:
                                                                   "b_const": constant})
             if reason:
                 return reason
-            acc = b.dispatch(self.target.op("concat").op_type, [acc, v], {"a_shape": a_view, "b_shape": b_view, "c_shape": c_view,
-                                                    "axis": 3 if lifted else 1 if rows else axis},
-                             dtype=node.outputs[0].dtype, shape=c_view, assumed=assumed).outputs[0]
+            attrs = {"a_shape": a_view, "b_shape": b_view, "c_shape": c_view,
+                     "axis": 3 if lifted else 1 if rows else axis}
+            acc = b.dispatch(self.target.op("concat").op_type, [acc, v], attrs, dtype=node.outputs[0].dtype,
+                             shape=c_view, assumed=assumed).outputs[0]
             acc_shape = c_shape
         return [node], [unview(b, acc, out_shape)]
 
@@ -177,8 +178,8 @@ class _Glue:
 
     def unary(self, b: Builder, family: str, x: ir.Value) -> ir.Value:
         shape = list(static_shape(x))  # type: ignore[arg-type]
-        return b.dispatch(self.target.op(family).op_type, [x], {"input_shape": shape, "output_shape": shape}, dtype=x.dtype,
-                          shape=shape).outputs[0]
+        return b.dispatch(self.target.op(family).op_type, [x], {"input_shape": shape, "output_shape": shape},
+                          dtype=x.dtype, shape=shape).outputs[0]
 
     def vector(self, b: Builder, like: ir.Value, value: float) -> ir.Value:
         """A constant [C] along ``like``'s last axis (the kernels' bias form)."""
@@ -208,8 +209,9 @@ class _Glue:
                 reason, _ = self.target.op("concat").check({"a": part, "b": part, "op": "Concat"})
                 if reason:
                     break
-                v = b.dispatch(self.target.op("concat").op_type, [v, v], {"a_shape": part, "b_shape": part, "c_shape": full,
-                                                    "axis": len(shape) - 1}, dtype=c.dtype, shape=full).outputs[0]
+                v = b.dispatch(self.target.op("concat").op_type, [v, v],
+                               {"a_shape": part, "b_shape": part, "c_shape": full, "axis": len(shape) - 1},
+                               dtype=c.dtype, shape=full).outputs[0]
                 w *= 2
                 made[w] = v
             if w == width:

@@ -33,8 +33,6 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-import numpy as np
-
 from sdnpu.formats.keys import SIZED_CONSTANTS_KEY, VIEWS_TAG
 from sdnpu.ops.target import Target, attention_mask, prod
 

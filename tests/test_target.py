@@ -91,4 +91,5 @@ def test_every_family_names_an_op_of_the_table_and_the_rules_name_none():
 
 def test_the_attention_mask_is_the_targets_length():
     m = TARGET.mha_mask(2, 4096, 640, 77)
-    assert m.shape == (TARGET.mha_mask_length(2, 4096, 640, 77),) and (m[:77] == 0).all() and (m[77:] == -float("inf")).all()
+    assert m.shape == (TARGET.mha_mask_length(2, 4096, 640, 77),) == (128,)
+    assert (m[:77] == 0).all() and (m[77:] == -float("inf")).all()

@@ -133,11 +133,12 @@ class SDGeGLUFusion(Rule):
             assert shape is not None
             reason, assumed = self.target.op("gelu").check({"x": list(shape), "approximate": "tanh"})
             assert reason is None, reason
-            g = b.dispatch(self.target.op("gelu").op_type, [g], {"input_shape": list(shape), "output_shape": list(shape),
-                                           "approximate": "tanh"}, dtype=g.dtype, shape=shape,
-                           assumed=assumed).outputs[0]
+            g = b.dispatch(self.target.op("gelu").op_type, [g],
+                           {"input_shape": list(shape), "output_shape": list(shape), "approximate": "tanh"},
+                           dtype=g.dtype, shape=shape, assumed=assumed).outputs[0]
         shape = static_shape(h)
         assert shape is not None
-        y = b.dispatch(self.target.op("mul").op_type, [h, g], {"a_shape": list(shape), "b_shape": list(shape), "c_shape": list(shape)},
+        y = b.dispatch(self.target.op("mul").op_type, [h, g],
+                       {"a_shape": list(shape), "b_shape": list(shape), "c_shape": list(shape)},
                        dtype=h.dtype, shape=shape).outputs[0]
         return [unview(b, y, static_shape(m.outputs[0]))]

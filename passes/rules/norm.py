@@ -113,8 +113,8 @@ class SDGroupNormFusion(Rule):
                  "channels_last": 1}
         if silu:
             attrs["nonlinear"] = "Silu"
-        gn = b.dispatch(self.target.op("group_norm").op_type, [xt.outputs[0], wts], attrs, dtype=x.dtype, shape=nhwc_shape(x_shape),
-                        assumed=assumed)
+        gn = b.dispatch(self.target.op("group_norm").op_type, [xt.outputs[0], wts], attrs, dtype=x.dtype,
+                        shape=nhwc_shape(x_shape), assumed=assumed)
         y = b.op("Transpose", [gn.outputs[0]], {"perm": NHWC_TO_NCHW}, dtype=x.dtype, shape=x_shape).outputs[0]
         if flat:
             y = b.op("Reshape", [y, b.const(np.asarray(x_shape[:3], np.int64), "shape")], dtype=x.dtype,
@@ -250,7 +250,7 @@ class SDRMSNormFusion(Rule):
         x, scale, eps, shape, assumed = m.params
         k = shape[-1]
         w = b.const(np.ones(k, np.float32), "rms_norm_ones") if scale is None else _vector(b, scale, k)
-        node = b.dispatch(self.target.op("rms_norm").op_type, [x, w], {"input_shape": shape, "output_shape": shape, "beta_shape": [k],
-                                              "epsilon": eps, "axis": -1}, dtype=x.dtype, shape=shape,
-                          assumed=assumed)
+        node = b.dispatch(self.target.op("rms_norm").op_type, [x, w],
+                          {"input_shape": shape, "output_shape": shape, "beta_shape": [k], "epsilon": eps, "axis": -1},
+                          dtype=x.dtype, shape=shape, assumed=assumed)
         return [node.outputs[0]]

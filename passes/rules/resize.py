@@ -69,6 +69,7 @@ class SDResizeFusion(Rule):
         x_shape, y_shape = static_shape(x), static_shape(m.outputs[0])
         assert x_shape is not None and y_shape is not None
         xt = b.op("Transpose", [x], {"perm": NCHW_TO_NHWC}, dtype=x.dtype, shape=nhwc_shape(x_shape))
-        y = b.dispatch(self.target.op("resize").op_type, [xt.outputs[0]], {"a_shape": nhwc_shape(x_shape), "c_shape": nhwc_shape(y_shape)},
+        y = b.dispatch(self.target.op("resize").op_type, [xt.outputs[0]],
+                       {"a_shape": nhwc_shape(x_shape), "c_shape": nhwc_shape(y_shape)},
                        dtype=x.dtype, shape=nhwc_shape(y_shape), assumed=assumed)
         return [b.op("Transpose", [y.outputs[0]], {"perm": NHWC_TO_NCHW}, dtype=x.dtype, shape=y_shape).outputs[0]]
