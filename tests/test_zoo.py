@@ -1,7 +1,7 @@
 """The zoo (``tests/zoo.py``): every public architecture, exported once (``_held``: the exporter ``sdnpu
 convert`` uses where it can export it), compiles to at least its recorded floor (``tests/zoo_floors.json``,
-written by ``python bench/bench_zoo.py --floors``): offload counted AMD's way, CPU nodes, NPU regions, the share of MACs on the NPU and the
-dispatch model against its fp32 graph; every dispatch op holds the target's contract. An export that torch
+written by ``python bench/bench_zoo.py --floors``): offload counted AMD's way, CPU nodes, NPU regions, the
+share of MACs on the NPU and the dispatch model against its fp32 graph; every dispatch op holds the target's contract. An export that torch
 writes wrong is refused in one line that says so, nothing written. A rule change that loses offload on any
 member fails here."""
 
