@@ -178,10 +178,10 @@ def _drop_noop_casts(graph: ir.Graph) -> int:
 
 def _drop_noop_expands(graph: ir.Graph) -> int:
     """An Expand whose output has its input's static shape moves nothing, nor does a Reshape (or a chain of
-    them) that ends at the shape it started from: TorchScript's attention expands k and v to the
+    them) whose literal target is the shape it started from: TorchScript's attention expands k and v to the
     [B, H, S, D] they have already and reshapes them to it (grouped-query attention's repeat, at one group per
-    head). Kept: a Reshape to its own shape around an InstanceNormalization (the GroupNorm spelling the norm
-    rule reads, at one channel per group)."""
+    head), shapes that onnxscript's folder did not know yet. A target with -1 or 0 stays, as the folder leaves
+    it (GroupNorm's [B, G, -1], which the norm rule reads)."""
     done = 0
     for node in list(graph):
         if node.op_type not in ("Expand", "Reshape") or node.domain not in ("", "ai.onnx") or node.inputs[0] is None:
@@ -195,15 +195,10 @@ def _drop_noop_expands(graph: ir.Graph) -> int:
             while (p := start.producer()) is not None and p.op_type == "Reshape" and p.domain in ("", "ai.onnx") \
                     and p.inputs[0] is not None and len(start.uses()) == 1 and not start.is_graph_output():
                 start = p.inputs[0]
-            norm_view = any(u.node.op_type == "InstanceNormalization" for u in y.uses()) or (
-                x.producer() is not None and x.producer().op_type == "InstanceNormalization")  # type: ignore[union-attr]
-            if (start is x and norm_view) or sy is None or static_shape(start) is None \
-                    or tuple(static_shape(start)) != tuple(sy):
+            literal = [int(d) for d in target.reshape(-1)]
+            if static_shape(start) is None or literal != list(static_shape(start)):  # type: ignore[arg-type]
                 continue
-            reroute(graph, y, start)
-            graph.remove(node, safe=True)
-            done += 1
-            continue
+            x = start
         else:
             try:
                 out = tuple(np.broadcast_shapes(tuple(sx), tuple(int(d) for d in target.reshape(-1))))
