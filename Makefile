@@ -1,8 +1,9 @@
 # sdnpu: every target sets up ./.venv itself (pinned packages, torch 2.13.0 CPU) before doing its job.
-#   make convert MODEL=unet [SOURCE=sdxl-base|tiny-sdxl|path] [OUT=dir] [RES=WxH|px[,...]|sdxl-buckets] [ADD=1] [EXPORTER=dynamo|torchscript]
-#                [PRECISION=bf16|bfp16] [TARGET=amd-xdna2] [LORA="FILE[:SCALE] ..."]
+#   make convert MODEL=unet [SOURCE=sdxl-base|sdxl-turbo|tiny-sdxl|path] [OUT=dir] [RES=WxH|px[,...]|sdxl-buckets] [ADD=1]
+#                [BATCH=B[,...]] [EXPORTER=dynamo|torchscript] [PRECISION=bf16|bfp16] [TARGET=amd-xdna2] [LORA="FILE[:SCALE] ..."]
 #   make lora MODELS=models/sdxl-base LORA="FILE[:SCALE] ..." | make lora-remove MODELS=...
-#   make generate PROMPT="a cat" [MODELS=models/sdxl-base] [STEPS=30] [IMAGE=image.png]
+#   make generate PROMPT="a cat" [MODELS=models/sdxl-base] [STEPS=30] [GUIDANCE=5] [IMAGES=N] [IMAGE=image.png]
+#                 [INIT=in.png [MASK=mask.png] [STRENGTH=s]]
 #   make test | make fuzz [N=10000] [SEED=n] | make bench [FULL=1] | make clean
 
 PYTHON ?= python3
@@ -14,6 +15,7 @@ MODEL    ?= all
 SOURCE   ?= sdxl-base
 OUT      ?=
 RES      ?=
+BATCH    ?=
 EXPORTER ?=
 PRECISION ?=
 TARGET   ?=
@@ -28,8 +30,13 @@ export HF_HUB_DISABLE_TELEMETRY := 1
 
 PROMPT   ?=
 MODELS   ?= models/$(notdir $(SOURCE))
-STEPS    ?= 30
+STEPS    ?=
+GUIDANCE ?=
+IMAGES   ?=
 IMAGE    ?= image.png
+INIT     ?=
+MASK     ?=
+STRENGTH ?=
 
 .PHONY: venv convert lora lora-remove generate test fuzz bench clean
 
@@ -51,7 +58,7 @@ $(STAMP): requirements.lock pyproject.toml
 
 convert: $(STAMP)
 	$(BIN)/sdnpu convert --model $(MODEL) --source $(SOURCE) \
-		$(if $(OUT),--out $(OUT)) $(if $(RES),--res $(RES)) $(if $(ADD),--add) $(if $(EXPORTER),--exporter $(EXPORTER)) \
+		$(if $(OUT),--out $(OUT)) $(if $(RES),--res $(RES)) $(if $(ADD),--add) $(if $(BATCH),--batch $(BATCH)) $(if $(EXPORTER),--exporter $(EXPORTER)) \
 		$(if $(PRECISION),--precision $(PRECISION)) $(if $(TARGET),--target $(TARGET)) \
 		$(foreach l,$(LORA),--lora $(l))
 
@@ -63,8 +70,10 @@ lora-remove: $(STAMP)
 	$(BIN)/sdnpu lora remove $(MODELS)
 
 generate: $(STAMP)
-	@test -n "$(PROMPT)" || { echo 'make generate PROMPT="a cat" [MODELS=models/sdxl-base] [STEPS=30] [IMAGE=image.png]'; exit 2; }
-	$(BIN)/sdnpu generate --models $(MODELS) --prompt "$(PROMPT)" --steps $(STEPS) --out $(IMAGE)
+	@test -n "$(PROMPT)" || { echo 'make generate PROMPT="a cat" [MODELS=models/sdxl-base] [STEPS=30] [GUIDANCE=5] [IMAGES=N] [IMAGE=image.png] [INIT=in.png [MASK=mask.png] [STRENGTH=s]]'; exit 2; }
+	$(BIN)/sdnpu generate --models $(MODELS) --prompt "$(PROMPT)" $(if $(STEPS),--steps $(STEPS)) \
+		$(if $(GUIDANCE),--guidance $(GUIDANCE)) $(if $(IMAGES),--num-images $(IMAGES)) \
+		$(if $(INIT),--image $(INIT)) $(if $(MASK),--mask $(MASK)) $(if $(STRENGTH),--strength $(STRENGTH)) --out $(IMAGE)
 
 # Two workers (pytest-xdist): much of the suite is single-threaded Python (torch's exporter, process start-up),
 # so two run it in about two thirds of one's time on 2 cores (bench/results.md).

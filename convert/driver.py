@@ -28,8 +28,9 @@ from sdnpu.convert.stages import export_component
 from sdnpu.convert.torch_stage import load, read_loras, run_torch_stage, run_torch_stage_in_worker
 from sdnpu.errors import SdnpuError
 from sdnpu.fileio import recover_staging, staged_dir
-from sdnpu.formats.sizes import SizeFiles
+from sdnpu.formats.sizes import Variant, sizes_of
 from sdnpu.imagesize import Size
+from sdnpu.signatures import batched
 from sdnpu.progress import release_memory
 from sdnpu.specs import PipelineConfig
 
@@ -68,15 +69,23 @@ class _Run:
     src: Source
     comps: list[str]
     sizes: list[Size]  # the first is the primary
+    batches: list[int]  # the denoiser's, the first the primary's
     out: Path
     options: ConvertOptions
     config: PipelineConfig
     budget: budget.Budget
     fingerprint: str
 
-    def job(self, comp: str, res: Size) -> Job:
+    def job(self, comp: str, variant: Variant) -> Job:
         spec = self.config.spec(comp)
-        return Job(spec, res, self.options, Origin.of(self.src, spec, self.fingerprint))
+        return Job(spec, variant.size, self.options, Origin.of(self.src, spec, self.fingerprint), variant.batch)
+
+    def variants(self, comp: str) -> list[Variant]:
+        """What ``comp`` is converted at, the primary first: every size and batch for a denoiser, every size for
+        the VAEs, the primary size for the text encoders."""
+        if batched(comp):
+            return [Variant(s, b) for s in self.sizes for b in self.batches]
+        return [Variant(s) for s in (self.sizes if comp in SIZED else self.sizes[:1])]
 
 
 def _prepare(source: str | Path, components: str | Sequence[str], out: str | Path | None,
@@ -89,11 +98,12 @@ def _prepare(source: str | Path, components: str | Sequence[str], out: str | Pat
     sizes = list(options.res or [Size.of(config.default_resolution())])  # type: ignore[arg-type]
     for size in sizes:
         config.check_resolution(size, comps)
+    out_dir = Path(out) if out is not None else Path("models") / src.name
+    batches = list(options.batches or _folder_batches(out_dir, comps, options.add) or [src.generation().batch])
     if options.loras and "transformer" in src.modules:
         raise SdnpuError(f"{src.name} is an SD3 pipeline: sdnpu fuses LoRAs into UNets and CLIP encoders (SDXL, "
                          "SD 1.x) only", hint="convert it without --lora")
     plan = budget.plan(src, comps, options)
-    out_dir = Path(out) if out is not None else Path("models") / src.name
     if options.add and not out_dir.is_dir():
         raise SdnpuError(f"--add: {out_dir} holds no conversion to add sizes to",
                          hint="convert it first without --add (the first size given is the primary)")
@@ -103,15 +113,29 @@ def _prepare(source: str | Path, components: str | Sequence[str], out: str | Pat
         tempfile.TemporaryFile(dir=out_dir).close()
     except OSError as e:
         raise OSError(e.errno, e.strerror, str(out_dir)) from e
-    log.info("converting %s (%s: %s) -> %s at %s px: %s", src.name, src.kind, src.root, out_dir,
-             ", ".join(str(s) for s in sizes), ", ".join(comps))
-    run = _Run(src, comps, sizes, out_dir, options, config, plan, src.fingerprint())
+    denoisers = [c for c in comps if batched(c)]
+    log.info("converting %s (%s: %s) -> %s at %s px%s: %s", src.name, src.kind, src.root, out_dir,
+             ", ".join(str(s) for s in sizes), f", the {'/'.join(denoisers)} at batch "
+             f"{', '.join(map(str, batches))}" if denoisers else "", ", ".join(comps))
+    run = _Run(src, comps, sizes, batches, out_dir, options, config, plan, src.fingerprint())
     if options.loras:  # a bad LoRA file fails now, before any export
         read_loras(src, options.loras)
     if options.add:
         for comp in comps:  # every refusal before any export
-            sized.check_addable(src, run.job(comp, sizes[0]), out_dir / comp)
+            sized.check_addable(src, run.job(comp, run.variants(comp)[0]), out_dir / comp)
     return run
+
+
+def _folder_batches(out_dir: Path, comps: list[str], add: bool) -> list[int]:
+    """``--add`` without ``--batch``: the batches the folder's denoiser has, the primary's first (new sizes get
+    each of them)."""
+    if not add:
+        return []
+    for comp in comps:
+        if batched(comp):
+            found = [f.batch for f in sizes_of(out_dir / comp) if f.batch is not None]
+            return list(dict.fromkeys(found))
+    return []
 
 
 class _ModuleCache:
@@ -134,11 +158,12 @@ class _ModuleCache:
 
 
 def _convert_component(run: _Run, comp: str, modules: _ModuleCache, reused_next: bool) -> list[ComponentResult]:
-    """One component at every size it takes (the text encoders at the primary only)."""
-    comp_sizes = run.sizes if comp in SIZED else run.sizes[:1]
-    job = run.job(comp, run.sizes[0])
+    """One component at every size (and, a denoiser, every batch) it takes (the text encoders at the primary
+    only)."""
+    variants = run.variants(comp)
+    job = run.job(comp, variants[0])
     if run.options.add:
-        return sized.add_sizes(run.src, job, run.out / comp, comp_sizes)
+        return sized.add_sizes(run.src, job, run.out / comp, variants)
     if job.key in run.budget.by_block:
         with staged_dir(run.out / comp) as stage:
             result = blockwise.convert_blockwise(run.src, job, stage)
@@ -154,10 +179,10 @@ def _convert_component(run: _Run, comp: str, modules: _ModuleCache, reused_next:
         result = export_component(job, torch_stage, stage)
         result.path = run.out / comp / MODEL_FILE
         extra: list[ComponentResult] = []
-        added: dict[Size, dict[str, Any]] = {}
-        for size in comp_sizes[1:]:
-            r, added[size] = sized.convert_size(run.src, job.at(size), stage)
-            r.path = run.out / comp / SizeFiles(size, False).model
+        added: dict[Variant, dict[str, Any]] = {}
+        for variant in variants[1:]:
+            r, added[variant] = sized.convert_size(run.src, job.at(variant), stage)
+            r.path = run.out / comp / sized.files_of(stage, variant).model
             extra.append(r)
         if comp in SIZED:
             sized.finish_sizes(stage, comp, added)
@@ -178,4 +203,4 @@ def convert(source: str | Path, components: str | Sequence[str] = "all", out: st
         results += _convert_component(run, comp, modules, reused_next)
     written = [] if options.add else run.src.write_pipeline_files(run.out)
     return ConvertResult(source=run.src, out=run.out, resolution=run.sizes[0], components=results,
-                         pipeline_files=written, sizes=run.sizes)
+                         pipeline_files=written, sizes=run.sizes, batches=run.batches)

@@ -15,6 +15,7 @@ from sdnpu.convert.options import ComponentResult, ConvertOptions
 from sdnpu.convert.sources import Source
 from sdnpu.fileio import atomic_write_json
 from sdnpu.formats.parameters import FILE as PARAMETERS_FILE
+from sdnpu.formats.sizes import Variant
 from sdnpu.imagesize import Size
 from sdnpu.signatures import Signature
 from sdnpu.specs import ComponentSpec
@@ -41,12 +42,13 @@ class Origin:
 
 @dataclass(frozen=True)
 class Job:
-    """One component's conversion at one size."""
+    """One component's conversion at one size and, for a denoiser, one batch."""
 
     spec: ComponentSpec
     res: Size
     options: ConvertOptions
     origin: Origin
+    batch: int | None = None  # the denoiser's (None: the component takes none)
 
     @property
     def component(self) -> str:
@@ -58,26 +60,31 @@ class Job:
         return self.spec.module
 
     def signature(self) -> Signature:
-        return self.spec.signature(self.res)
+        return self.spec.signature(self.res, self.batch)
 
     def sample_inputs(self) -> dict[str, Any]:
-        return self.spec.sample_inputs(self.res)
+        return self.spec.sample_inputs(self.res, batch=self.batch)
 
-    def at(self, size: Size) -> Job:
-        return replace(self, res=size)
+    @property
+    def variant(self) -> Variant:
+        return Variant(self.res, self.batch)
+
+    def at(self, variant: Variant) -> Job:
+        return replace(self, res=variant.size, batch=variant.batch)
 
 
-def resolution(res: Size) -> dict[str, Any]:
+def resolution(res: Size, batch: int | None = None) -> dict[str, Any]:
     """How export.json and the report name the size: ``resolution`` the side of a square (None otherwise, as
-    before non-square sizes), ``size`` always."""
-    return {"resolution": res.width if res.square else None, "size": res.to_json()}
+    before non-square sizes), ``size`` always; ``batch``, the denoiser's, where the component takes one."""
+    return {"resolution": res.width if res.square else None, "size": res.to_json(),
+            **({"batch": batch} if batch is not None else {})}
 
 
 def compile_info(job: Job, lora: dict[str, Any] | None) -> dict[str, Any]:
     """What the component's report records of the job."""
     o = job.origin
     info = {"component": job.component, "source": {"name": o.name, "kind": o.kind, "fingerprint": o.fingerprint},
-            **resolution(job.res)}
+            **resolution(job.res, job.batch)}
     if lora:
         info["lora_fused"] = lora
     return info
@@ -96,7 +103,7 @@ def write_records(job: Job, stage: Path, result: ComponentResult, sources: dict[
         "module_class": o.module_class,
         "exporter": options.exporter,
         "opset": options.opset,
-        **resolution(job.res),
+        **resolution(job.res, job.batch),
         "inputs": [s.to_json() for s in sig.inputs],
         "outputs": list(sig.outputs),
         "nodes": result.nodes,

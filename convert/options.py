@@ -15,7 +15,30 @@ from sdnpu.errors import SdnpuError
 from sdnpu.imagesize import Size, parse_sizes
 from sdnpu.lora.adapters import LoraSpec
 from sdnpu.ops.target import DEFAULT_TARGET
+from sdnpu.signatures import check_batch
 from sdnpu.passes.pipeline import CompileOptions
+
+
+def parse_batches(value: int | str | Sequence[int]) -> tuple[int, ...]:
+    """``--batch``: one batch or a comma-separated list (the first the primary), each checked, repeats dropped."""
+    items: list[Any]
+    if isinstance(value, str):
+        items = [x.strip() for x in value.split(",") if x.strip()]
+    elif isinstance(value, (list, tuple)):
+        items = list(value)
+    else:
+        items = [value]
+    batches: list[int] = []
+    for item in items:
+        try:
+            b = int(item) if isinstance(item, str) else item
+        except ValueError:
+            b = item
+        if check_batch(b) not in batches:  # type: ignore[arg-type]
+            batches.append(b)  # type: ignore[arg-type]
+    if not batches:
+        raise SdnpuError("no batch given", hint="BATCH is 1 (guidance-free), 2 (guidance) or a list: 1,2")
+    return tuple(batches)
 
 
 @dataclass(frozen=True)
@@ -29,7 +52,9 @@ class ConvertOptions:
     run the exported graph against PyTorch and the dispatch model against the graph; ``compile``: write
     ``<component>/dd/``; ``outputs``: "pipeline" (the dispatch models keep what a diffusers pipeline reads)
     or "all"; ``target``: the NPU whose op contract the dispatch models are written in; ``precision``: bf16
-    or bfp16; ``loras``: LoRAs fused into the UNet and text encoders before export."""
+    or bfp16; ``loras``: LoRAs fused into the UNet and text encoders before export; ``batch``: the
+    denoiser's batches (an int, "1,2" or a sequence; the first the primary's; None: the source's default,
+    ``sdnpu.formats.generation``: 2 where its pipeline uses guidance, 1 where it is guidance-free)."""
 
     res: Size | int | str | Sequence[Size | int | str] | None = None
     exporter: str = "dynamo"
@@ -42,6 +67,7 @@ class ConvertOptions:
     loras: tuple[LoraSpec, ...] = ()  # diffusers' fuse_lora, before export
     add: bool = False
     blockwise: bool = False  # T5 block by block even where it fits whole (it does where it does not)
+    batch: int | str | Sequence[int] | None = None
 
     def __post_init__(self) -> None:
         self.export_with  # noqa: B018 -- validates exporter and opset
@@ -53,8 +79,14 @@ class ConvertOptions:
                 if min(size) <= 0:
                     raise SdnpuError(f"size {size} is not a positive number of pixels",
                                      hint="RES is WxH in pixels (1152x896), or one number for a square (1024)")
+        if self.batch is not None:
+            object.__setattr__(self, "batch", parse_batches(self.batch))
         self.compile_options  # noqa: B018 -- validates target and precision
         object.__setattr__(self, "loras", tuple(LoraSpec.parse(x) if isinstance(x, str) else x for x in self.loras))
+
+    @property
+    def batches(self) -> tuple[int, ...] | None:
+        return self.batch  # type: ignore[return-value]  # parsed in __post_init__
 
     @property
     def compile_options(self) -> CompileOptions:
@@ -76,6 +108,7 @@ class ComponentResult:
     check: dict[str, Any] | None = None  # worst errors and per-output errors vs PyTorch
     report: dict[str, Any] | None = None  # the offload report's summary, when compiled
     size: str = ""  # WxH
+    batch: int | None = None  # the denoiser's batch (None: the component takes none)
 
     def to_json(self) -> dict[str, Any]:
         data = asdict(self)
@@ -91,3 +124,4 @@ class ConvertResult:
     components: list[ComponentResult]
     pipeline_files: list[str]
     sizes: list[Size] = field(default_factory=list)  # every size converted (or, with --add, added)
+    batches: list[int] = field(default_factory=list)  # the denoiser's batches, the primary's first

@@ -24,8 +24,7 @@ from sdnpu.convert.torch_stage import read_loras, run_torch_stage, run_torch_sta
 from sdnpu.errors import SdnpuError
 from sdnpu.fileio import atomic_write_bytes
 from sdnpu.formats import prologue
-from sdnpu.formats.sizes import SizeFiles, read_manifest, sizes_of, write_manifest
-from sdnpu.imagesize import Size
+from sdnpu.formats.sizes import SizeFiles, Variant, read_manifest, sizes_of, write_manifest
 from sdnpu.passes.specialize import CannotSpecialize
 from sdnpu.progress import release_memory, step
 from sdnpu.reports import report as reports
@@ -73,26 +72,34 @@ def check_addable(src: Source, job: Job, comp_dir: Path) -> None:
                              "convert again without --add")
 
 
-def add_sizes(src: Source, job: Job, comp_dir: Path, sizes: list[Size]) -> list[ComponentResult]:
-    """``--add``: convert the sizes ``comp_dir`` lacks beside the ones it has; only their files are written
-    (each atomically), then ``sizes.json``. The shared data files are read, never written."""
+def files_of(comp_dir: Path, variant: Variant) -> SizeFiles:
+    """The files ``variant`` gets beside the primary in ``comp_dir`` (whose batch its names carry where it
+    differs)."""
+    have = sizes_of(comp_dir)
+    return SizeFiles.of(variant, have[0].batch if have else None)
+
+
+def add_sizes(src: Source, job: Job, comp_dir: Path, variants: list[Variant]) -> list[ComponentResult]:
+    """``--add``: convert the variants (sizes; a denoiser's batches) ``comp_dir`` lacks beside the ones it has;
+    only their files are written (each atomically), then ``sizes.json``. The shared data files are read, never
+    written."""
     comp = job.component
     for leftover in [*comp_dir.glob("*.partial"), *(comp_dir / "dd").glob("*.partial")]:
         log.info("removing %s, left by an add that did not finish", leftover)
         shutil.rmtree(leftover) if leftover.is_dir() else leftover.unlink(missing_ok=True)
-    have = {f.size for f in sizes_of(comp_dir)}
-    new = [s for s in sizes if s not in have]
+    have = {f.variant for f in sizes_of(comp_dir)}
+    new = [v for v in variants if v not in have]
     if comp not in SIZED or not new:
         log.info("[%s] %s: nothing to add (%s)", comp, comp_dir,
                  "it does not depend on the size" if comp not in SIZED else
-                 "it has " + ", ".join(str(s) for s in sizes))
+                 "it has " + ", ".join(str(v) for v in variants))
         return []
     results = []
-    for size in new:
-        result, stats = convert_size(src, job.at(size), comp_dir)
-        result.path = comp_dir / SizeFiles(size, False).model
+    for variant in new:
+        result, stats = convert_size(src, job.at(variant), comp_dir)
+        result.path = comp_dir / files_of(comp_dir, variant).model
         results.append(result)
-        finish_sizes(comp_dir, comp, {size: stats})
+        finish_sizes(comp_dir, comp, {variant: stats})
     return results
 
 
@@ -101,12 +108,12 @@ def convert_size(src: Source, job: Job, comp_dir: Path) -> tuple[ComponentResult
     get their size's names. Returns its result and what its graphs share."""
     import onnx
 
-    size = job.res
-    scratch = comp_dir / f".size-{size}.partial"
+    files = files_of(comp_dir, job.variant)
+    scratch = comp_dir / f".size-{files.tag}.partial"
     shutil.rmtree(scratch, ignore_errors=True)
     scratch.mkdir()
     try:
-        log.info("[%s] size %s (sharing the weights of %s)", job.component, size, comp_dir)
+        log.info("[%s] %s (sharing the weights of %s)", job.component, job.variant, comp_dir)
         path = str(scratch / MODEL_FILE)
         if budget.module_bytes(src, job.key) > budget.ISOLATE_BYTES:
             torch_stage = run_torch_stage_in_worker(src, job, path)
@@ -121,9 +128,9 @@ def convert_size(src: Source, job: Job, comp_dir: Path) -> tuple[ComponentResult
         if plan is not None:
             _write_specialized(job, comp_dir, scratch, result, (plan, kept, stats))
         elif job.options.compile:
-            with step(log, f"[{job.component}] {size}: validating {SizeFiles(size, False).dispatch} (onnx.checker, "
+            with step(log, f"[{job.component}] {job.variant}: validating {files.dispatch} (onnx.checker, "
                            "full check)"):
-                onnx.checker.check_model(str(comp_dir / SizeFiles(size, False).dispatch), full_check=True)
+                onnx.checker.check_model(str(comp_dir / files.dispatch), full_check=True)
         _move_records(job, comp_dir, scratch, result, stats)
     finally:
         shutil.rmtree(scratch, ignore_errors=True)
@@ -143,14 +150,14 @@ def _specialize_or_compile(job: Job, comp_dir: Path, scratch: Path, result: Comp
         return specialized.plan_specialization(dd_primary, scratch / MODEL_FILE, job.options.compile_options.target)
     except CannotSpecialize as e:
         log.warning("[%s] %s: the dispatch model of %s cannot be re-derived for this size (%s); compiling "
-                    "it in full", job.component, job.res, comp_dir, e)
+                    "it in full", job.component, job.variant, comp_dir, e)
     except Exception as e:  # noqa: BLE001 - a size is never lost to the shortcut: the full compile is the answer
         log.warning("[%s] %s: re-deriving the dispatch model of %s failed (%s: %s; a bug in sdnpu's size "
-                    "specializer, please report it); compiling it in full", job.component, job.res, comp_dir,
+                    "specializer, please report it); compiling it in full", job.component, job.variant, comp_dir,
                     type(e).__name__, e)
     with step(log, f"[{job.component}] compile stage") as t:
         result.report = compile_stage(job, scratch, kept["feeds"], kept["actual"], kept["lora"])["summary"]
-    place_prologue(scratch / "dd" / REPLACED, comp_dir / "dd", job.res)
+    place_prologue(scratch / "dd" / REPLACED, comp_dir / "dd", files_of(comp_dir, job.variant).tag)
     result.seconds["compile"] = round(t.seconds, 2)
     return None
 
@@ -159,12 +166,12 @@ def _write_shared(job: Job, comp_dir: Path, scratch: Path, result: ComponentResu
                   ) -> dict[str, Any]:
     """This size's fp32 graph (and, ``with_dispatch``, its dispatch model compiled in full) written into
     ``comp_dir`` over the primary's data files; returns what each shares."""
-    files = SizeFiles(job.res, False)
+    files = files_of(comp_dir, job.variant)
     graphs = [(MODEL_FILE, files.model)] + ([(f"dd/{REPLACED}", files.dispatch)] if with_dispatch else [])
     cache = shared.read_digest_cache(comp_dir)
     cached = json.dumps(cache, sort_keys=True)
     stats: dict[str, Any] = {}
-    with step(log, f"[{job.component}] {job.res}: writing its graphs over the shared weights") as t:
+    with step(log, f"[{job.component}] {job.variant}: writing its graphs over the shared weights") as t:
         for primary, name in graphs:
             if shared.make_shareable(comp_dir / primary):
                 cache.pop(primary + ".data", None)
@@ -172,7 +179,7 @@ def _write_shared(job: Job, comp_dir: Path, scratch: Path, result: ComponentResu
             s = shared.write_sized(scratch / primary, comp_dir / name, index, Path(primary).name + ".data")
             stats["model" if primary == MODEL_FILE else "dispatch"] = s.to_json()
             log.info("[%s] %s: %s -> %d tensors (%s) in the shared file, %d (%s) its own, graph %s", job.component,
-                     job.res, name, s.shared, budget.human(s.shared_bytes), s.own, budget.human(s.own_bytes),
+                     job.variant, name, s.shared, budget.human(s.shared_bytes), s.own, budget.human(s.own_bytes),
                      budget.human(s.graph_bytes))
         if json.dumps(cache, sort_keys=True) != cached:
             shared.write_digest_cache(comp_dir, cache)
@@ -184,8 +191,8 @@ def _write_specialized(job: Job, comp_dir: Path, scratch: Path, result: Componen
                        planned: tuple[specialized.Specialization, dict[str, Any], dict[str, Any]]) -> None:
     """The re-derived dispatch model written beside the primary's, its report and record into ``scratch``."""
     plan, kept, stats = planned
-    files = SizeFiles(job.res, False)
-    with step(log, f"[{job.component}] {job.res}: writing {files.dispatch}, re-derived from the primary's "
+    files = files_of(comp_dir, job.variant)
+    with step(log, f"[{job.component}] {job.variant}: writing {files.dispatch}, re-derived from the primary's "
                    f"({plan.plan.reshaped} nodes re-shaped, {len(plan.plan.new_masks)} masks made)") as t:
         check = FidelityCheck(kept["feeds"], reference=kept["actual"]) if job.options.check else None
         report, s = specialized.write_specialized(plan, comp_dir / files.dispatch, scratch / "dd",
@@ -193,14 +200,14 @@ def _write_specialized(job: Job, comp_dir: Path, scratch: Path, result: Componen
     stats["dispatch"] = s.to_json()
     result.report = report["summary"]
     result.seconds["compile"] = round(plan.seconds + t.seconds, 2)
-    log.info("[%s] %s: offload rate %.2f%% (%d dispatch ops, %d CPU nodes)", job.component, job.res,
+    log.info("[%s] %s: offload rate %.2f%% (%d dispatch ops, %d CPU nodes)", job.component, job.variant,
              100 * result.report["offload_rate"], result.report["offloaded_nodes"], result.report["cpu_nodes"])
 
 
 def _move_records(job: Job, comp_dir: Path, scratch: Path, result: ComponentResult, stats: dict[str, Any]) -> None:
     """The size's records from ``scratch`` into ``comp_dir`` under its size's names, each atomically; its
     export.json and report with what its graphs share."""
-    files, plain = SizeFiles(job.res, False), SizeFiles(job.res, True)
+    files, plain = files_of(comp_dir, job.variant), SizeFiles(job.res, True)
     moves = [(plain.export, files.export), (plain.parameters, files.parameters)]
     if job.options.compile:
         moves += [(plain.report, files.report), (plain.text_report, files.text_report),
@@ -215,23 +222,24 @@ def _move_records(job: Job, comp_dir: Path, scratch: Path, result: ComponentResu
         atomic_write_bytes(comp_dir / b, data)
 
 
-def finish_sizes(comp_dir: Path, comp: str, added: dict[Size, dict[str, Any]]) -> None:
-    """``sizes.json`` for what ``comp_dir`` holds: its sizes so far (the primary first), then ``added`` (size
-    -> what its graphs share), and the sizes table of the primary's report. Written after the sizes' own
-    files: a size is listed only once its graphs are whole."""
+def finish_sizes(comp_dir: Path, comp: str, added: dict[Variant, dict[str, Any]]) -> None:
+    """``sizes.json`` for what ``comp_dir`` holds: its variants so far (the primary first), then ``added``
+    (variant -> what its graphs share), and the sizes table of the primary's report. Written after the
+    variants' own files: one is listed only once its graphs are whole."""
     manifest = read_manifest(comp_dir)
-    stats: dict[str, Any] = {e["size"]: e.get("shared") for e in (manifest or {}).get("sizes", [])}
     listed = sizes_of(comp_dir)
-    for size, value in added.items():
-        stats[str(size)] = value
-        if size not in {f.size for f in listed}:
-            listed.append(SizeFiles(size, False))
+    stats: dict[Variant, Any] = {f.variant: e.get("shared")
+                                 for f, e in zip(listed, (manifest or {}).get("sizes", []), strict=False)}
+    for variant, value in added.items():
+        stats[variant] = value
+        if variant not in {f.variant for f in listed}:
+            listed.append(files_of(comp_dir, variant))
     write_manifest(comp_dir, comp, listed, stats)
     if (comp_dir / "dd" / "report.json").is_file():
         reports.write_sizes(comp_dir, read_manifest(comp_dir) or {})
 
 
-def place_prologue(compiled: Path, dd_dir: Path, size: Size) -> None:
+def place_prologue(compiled: Path, dd_dir: Path, tag: str) -> None:
     """A size compiled in full beside the primary (``compiled``, in the scratch folder) reads its step prologue
     (``sdnpu.formats.prologue``) from the component's ``dd/``: the primary's where the two compute the same (the
     same digest: one prologue serves every size), else its own copy under the size's name, which its model
@@ -246,7 +254,7 @@ def place_prologue(compiled: Path, dd_dir: Path, size: Size) -> None:
     theirs = prologue.of_proto(onnx.load(str(primary))) if primary.is_file() else None
     if theirs is not None and theirs.digest == spec.digest:
         return
-    own = dataclasses.replace(spec, file=f"prologue.{size}.onnx")
+    own = dataclasses.replace(spec, file=f"prologue.{tag}.onnx")
     atomic_write_bytes(dd_dir / own.file, spec.path(compiled).read_bytes())
     for p in model.metadata_props:
         if p.key == prologue.KEY:

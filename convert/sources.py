@@ -24,6 +24,7 @@ from sdnpu.components import COMPONENTS, MODULES, module_of
 from sdnpu.convert.tokenizer import t5_tokenizer_files, tokenizer_files
 from sdnpu.errors import SdnpuError
 from sdnpu.fileio import atomic_write_bytes, staged_dir
+from sdnpu.formats import generation
 from sdnpu.specs import PipelineConfig
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")  # no model hub is reachable; never try one
@@ -134,6 +135,13 @@ class Source:
         (``sdnpu.specs``: every component's spec comes from it)."""
         return PipelineConfig(self._configs, sdxl="text_encoder_2" in self.modules)
 
+    def generation(self) -> generation.Generation:
+        """How the model is meant to be drawn (``sdnpu.formats.generation``: its steps, guidance and so the
+        denoiser's default batch), from its folder's ``generation.json``."""
+        if self.kind == "component" or not (self.root / "model_index.json").is_file():
+            return generation.Generation()
+        return generation.read(self.root)
+
     def fingerprint(self) -> str:
         """A content hash of what defines the weights: the configs, and for folders each weight
         file's name and size (hashing 10 GB of weights would take minutes); for presets the seed."""
@@ -175,21 +183,25 @@ class Source:
         return module.eval()
 
     def write_pipeline_files(self, out: Path) -> list[str]:
-        """Copy what a runtime needs beside the graphs: model_index.json, scheduler/, tokenizer/,
-        tokenizer_2/, tokenizer_3/ (for presets the CLIP tokenizers are built from CLIP's BPE merges, SD3's T5
-        tokenizer is a stand-in: ``sdnpu.convert.tokenizer.t5_tokenizer_files``). Returns what it wrote."""
+        """Copy what a runtime needs beside the graphs: model_index.json (and generation.json), scheduler/,
+        tokenizer/, tokenizer_2/, tokenizer_3/ (for presets the CLIP tokenizers are built from CLIP's BPE merges,
+        SD3's T5 tokenizer is a stand-in: ``sdnpu.convert.tokenizer.t5_tokenizer_files``). Returns what it
+        wrote."""
         if self.kind == "component" or not (self.root / "model_index.json").is_file():
             return []  # one module (a ControlNet): it joins a pipeline folder, whose files are not its own
         written = []
         index = _read_json(self.root / "model_index.json")
         atomic_write_bytes(out / "model_index.json", (self.root / "model_index.json").read_bytes())
         written.append("model_index.json")
+        if (self.root / generation.FILE).is_file():
+            atomic_write_bytes(out / generation.FILE, (self.root / generation.FILE).read_bytes())
+            written.append(generation.FILE)
         for name in _PIPELINE_FOLDERS:
             src = self.root / name
             if self.kind == "preset" and name.startswith("tokenizer"):
                 if name not in index:
                     continue
-                pad = "<|endoftext|>" if name == "tokenizer" else "!"  # CLIP-L's, and OpenCLIP's bigG's
+                pad = _preset_pad(src, "<|endoftext|>" if name == "tokenizer" else "!")  # CLIP-L's, OpenCLIP's
                 files = t5_tokenizer_files() if name == "tokenizer_3" else tokenizer_files(pad)
                 with staged_dir(out / name) as stage:
                     for fname, data in files.items():
@@ -303,3 +315,11 @@ def _pipeline_source(name: str, kind: Literal["preset", "pipeline"], root: Path)
         modules[key] = folder
         classes[key] = cls
     return Source(name=name, kind=kind, root=root, modules=modules, classes=classes)
+
+
+def _preset_pad(folder: Path, default: str) -> str:
+    """The pad token of a preset's CLIP tokenizer: ``default`` (SDXL's: CLIP-L pads with ``<|endoftext|>``,
+    OpenCLIP's bigG with ``!``), or what the preset's ``<tokenizer>/special_tokens_map.json`` says (SD 2.x's
+    one tokenizer is OpenCLIP's: ``!``)."""
+    path = folder / "special_tokens_map.json"
+    return str(_read_json(path).get("pad_token", default)) if path.is_file() else default

@@ -57,7 +57,8 @@ def export_component(job: Job, torch_stage: TorchStage, stage: Path, compile: bo
         seconds["compile"] = round(t.seconds, 2)
     result = ComponentResult(component=comp, path=path, nodes=len(graph.graph.node), parameters=torch_stage.parameters,
                              seconds=seconds, peak_rss_bytes=max(peak_rss_bytes(), torch_stage.peak_rss_bytes),
-                             check=check_data, report=summary, size=str(res) if comp in SIZED else "")
+                             check=check_data, report=summary, size=str(res) if comp in SIZED else "",
+                             batch=job.batch)
     write_records(job, stage, result, torch_stage.sources, torch_stage.lora)
     return result
 

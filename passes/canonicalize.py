@@ -778,7 +778,8 @@ def _scalar_broadcast(graph: ir.Graph) -> int:
 def _expand_into_constant(graph: ir.Graph) -> int:
     """Mul/Add(Expand(s), c) with ``s`` one value and ``c`` a small constant -> Mul/Add(s, c broadcast to the
     result's shape), the broadcast done once offline: the UNet's timestep expanded to the batch, times the
-    sinusoid's frequencies, is one CPU node instead of two. The same numbers (each element is s op c)."""
+    sinusoid's frequencies, is one CPU node instead of two. The same numbers (each element is s op c). A
+    Reshape of one value is the same broadcast (the timestep viewed as [1, 1] at batch 1)."""
 
     done = 0
     for node in list(graph):
@@ -786,7 +787,7 @@ def _expand_into_constant(graph: ir.Graph) -> int:
             continue
         out_shape = static_shape(node.outputs[0])
         for i in (0, 1):
-            e, c = producer(node.inputs[i], "Expand"), node.inputs[1 - i]
+            e, c = producer(node.inputs[i], "Expand") or producer(node.inputs[i], "Reshape"), node.inputs[1 - i]
             if e is None or c is None or const(c) is None or out_shape is None or int(np.prod(out_shape)) > 1 << 16:
                 continue
             src, src_shape = e.inputs[0], static_shape(e.inputs[0])

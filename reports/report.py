@@ -241,6 +241,12 @@ def render_text(r: dict[str, Any]) -> str:
     src = r.get("source")
     if src:
         lines.append(f"source      {src.get('name')} ({src.get('kind')}, fingerprint {src.get('fingerprint')})")
+    size = r.get("size")
+    if size:
+        batch = r.get("batch")
+        lines.append(f"size        {size['width']}x{size['height']} px"
+                     + (f"   batch {batch} (2 rows an image with guidance, 1 without)"
+                        if batch is not None else ""))
     lines.append(f"target      {r.get('target', '?')}   precision {r.get('precision', 'bf16')}   "
                  f"tool sdnpu {r['tool']['version']}")
     kept = r.get("handoff", {})

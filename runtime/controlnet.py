@@ -2,10 +2,10 @@
 [--control-start 0 --control-end 1]``, one or several.
 
 As diffusers' ControlNet pipelines do: the control image is resized to the image size (PIL, Lanczos), read as
-[0, 1] RGB, NCHW, and repeated for the two halves of classifier-free guidance; at each step every ControlNet
-runs on the UNet's batch with its scale; outside its [start, end] share of the steps (diffusers'
-``controlnet_keep``) diffusers runs it at scale 0, whose residuals are 0: it does not run, and the UNet adds
-zeros (the same numbers, one ControlNet run less a step). The residuals of several ControlNets are summed
+[0, 1] RGB, NCHW, and repeated for each row of the batch (both halves of classifier-free guidance); at each
+step every ControlNet runs on the UNet's batch with its scale; outside its [start, end] share of the steps
+(diffusers' ``controlnet_keep``) diffusers runs it at scale 0, whose residuals are 0: it does not run, and the
+UNet adds zeros (the same numbers, one ControlNet run less a step). The residuals of several ControlNets are summed
 (diffusers' ``MultiControlNetModel``) and go to the UNet that takes them (``unet_controlnet``). Between the
 two dispatch models the residuals stay in the NPU's form (bf16, NHWC: ``sdnpu.formats.handoff``), with no
 Transpose or cast on the CPU at either edge; several ControlNets' are summed in fp32 and rounded to bf16 once.
@@ -24,7 +24,7 @@ from typing import Any
 import numpy as np
 
 from sdnpu.errors import SdnpuError
-from sdnpu.signatures import UNET_BATCH, controlnet_outputs, residual_input, residual_shapes
+from sdnpu.signatures import controlnet_outputs, residual_input, residual_shapes
 
 __all__ = ["ControlSpec", "check_compatible", "config_of", "control_image", "controlnet_folder", "keep",
            "residual_inputs"]
@@ -85,9 +85,9 @@ def check_compatible(controlnet: Path, pipeline: Path) -> None:
 
 
 def control_image(path: str | Path, size: tuple[int, int]) -> np.ndarray:
-    """The control image as the ControlNet takes it: [2, 3, H, W] float32 in [0, 1] for ``size`` (height,
-    width). An image of another aspect ratio is refused (resizing would distort it); one of the same ratio is
-    resized as diffusers does."""
+    """The control image for one row of the ControlNet's batch (the pipeline repeats it for each): [1, 3, H, W]
+    float32 in [0, 1] for ``size`` (height, width). An image of another aspect ratio is refused (resizing would
+    distort it); one of the same ratio is resized as diffusers does."""
     from PIL import Image, UnidentifiedImageError
 
     h, w = size
@@ -104,7 +104,7 @@ def control_image(path: str | Path, size: tuple[int, int]) -> np.ndarray:
     if (pw, ph) != (w, h):
         picture = picture.resize((w, h), Image.Resampling.LANCZOS)
     pixels = np.asarray(picture, np.float32).transpose(2, 0, 1)[None] / 255.0
-    return np.concatenate([pixels] * UNET_BATCH).astype(np.float32)
+    return pixels.astype(np.float32)
 
 
 def keep(step: int, steps: int, spec: ControlSpec) -> float:

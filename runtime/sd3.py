@@ -4,8 +4,8 @@ onnxruntime, step for step as diffusers' pipeline does it:
     prompt -> CLIP-L and CLIP-G: penultimate hidden states side by side, zero-padded to T5's width, and both
     pooled text_embeds side by side; T5: its hidden states (zeros where the folder has no text_encoder_3, as
     diffusers does without T5) -> prompt embeddings [CLIP 77 ; T5 77] -> the MMDiT at batch 2 (negative,
-    positive) -> classifier-free guidance -> flow-matching Euler step -> ... -> latents / scaling_factor +
-    shift_factor -> VAE decoder (16 latent channels) -> PNG
+    positive; guidance at most 1: the positive alone, batch 1) -> classifier-free guidance -> flow-matching
+    Euler step -> ... -> latents / scaling_factor + shift_factor -> VAE decoder (16 latent channels) -> PNG
 
 The negative prompt is encoded like the prompt (SD3 has no zeroed empty prompt). Image-to-image and
 ControlNets are SDXL/SD 1.x features here: refused with the reason.
@@ -26,9 +26,10 @@ import numpy as np
 from sdnpu.components import CLIP_ENCODERS
 from sdnpu.errors import SdnpuError
 from sdnpu.imagesize import Size
-from sdnpu.runtime.session import Component, RuntimeOptions, component_path
-from sdnpu.runtime.stages import Stages, load_scheduler, read_index
-from sdnpu.signatures import UNET_BATCH, vae_scale_factor
+from sdnpu.formats import generation
+from sdnpu.runtime.session import Component, RuntimeOptions, add_command, batches_at, component_path
+from sdnpu.runtime.stages import Stages, check_generate, halves, load_scheduler, plan_calls, read_index
+from sdnpu.signatures import vae_scale_factor
 from sdnpu.specs import pipeline_outputs
 
 log = logging.getLogger(__name__)
@@ -58,16 +59,15 @@ class SD3Pipeline(Stages):
             component_path(self.folder, name, reference, self.size)  # refused, with the fix, if absent
         # T5 is optional, as in diffusers: without it its part of the prompt is zeros
         self.t5 = (self.folder / "text_encoder_3" / "export.json").is_file()
-        self.parts: dict[str, Component] = {}
+        self.parts: dict[tuple[str, int | None], Component] = {}
         self.vae_config = json.loads((self.folder / "vae_decoder" / "config.json").read_text())
         self.transformer_config = json.loads((self.folder / "transformer" / "config.json").read_text())
         graph = onnx.load(str(component_path(self.folder, "transformer", reference, self.size)),
                           load_external_data=False)
         specs = {i.name: [d.dim_value for d in i.type.tensor_type.shape.dim] for i in graph.graph.input}
         shape = specs["hidden_states"]
-        if shape[0] != UNET_BATCH:
-            raise SdnpuError(f"the transformer in {self.folder} runs at batch {shape[0]}; guidance needs batch "
-                             f"{UNET_BATCH}")
+        self.batches = batches_at(self.folder, "transformer", self.size) or [shape[0]]
+        self.generation = generation.read(self.folder)
         self.latent_shape = (1, *shape[1:])
         self.text_len = specs["encoder_hidden_states"][1]  # CLIP's 77, then T5's tokens
         factor = vae_scale_factor(self.vae_config)
@@ -125,13 +125,17 @@ class SD3Pipeline(Stages):
         return np.concatenate([clip, t5], axis=1), np.concatenate(pooled, axis=-1)
 
     def __call__(self, opts: Any, progress: Callable[[int, int], None] | None = None) -> np.ndarray:
-        """The image, [H, W, 3] uint8 (``opts``: ``GenerateOptions``)."""
-        import torch
+        """The image, [H, W, 3] uint8 (``opts``: ``GenerateOptions`` with one image)."""
+        if opts.num_images != 1:
+            raise SdnpuError(f"a pipeline call draws one image, not {opts.num_images}",
+                             hint="SD3Pipeline.generate(opts) draws num_images")
+        return self.generate(opts, progress)[0]
 
+    def generate(self, opts: Any, progress: Callable[[int, int], None] | None = None) -> list[np.ndarray]:
+        """``opts.num_images`` images, image k from seed ``opts.seed + k`` (as ``Pipeline.generate``)."""
         if not opts.prompt.strip():
             raise SdnpuError("the prompt is empty", hint='say what to draw: --prompt "a cat"')
-        if opts.steps < 1:
-            raise SdnpuError(f"steps must be at least 1, not {opts.steps}")
+        check_generate(opts)
         if self.runtime.loras:
             raise SdnpuError(f"{self.folder} is an SD3 pipeline: sdnpu applies LoRAs to SDXL and SD 1.x folders only",
                              hint="drop --lora")
@@ -139,14 +143,28 @@ class SD3Pipeline(Stages):
             raise SdnpuError(f"{self.folder} is an SD3 pipeline: sdnpu runs it text-to-image only",
                              hint="drop --image / --controlnet (image-to-image and ControlNets are for SDXL and "
                              "SD 1.x folders)")
+        cfg = generation.uses_guidance(opts.guidance)
+        calls = plan_calls(opts.num_images, cfg, self.batches,
+                           lambda b: add_command(self.folder, "transformer", self.size, b))
         log.info("SD3: text encoders %s%s", ", ".join(self.encoders),
                  "" if self.t5 else " (no text_encoder_3: T5's part of the prompt is zeros, as in diffusers)")
         with self._using(*self.encoders) as parts:
             pos, pooled = self._encode(parts, opts.prompt)
-            neg, neg_pooled = self._encode(parts, opts.negative_prompt)
-        feeds = {"encoder_hidden_states": np.concatenate([neg, pos]).astype(np.float32),
-                 "pooled_projections": np.concatenate([neg_pooled, pooled]).astype(np.float32)}
-        scheduler = load_scheduler(self.folder, opts.scheduler)
+            neg, neg_pooled = self._encode(parts, opts.negative_prompt) if cfg else (pos[:0], pooled[:0])
+        images: list[np.ndarray] = []
+        for batch, k in calls:
+            feeds = {"encoder_hidden_states": halves(neg, pos, k), "pooled_projections": halves(neg_pooled, pooled, k)}
+            latents = self._denoise(opts, feeds, [opts.seed + len(images) + j for j in range(k)], batch, progress)
+            z = (latents.numpy().astype(np.float32) / float(self.vae_config["scaling_factor"])
+                 + float(self.vae_config.get("shift_factor") or 0.0))
+            with self._using("vae_decoder") as parts:
+                for j in range(k):
+                    image = parts["vae_decoder"].run({"latent_sample": z[j : j + 1]}, ["sample"])["sample"][0]
+                    images.append((np.clip(image.transpose(1, 2, 0) / 2 + 0.5, 0, 1) * 255).round().astype(np.uint8))
+        return images
+
+    def _scheduler(self, name: str | None) -> Any:
+        scheduler = load_scheduler(self.folder, name)
         kwargs = {}
         if scheduler.config.get("use_dynamic_shifting", False):  # as diffusers computes mu for the image size
             from diffusers.pipelines.stable_diffusion_3.pipeline_stable_diffusion_3 import calculate_shift
@@ -156,26 +174,38 @@ class SD3Pipeline(Stages):
             c = scheduler.config
             kwargs["mu"] = calculate_shift(seq, c.get("base_image_seq_len", 256), c.get("max_image_seq_len", 4096),
                                            c.get("base_shift", 0.5), c.get("max_shift", 1.16))
-        scheduler.set_timesteps(opts.steps, **kwargs)
-        latents = torch.from_numpy(self.noise(opts.seed))
-        step_kwargs = ({"generator": torch.Generator().manual_seed(opts.seed)}
-                       if "generator" in inspect.signature(scheduler.step).parameters else {})
-        timesteps = scheduler.timesteps
-        with self._using("transformer") as parts:
+        return scheduler, kwargs
+
+    def _denoise(self, opts: Any, feeds: dict[str, np.ndarray], seeds: list[int], batch: int,
+                 progress: Callable[[int, int], None] | None) -> Any:
+        """One transformer call's images through every step, each with its own scheduler and seeded noise."""
+        import torch
+
+        k, cfg = len(seeds), batch == 2 * len(seeds)
+        schedulers = []
+        for _ in seeds:
+            scheduler, kwargs = self._scheduler(opts.scheduler)
+            scheduler.set_timesteps(opts.steps, **kwargs)
+            schedulers.append(scheduler)
+        latents = [torch.from_numpy(self.noise(seed)) for seed in seeds]
+        step_kwargs = [({"generator": torch.Generator().manual_seed(seed)}
+                        if "generator" in inspect.signature(s.step).parameters else {})
+                       for s, seed in zip(schedulers, seeds, strict=True)]
+        timesteps = schedulers[0].timesteps
+        with self._using("transformer", batch=batch) as parts:
             for i, t in enumerate(timesteps):
-                step_feeds = {**feeds, "hidden_states": torch.cat([latents, latents]).numpy().astype(np.float32),
-                              "timestep": np.full((UNET_BATCH,), float(t), np.float32)}
-                pred = parts["transformer"].run(step_feeds, ["out_sample"])["out_sample"]
-                uncond, cond = pred[:1], pred[1:]
-                guided = torch.from_numpy(uncond + opts.guidance * (cond - uncond))
-                latents = scheduler.step(guided, t, latents, return_dict=False, **step_kwargs)[0]
+                x = torch.cat(latents)
+                step_feeds = {**feeds, "hidden_states": torch.cat([x, x] if cfg else [x]).numpy().astype(np.float32),
+                              "timestep": np.full((batch,), float(t), np.float32)}
+                pred = torch.from_numpy(parts["transformer"].run(step_feeds, ["out_sample"])["out_sample"])
+                if cfg:
+                    uncond, cond = pred[:k], pred[k:]
+                    pred = uncond + opts.guidance * (cond - uncond)
+                latents = [s.step(pred[j : j + 1], t, latents[j], return_dict=False, **kw)[0]
+                           for j, (s, kw) in enumerate(zip(schedulers, step_kwargs, strict=True))]
                 if progress is not None:
                     progress(i + 1, len(timesteps))
-        z = (latents.numpy().astype(np.float32) / float(self.vae_config["scaling_factor"])
-             + float(self.vae_config.get("shift_factor") or 0.0))
-        with self._using("vae_decoder") as parts:
-            image = parts["vae_decoder"].run({"latent_sample": z}, ["sample"])["sample"][0]
-        return (np.clip(image.transpose(1, 2, 0) / 2 + 0.5, 0, 1) * 255).round().astype(np.uint8)
+        return torch.cat(latents)
 
     def noise(self, seed: int) -> np.ndarray:
         """The starting latents for ``seed`` (flow matching starts from plain Gaussian noise)."""

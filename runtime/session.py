@@ -26,9 +26,10 @@ from sdnpu.components import LORA_COMPONENTS, SIZED, TEXT_ENCODERS
 from sdnpu.errors import SdnpuError
 from sdnpu.formats import handoff, prologue
 from sdnpu.formats.overlay import DATA, OVERLAY_DIR, overlay_initializers, read_manifest
-from sdnpu.formats.sizes import sizes_of
+from sdnpu.formats.sizes import Variant, sizes_of
 from sdnpu.imagesize import Size
 from sdnpu.memory import available_bytes
+from sdnpu.signatures import batched
 
 log = logging.getLogger(__name__)
 
@@ -185,28 +186,49 @@ def session_options(model: Path, custom_ops: Path | None, optimize: bool, thread
     return opts
 
 
-def component_path(folder: Path, component: str, reference: bool = False, size: Any = None) -> Path:
+def component_path(folder: Path, component: str, reference: bool = False, size: Any = None,
+                   batch: int | None = None) -> Path:
     """The graph to open for ``folder/<component>``: its dispatch model (or with ``reference``, its fp32
-    graph) at ``size`` (a ``Size``; None: the primary, the folder's first). A size the component was not
-    converted at is an error listing those it was."""
+    graph) at ``size`` (a ``Size``; None: the primary, the folder's first) and, for a denoiser, ``batch`` (None:
+    the first it has at that size). A size or batch the component was not converted at is an error listing those
+    it was, with the ``--add`` that adds it."""
     comp_dir = Path(folder) / component
-    if size is None or component in TEXT_ENCODERS:
+    have = [] if component in TEXT_ENCODERS else sizes_of(comp_dir)
+    if (size is None and batch is None) or not have:  # a text encoder, the primary, or nothing converted
         path = comp_dir / (REFERENCE_MODEL if reference else DISPATCH_MODEL)
     else:
-        size = Size.of(size)
-        have = sizes_of(comp_dir)
-        match = next((f for f in have if f.size == size), None)
+        size = Size.of(size) if size is not None else (have[0].size if have else None)
+        match = next((f for f in have if f.size == size and (batch is None or f.batch in (None, batch))), None)
         if match is None:
-            listed = ", ".join(str(f.size) for f in have) or "none recorded"
-            raise SdnpuError(f"{comp_dir} is not converted at {size} (converted: {listed})",
-                             hint=f"add the size: sdnpu convert --source {_source_of(comp_dir)} --model "
-                             f"{','.join(_sized_components(Path(folder), component))} --out {Path(folder)} "
-                             f"--res {size} --add")
+            at = size if batch is None else Variant(size, batch)  # type: ignore[arg-type]
+            listed = ", ".join(str(f.variant if batch is not None else f.size) for f in have) or "none recorded"
+            raise SdnpuError(f"{comp_dir} is not converted at {at} (converted: {listed})",
+                             hint=f"add it: {add_command(Path(folder), component, size, batch)}")
         path = comp_dir / (match.model if reference else match.dispatch)
     if not path.is_file():
         raise SdnpuError(f"{path} not found",
                          hint=f"convert it first: make convert MODEL={component} (OUT={Path(folder)})")
     return path
+
+
+def batches_at(folder: Path, component: str, size: Any = None) -> list[int]:
+    """The batches ``folder/<component>`` is converted at, at ``size`` (None: the primary's), the primary's
+    first; a folder that does not record them: the batch of its graph's first input."""
+    have = sizes_of(Path(folder) / component)
+    if not have:
+        return []
+    size = Size.of(size) if size is not None else have[0].size
+    return list(dict.fromkeys(f.batch for f in have if f.size == size and f.batch is not None))
+
+
+def add_command(folder: Path, component: str, size: Any, batch: int | None) -> str:
+    """The ``sdnpu convert ... --add`` that adds ``size`` (and ``batch``) to ``folder``'s ``component``."""
+    comps = _sized_components(folder, component)
+    if batch is not None:
+        comps = [c for c in comps if batched(c)]
+    return (f"sdnpu convert --source {_source_of(folder / component)} --model {','.join(comps)} --out {folder}"
+            + (f" --res {size}" if size is not None else "") + (f" --batch {batch}" if batch is not None else "")
+            + " --add")
 
 
 def _sized_components(folder: Path, first: str) -> list[str]:
@@ -227,10 +249,11 @@ def _source_of(comp_dir: Path) -> str:
 
 def open_component(folder: Path, component: str, reference: bool = False,
                    options: RuntimeOptions | None = None, size: Any = None,
-                   shared: SharedWeights | None = None) -> Component:
+                   shared: SharedWeights | None = None, batch: int | None = None) -> Component:
     """``folder/<component>``'s dispatch model (or with ``reference``, its fp32 graph) in a session, at
-    ``size`` (None: the primary); ``shared``: weights shared with the other sessions given the same."""
-    path = component_path(folder, component, reference, size)
+    ``size`` (None: the primary) and ``batch`` (a denoiser's; None: its first at that size); ``shared``: weights
+    shared with the other sessions given the same."""
+    path = component_path(folder, component, reference, size, batch)
     return open_component_path(path, component, reference, options or RuntimeOptions(),
                                comp_dir=Path(folder) / component, shared=shared)
 

@@ -50,21 +50,23 @@ def _cmd_convert(args: argparse.Namespace) -> int:
     options = ConvertOptions(res=args.res, exporter=args.exporter, opset=args.opset, check=not args.no_check,
                              compile=not args.no_compile, outputs=args.outputs, target=args.target,
                              precision=args.precision, loras=tuple(args.lora or ()), add=args.add,
-                             blockwise=args.blockwise)
+                             blockwise=args.blockwise, batch=args.batch)
     result = convert(args.source, components=args.model, out=args.out, options=options)
     sizes = ", ".join(str(s) for s in result.sizes)
-    print(f"\n{result.source.name} -> {result.out} ({sizes} px{', added' if args.add else ''})")
+    batches = (f", denoiser at batch {', '.join(map(str, result.batches))}"
+               if any(c.batch is not None for c in result.components) or not result.components else "")
+    print(f"\n{result.source.name} -> {result.out} ({sizes} px{batches}{', added' if args.add else ''})")
     if args.add and not result.components:
         print("nothing to add: every size given is converted already")
         return 0
-    print(f"{'component':<16}{'size':>10}{'nodes':>7}{'params':>15}{'export s':>9}{'peak mem':>10}  "
+    print(f"{'component':<16}{'size':>10}{'batch':>6}{'nodes':>7}{'params':>15}{'export s':>9}{'peak mem':>10}  "
           f"{'max abs / rel error':<20}{'offload':>8}{'CPU':>5}")
     for c in result.components:
         err = (f"{c.check['max_abs_error']:.2e} / {c.check['max_rel_error']:.2e}" if c.check else "not checked")
         rate = f"{100 * c.report['offload_rate']:.2f}%" if c.report else "-"
         cpu = str(c.report["cpu_nodes"]) if c.report else "-"
-        print(f"{c.component:<16}{c.size:>10}{c.nodes:>7}{c.parameters:>15,}{c.seconds.get('export', 0):>9.1f}"
-              f"{_human_bytes(c.peak_rss_bytes):>10}  {err:<20}{rate:>8}{cpu:>5}")
+        print(f"{c.component:<16}{c.size:>10}{c.batch or '':>6}{c.nodes:>7}{c.parameters:>15,}"
+              f"{c.seconds.get('export', 0):>9.1f}{_human_bytes(c.peak_rss_bytes):>10}  {err:<20}{rate:>8}{cpu:>5}")
     print("peak mem: the process's peak resident memory up to that component (a worker's, where larger)")
     if options.loras:
         print(f"LoRA fused before export (diffusers' fuse_lora): {', '.join(str(s) for s in options.loras)}")
@@ -156,16 +158,24 @@ def _cmd_generate(args: argparse.Namespace) -> int:
     if (args.width or width, args.height or height) != (width, height):  # another of the folder's sizes
         pipe = Pipeline(Path(args.models), reference=args.reference, runtime=runtime,
                         size=Size(args.height or height, args.width or width))
-    opts = GenerateOptions(args.prompt, args.negative_prompt, args.steps, args.guidance, args.seed, args.scheduler,
-                           args.image, args.strength, _control_specs(args))
+    steps = args.steps if args.steps is not None else pipe.generation.steps  # the folder's (generation.json)
+    guidance = args.guidance if args.guidance is not None else pipe.generation.guidance
+    opts = GenerateOptions(args.prompt, args.negative_prompt, steps, guidance, args.seed, args.scheduler,
+                           args.image, args.strength, _control_specs(args), num_images=args.num_images,
+                           mask=args.mask)
 
-    with tqdm(total=args.steps, desc="denoising", unit="step", disable=args.quiet) as bar:
+    with tqdm(total=steps, desc="denoising", unit="step", disable=args.quiet) as bar:
         def advance(i: int, n: int) -> None:
+            if i == 1 and bar.n:  # the next denoiser call
+                bar.reset(n)
             bar.total = n
             bar.update(1)
 
-        image = pipe(opts, progress=advance)
-    save_png(image, Path(args.out))
+        images = pipe.generate(opts, progress=advance)
+    outs = _image_paths(Path(args.out), len(images))
+    for image, out in zip(images, outs, strict=True):
+        save_png(image, out)
+    image = images[0]
     how = "fp32 graphs" if args.reference else (
         f"dispatch models, custom ops {runtime.custom_ops}" if runtime.custom_ops else
         "dispatch models through their reference bodies on the CPU")
@@ -178,10 +188,27 @@ def _cmd_generate(args: argparse.Namespace) -> int:
     how += f"; text encoders {', '.join(pipe.encoders)}"
     if "text_encoder_3" in pipe.index and "text_encoder_3" not in pipe.encoders:
         how += " (no text_encoder_3 converted: T5's part of the prompt is zeros)"
+    if opts.mask is not None:
+        how += f"; inpainting {opts.image} where {opts.mask} is white"
+    elif opts.image is not None:
+        how += f"; image-to-image from {opts.image}"
     for spec in opts.controlnets:
         how += f"; ControlNet {spec.folder} on {spec.image} at {spec.scale:g} ({spec.start:g}-{spec.end:g} of steps)"
-    print(f"wrote {args.out} ({image.shape[1]}x{image.shape[0]}, {how})")
+    how += f"; {steps} step{'s' if steps > 1 else ''} at guidance {guidance:g}"
+    if len(outs) == 1:
+        print(f"wrote {outs[0]} ({image.shape[1]}x{image.shape[0]}, {how})")
+    else:
+        print(f"wrote {len(outs)} images ({image.shape[1]}x{image.shape[0]}, {how}):")
+        for k, out in enumerate(outs):
+            print(f"  {out}  seed {args.seed + k}")
     return 0
+
+
+def _image_paths(out: Path, n: int) -> list[Path]:
+    """Where ``n`` images go: ``out`` for one, else ``out``'s stem with 1..n (image.png -> image-1.png, ...)."""
+    if n == 1:
+        return [out]
+    return [out.with_name(f"{out.stem}-{k + 1}{out.suffix or '.png'}") for k in range(n)]
 
 
 def _lora_specs(items: Sequence[str] | None) -> tuple[object, ...]:
@@ -269,6 +296,11 @@ def build_parser() -> argparse.ArgumentParser:
                       help="image sizes in pixels, WxH (1152x896: 1152 wide) or one number for a square, comma-"
                       "separated, or sdxl-buckets (SDXL's nine); the UNets, VAEs and ControlNets get a graph per size "
                       "over one copy of the weights (default: the model's own, 1024 for SDXL)")
+    conv.add_argument("--batch", default=None, metavar="B[,...]",
+                      help="the denoiser's batch (UNet, ControlNet, SD3 transformer), comma-separated for several over "
+                      "one copy of the weights: 2 runs classifier-free guidance's two halves in one call, 1 a "
+                      "guidance-free model (Turbo, LCM), 2N or N draw N images a call (default: the model's, 1 for a "
+                      "guidance-free preset, else 2; with --add, the batches the folder has)")
     conv.add_argument("--exporter", choices=EXPORTERS, default="dynamo", help="torch exporter (default: dynamo)")
     conv.add_argument("--opset", type=int, default=DEFAULT_OPSET, help=f"ONNX opset (default {DEFAULT_OPSET})")
     conv.add_argument("--no-check", action="store_true", help="skip the onnxruntime-vs-PyTorch check")
@@ -325,12 +357,21 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--width", type=int, default=None, help="image width: one of the sizes the folder is converted "
                      "at (default: its first)")
     gen.add_argument("--height", type=int, default=None, help="image height (as --width)")
-    gen.add_argument("--steps", type=int, default=30)
-    gen.add_argument("--guidance", type=float, default=5.0)
-    gen.add_argument("--seed", type=int, default=0)
+    gen.add_argument("--steps", type=int, default=None,
+                     help="denoising steps (default: the folder's generation.json, else 30; a Turbo folder's is 1)")
+    gen.add_argument("--guidance", type=float, default=None,
+                     help="classifier-free guidance scale; at most 1 runs without it, on a batch-1 denoiser (default: "
+                     "the folder's generation.json, else 5; a Turbo folder's is 0)")
+    gen.add_argument("--seed", type=int, default=0, help="image k of --num-images is drawn from seed + k")
+    gen.add_argument("--num-images", "-n", type=int, default=1, metavar="N",
+                     help="draw N images of the prompt, in as few denoiser calls as the converted batches allow "
+                     "(written as OUT-1.png ... OUT-N.png)")
     gen.add_argument("--scheduler", default=None, help="a diffusers scheduler class (default: the folder's)")
     gen.add_argument("--image", default=None, help="image-to-image: start from this picture")
-    gen.add_argument("--strength", type=float, default=0.3, help="image-to-image: share of the schedule to run")
+    gen.add_argument("--strength", type=float, default=None,
+                     help="image-to-image and inpainting: share of the schedule to run (default 0.3; inpainting 1.0)")
+    gen.add_argument("--mask", default=None,
+                     help="inpainting: white where to draw anew over --image, black where to keep it")
     gen.add_argument("--controlnet", action="append", default=None, metavar="DIR",
                      help="a converted ControlNet (OUT of `sdnpu convert --model controlnet`); repeat for several, "
                      "whose residuals are summed. Needs the folder's unet_controlnet")

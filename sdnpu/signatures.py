@@ -28,13 +28,14 @@ transformer     hidden_states [2, 16, H/f, W/f], timestep [2] f32, out_sample [2
                 pooled_projections [2, P1 + P2] (SD3's MMDiT)
 =============== ================================================= =====================================
 
-The UNet and SD3's transformer run at batch 2 (classifier-free guidance: unconditional and conditional in one
-call). A text encoder with a projection (``CLIPTextModelWithProjection``: SDXL's second, both of SD3's) gives
-``text_embeds`` first. L is the VAE's latent channels (4; SD3's 16). SD3's prompt is CLIP's 77 tokens (both
-CLIP encoders' hidden states side by side, zero-padded to T5's width J) then T5's 77: 154 in all, the length
-AMD's SD3 NPU shapes use (diffusers defaults to 256 T5 tokens; its pipeline takes ``max_sequence_length=77``).
-Each signature is named by the component's wrapper (``sdnpu.components``): the wrapper's ``forward`` takes
-these inputs in this order.
+The UNet, a ControlNet and SD3's transformer run at the denoiser's batch (``batched``; the table shows the
+default, 2: classifier-free guidance's unconditional and conditional halves in one call; 1 for a guidance-free
+model; a multiple of either for several images per call). A text encoder with a projection
+(``CLIPTextModelWithProjection``: SDXL's second, both of SD3's) gives ``text_embeds`` first. L is the VAE's
+latent channels (4; SD3's 16). SD3's prompt is CLIP's 77 tokens (both CLIP encoders' hidden states side by
+side, zero-padded to T5's width J) then T5's 77: 154 in all, the length AMD's SD3 NPU shapes use (diffusers
+defaults to 256 T5 tokens; its pipeline takes ``max_sequence_length=77``). Each signature is named by the
+component's wrapper (``sdnpu.components``): the wrapper's ``forward`` takes these inputs in this order.
 """
 
 from __future__ import annotations
@@ -49,7 +50,9 @@ from sdnpu import components
 from sdnpu.errors import SdnpuError
 from sdnpu.imagesize import Size
 
-UNET_BATCH = 2  # classifier-free guidance runs both halves in one UNet call
+CFG_BATCH = 2  # classifier-free guidance runs both halves (unconditional, conditional) in one denoiser call
+# The wrappers whose graphs take a denoiser's batch (``batched``); the others run at batch 1.
+_BATCHED = frozenset({"Transformer", "UNet", "UNetResiduals", "ControlNet"})
 SEQ_LEN = 77  # CLIP's context length
 T5_SEQ_LEN = 77  # SD3's T5 tokens (diffusers' max_sequence_length)
 F32, I64 = "float32", "int64"
@@ -98,6 +101,7 @@ class _At:
     config: dict[str, Any]
     size: Size
     latent: tuple[int, int]  # (H/f, W/f)
+    batch: int  # the denoiser's batch (``batched`` components)
 
 
 def _text_encoder(at: _At) -> Signature:
@@ -114,25 +118,25 @@ def _t5_encoder(at: _At) -> Signature:
 def _transformer(at: _At) -> Signature:
     c = at.config
     return Signature((
-        TensorSpec("hidden_states", (UNET_BATCH, c["in_channels"], *at.latent), F32),
-        TensorSpec("timestep", (UNET_BATCH,), F32),
-        TensorSpec("encoder_hidden_states", (UNET_BATCH, SEQ_LEN + T5_SEQ_LEN, c["joint_attention_dim"]), F32),
-        TensorSpec("pooled_projections", (UNET_BATCH, c["pooled_projection_dim"]), F32),
+        TensorSpec("hidden_states", (at.batch, c["in_channels"], *at.latent), F32),
+        TensorSpec("timestep", (at.batch,), F32),
+        TensorSpec("encoder_hidden_states", (at.batch, SEQ_LEN + T5_SEQ_LEN, c["joint_attention_dim"]), F32),
+        TensorSpec("pooled_projections", (at.batch, c["pooled_projection_dim"]), F32),
     ), ("out_sample",))
 
 
 def _unet(at: _At) -> Signature:
     c = at.config
     inputs = [
-        TensorSpec("sample", (UNET_BATCH, c["in_channels"], *at.latent), F32),
+        TensorSpec("sample", (at.batch, c["in_channels"], *at.latent), F32),
         TensorSpec("timestep", (), F32),
-        TensorSpec("encoder_hidden_states", (UNET_BATCH, SEQ_LEN, c["cross_attention_dim"]), F32),
+        TensorSpec("encoder_hidden_states", (at.batch, SEQ_LEN, c["cross_attention_dim"]), F32),
     ]
     if unet_text_time(c):
         n_time = 6  # original size (2), crop top-left (2), target size (2)
         text_dim = c["projection_class_embeddings_input_dim"] - n_time * c["addition_time_embed_dim"]
-        inputs += [TensorSpec("text_embeds", (UNET_BATCH, text_dim), F32),
-                   TensorSpec("time_ids", (UNET_BATCH, n_time), F32)]
+        inputs += [TensorSpec("text_embeds", (at.batch, text_dim), F32),
+                   TensorSpec("time_ids", (at.batch, n_time), F32)]
     elif c.get("addition_embed_type") is not None or c.get("class_embed_type") is not None:
         raise SdnpuError(
             f"UNet with addition_embed_type={c.get('addition_embed_type')!r} / "
@@ -145,7 +149,7 @@ def _unet(at: _At) -> Signature:
 def _unet_residuals(at: _At) -> Signature:
     """The UNet, and the residuals a ControlNet adds to it."""
     base = _unet(at)
-    shapes = residual_shapes(at.config, *at.latent)
+    shapes = residual_shapes(at.config, *at.latent, batch=at.batch)
     names = [residual_input(n) for n in controlnet_outputs(at.config)]
     return Signature((*base.inputs, *(TensorSpec(n, s, F32) for n, s in zip(names, shapes, strict=True))),
                      base.outputs)
@@ -153,7 +157,7 @@ def _unet_residuals(at: _At) -> Signature:
 
 def _controlnet(at: _At) -> Signature:
     """The UNet's inputs, the control image and its scale (an input: no recompile)."""
-    image = (UNET_BATCH, at.config.get("conditioning_channels", 3), at.size.height, at.size.width)
+    image = (at.batch, at.config.get("conditioning_channels", 3), at.size.height, at.size.width)
     inputs = [*_unet(at).inputs, TensorSpec("controlnet_cond", image, F32), TensorSpec("conditioning_scale", (), F32)]
     return Signature(tuple(inputs), controlnet_outputs(at.config))
 
@@ -174,10 +178,28 @@ _BY_WRAPPER: dict[str, Callable[[_At], Signature]] = {
 }
 
 
-def signature(component: str, config: dict[str, Any], res: int | Size, vae_factor: int = 8) -> Signature:
-    """The static ONNX signature of ``component`` at image size ``res`` for a module ``config``."""
+def batched(component: str) -> bool:
+    """Whether ``component``'s graph takes the denoiser's batch (the UNets, a ControlNet, SD3's transformer): 2
+    for classifier-free guidance's two halves, 1 for a guidance-free model, or that times the images per call."""
+    return component in components.COMPONENTS and components.row(component).wrapper in _BATCHED
+
+
+def check_batch(batch: int) -> int:
+    """``batch`` as a denoiser's batch, or an error naming the fix."""
+    if isinstance(batch, bool) or not isinstance(batch, int) or batch < 1:
+        raise SdnpuError(f"batch {batch!r} is not a positive whole number",
+                         hint=f"BATCH is the denoiser's batch: {CFG_BATCH} for guidance (both halves in one "
+                         "call), 1 guidance-free, or that times the images each call draws")
+    return batch
+
+
+def signature(component: str, config: dict[str, Any], res: int | Size, vae_factor: int = 8,
+              batch: int | None = None) -> Signature:
+    """The static ONNX signature of ``component`` at image size ``res`` for a module ``config``; ``batch``: the
+    denoiser's (``batched`` components; None: ``CFG_BATCH``), ignored by the others."""
     size = Size.of(res)
-    at = _At(component, config, size, (size.height // vae_factor, size.width // vae_factor))
+    at = _At(component, config, size, (size.height // vae_factor, size.width // vae_factor),
+             check_batch(batch) if batch is not None else CFG_BATCH)
     return _BY_WRAPPER[components.row(component).wrapper](at)
 
 
@@ -198,21 +220,22 @@ def residual_input(output: str) -> str:
     return output.replace("res_samples", "additional_residuals").replace("res_sample", "additional_residual")
 
 
-def residual_shapes(config: dict[str, Any], lh: int, lw: int) -> list[tuple[int, ...]]:
-    """The shapes of a ControlNet's residuals (``controlnet_outputs``' order) for latents of lh x lw: each down
-    block's resnets at its resolution and channels, its downsampler at half, the mid block's at the last."""
+def residual_shapes(config: dict[str, Any], lh: int, lw: int, batch: int = CFG_BATCH) -> list[tuple[int, ...]]:
+    """The shapes of a ControlNet's residuals (``controlnet_outputs``' order) for latents of lh x lw at
+    ``batch``: each down block's resnets at its resolution and channels, its downsampler at half, the mid
+    block's at the last."""
     channels = list(config["block_out_channels"])
     n_blocks = len(config["down_block_types"])
     layers = config["layers_per_block"]
     per_block = list(layers) if isinstance(layers, (list, tuple)) else [layers] * n_blocks
-    shapes = [(UNET_BATCH, channels[0], lh, lw)]
+    shapes = [(batch, channels[0], lh, lw)]
     h, w = lh, lw
     for i in range(n_blocks):
-        shapes += [(UNET_BATCH, channels[i], h, w)] * per_block[i]
+        shapes += [(batch, channels[i], h, w)] * per_block[i]
         if i < n_blocks - 1:
             h, w = -(-h // 2), -(-w // 2)
-            shapes.append((UNET_BATCH, channels[i], h, w))
-    return [*shapes, (UNET_BATCH, channels[-1], h, w)]
+            shapes.append((batch, channels[i], h, w))
+    return [*shapes, (batch, channels[-1], h, w)]
 
 
 def _token_ids(spec: TensorSpec, config: dict[str, Any], rng: np.random.Generator) -> np.ndarray:

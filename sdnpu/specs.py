@@ -17,6 +17,7 @@ from sdnpu.errors import SdnpuError
 from sdnpu.imagesize import Size
 from sdnpu.signatures import (
     Signature,
+    batched,
     clip_projection,
     controlnet_outputs,
     residual_input,
@@ -135,11 +136,16 @@ class ComponentSpec:
     def module(self) -> str:
         return self.row.module
 
-    def signature(self, res: int | Size) -> Signature:
-        return signature(self.name, self.config, res, self.vae_factor)
+    def signature(self, res: int | Size, batch: int | None = None) -> Signature:
+        return signature(self.name, self.config, res, self.vae_factor, batch)
 
-    def sample_inputs(self, res: int | Size, seed: int = 0) -> dict[str, np.ndarray]:
-        return sample_inputs(self.signature(res), self.config, res, seed)
+    def sample_inputs(self, res: int | Size, seed: int = 0, batch: int | None = None) -> dict[str, np.ndarray]:
+        return sample_inputs(self.signature(res, batch), self.config, res, seed)
+
+    @property
+    def batched(self) -> bool:
+        """Whether its graph takes the denoiser's batch (``sdnpu.signatures.batched``)."""
+        return batched(self.name)
 
     @property
     def resolution_step(self) -> int:

@@ -266,9 +266,9 @@ def test_the_stage_chooses_graph_optimizations_for_the_unet_and_its_controlnets_
     assert not session.choose_optimize(paths, reference=False)
     pipe = Pipeline(folder)
     controls = pipe._controls(GenerateOptions("a cat", steps=1, controlnets=(ControlSpec(first, image),)))
-    stage = pipe._stage_runtime("unet_controlnet", controls)
+    stage = pipe._stage_runtime("unet_controlnet", controls, 2)
     assert stage.optimize is False and stage.shared_arena  # and one activation arena for the two
-    assert pipe._stage_runtime("unet", []).optimize is None  # alone: each session chooses as it opens
+    assert pipe._stage_runtime("unet", [], 2).optimize is None  # alone: each session chooses as it opens
 
 
 def test_controlnet_bad_inputs(control_setup, tiny_conversion, tmp_path, capsys):

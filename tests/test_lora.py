@@ -367,9 +367,12 @@ def test_verify_measures_the_adapted_model_against_the_fp32_graph_with_the_same_
 
 
 def test_few_step_generation_with_lcm_is_seeded(folder, loras):
-    """``--scheduler LCMScheduler --steps 4`` with a LoRA: LCM draws noise as it steps, from the seed."""
+    """``--scheduler LCMScheduler --steps 4`` with a LoRA at guidance 1 (as an LCM LoRA runs: no unconditional
+    half) on the UNet's batch 1, added beside its batch 2: LCM draws noise as it steps, from the seed."""
+    from sdnpu.convert import convert
     from sdnpu.runtime import GenerateOptions, Pipeline, RuntimeOptions
 
+    convert("tiny-sdxl", "unet", out=folder, batch=1, add=True, check=False)
     pipe = Pipeline(folder, runtime=RuntimeOptions(loras=(LoraSpec(loras["diffusers"]),)))
     opts = GenerateOptions("a cat", steps=4, guidance=1.0, seed=5, scheduler="LCMScheduler")
     first, again = pipe(opts), pipe(opts)
