@@ -50,8 +50,6 @@ $(STAMP): requirements.lock pyproject.toml
 	@$(BIN)/python -m pip install --upgrade pip >> $(VENV)/setup.log 2>&1 || { cat $(VENV)/setup.log; exit 1; }
 	@$(BIN)/python -m pip install torch==2.13.0 >> $(VENV)/setup.log 2>&1 || { cat $(VENV)/setup.log; exit 1; }
 	@$(BIN)/python -m pip install -r requirements.lock >> $(VENV)/setup.log 2>&1 || { cat $(VENV)/setup.log; exit 1; }
-	@# only its BPE merges file is used (CLIP tokenizer); its deps (torchvision) do not import beside torch 2.13
-	@$(BIN)/python -m pip install --no-deps open-clip-torch==3.3.0 >> $(VENV)/setup.log 2>&1 || { cat $(VENV)/setup.log; exit 1; }
 	@$(BIN)/python -m pip install --no-deps --no-build-isolation -e . >> $(VENV)/setup.log 2>&1 || { cat $(VENV)/setup.log; exit 1; }
 	@touch $@
 	@echo "$(VENV) is ready"

@@ -5,7 +5,9 @@ before anything is written)."""
 from __future__ import annotations
 
 import logging
+import shutil
 from dataclasses import dataclass, field
+from pathlib import Path
 
 from sdnpu.components import module_of
 from sdnpu.convert import blockwise
@@ -31,6 +33,11 @@ MODULE_SHARE = 0.8
 # memory: whole, its export holds the weights, PyTorch's run, the exporter's copies and then onnxruntime's copy
 # (the SD 3.5 transformer peaked at 2.4x its weights), and block by block costs only time.
 BLOCKWISE_SHARE = 0.5
+
+
+# What a component's folder takes on disk, as a share of its module's fp32 weight bytes: the fp32 graph (1x) and
+# the bf16 dispatch model (0.5x); sdxl-turbo's five components took 20 GB for 13.8 GB of fp32 weights (du).
+DISK_SHARE = 1.5
 
 
 def human(n: int) -> str:
@@ -97,3 +104,17 @@ def plan(src: Source, comps: list[str], options: ConvertOptions) -> Budget:
         log.warning("--blockwise: none of %s converts block by block (only %s do); converting them whole",
                     ", ".join(comps), ", ".join(blockwise.CLASSES))
     return budget
+
+
+def check_disk(budget: Budget, comps: list[str], out_dir: Path) -> None:
+    """Refuse now, before any export, a conversion whose folders would not fit on ``out_dir``'s disk
+    (``DISK_SHARE`` of each component's module weights)."""
+    need = int(sum(DISK_SHARE * budget.weights[module_of(c)] for c in comps))
+    where = out_dir
+    while not where.exists() and where != where.parent:
+        where = where.parent
+    free = shutil.disk_usage(where).free
+    if need > free:
+        raise SdnpuError(f"{', '.join(comps)} need about {human(need)} on disk and {where} has {human(free)} free",
+                         hint="free some space, or convert to another disk with --out DIR (or fewer components "
+                         "with --model)")

@@ -103,10 +103,13 @@ def _prepare(source: str | Path, components: str | Sequence[str], out: str | Pat
     if options.loras and "transformer" in src.modules:
         raise SdnpuError(f"{src.name} is an SD3 pipeline: sdnpu fuses LoRAs into UNets and CLIP encoders (SDXL, "
                          "SD 1.x) only", hint="convert it without --lora")
+    src.check_pipeline_files()
     plan = budget.plan(src, comps, options)
     if options.add and not out_dir.is_dir():
         raise SdnpuError(f"--add: {out_dir} holds no conversion to add sizes to",
                          hint="convert it first without --add (the first size given is the primary)")
+    if not options.add:  # added sizes and batches share the primary's weights
+        budget.check_disk(plan, comps, out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     recover_staging(out_dir)
     try:  # a read-only or forbidden --out fails now, not after loading the module

@@ -149,7 +149,7 @@ def _specialize_or_compile(job: Job, comp_dir: Path, scratch: Path, result: Comp
     try:
         return specialized.plan_specialization(dd_primary, scratch / MODEL_FILE, job.options.compile_options.target)
     except CannotSpecialize as e:
-        log.warning("[%s] %s: the dispatch model of %s cannot be re-derived for this size (%s); compiling "
+        log.warning("[%s] %s: the dispatch model of %s cannot be re-derived for it (%s); compiling "
                     "it in full", job.component, job.variant, comp_dir, e)
     except Exception as e:  # noqa: BLE001 - a size is never lost to the shortcut: the full compile is the answer
         log.warning("[%s] %s: re-deriving the dispatch model of %s failed (%s: %s; a bug in sdnpu's size "

@@ -21,7 +21,7 @@ from pathlib import Path
 from typing import Any, Literal
 
 from sdnpu.components import COMPONENTS, MODULES, module_of
-from sdnpu.convert.tokenizer import t5_tokenizer_files, tokenizer_files
+from sdnpu.convert.tokenizer import clip_vocab_and_merges, t5_tokenizer_files, tokenizer_files
 from sdnpu.errors import SdnpuError
 from sdnpu.fileio import atomic_write_bytes, staged_dir
 from sdnpu.formats import generation
@@ -181,6 +181,14 @@ class Source:
         if any(p.dtype != torch.float32 for p in module.parameters()):
             module = module.float()  # a config's torch_dtype (SDXL's text encoders say float16) is not ours
         return module.eval()
+
+    def check_pipeline_files(self) -> None:
+        """Refuse now, before any export, what ``write_pipeline_files`` would fail on at the end: a preset's
+        CLIP tokenizers need the merges file the package ships."""
+        if self.kind != "preset" or not (self.root / "model_index.json").is_file():
+            return
+        if any(name in _read_json(self.root / "model_index.json") for name in ("tokenizer", "tokenizer_2")):
+            clip_vocab_and_merges()
 
     def write_pipeline_files(self, out: Path) -> list[str]:
         """Copy what a runtime needs beside the graphs: model_index.json (and generation.json), scheduler/,

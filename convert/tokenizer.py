@@ -1,15 +1,14 @@
-"""CLIP's tokenizer files, built offline from the BPE merges that ship in the open-clip-torch wheel.
+"""CLIP's tokenizer files, built offline from CLIP's BPE merges, which ship with sdnpu (``convert/data/``: the
+file OpenAI's CLIP and OpenCLIP distribute, MIT licence, its provenance in ``convert/data/README.md``).
 
 SDXL's two text encoders share CLIP's 49,408-token vocabulary: 256 byte symbols, the same 256 with the
-end-of-word marker ``</w>``, 48,894 merges, then ``<|startoftext|>`` and ``<|endoftext|>``. The wheel's
-``open_clip/bpe_simple_vocab_16e6.txt.gz`` holds the merges after one header line. We locate it with
-``importlib.util.find_spec`` and never import ``open_clip`` (that would pull torchvision).
+end-of-word marker ``</w>``, 48,894 merges, then ``<|startoftext|>`` and ``<|endoftext|>``.
+``bpe_simple_vocab_16e6.txt.gz`` holds the merges after one header line.
 """
 
 from __future__ import annotations
 
 import gzip
-import importlib.util
 import json
 import math
 from functools import lru_cache
@@ -39,16 +38,15 @@ def _bytes_to_unicode() -> dict[int, str]:
     return dict(zip(printable, (chr(c) for c in chars), strict=True))
 
 
+MERGES_FILE = "bpe_simple_vocab_16e6.txt.gz"
+
+
 def bpe_merges_path() -> Path:
-    spec = importlib.util.find_spec("open_clip")
-    if spec is None or not spec.submodule_search_locations:
-        raise SdnpuError(
-            "the open-clip-torch package is not installed, so CLIP's BPE merges cannot be found",
-            hint="run `make venv` (it installs open-clip-torch with --no-deps)",
-        )
-    path = Path(next(iter(spec.submodule_search_locations))) / "bpe_simple_vocab_16e6.txt.gz"
+    """The merges file shipped in the package (``sdnpu.convert``'s ``data/``)."""
+    path = Path(__file__).resolve().parent / "data" / MERGES_FILE
     if not path.is_file():
-        raise SdnpuError(f"CLIP's BPE merges are missing from the open-clip-torch install: {path}")
+        raise SdnpuError(f"CLIP's BPE merges are missing from this install of sdnpu: {path}",
+                         hint="reinstall sdnpu (the wheel ships convert/data/" + MERGES_FILE + ")")
     return path
 
 

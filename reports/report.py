@@ -287,8 +287,8 @@ def render_text(r: dict[str, Any]) -> str:
         lines += [f"  {cap[:70]:<70}{n:>6}" for cap, n in r["assumed_capabilities"].items()]
     lines += ["", f"CPU nodes ({len(r['cpu_nodes'])})", "-" * 79]
     for c in r["cpu_nodes"]:
-        lines.append(f"  {c['op_type']:<14}{c['name'][:62]}")
-        lines.append(f"  {'':<14}{c['reason'][:62]}")
+        lines.append(f"  {c['op_type']:<13} {c['name']}"[:79])
+        lines += textwrap.wrap(c["reason"], 79, initial_indent=" " * 16, subsequent_indent=" " * 16) or [""]
     steps = r.get("prologue")
     if steps:
         lines += ["", f"Step prologue: {steps['file']} ({len(steps['cpu_nodes'])} CPU nodes, digest {steps['digest']})",

@@ -249,6 +249,22 @@ def _cmd_pack(args: argparse.Namespace) -> int:
     return 0
 
 
+def _cmd_serve(args: argparse.Namespace) -> int:
+    from sdnpu.runtime.server import serve
+
+    if args.queue < 0:
+        raise SdnpuError(f"--queue must be at least 0, not {args.queue}")
+    folders = [Path(m) for m in args.models]
+    for folder in folders:
+        if not (folder / "model_index.json").is_file():
+            raise SdnpuError(f"{folder} is not a converted pipeline folder (no model_index.json)",
+                             hint="give the OUT of `sdnpu convert --model all`")
+    runtime = RuntimeOptions.from_env(args.custom_ops, threads=args.threads)
+    print(f"serving {', '.join(f.name for f in folders)} on http://{args.host}:{args.port}/v1 (Ctrl+C stops)")
+    serve(folders, args.host, args.port, queue=args.queue, reference=args.reference, runtime=runtime)
+    return 0
+
+
 def _cmd_verify(args: argparse.Namespace) -> int:
     size = None
     if args.width or args.height:
@@ -415,6 +431,19 @@ def build_parser() -> argparse.ArgumentParser:
                         "(needs AMD's ryzenai_dynamic_dispatch packer)")
     pk.add_argument("models", nargs="?", default="models/sdxl-base", help="a converted folder or one component's")
     pk.set_defaults(func=_cmd_pack)
+
+    srv = sub.add_parser("serve", help="serve converted folders over an OpenAI-style images API "
+                         "(/v1/images/generations, /v1/images/edits, /v1/models, /health)")
+    srv.add_argument("models", nargs="+", help="converted folders; each is the model named as its directory")
+    srv.add_argument("--host", default="127.0.0.1")
+    srv.add_argument("--port", type=int, default=8080)
+    srv.add_argument("--queue", type=int, default=8,
+                     help="requests that may wait per model behind the running one (more are answered 429)")
+    srv.add_argument("--reference", action="store_true", help="run the fp32 graphs instead of the dispatch models")
+    srv.add_argument("--threads", type=int, default=None, help="onnxruntime intra-op threads")
+    srv.add_argument("--custom-ops", default=None, metavar="LIBRARY",
+                     help="AMD's onnx_custom_ops library, as for generate (default $SDNPU_CUSTOM_OPS)")
+    srv.set_defaults(func=_cmd_serve)
 
     ver = sub.add_parser("verify", help="dispatch models against their fp32 graphs, component by component "
                          "and over the whole pipeline; results go into the reports")

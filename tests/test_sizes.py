@@ -314,7 +314,7 @@ def test_a_size_that_cannot_be_specialized_is_compiled_in_full(two_sizes, tmp_pa
     monkeypatch.setattr(compile_module, "plan_specialization", refuses)
     with caplog.at_level("WARNING"):
         convert("tiny-sdxl", "vae_decoder", out=folder, res="288x256", add=True, check=False)
-    assert "cannot be re-derived for this size (a test says no); compiling it in full" in caplog.text
+    assert "cannot be re-derived for it (a test says no); compiling it in full" in caplog.text
     report = json.loads((folder / "vae_decoder" / "dd" / "report.288x256.json").read_text())
     assert "specialized_from" not in report and report["passes"][0]["name"] == "canonicalize"
     assert [str(f.size) for f in sizes_of(folder / "vae_decoder")] == ["256x256", "320x256", "288x256"]
@@ -375,32 +375,37 @@ def test_every_size_pair_is_rederived_as_a_full_compile_writes_it_or_compiled_in
     assert derived == expected.split(","), caplog.text
 
 
-# (preset, primary batch, other batch, why the UNet's is refused): 1 <-> 2, a dimension of 1 against one of more
-# (the passes may decide differently there); 2 -> 4, the timestep's sinusoid frequencies broadcast to the batch
-# offline (canonicalize's _expand_into_constant) are a constant of the primary's batch. Both compile in full.
-BATCHES = [("tiny-sdxl", 2, 4, "the table's shape rule refuses"), ("tiny-sdxl-turbo", 1, 2, "a dimension of 1")]
+# (preset, denoiser, primary batch, other batch, why it is refused): 1 <-> 2, a dimension of 1 against one of
+# more (the passes may decide differently there); 2 -> 4, the timestep's sinusoid frequencies broadcast to the
+# batch offline (canonicalize's _expand_into_constant) are a constant of the primary's batch; SD3's transformer,
+# its position embedding cut for the primary (sized components it is compiled per size). All compile in full.
+BATCHES = [("tiny-sdxl", "unet", 2, 4, "the table's shape rule refuses"),
+           ("tiny-sdxl-turbo", "unet", 1, 2, "a dimension of 1"),
+           ("tiny-sd15", "unet", 2, 1, "a dimension of 1"),
+           ("tiny-sd3", "transformer", 2, 1, "position-embedding crop")]
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize(("preset", "first", "second", "why"), BATCHES, ids=[f"{b[1]}-{b[2]}" for b in BATCHES])
-def test_every_batch_is_rederived_as_a_full_compile_writes_it_or_compiled_in_full(preset, first, second, why,
+@pytest.mark.parametrize(("preset", "comp", "first", "second", "why"), BATCHES,
+                         ids=[f"{b[0]}-{b[2]}-{b[3]}" for b in BATCHES])
+def test_every_batch_is_rederived_as_a_full_compile_writes_it_or_compiled_in_full(preset, comp, first, second, why,
                                                                                   tmp_path, caplog):
     """A denoiser's second batch, as its second size: re-derived tensor for tensor as a full compile of its
     exported graph writes it, or refused with the reason and compiled in full; its files carry the batch."""
     from sdnpu.convert.compile import compile_file
 
     with caplog.at_level("WARNING"):
-        convert(preset, "unet", out=tmp_path / "m", batch=(first, second), check=False)
+        convert(preset, comp, out=tmp_path / "m", batch=(first, second), check=False)
     assert "bug in sdnpu's size specializer" not in caplog.text
-    comp_dir = tmp_path / "m" / "unet"
+    comp_dir = tmp_path / "m" / comp
     tag = f"256x256.b{second}"
     report = json.loads((comp_dir / "dd" / f"report.{tag}.json").read_text())
     assert report["batch"] == second and json.loads((comp_dir / "dd" / "report.json").read_text())["batch"] == first
     assert (report.get("specialized_from") == "256x256") == (why is None), caplog.text
     if why is not None:
         assert f"at batch {second}: the dispatch model" in caplog.text and why in caplog.text
-    compile_file(comp_dir / f"model.{tag}.onnx", tmp_path / "full" / "unet", verify=False)
-    full = _graph_parts(tmp_path / "full" / "unet" / "replaced.onnx")
+    compile_file(comp_dir / f"model.{tag}.onnx", tmp_path / "full" / comp, verify=False)
+    full = _graph_parts(tmp_path / "full" / comp / "replaced.onnx")
     ours = _graph_parts(comp_dir / "dd" / f"replaced.{tag}.onnx")
     assert all(ours[part] == full[part] for part in full)
     assert [(f.batch, f.model) for f in sizes_of(comp_dir)] == [(first, "model.onnx"), (second, f"model.{tag}.onnx")]
