@@ -1,20 +1,21 @@
 """``sdnpu serve``: converted folders behind an OpenAI-style images API (FastAPI on uvicorn).
 
     POST /v1/images/generations   JSON: model, prompt, n, size "WxH", response_format "b64_json", and sdnpu's
-                                  extras: steps, guidance, seed, negative_prompt, scheduler
+                                  extras: steps, guidance, seed, negative_prompt, scheduler, lora
     POST /v1/images/edits         multipart: image, mask (optional), prompt, model, n, size, response_format,
-                                  strength, steps, guidance, seed, negative_prompt, scheduler
+                                  strength, steps, guidance, seed, negative_prompt, scheduler, lora
     GET  /v1/models               the folders served: their sizes and denoiser batches
     GET  /health
 
 Each folder is a model named by its directory. Its sessions stay open between requests (``keep_sessions``;
-one pipeline per size, the last size asked for), and its requests run one at a time on a worker thread of
+one pipeline per size and LoRAs, the last asked for), and its requests run one at a time on a worker thread of
 its own, in arrival order; at most ``queue`` wait behind the running one, and a request beyond them is
 answered 429. A request whose client has gone before it starts is dropped, and one whose client goes while it
 draws stops at the next step. What the folder cannot draw (a size or batch it lacks, a mask without an
 inpainting-capable folder) is a 400 whose message names the ``sdnpu convert ... --add`` that fixes it; a
 malformed request is a 422. A mask is white where to draw; one with an alpha channel follows OpenAI's rule
-instead (transparent where to draw).
+instead (transparent where to draw). ``lora``: ``["NAME[:SCALE]", ...]``, files of the server's ``lora_dir``
+(``--lora-dir``; none without it), applied as the sessions open, stacked in order (``sdnpu generate --lora``).
 """
 
 # no ``from __future__ import annotations``: FastAPI reads the endpoints' annotations as objects, and the
@@ -22,6 +23,7 @@ instead (transparent where to draw).
 import asyncio
 import base64
 import contextlib
+import dataclasses
 import io
 import logging
 import tempfile
@@ -56,19 +58,21 @@ class Served:
 
     name: str
     folder: Path
-    make: Callable[[Path, Size | None], Any]  # (folder, size) -> pipeline with its sessions kept
+    make: Callable[[Path, Size | None, tuple[Any, ...]], Any]  # (folder, size, LoRAs) -> pipeline, sessions kept
     queue: int
     pipe: Any = None
+    loras: tuple[Any, ...] = ()  # the open pipeline's
     worker: ThreadPoolExecutor = field(default_factory=lambda: ThreadPoolExecutor(max_workers=1))
     waiting: int = 0
     lock: threading.Lock = field(default_factory=threading.Lock)
     drawn: int = 0  # requests drawn to the end (the tests read it)
 
-    def pipeline(self, size: Size | None) -> Any:
-        """The pipeline at ``size`` (None: the folder's first), reusing the open one where it is that size."""
-        if self.pipe is None or (size is not None and Size(*self.pipe.image_size) != size):
+    def pipeline(self, size: Size | None, loras: tuple[Any, ...] = ()) -> Any:
+        """The pipeline at ``size`` (None: the folder's first) with ``loras``, reusing the open one where it
+        is that."""
+        if self.pipe is None or self.loras != loras or (size is not None and Size(*self.pipe.image_size) != size):
             self.pipe = None  # the old sessions go before the new ones open
-            self.pipe = self.make(self.folder, size)
+            self.pipe, self.loras = self.make(self.folder, size, loras), loras
         return self.pipe
 
     def info(self) -> dict[str, Any]:
@@ -157,16 +161,45 @@ def _mask_file(data: bytes, folder: Path) -> Path:
     return path
 
 
-def build_app(folders: list[Path], *, queue: int = 8, reference: bool = False, runtime: Any = None) -> Any:
-    """The ASGI app serving ``folders`` (each a converted folder; its name is the model's id)."""
+def lora_specs(items: list[str] | None, lora_dir: Path | None) -> tuple[Any, ...]:
+    """A request's ``lora`` entries (``NAME[:SCALE]``) as LoraSpecs of files in ``lora_dir``."""
+    from sdnpu.lora import LoraSpec
+
+    if not items:
+        return ()
+    if lora_dir is None:
+        raise SdnpuError("this server takes no LoRAs per request",
+                         hint="start it with --lora-dir DIR (the LoRA files requests may name)")
+    specs = []
+    for item in items:
+        spec = LoraSpec.parse(item)
+        name = spec.path.name
+        if str(spec.path) != name or name in ("", ".", ".."):
+            raise SdnpuError(f"LoRA {item!r}: name a file of the server's LoRA folder, not a path",
+                             hint=f"one of: {', '.join(sorted(p.name for p in lora_dir.glob('*.safetensors')))}")
+        if not (lora_dir / name).is_file():
+            raise SdnpuError(f"no LoRA {name} in {lora_dir}",
+                             hint=f"one of: {', '.join(sorted(p.name for p in lora_dir.glob('*.safetensors')))}")
+        specs.append(LoraSpec(lora_dir / name, spec.scale))
+    return tuple(specs)
+
+
+def build_app(folders: list[Path], *, queue: int = 8, reference: bool = False, runtime: Any = None,
+              lora_dir: Path | None = None) -> Any:
+    """The ASGI app serving ``folders`` (each a converted folder; its name is the model's id); ``lora_dir``:
+    the LoRA files requests may name."""
     from fastapi import FastAPI, File, Form, Request, UploadFile
     from fastapi.responses import JSONResponse
     from pydantic import BaseModel, Field
 
+    from sdnpu.runtime.session import RuntimeOptions
     from sdnpu.runtime.text2image import GenerateOptions, Pipeline
 
-    def make(folder: Path, size: Size | None) -> Any:
-        return Pipeline(folder, reference=reference, keep_sessions=True, runtime=runtime, size=size)
+    base = runtime or RuntimeOptions()
+
+    def make(folder: Path, size: Size | None, loras: tuple[Any, ...]) -> Any:
+        return Pipeline(folder, reference=reference, keep_sessions=True, size=size,
+                        runtime=dataclasses.replace(base, loras=loras) if loras else base)
 
     served: dict[str, Served] = {}
     for folder in folders:
@@ -174,7 +207,7 @@ def build_app(folders: list[Path], *, queue: int = 8, reference: bool = False, r
         if folder.name in served:
             raise SdnpuError(f"two folders named {folder.name}: {served[folder.name].folder} and {folder}",
                              hint="serve folders with different names (the name is the model's id)")
-        make(folder, None)  # a folder that is not a converted pipeline fails now, not at the first request
+        make(folder, None, ())  # a folder that is not a converted pipeline fails now, not at the first request
         served[folder.name] = Served(folder.name, folder, make, queue)
 
     app = FastAPI(title="sdnpu", description="converted folders behind an OpenAI-style images API")
@@ -191,12 +224,13 @@ def build_app(folders: list[Path], *, queue: int = 8, reference: bool = False, r
         return served[model]  # type: ignore[index]
 
     async def draw(request: Request, model: str | None, opts: dict[str, Any], size: str | None,
-                   response_format: str | None) -> JSONResponse:
+                   response_format: str | None, lora: list[str] | None) -> JSONResponse:
         if response_format not in (None, "b64_json"):
             return error(400, f"response_format {response_format!r}: this server answers b64_json only")
         try:
             slot = pick(model)
             wanted = parse_size(size)
+            loras = lora_specs(lora, lora_dir)
         except LookupError as e:
             return error(404, str(e), "not_found_error")
         except SdnpuError as e:
@@ -204,7 +238,7 @@ def build_app(folders: list[Path], *, queue: int = 8, reference: bool = False, r
         started = time.perf_counter()
 
         def job(gone: Callable[[], bool]) -> list[Any]:
-            pipe = slot.pipeline(wanted)
+            pipe = slot.pipeline(wanted, loras)
             n = opts.get("num_images", 1)
 
             def progress(i: int, steps: int) -> None:
@@ -240,6 +274,7 @@ def build_app(folders: list[Path], *, queue: int = 8, reference: bool = False, r
         guidance: float | None = Field(None, ge=0)
         seed: int = 0
         scheduler: str | None = None
+        lora: list[str] | None = None
 
     def defaults(slot_name: str | None, steps: int | None, guidance: float | None) -> tuple[int, float]:
         """The folder's steps and guidance (its ``generation.json``: a Turbo folder's 1 step at 0) where the
@@ -262,7 +297,7 @@ def build_app(folders: list[Path], *, queue: int = 8, reference: bool = False, r
         steps, guidance = defaults(body.model, body.steps, body.guidance)
         opts = {"prompt": body.prompt, "negative_prompt": body.negative_prompt, "steps": steps, "guidance": guidance,
                 "seed": body.seed, "scheduler": body.scheduler, "num_images": body.n}
-        return await draw(request, body.model, opts, body.size, body.response_format)
+        return await draw(request, body.model, opts, body.size, body.response_format, body.lora)
 
     @app.post("/v1/images/edits")
     async def edits(request: Request, image: UploadFile = File(...), prompt: str = Form(..., min_length=1),
@@ -271,7 +306,7 @@ def build_app(folders: list[Path], *, queue: int = 8, reference: bool = False, r
                     response_format: str | None = Form(None), strength: float | None = Form(None, gt=0, le=1),
                     negative_prompt: str = Form(""), steps: int | None = Form(None, ge=1, le=1000),
                     guidance: float | None = Form(None, ge=0), seed: int = Form(0),
-                    scheduler: str | None = Form(None)) -> JSONResponse:
+                    scheduler: str | None = Form(None), lora: list[str] | None = Form(None)) -> JSONResponse:
         steps, guidance = defaults(model, steps, guidance)
         with tempfile.TemporaryDirectory(prefix="sdnpu-edit-") as tmp:
             picture = Path(tmp) / "image.png"
@@ -283,7 +318,7 @@ def build_app(folders: list[Path], *, queue: int = 8, reference: bool = False, r
             opts = {"prompt": prompt, "negative_prompt": negative_prompt, "steps": steps, "guidance": guidance,
                     "seed": seed, "scheduler": scheduler, "num_images": n, "image": picture, "strength": strength,
                     "mask": mask_path}
-            return await draw(request, model, opts, size, response_format)
+            return await draw(request, model, opts, size, response_format, lora)
 
     return app
 

@@ -261,7 +261,11 @@ def _cmd_serve(args: argparse.Namespace) -> int:
                              hint="give the OUT of `sdnpu convert --model all`")
     runtime = RuntimeOptions.from_env(args.custom_ops, threads=args.threads)
     print(f"serving {', '.join(f.name for f in folders)} on http://{args.host}:{args.port}/v1 (Ctrl+C stops)")
-    serve(folders, args.host, args.port, queue=args.queue, reference=args.reference, runtime=runtime)
+    lora_dir = Path(args.lora_dir) if args.lora_dir else None
+    if lora_dir is not None and not lora_dir.is_dir():
+        raise SdnpuError(f"--lora-dir {lora_dir} is not a folder", hint="give the folder that holds the LoRA files")
+    serve(folders, args.host, args.port, queue=args.queue, reference=args.reference, runtime=runtime,
+          lora_dir=lora_dir)
     return 0
 
 
@@ -443,6 +447,8 @@ def build_parser() -> argparse.ArgumentParser:
     srv.add_argument("--threads", type=int, default=None, help="onnxruntime intra-op threads")
     srv.add_argument("--custom-ops", default=None, metavar="LIBRARY",
                      help="AMD's onnx_custom_ops library, as for generate (default $SDNPU_CUSTOM_OPS)")
+    srv.add_argument("--lora-dir", default=None, metavar="DIR",
+                     help="LoRA files requests may name (`\"lora\": [\"style.safetensors:0.8\"]`); none without it")
     srv.set_defaults(func=_cmd_serve)
 
     ver = sub.add_parser("verify", help="dispatch models against their fp32 graphs, component by component "

@@ -123,6 +123,44 @@ def test_bad_requests_are_answered_and_the_server_keeps_serving(server, body, st
     assert server.healthy()
 
 
+def test_a_request_names_a_lora_of_the_servers_folder(tiny_conversion, tmp_path):
+    """``lora`` from ``--lora-dir``: the image equals `sdnpu generate --lora` with the same seed; the next request
+    without it draws the base again; a path, an unknown file, or a LoRA on a server without the folder, a 400."""
+    from sdnpu.lora import LoraSpec
+    from sdnpu.lora.seeded import write_seeded_lora
+    from sdnpu.runtime import RuntimeOptions
+
+    loras = tmp_path / "loras"
+    loras.mkdir()
+    write_seeded_lora(tiny_conversion.out, loras / "style.safetensors", rank=4, strength=0.5)
+    s = _Server([tiny_conversion.out], lora_dir=loras)
+    try:
+        def ask(**extra):
+            return httpx.post(f"{s.url}/v1/images/generations", timeout=300,
+                              json={"prompt": "a cat", "steps": 2, "seed": 5, **extra})
+
+        styled = ask(lora=["style.safetensors:0.8"])
+        assert styled.status_code == 200, styled.text
+        ours = Pipeline(tiny_conversion.out, runtime=RuntimeOptions(loras=(LoraSpec(loras / "style.safetensors", 0.8),)))(
+            GenerateOptions("a cat", steps=2, seed=5))
+        np.testing.assert_array_equal(_pixels(styled.json()["data"][0]["b64_json"]), ours)
+        plain = ask()
+        base = Pipeline(tiny_conversion.out)(GenerateOptions("a cat", steps=2, seed=5))
+        np.testing.assert_array_equal(_pixels(plain.json()["data"][0]["b64_json"]), base)
+        assert np.abs(ours.astype(int) - base.astype(int)).max() > 0
+        for bad, says in ((["../style.safetensors"], "not a path"), (["nope.safetensors"], "no LoRA nope")):
+            answer = ask(lora=bad)
+            assert answer.status_code == 400 and says in answer.text and "style.safetensors" in answer.text
+    finally:
+        s.stop()
+
+
+def test_a_lora_on_a_server_without_a_lora_folder_is_400(server):
+    answer = httpx.post(f"{server.url}/v1/images/generations", timeout=60,
+                        json={"prompt": "a cat", "lora": ["style.safetensors"]})
+    assert answer.status_code == 400 and "--lora-dir" in answer.text and server.healthy()
+
+
 def test_not_json_is_422(server):
     answer = httpx.post(f"{server.url}/v1/images/generations", content=b"{not json",
                         headers={"content-type": "application/json"}, timeout=30)
@@ -137,9 +175,9 @@ def test_a_full_queue_answers_429_and_a_client_that_left_costs_nothing(tiny_conv
     hold = threading.Event()
     original = slot.pipeline
 
-    def held(size):
+    def held(size, loras=()):
         hold.wait(60)
-        return original(size)
+        return original(size, loras)
 
     monkeypatch.setattr(slot, "pipeline", held)
     body = {"prompt": "a cat", "steps": 1}
@@ -152,18 +190,21 @@ def test_a_full_queue_answers_429_and_a_client_that_left_costs_nothing(tiny_conv
             except httpx.TimeoutException:
                 answers[key] = None  # the client gave up and closed its connection
 
+        def until(done) -> None:  # bounded: a failing request must not hang the test
+            deadline = time.monotonic() + 30
+            while not done():
+                assert time.monotonic() < deadline, (slot.waiting, answers)
+                time.sleep(0.02)
+
         first = threading.Thread(target=ask, args=("first", 120))
         first.start()
-        while slot.waiting < 1:
-            time.sleep(0.02)
+        until(lambda: slot.waiting >= 1)
         ask("leaves", 1.0)  # waits behind the first, gives up after a second
         assert answers["leaves"] is None
-        while slot.waiting > 1:  # the server sees the client go and frees its place in the queue
-            time.sleep(0.02)
+        until(lambda: slot.waiting <= 1)  # the server sees the client go and frees its place in the queue
         second = threading.Thread(target=ask, args=("second", 120))
         second.start()
-        while slot.waiting < 2:
-            time.sleep(0.02)
+        until(lambda: slot.waiting >= 2)
         ask("third", 30)
         assert answers["third"].status_code == 429 and "already waiting" in answers["third"].text
         hold.set()
