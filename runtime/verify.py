@@ -10,6 +10,7 @@ the UNet's or SD3 transformer's at timesteps 999, 500 and 1 (``RANGE_RUNS``)."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import logging
 import tempfile
@@ -21,6 +22,7 @@ import numpy as np
 from sdnpu.components import COMPONENTS, LORA_COMPONENTS, SIZED
 from sdnpu.errors import SdnpuError
 from sdnpu.fileio import atomic_write_json
+from sdnpu.formats import generation
 from sdnpu.formats.overlay import read_manifest
 from sdnpu.formats.sizes import SizeFiles, sizes_of
 from sdnpu.imagesize import Size
@@ -99,6 +101,28 @@ def _generate_both(folder: Path, opts: GenerateOptions, size: Any = None) -> tup
     return _generate(folder, False, opts, size), _generate(folder, True, opts, size)
 
 
+def _inpainting_unet(folder: Path, denoiser: str) -> bool:
+    """Whether the folder's denoiser is an inpainting UNet (latents, mask and masked-picture latents in)."""
+    try:
+        unet = json.loads((folder / denoiser / "config.json").read_text())
+        vae = json.loads((folder / "vae_decoder" / "config.json").read_text())
+    except (OSError, ValueError):
+        return False
+    return int(unet.get("in_channels", 0)) == 2 * int(vae.get("latent_channels", 4)) + 1
+
+
+def _seeded_picture_and_mask(tmp: Path, seed: int) -> dict[str, Path]:
+    """A seeded picture and a mask (a centred square to redraw) for an inpainting pipeline run, as PNGs."""
+    from PIL import Image
+
+    rng = np.random.default_rng(seed)
+    Image.fromarray(rng.integers(0, 256, (256, 256, 3), dtype=np.uint8)).save(tmp / "picture.png")
+    mask = np.zeros((256, 256), np.uint8)
+    mask[64:192, 64:192] = 255
+    Image.fromarray(mask).save(tmp / "mask.png")
+    return {"image": tmp / "picture.png", "mask": tmp / "mask.png"}
+
+
 def _files(folder: Path, name: str, size: Any) -> SizeFiles:
     """``name``'s files at ``size`` (None, or a component that does not depend on it: the primary's)."""
     if size is not None and name in SIZED:
@@ -144,18 +168,25 @@ def verify(folder: str | Path, steps: int = 3, seed: int = 0, prompt: str = "a p
         results["components"][name] = _component(folder, name, runs, size)
     pipeline = {denoiser, "vae_decoder"} <= set(present) and (folder / "text_encoder" / "dd" / "report.json").is_file()
     if (folder / "model_index.json").is_file() and pipeline:
-        opts = GenerateOptions(prompt, steps=steps, seed=seed)
-        if estimate(component_path(folder, denoiser, True, size)).bytes < ONE_WORKER_BELOW:
-            with step(log, f"pipeline, {steps} steps, dispatch models and fp32 graphs (small: one worker)"):
-                ours, ref = run_in_worker(_generate_both, folder, opts, size, what="running the pipeline")
-        else:
-            with step(log, f"pipeline, {steps} steps, dispatch models"):
-                ours = run_in_worker(_generate, folder, False, opts, size,
-                                     what="running the pipeline (dispatch models)")
-            with step(log, f"pipeline, {steps} steps, fp32 graphs"):
-                ref = run_in_worker(_generate, folder, True, opts, size, what="running the pipeline (fp32 graphs)")
+        # the folder's own guidance (a Turbo folder's 0, on its batch-1 UNet); an inpainting UNet draws over a
+        # seeded picture and mask
+        opts = GenerateOptions(prompt, steps=steps, seed=seed, guidance=generation.read(folder).guidance)
+        with tempfile.TemporaryDirectory(prefix="sdnpu-verify-") as tmp:
+            if _inpainting_unet(folder, denoiser):
+                opts = dataclasses.replace(opts, **_seeded_picture_and_mask(Path(tmp), seed))
+            if estimate(component_path(folder, denoiser, True, size)).bytes < ONE_WORKER_BELOW:
+                with step(log, f"pipeline, {steps} steps, dispatch models and fp32 graphs (small: one worker)"):
+                    ours, ref = run_in_worker(_generate_both, folder, opts, size, what="running the pipeline")
+            else:
+                with step(log, f"pipeline, {steps} steps, dispatch models"):
+                    ours = run_in_worker(_generate, folder, False, opts, size,
+                                         what="running the pipeline (dispatch models)")
+                with step(log, f"pipeline, {steps} steps, fp32 graphs"):
+                    ref = run_in_worker(_generate, folder, True, opts, size,
+                                        what="running the pipeline (fp32 graphs)")
         mse = float(np.mean((ours.astype(np.float64) - ref) ** 2))
-        results["pipeline"] = {"prompt": prompt, "steps": steps, "seed": seed,
+        results["pipeline"] = {"prompt": prompt, "steps": steps, "seed": seed, "guidance": opts.guidance,
+                               "inpainting": opts.mask is not None,
                                "psnr_db": float(10 * np.log10(255**2 / mse)) if mse else float("inf")}
     if size is not None:
         results["size"] = str(size)

@@ -125,6 +125,10 @@ def test_sd_turbo_converts_at_batch_1_and_draws_what_diffusers_draws(tmp_path):
     worst, share = _levels(_uint8(theirs)[0], image)
     assert worst <= 1 and share <= 1e-3, (worst, share)
     assert _psnr(Pipeline(out)(opts), image) > 40
+    from sdnpu.runtime import verify
+
+    checked = verify(out, steps=1)["pipeline"]  # at the folder's guidance: its batch-1 UNet is all it has
+    assert checked["guidance"] == 0.0 and checked["psnr_db"] > 40, checked
 
 
 def test_an_lcm_at_guidance_1_runs_at_batch_1_and_agrees_with_diffusers(turbo):

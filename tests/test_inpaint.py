@@ -172,6 +172,13 @@ def test_a_text_to_image_unet_inpaints_keeping_the_picture_outside_the_mask(tiny
     assert _levels(image, plain)[0] > 10  # the mask and picture changed what was drawn
 
 
+def test_verify_draws_an_inpainting_folder_over_a_seeded_picture_and_mask(sdxl_inpaint):
+    from sdnpu.runtime import verify
+
+    checked = verify(sdxl_inpaint, steps=2)["pipeline"]
+    assert checked["inpainting"] and checked["psnr_db"] > 40, checked
+
+
 def test_inpainting_refusals(sdxl_inpaint, tiny_conversion, tmp_path):
     picture, mask = _pictures(tmp_path, (256, 256))
     with pytest.raises(SdnpuError, match="inpainting UNet") as e:

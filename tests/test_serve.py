@@ -141,8 +141,8 @@ def test_a_request_names_a_lora_of_the_servers_folder(tiny_conversion, tmp_path)
 
         styled = ask(lora=["style.safetensors:0.8"])
         assert styled.status_code == 200, styled.text
-        ours = Pipeline(tiny_conversion.out, runtime=RuntimeOptions(loras=(LoraSpec(loras / "style.safetensors", 0.8),)))(
-            GenerateOptions("a cat", steps=2, seed=5))
+        styled_runtime = RuntimeOptions(loras=(LoraSpec(loras / "style.safetensors", 0.8),))
+        ours = Pipeline(tiny_conversion.out, runtime=styled_runtime)(GenerateOptions("a cat", steps=2, seed=5))
         np.testing.assert_array_equal(_pixels(styled.json()["data"][0]["b64_json"]), ours)
         plain = ask()
         base = Pipeline(tiny_conversion.out)(GenerateOptions("a cat", steps=2, seed=5))
