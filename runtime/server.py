@@ -161,6 +161,26 @@ def _mask_file(data: bytes, folder: Path) -> Path:
     return path
 
 
+def sessions_fit(folder: Path, size: Size | None, reference: bool) -> bool:
+    """Whether every stage's sessions of ``folder`` may stay open together between requests: twice their
+    weight bytes (the weights, and the activations beside them) within 80% of the memory available. Where they
+    do not (a full-size fp32 SDXL folder), each request opens and drops them stage by stage, as ``generate``."""
+    from sdnpu.memory import available_bytes
+    from sdnpu.runtime.session import component_path, weight_bytes
+
+    names = [c for c in ("text_encoder", "text_encoder_2", "text_encoder_3", "unet", "unet_controlnet", "transformer",
+                         "vae_decoder", "vae_encoder") if (folder / c).is_dir()]
+    try:
+        need = 2 * sum(weight_bytes(component_path(folder, c, reference, size)) for c in names)
+    except (SdnpuError, OSError):
+        return False  # what is missing is refused where it is opened, with its fix
+    available = available_bytes()
+    fits = available is None or need <= 0.8 * available
+    log.info("%s: its sessions (%.1f GB with their activations) %s", folder.name, need / 1e9,
+             "stay open between requests" if fits else "do not fit together: opened per request, stage by stage")
+    return fits
+
+
 def lora_specs(items: list[str] | None, lora_dir: Path | None) -> tuple[Any, ...]:
     """A request's ``lora`` entries (``NAME[:SCALE]``) as LoraSpecs of files in ``lora_dir``."""
     from sdnpu.lora import LoraSpec
@@ -198,7 +218,7 @@ def build_app(folders: list[Path], *, queue: int = 8, reference: bool = False, r
     base = runtime or RuntimeOptions()
 
     def make(folder: Path, size: Size | None, loras: tuple[Any, ...]) -> Any:
-        return Pipeline(folder, reference=reference, keep_sessions=True, size=size,
+        return Pipeline(folder, reference=reference, keep_sessions=sessions_fit(folder, size, reference), size=size,
                         runtime=dataclasses.replace(base, loras=loras) if loras else base)
 
     served: dict[str, Served] = {}

@@ -132,7 +132,8 @@ class Component:
         return dict(zip(names, onnxrun.run(self.session, names, feeds, native), strict=True))
 
 
-def _weight_bytes(path: Path) -> int:
+def weight_bytes(path: Path) -> int:
+    """The bytes of the model at ``path`` and its external data."""
     data = path.with_name(path.name + ".data")
     return path.stat().st_size + (data.stat().st_size if data.is_file() else 0)
 
@@ -146,7 +147,7 @@ def choose_optimize(path: Path | list[Path], reference: bool) -> bool:
     ControlNets, open together) count together, one choice for all: chosen one by one, each after the
     one before had opened but not yet run, the full-size ControlNet beside the UNet was given them and the
     step ran out of memory."""
-    need = sum(_weight_bytes(p) for p in ([path] if isinstance(path, Path) else path)) * (2 if reference else 4)
+    need = sum(weight_bytes(p) for p in ([path] if isinstance(path, Path) else path)) * (2 if reference else 4)
     available = available_bytes()
     return available is not None and need < 0.8 * available
 

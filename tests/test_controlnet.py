@@ -260,7 +260,7 @@ def test_the_stage_chooses_graph_optimizations_for_the_unet_and_its_controlnets_
 
     folder, first, _, image, _ = control_setup
     paths = [folder / "unet_controlnet" / session.DISPATCH_MODEL, first / "controlnet" / session.DISPATCH_MODEL]
-    largest = max(session._weight_bytes(p) for p in paths)
+    largest = max(session.weight_bytes(p) for p in paths)
     monkeypatch.setattr(session, "available_bytes", lambda: int(5.05 * largest))
     assert all(session.choose_optimize(p, reference=False) for p in paths)
     assert not session.choose_optimize(paths, reference=False)

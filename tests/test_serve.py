@@ -73,7 +73,8 @@ def test_the_openai_client_draws_what_generate_draws(server, tiny_conversion):
     ours = Pipeline(tiny_conversion.out).generate(GenerateOptions("a photo of a cat", steps=2, seed=11, num_images=2))
     for a, b in zip(theirs, ours, strict=True):
         np.testing.assert_array_equal(a, b)
-    assert server.app.state.served[name].pipe is not None  # the sessions stay open for the next request
+    kept = server.app.state.served[name].pipe  # the sessions stay open for the next request
+    assert kept.keep and {n for n, _ in kept.parts} >= {"text_encoder", "text_encoder_2", "unet", "vae_decoder"}
     info = httpx.get(f"{server.url}/v1/models", timeout=10).json()["data"][0]
     assert info["sizes"] == ["256x256"] and info["batches"] == [2]
 
@@ -216,6 +217,15 @@ def test_a_full_queue_answers_429_and_a_client_that_left_costs_nothing(tiny_conv
     finally:
         hold.set()
         s.stop()
+
+
+def test_sessions_stay_open_only_where_they_fit_together(tiny_conversion, monkeypatch):
+    from sdnpu import memory
+    from sdnpu.runtime.server import sessions_fit
+
+    assert sessions_fit(tiny_conversion.out, None, reference=False)
+    monkeypatch.setattr(memory, "available_bytes", lambda: 1 << 20)  # 1 MB: nothing fits beside the rest
+    assert not sessions_fit(tiny_conversion.out, None, reference=False)
 
 
 def test_serve_refuses_what_is_not_a_converted_folder(tmp_path, capsys):
