@@ -4,6 +4,7 @@
 #   make lora MODELS=models/sdxl-base LORA="FILE[:SCALE] ..." | make lora-remove MODELS=...
 #   make generate PROMPT="a cat" [MODELS=models/sdxl-base] [STEPS=30] [GUIDANCE=5] [IMAGES=N] [IMAGE=image.png]
 #                 [INIT=in.png [MASK=mask.png] [STRENGTH=s]]
+#   make serve [MODELS=models/sdxl-base] [PORT=8080]
 #   make test | make fuzz [N=10000] [SEED=n] | make bench [FULL=1] | make clean
 
 PYTHON ?= python3
@@ -38,7 +39,9 @@ INIT     ?=
 MASK     ?=
 STRENGTH ?=
 
-.PHONY: venv convert lora lora-remove generate test fuzz bench clean
+PORT     ?= 8080
+
+.PHONY: venv convert lora lora-remove generate serve test fuzz bench clean
 
 venv: $(STAMP)
 
@@ -72,6 +75,9 @@ generate: $(STAMP)
 	$(BIN)/sdnpu generate --models $(MODELS) --prompt "$(PROMPT)" $(if $(STEPS),--steps $(STEPS)) \
 		$(if $(GUIDANCE),--guidance $(GUIDANCE)) $(if $(IMAGES),--num-images $(IMAGES)) \
 		$(if $(INIT),--image $(INIT)) $(if $(MASK),--mask $(MASK)) $(if $(STRENGTH),--strength $(STRENGTH)) --out $(IMAGE)
+
+serve: $(STAMP)
+	$(BIN)/sdnpu serve $(MODELS) --port $(PORT)
 
 # Two workers (pytest-xdist): much of the suite is single-threaded Python (torch's exporter, process start-up),
 # so two run it in about two thirds of one's time on 2 cores (bench/results.md).

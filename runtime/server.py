@@ -135,6 +135,11 @@ def parse_size(text: str | None) -> Size | None:
     return Size(height, width)
 
 
+def _said(e: SdnpuError) -> str:
+    """An error's message and its fix, on one line (a JSON error's ``message``)."""
+    return f"{e.message} ({e.hint})" if e.hint else e.message
+
+
 def _png(image: Any) -> str:
     from PIL import Image
 
@@ -254,7 +259,7 @@ def build_app(folders: list[Path], *, queue: int = 8, reference: bool = False, r
         except LookupError as e:
             return error(404, str(e), "not_found_error")
         except SdnpuError as e:
-            return error(400, f"{e} ({e.hint})" if e.hint else str(e))
+            return error(400, _said(e))
         started = time.perf_counter()
 
         def job(gone: Callable[[], bool]) -> list[Any]:
@@ -280,7 +285,7 @@ def build_app(folders: list[Path], *, queue: int = 8, reference: bool = False, r
             log.info("[%s] the client left: request dropped", slot.name)
             return error(499, "the client closed the request")
         except SdnpuError as e:
-            return error(400, f"{e} ({e.hint})" if e.hint else str(e))
+            return error(400, _said(e))
         return JSONResponse({"created": int(time.time()), "data": [{"b64_json": _png(i)} for i in images]})
 
     class Generation(BaseModel):
@@ -334,7 +339,7 @@ def build_app(folders: list[Path], *, queue: int = 8, reference: bool = False, r
             try:
                 mask_path = _mask_file(await mask.read(), Path(tmp)) if mask is not None else None
             except SdnpuError as e:
-                return error(400, f"{e} ({e.hint})")
+                return error(400, _said(e))
             opts = {"prompt": prompt, "negative_prompt": negative_prompt, "steps": steps, "guidance": guidance,
                     "seed": seed, "scheduler": scheduler, "num_images": n, "image": picture, "strength": strength,
                     "mask": mask_path}

@@ -202,7 +202,8 @@ def component_path(folder: Path, component: str, reference: bool = False, size: 
         match = next((f for f in have if f.size == size and (batch is None or f.batch in (None, batch))), None)
         if match is None:
             at = size if batch is None else Variant(size, batch)  # type: ignore[arg-type]
-            listed = ", ".join(str(f.variant if batch is not None else f.size) for f in have) or "none recorded"
+            listed = ", ".join(dict.fromkeys(str(f.variant if batch is not None else f.size) for f in have)) or (
+                "none recorded")
             raise SdnpuError(f"{comp_dir} is not converted at {at} (converted: {listed})",
                              hint=f"add it: {add_command(Path(folder), component, size, batch)}")
         path = comp_dir / (match.model if reference else match.dispatch)

@@ -121,6 +121,9 @@ def test_bad_requests_are_answered_and_the_server_keeps_serving(server, body, st
     answer = httpx.post(f"{server.url}/v1/images/generations", json=body, timeout=120)
     assert answer.status_code == status, answer.text
     assert says in answer.text
+    if "error" in answer.json():  # one line: the problem, then its fix once
+        message = answer.json()["error"]["message"]
+        assert "\n" not in message and message.count(says) == 1, message
     assert server.healthy()
 
 
