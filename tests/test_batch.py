@@ -16,6 +16,7 @@ from sdnpu.errors import SdnpuError
 from sdnpu.formats.sizes import sizes_of
 from sdnpu.runtime import GenerateOptions, Pipeline
 from sdnpu.runtime.stages import plan_calls
+from tests.images import levels, psnr, uint8
 
 
 def _diffusers_sdxl(preset: str, folder: Path, scheduler: str | None = None):
@@ -33,20 +34,6 @@ def _diffusers_sdxl(preset: str, folder: Path, scheduler: str | None = None):
         tokenizer=CLIPTokenizer.from_pretrained(folder / "tokenizer"),
         tokenizer_2=CLIPTokenizer.from_pretrained(folder / "tokenizer_2"),
         unet=src.load_module("unet"), scheduler=cls.from_config(config))
-
-
-def _levels(a: np.ndarray, b: np.ndarray) -> tuple[int, float]:
-    diff = np.abs(a.astype(int) - b.astype(int))
-    return int(diff.max()), float(np.mean(diff > 0))
-
-
-def _psnr(a: np.ndarray, b: np.ndarray) -> float:
-    mse = np.mean((a.astype(float) - b.astype(float)) ** 2)
-    return float("inf") if mse == 0 else float(10 * np.log10(255**2 / mse))
-
-
-def _uint8(images: np.ndarray) -> list[np.ndarray]:
-    return [(x * 255).round().astype(np.uint8) for x in images]
 
 
 @pytest.fixture(scope="module")
@@ -92,10 +79,10 @@ def test_turbo_at_guidance_0_in_one_step_draws_what_diffusers_draws(turbo):
     pipe = _diffusers_sdxl("tiny-sdxl-turbo", turbo)
     out = pipe(opts.prompt, num_inference_steps=1, guidance_scale=0.0, height=256, width=256,
                latents=torch.from_numpy(ours.noise(opts.seed)), output_type="np").images
-    worst, share = _levels(_uint8(out)[0], image)
+    worst, share = levels(uint8(out)[0], image)
     assert worst <= 1 and share <= 1e-3, (worst, share)
     dispatch = Pipeline(turbo)(opts)
-    assert _psnr(dispatch, image) > 40, _psnr(dispatch, image)
+    assert psnr(dispatch, image) > 40, psnr(dispatch, image)
 
 
 def test_sd_turbo_converts_at_batch_1_and_draws_what_diffusers_draws(tmp_path):
@@ -122,9 +109,9 @@ def test_sd_turbo_converts_at_batch_1_and_draws_what_diffusers_draws(tmp_path):
     h, w = ours.image_size
     theirs = pipe(opts.prompt, num_inference_steps=1, guidance_scale=0.0, height=h, width=w,
                   latents=torch.from_numpy(ours.noise(opts.seed)), output_type="np").images
-    worst, share = _levels(_uint8(theirs)[0], image)
+    worst, share = levels(uint8(theirs)[0], image)
     assert worst <= 1 and share <= 1e-3, (worst, share)
-    assert _psnr(Pipeline(out)(opts), image) > 40
+    assert psnr(Pipeline(out)(opts), image) > 40
     from sdnpu.runtime import verify
 
     checked = verify(out, steps=1)["pipeline"]  # at the folder's guidance: its batch-1 UNet is all it has
@@ -143,7 +130,7 @@ def test_an_lcm_at_guidance_1_runs_at_batch_1_and_agrees_with_diffusers(turbo):
     out = pipe(opts.prompt, num_inference_steps=4, guidance_scale=1.0, height=256, width=256,
                latents=torch.from_numpy(ours.noise(opts.seed)), generator=torch.Generator().manual_seed(opts.seed),
                output_type="np").images
-    worst, share = _levels(_uint8(out)[0], image)
+    worst, share = levels(uint8(out)[0], image)
     assert worst <= 1 and share <= 1e-3, (worst, share)
 
 
@@ -160,13 +147,13 @@ def test_several_images_go_through_the_batches_and_equal_each_seed_drawn_alone(t
     for k, image in enumerate(images):
         alone = ours(GenerateOptions(opts.prompt, steps=1, guidance=0.0, seed=opts.seed + k))
         np.testing.assert_array_equal(image, alone)
-    assert _levels(images[0], images[1])[0] > 0
+    assert levels(images[0], images[1])[0] > 0
     pipe = _diffusers_sdxl("tiny-sdxl-turbo", turbo)
     latents = np.concatenate([ours.noise(opts.seed + k) for k in range(3)])
     out = pipe(opts.prompt, num_inference_steps=1, guidance_scale=0.0, height=256, width=256, num_images_per_prompt=3,
                latents=torch.from_numpy(latents), output_type="np").images
-    for theirs, image in zip(_uint8(out), images, strict=True):
-        worst, share = _levels(theirs, image)
+    for theirs, image in zip(uint8(out), images, strict=True):
+        worst, share = levels(theirs, image)
         assert worst <= 1 and share <= 1e-3, (worst, share)
 
 
@@ -183,8 +170,8 @@ def test_several_images_with_guidance_agree_with_diffusers(tiny_conversion):
     out = pipe(opts.prompt, negative_prompt=opts.negative_prompt, num_inference_steps=2, guidance_scale=opts.guidance,
                height=256, width=256, num_images_per_prompt=2, latents=torch.from_numpy(latents),
                output_type="np").images
-    for theirs, image in zip(_uint8(out), images, strict=True):
-        worst, share = _levels(theirs, image)
+    for theirs, image in zip(uint8(out), images, strict=True):
+        worst, share = levels(theirs, image)
         assert worst <= 1 and share <= 1e-3, (worst, share)
 
 

@@ -18,20 +18,7 @@ from sdnpu.cli import main
 from sdnpu.convert import convert, resolve_source
 from sdnpu.errors import SdnpuError
 from sdnpu.runtime import GenerateOptions, Pipeline
-
-
-def _levels(a: np.ndarray, b: np.ndarray) -> tuple[int, float]:
-    diff = np.abs(a.astype(int) - b.astype(int))
-    return int(diff.max()), float(np.mean(diff > 0))
-
-
-def _psnr(a: np.ndarray, b: np.ndarray) -> float:
-    mse = np.mean((a.astype(float) - b.astype(float)) ** 2)
-    return float("inf") if mse == 0 else float(10 * np.log10(255**2 / mse))
-
-
-def _uint8(images: np.ndarray) -> list[np.ndarray]:
-    return [(x * 255).round().astype(np.uint8) for x in images]
+from tests.images import levels, psnr, uint8
 
 
 def _pictures(folder: Path, size: tuple[int, int]) -> tuple[Path, Path]:
@@ -91,7 +78,7 @@ def sd15_inpaint(tmp_path_factory) -> Path:
 
 
 def _agree(ours: np.ndarray, theirs: np.ndarray) -> None:
-    worst, share = _levels(ours, theirs)
+    worst, share = levels(ours, theirs)
     assert worst <= 1 and share <= 1e-3, (worst, share)
 
 
@@ -117,9 +104,9 @@ def test_an_inpainting_unet_draws_what_diffusers_inpainting_pipeline_draws(prese
         opts.prompt, negative_prompt=opts.negative_prompt, image=Image.open(picture), mask_image=Image.open(mask),
         strength=1.0, num_inference_steps=3, guidance_scale=opts.guidance, height=h, width=w,
         latents=torch.from_numpy(ours.noise(opts.seed)), output_type="np").images
-    _agree(image, _uint8(out)[0])
+    _agree(image, uint8(out)[0])
     dispatch = Pipeline(folder)(opts)
-    assert _psnr(dispatch, image) > 40, _psnr(dispatch, image)
+    assert psnr(dispatch, image) > 40, psnr(dispatch, image)
 
 
 def test_inpainting_from_part_of_the_schedule_starts_from_the_picture(sd15_inpaint, tmp_path, monkeypatch):
@@ -143,8 +130,8 @@ def test_inpainting_from_part_of_the_schedule_starts_from_the_picture(sd15_inpai
     out = _diffusers("tiny-sd15-inpaint", sd15_inpaint)(
         opts.prompt, image=Image.open(picture), mask_image=Image.open(mask), strength=0.5, num_inference_steps=4,
         guidance_scale=opts.guidance, height=h, width=w, output_type="np").images
-    _agree(image, _uint8(out)[0])
-    assert _levels(image, ours(GenerateOptions("a red chair", steps=4, seed=9, image=picture, mask=mask)))[0] > 0
+    _agree(image, uint8(out)[0])
+    assert levels(image, ours(GenerateOptions("a red chair", steps=4, seed=9, image=picture, mask=mask)))[0] > 0
 
 
 def test_a_text_to_image_unet_inpaints_keeping_the_picture_outside_the_mask(tiny_conversion, tmp_path, monkeypatch):
@@ -167,9 +154,9 @@ def test_a_text_to_image_unet_inpaints_keeping_the_picture_outside_the_mask(tiny
         opts.prompt, image=Image.open(picture), mask_image=Image.open(mask), strength=1.0, num_inference_steps=3,
         guidance_scale=opts.guidance, height=h, width=w, latents=torch.from_numpy(ours.noise(opts.seed)),
         output_type="np").images
-    _agree(image, _uint8(out)[0])
+    _agree(image, uint8(out)[0])
     plain = ours(GenerateOptions("a red chair", steps=3, seed=2))
-    assert _levels(image, plain)[0] > 10  # the mask and picture changed what was drawn
+    assert levels(image, plain)[0] > 10  # the mask and picture changed what was drawn
 
 
 def test_verify_draws_an_inpainting_folder_over_a_seeded_picture_and_mask(sdxl_inpaint):
