@@ -111,6 +111,33 @@ def _cpu_reason(node: ir.Node, target: Target) -> str:
     return target.cpu_reason(node.op_type)
 
 
+_CHOSEN = ("GlueLowering:", "Reshape: read by the CPU")  # CPU by the compiler's choice, not the registry's lack
+
+
+def cpu_islands(graph: ir.Graph, target: Target) -> dict[str, int]:
+    """The CPU nodes' connected groups (through CPU-to-CPU edges), each classed by why it is there: at the
+    graph's edges (it reads a graph input or writes an output), around an op the registry lacks (a node whose
+    reason is not a boundary cast, an element-wise op kept on CPU values, or a Reshape the CPU reads), or
+    neither: an island the data flow does not call for, between dispatch ops."""
+    cpu = [n for n in graph if not target.is_dispatch(n.domain, n.op_type)]
+    g = nx.Graph()
+    g.add_nodes_from(cpu)
+    members = set(cpu)
+    for n in cpu:
+        for v in n.inputs:
+            if v is not None and v.producer() in members:
+                g.add_edge(v.producer(), n)
+    counts = {"CPU islands": 0, "at the edges": 0, "around ops the registry lacks": 0, "avoidable": 0}
+    for island in nx.connected_components(g):
+        counts["CPU islands"] += 1
+        edge = any(v is not None and v.is_graph_input() for n in island for v in n.inputs) or any(
+            o.is_graph_output() for n in island for o in n.outputs)
+        lacks = any(not target.is_boundary(n.domain, n.op_type)
+                    and not _cpu_reason(n, target).startswith(_CHOSEN) for n in island)
+        counts["at the edges" if edge else "around ops the registry lacks" if lacks else "avoidable"] += 1
+    return counts
+
+
 def partition(model: ir.Model, target: Target) -> PassResult:
     graph = model.graph
     before = [(n.metadata_props.get(REGION_TAG), n.metadata_props.get(REASON_TAG)) for n in graph]
@@ -138,5 +165,7 @@ def partition(model: ir.Model, target: Target) -> PassResult:
             cpu += 1
     transitions = sum(len(r.inputs) + len(r.outputs) for r in out)
     after = [(n.metadata_props.get(REGION_TAG), n.metadata_props.get(REASON_TAG)) for n in graph]
-    counts = {"NPU regions": len(out), "CPU nodes": cpu, "transitions": transitions}
+    islands = cpu_islands(graph, target)
+    counts = {"NPU regions": len(out), "CPU nodes": cpu, "transitions": transitions, "CPU islands": islands.pop(
+        "CPU islands"), **{f"CPU islands {k}": v for k, v in islands.items()}}
     return PassResult(modified=after != before, counts=counts, details={"regions": out})

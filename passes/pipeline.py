@@ -11,6 +11,8 @@ one: the compile stage's log line and the report's pass records are read from it
     views         Reshapes in front of dispatch ops absorbed into them; after glue (every reader is final)
     precision     bf16 activations, constants as the table stores them, CastAvx at CPU<->NPU edges; needs the
                   final set of dispatch ops (it decides where the edges are)
+    cuts          the Slices and Splits left on the CPU, one Split per value and axis (passes/cuts.py); after
+                  precision (the parts are bf16 bits between dispatch ops), before cleanup
     handoff       the graph inputs/outputs named in ``CompileOptions.handoff`` (values another dispatch model
                   writes or reads) keep the NPU's form: their edge Transposes and CastAvx go; after
                   precision; only where asked
@@ -37,6 +39,7 @@ from sdnpu.errors import SdnpuError
 from sdnpu.ops.target import DEFAULT_TARGET, Target, get_target
 from sdnpu.passes.canonicalize import canonicalize
 from sdnpu.passes.cleanup import cleanup
+from sdnpu.passes.cuts import gather_cuts
 from sdnpu.passes.fuse import fuse
 from sdnpu.passes.glue import lower_glue
 from sdnpu.passes.handoff import handoff_pass
@@ -102,6 +105,7 @@ def pipeline(options: CompileOptions) -> list[tuple[str, PassFn]]:
         ("glue", lambda m: lower_glue(m, t)),
         ("views", lambda m: absorb_views(m, t)),
         ("precision", lambda m: precision(m, t, options.precision)),
+        ("cuts", lambda m: gather_cuts(m, t)),
         *([("handoff", lambda m: handoff_pass(m, t, options.handoff))] if options.handoff else []),
         ("cleanup", lambda m: cleanup(m, t)),
         *([("prologue", lambda m: prologue_pass(m, t, options.prologue))] if options.prologue else []),

@@ -160,6 +160,8 @@ def build(replaced: Path, source_model: Path | None, passes: list[dict[str, Any]
             "macs_uncounted_nodes": uncounted,
             "npu_regions": len(regions),
             "transitions": int(partition.get("counts", {}).get("transitions", 0)),
+            "cpu_islands": {k.removeprefix("CPU islands").strip() or "total": int(v)
+                            for k, v in partition.get("counts", {}).items() if k.startswith("CPU islands")},
             "weight_bytes_before": weight_before,
             "weight_bytes_after": weight_after,
             "absorbed_views": sum(views.values()),
@@ -205,6 +207,15 @@ def _gb(n: int | None) -> str:
 
 def _lora_names(loras: list[dict[str, Any]]) -> str:
     return ", ".join(f"{x['name']}:{x['scale']:g} ({x['format']})" for x in loras)
+
+
+def _islands_line(s: dict[str, Any]) -> list[str]:
+    i = s.get("cpu_islands") or {}
+    if "total" not in i:
+        return []
+    return [f"CPU islands            {i['total']} ({i.get('at the edges', 0)} at the edges, "
+            f"{i.get('around ops the registry lacks', 0)} around ops the registry",
+            f"                       lacks, {i.get('avoidable', 0)} avoidable)"]
 
 
 def _lora_lines(r: dict[str, Any]) -> list[str]:
@@ -272,6 +283,7 @@ def render_text(r: dict[str, Any]) -> str:
               f"assumed capabilities   {s.get('ops_on_assumed_capabilities', 0)} ops rely on one",
               f"NPU regions            {s['npu_regions']}",
               f"CPU<->NPU transitions  {s['transitions']}",
+              *_islands_line(s),
               f"weights                {_gb(s['weight_bytes_before'])} -> {_gb(s['weight_bytes_after'])}",
               ""]
     lines += _lora_lines(r)

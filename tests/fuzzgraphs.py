@@ -43,6 +43,9 @@ Families (``FAMILIES``):
                non-zero / cropping Pad before a Conv, a neutral constant that raises the rank, an RMSNorm over
                another axis or scaled per row, a joint attention cut where the streams do not meet or whose
                softmax is over the queries, a projection chunked along the batch).
+  generality   rotary embeddings (rotate-half and interleaved pairs, near misses), AdaLN modulation (chunks,
+               tables, scale-shift), streams cut back along the sequence, Einsum, a modulation table read a
+               few rows at a time (Slice, flatten + chunk, one Split; overlapping rows, step 2, a row output)
   mutation     ``MUTATIONS``: each rule's and glue lowering's pattern with what is around it changed, on its
                own input (ranks 1-5; odd, prime and size-1 dimensions), usually written by a dispatch op:
                GroupNorm with the batch folded into the groups ([1, B*G, -1]) or the groups on two axes
@@ -1241,6 +1244,60 @@ def step_modulation(g: G, x: str) -> str:
     return out
 
 
+def step_table_rows(g: G, x: str) -> str:
+    """A modulation table computed once for every block and read a few rows at a time (Chroma's
+    approximator): a [B, R, C] table from rows of a conditioning input (a Linear, now and then SiLU and a
+    second Linear), each block's rows taken by a Slice (negative starts too), by a Slice -> Reshape [B, nC] ->
+    Split(n) -> [B, 1, C] (the chunked flatten), or by one Split of the whole table; then x * (1 + scale) +
+    shift per block. Near misses in the same draw: two blocks reading overlapping rows, a Slice with step 2,
+    a row also read by a graph output."""
+    b, _, c = g.shape[x]
+    blocks, n = g.num(1, 3), g.pick([2, 3])
+    rows = blocks * n + g.num(0, 2)
+    t = _project(g, g.input((b, rows, g.num(1, 8)), "cond"), c, keep_rank=True)
+    if g.flag():
+        t = _project(g, _silu(g, t), c, keep_rank=True)
+    kind = g.pick(["slice", "flatten_split", "split", "overlap", "step2"])
+    x = _project(g, x, c, keep_rank=True)  # a layer's output, as in a block (a graph input stays on the CPU)
+    spans = [(i * n, (i + 1) * n) for i in range(blocks)]
+    if kind == "overlap" and blocks > 1:
+        spans[1] = (spans[1][0] - 1, spans[1][1] - 1)
+    parts: list[list[str]] = []
+    if kind == "split":
+        tail = rows - blocks * n
+        outs = g.op_n("Split", [t, g.ints([1] * (blocks * n) + ([tail] if tail else []), "sizes")],
+                      [(b, 1, c)] * (blocks * n) + ([(b, tail, c)] if tail else []), axis=1)
+        parts = [outs[i * n:(i + 1) * n] for i in range(blocks)]
+    for lo, hi in spans if kind != "split" else ():
+        if kind == "overlap":  # the block's rows read whole: [B, n, C] -> [B, 1, nC] -> a Linear to shift, scale
+            sl = g.op("Slice", [t, g.ints([lo]), g.ints([hi]), g.ints([1])], (b, n, c))
+            flat = g.op("Reshape", [sl, g.ints([b, 1, n * c])], (b, 1, n * c))
+            parts.append([_project(g, flat, c, keep_rank=True), _project(g, flat, c, keep_rank=True)])
+        elif kind == "flatten_split":
+            sl = g.op("Slice", [t, g.ints([lo]), g.ints([hi]), g.ints([1])], (b, n, c))
+            flat = g.op("Reshape", [sl, g.ints([b, n * c])], (b, n * c))
+            chunks = g.op_n("Split", [flat], [(b, c)] * n, axis=1, num_outputs=n)
+            parts.append([g.op("Unsqueeze", [ch, g.ints([1], "axes")], (b, 1, c)) for ch in chunks])
+        else:
+            step = 2 if kind == "step2" else 1
+            one = []
+            for i in range(lo, hi):
+                start = i - rows if g.flag() else i
+                end = i + step if step == 1 else i + 1
+                one.append(g.op("Slice", [t, g.ints([start]), g.ints([end]), g.ints([1]), g.ints([step])],
+                                (b, 1, c)))
+            parts.append(one)
+    out = x
+    for block in parts:
+        shift, scale = block[0], block[1]
+        out = g.bin("Add", g.bin("Mul", out, g.bin("Add", g.scalar(1.0, "one"), scale)), shift)
+    if g.num(0, 3) == 0:
+        g.output(parts[0][0])
+        g.desc.append("a row is also an output")
+    g.desc.append(f"TableRows({kind}, {blocks} blocks of {n} of {rows} rows)")
+    return out
+
+
 def step_streams(g: G, x: str) -> str:
     """Two streams joined along the sequence for attention and cut back (Flux, AuraFlow): the context's and
     x's rows concatenated, normed and projected row by row, attention over the joint keys, the result cut
@@ -2118,6 +2175,7 @@ STEPS: dict[str, Step] = {
     "rotary": Step(step_rotary, (3,)),
     "modulation": Step(step_modulation, (3, 4)),
     "streams": Step(step_streams, (3,)),
+    "table_rows": Step(step_table_rows, (3,)),
     "einsum": Step(step_einsum, (3,)),
 }
 
@@ -2169,7 +2227,7 @@ FAMILIES: dict[str, list[str]] = {
     "block": ["resnet_block", "vae_attention_block", "transformer_block", "upsample_block", "downsample_block",
               "unet_skip_block"],
     "mmdit": ["rms_norm", "joint_attention", "adaln_chunks"],
-    "generality": ["rotary", "modulation", "streams", "einsum"],
+    "generality": ["rotary", "modulation", "streams", "einsum", "table_rows"],
     "near_miss": list(NEAR_MISSES),
     "mutation": [f"mut_{name}" for name in MUTATIONS],
 }

@@ -9,7 +9,7 @@ from onnx import helper
 
 from sdnpu.formats.keys import DECLINED_TAG, REASON_TAG, REGION_TAG
 from sdnpu.ops.target import get_target
-from sdnpu.passes.partition import partition, propose_regions
+from sdnpu.passes.partition import cpu_islands, partition, propose_regions
 
 from .graphs import to_ir
 
@@ -71,7 +71,28 @@ def test_every_cpu_node_has_its_reason():
     tags = {n.name: n.metadata_props for n in m.graph}
     assert tags["c"][REASON_TAG] == "SomeRule: a made-up reason"
     # transitions: region a takes x and gives a; region b takes a and c and gives b
-    assert result.counts == {"NPU regions": 2, "CPU nodes": 1, "transitions": 5}
+    assert result.counts == {"NPU regions": 2, "CPU nodes": 1, "transitions": 5, "CPU islands": 1,
+                             "CPU islands at the edges": 0, "CPU islands around ops the registry lacks": 1,
+                             "CPU islands avoidable": 0}
     m = _graph([npu("a", ["x", "x"]), cpu("c", ["a"])], "c")
     partition(m, TARGET)
     assert next(n for n in m.graph if n.name == "c").metadata_props[REASON_TAG] == "Floor: not in the amd-xdna2 registry"
+
+
+def _cast(name: str, ins: list[str]) -> object:
+    return helper.make_node(TARGET.boundary.op_type, ins[:1], [name], domain=D, name=name, to=T.FLOAT)
+
+
+def test_cpu_islands_are_classed_by_why_they_are_there():
+    # Floor between two dispatch ops: around an op the registry lacks; a graph input's Floor: at the edge
+    m = _graph([cpu("e", ["x"]), npu("a", ["e", "e"]), cpu("c", ["a"]), npu("b", ["a", "c"])], "b")
+    assert cpu_islands(m.graph, TARGET) == {"CPU islands": 2, "at the edges": 1,
+                                            "around ops the registry lacks": 1, "avoidable": 0}
+    # a cast and nothing else between two dispatch ops: an island the data flow does not call for
+    m = _graph([npu("a", ["x", "x"]), _cast("c", ["a"]), npu("b", ["a", "c"])], "b")
+    assert cpu_islands(m.graph, TARGET)["avoidable"] == 1
+    # CPU nodes joined through each other are one island, however many
+    m = _graph([npu("a", ["x", "x"]), cpu("c", ["a"]), _cast("d", ["c"]), cpu("f", ["d"]), npu("b", ["a", "f"])],
+               "b")
+    assert cpu_islands(m.graph, TARGET) == {"CPU islands": 1, "at the edges": 0,
+                                            "around ops the registry lacks": 1, "avoidable": 0}

@@ -1,9 +1,10 @@
 """The zoo (``tests/zoo.py``): every public architecture, exported once (``_held``: the exporter ``sdnpu
 convert`` uses where it can export it), compiles to at least its recorded floor (``tests/zoo_floors.json``,
 written by ``python bench/bench_zoo.py --floors``): offload counted AMD's way, CPU nodes, NPU regions, the
-share of MACs on the NPU and the dispatch model against its fp32 graph; every dispatch op holds the target's contract. An export that torch
-writes wrong is refused in one line that says so, nothing written. A rule change that loses offload on any
-member fails here."""
+share of MACs on the NPU and the dispatch model against its fp32 graph; every dispatch op holds the target's
+contract, and every CPU island is at the graph's edges or around an op the registry lacks. An export that
+torch writes wrong is refused in one line that says so, nothing written. A rule change that loses offload on
+any member fails here."""
 
 from __future__ import annotations
 
@@ -60,5 +61,8 @@ def test_the_member_compiles_to_its_floor(name, exporter, tmp_path):
     assert s["cpu_nodes"] <= floor["cpu_nodes"] and s["npu_regions"] <= floor["npu_regions"], (s, floor)
     assert (s["macs_offloaded_share"] or 0.0) >= floor["macs"] - 1e-9
     assert report["fidelity"]["min_cosine"] >= max(COSINE, floor["min_cosine"])
+    # every CPU island is at the graph's edges or around an op the registry lacks: none the data flow does
+    # not call for (so at most one island per run of registry-less ops)
+    assert s["cpu_islands"]["avoidable"] == 0, s["cpu_islands"]
     checked, found = problems(tmp_path / "dd" / "replaced.onnx")
     assert checked > 0 and found == [], found[:5]
