@@ -6,7 +6,8 @@ export it, compiled with ``sdnpu compile`` in a process of its own.
     python bench/bench_zoo.py --floors            # also record each member's floor in tests/zoo_floors.json
 
 Per member and exporter: the offload counted AMD's way (dispatch ops / (dispatch ops + CPU nodes), CastAvx
-on the CPU), CPU nodes, NPU regions, the share of multiply-accumulates on the NPU, contract problems
+on the CPU), CPU nodes, NPU regions, CPU islands (at the graph's edges / around ops the registry lacks /
+avoidable), the share of multiply-accumulates on the NPU, contract problems
 (``tests/contract.py``), the dispatch model against its fp32 graph (min cosine, seeded inputs of the
 compile's own check), the error against PyTorch's own bf16 run on the member's example inputs (max abs and
 1 - cosine, each as a ratio: the dispatch model's error against PyTorch fp32 over PyTorch bf16's), and the
@@ -114,7 +115,8 @@ def measure(name: str, exporter: str, tmp: Path) -> dict:
     s = report["summary"]
     checked, found = problems(tmp / "dd" / "replaced.onnx")
     row.update(offload=s["offload_rate"], dispatch=s["offloaded_nodes"], cpu=s["cpu_nodes"], regions=s["npu_regions"],
-               transitions=s["transitions"], macs=s["macs_offloaded_share"], contract=len(found),
+               transitions=s["transitions"], islands=s.get("cpu_islands"), macs=s["macs_offloaded_share"],
+               contract=len(found),
                min_cosine=report["fidelity"]["min_cosine"], compile_s=round(wall, 1), peak_gb=round(peak / 1e9, 2))
     ours = run_onnx(tmp / "dd" / "replaced.onnx", feeds)
     ours_list = [ours[k] for k in ours]
@@ -131,22 +133,26 @@ def _fmt(x: float | None, spec: str) -> str:
 
 
 def table(rows: list[dict]) -> str:
-    head = ("| member | exporter | offload | dispatch ops | CPU nodes | NPU regions | MACs on NPU | contract | "
-            "cosine vs fp32 | vs PyTorch bf16 (max abs, 1 - cos) | compile s | peak GB |")
+    head = ("| member | exporter | offload | dispatch ops | CPU nodes | NPU regions | CPU islands (edges / lacks / "
+            "avoidable) | MACs on NPU | contract | cosine vs fp32 | vs PyTorch bf16 (max abs, 1 - cos) | compile s | "
+            "peak GB |")
     lines = [head, "|" + "---|" * (head.count("|") - 1)]
     for r in rows:
         if "refused" in r or "exporter_bug" in r:
             why = re.sub(r"/\S*/export/", "<export>/", r.get("refused") or r["exporter_bug"])  # no temp paths
-            lines.append(f"| {r['member']} | {r['exporter']} | {why[:150]} |" + " |" * 9)
+            lines.append(f"| {r['member']} | {r['exporter']} | {why[:150]} |" + " |" * 10)
             continue
         ratio = f"{_fmt(r.get('ratio_max_abs'), '.2f')}x, {_fmt(r.get('ratio_cos'), '.2f')}x"
+        i = r.get("islands") or {}
+        isl = (f"{i['total']} ({i['at the edges']} / {i['around ops the registry lacks']} / {i['avoidable']})"
+               if "total" in i else "-")
         lines.append(f"| {r['member']} | {r['exporter']} | {100 * r['offload']:.2f}% | {r['dispatch']} | {r['cpu']} | "
-                     f"{r['regions']} | {_fmt(100 * r['macs'] if r['macs'] is not None else None, '.2f')}% | "
+                     f"{r['regions']} | {isl} | {_fmt(100 * r['macs'] if r['macs'] is not None else None, '.2f')}% | "
                      f"{r['contract']} | {r['min_cosine']:.6f} | {ratio} | {r.get('compile_s') or '-'} | "
                      f"{r.get('peak_gb') or '-'} |")
     for name, m in zoo.MEMBERS.items():
         for exporter, why in m.why_not.items():
-            lines.append(f"| {name} | {exporter} | not exported: {why} |" + " |" * 9)
+            lines.append(f"| {name} | {exporter} | not exported: {why} |" + " |" * 10)
     return "\n".join(lines)
 
 

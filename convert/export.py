@@ -62,7 +62,16 @@ class Exporter:
 
 def export_module(wrapper: Any, args: tuple[Any, ...], input_names: list[str], output_names: list[str],
                   path: Path, exporter: Exporter = Exporter()) -> None:
-    """Export ``wrapper(*args)`` to ``path`` (and ``path.data`` past 2 GB)."""
+    """Export ``wrapper(*args)`` to ``path`` (and ``path.data`` past 2 GB). Complex rotary tables (Lumina 2,
+    Z-Image) are exported in real arithmetic (``sdnpu.convert.realrope``)."""
+    from sdnpu.convert.realrope import real_rotary
+
+    with real_rotary(wrapper):
+        _export(wrapper, args, input_names, output_names, path, exporter)
+
+
+def _export(wrapper: Any, args: tuple[Any, ...], input_names: list[str], output_names: list[str],
+            path: Path, exporter: Exporter) -> None:
     import onnx_ir as ir
     import torch
 

@@ -7,9 +7,13 @@
 - shapes and types inferred for every value (the TorchScript exporter writes none for intermediates);
 - Squeeze/Unsqueeze/Flatten with static shapes become Reshape (the layout pass reasons about Reshape only);
   a Transpose without ``perm`` (it reverses the axes) gets its perm written out;
-- x*1, x/1, x+0 go; a zero Pad in front of a Conv becomes the Conv's pads; the Erf form of GELU becomes
-  one Gelu (TorchScript's and optimum's spellings), and the tanh form written out (transformers'
-  ``gelu_new``, T5's) one Gelu(approximate='tanh');
+- x*1, x/1, x+0 go; so do movements that move nothing given their constant parameters (a Where whose
+  condition picks one side everywhere, a one-part Split, a Pad of zeros, a ScatterElements that overwrites a
+  whole constant in place; a Gather of a size-1 axis becomes a Reshape): Z-Image's and Lumina 2's token
+  padding where nothing is padded, and where some rows are, a Where of a constant mask and a pad token is
+  a Mul and an Add (which go to the NPU); a zero Pad in front of a Conv becomes the Conv's pads; the Erf
+  form of GELU becomes one Gelu (TorchScript's and optimum's spellings), and the tanh form written out
+  (transformers' ``gelu_new``, T5's) one Gelu(approximate='tanh');
 - the sinusoidal embeddings (diffusers' ``get_timestep_embedding``: ``Concat(Sin(x·f), Cos(x·f))``, maybe
   flipped to cos-first by two Slices and a Concat) become one ``Sin(x·f' + phase)`` with cos(a) written as
   sin(a + pi/2): the same numbers to fp32 rounding of the argument (|a| <= ~1000 rad: below 1e-4), in three
@@ -30,6 +34,7 @@ import onnxscript.optimizer
 from onnx_ir.passes import common
 from sdnpu.passes import provenance
 from sdnpu.errors import SdnpuError
+from sdnpu.formats.weights import INLINE_LIMIT
 from sdnpu.passes.irutil import Builder, attr, const, producer, remove_dead_nodes, replace, reroute, scalar, static_shape
 from sdnpu.passes.provenance import step
 from sdnpu.passes.manager import PassResult
@@ -74,6 +79,41 @@ def _explicit_perm(graph: ir.Graph) -> int:
             if shape is not None:
                 node.attributes["perm"] = ir.AttrInt64s("perm", list(range(len(shape)))[::-1])
                 done += 1
+    return done
+
+
+def _where_to_arithmetic(graph: ir.Graph) -> int:
+    """``Where(mask, fill, x)`` with a constant mask and a constant fill (a pad token written over the padded
+    rows: Z-Image's and Lumina 2's captions) is ``x * keep + fill * mask``, with ``keep = 1 - mask``: a Mul
+    and an Add that go to the NPU, where a Where stays on the CPU with a cast each way. ``fill * mask`` is
+    folded next (a constant of the output's shape). Exact where x is finite (x * 1 = x, x * 0 + fill = fill);
+    either side may be the constant one."""
+    done = 0
+    for node in list(graph):
+        if node.op_type != "Where" or node.domain not in ("", "ai.onnx") or node.graph is None:
+            continue
+        cond, a, b_ = node.inputs
+        c = const(cond)
+        y = node.outputs[0]
+        if c is None or a is None or b_ is None or y.dtype not in (ir.DataType.FLOAT, ir.DataType.FLOAT16):
+            continue
+        if (a.const_value is None) == (b_.const_value is None) or c.all() or not c.any():
+            continue  # both or neither constant; a mask that picks one side everywhere: _drop_noop_moves
+        fill, x, fill_where = (a, b_, c) if a.const_value is not None else (b_, a, ~c)
+        if fill_where.size > INLINE_LIMIT:
+            continue  # its product with the fill could not be replayed from the record (LoRA overlays)
+        dtype = np.float32 if y.dtype == ir.DataType.FLOAT else np.float16
+        bld = Builder(graph, RULE)
+        keep = bld.const((~fill_where).astype(dtype), f"{node.name}_keep")
+        where = bld.const(fill_where.astype(dtype), f"{node.name}_fill_rows")
+        provenance.set_origin(where, provenance.inline(fill_where.astype(dtype)))  # replays: fill * mask
+        kept = bld.op("Mul", [x, keep], dtype=y.dtype, shape=None).outputs[0]
+        filled = bld.op("Mul", [fill, where], dtype=y.dtype, shape=None).outputs[0]
+        out = bld.op("Add", [kept, filled], dtype=y.dtype, shape=static_shape(y)).outputs[0]
+        graph.insert_before(node, bld.nodes)
+        reroute(graph, y, out)
+        graph.remove(node, safe=True)
+        done += 1
     return done
 
 
@@ -173,6 +213,76 @@ def _drop_noop_casts(graph: ir.Graph) -> int:
             continue
         y.replace_all_uses_with(x)
         done += 1
+    return done
+
+
+def _noop_source(node: ir.Node) -> ir.Value | ir.Node | None:
+    """What a data movement with constant parameters leaves as it is: the value it passes on unchanged, or
+    for a Gather of the one row of a size-1 axis the node to become a Reshape; None where it moves data."""
+    x, y = node.inputs[0] if node.inputs else None, node.outputs[0]
+    sy = static_shape(y)
+    if sy is None:
+        return None
+    op = node.op_type
+    if op == "Where":  # a constant condition that picks one side everywhere (a pad mask with nothing padded)
+        cond = const(node.inputs[0])
+        if cond is None or cond.size == 0 or not (cond.all() or not cond.any()):
+            return None
+        picked = node.inputs[1] if cond.all() else node.inputs[2]
+        return picked if picked is not None and static_shape(picked) == sy and picked.dtype == y.dtype else None
+    if x is None or static_shape(x) is None:
+        return None
+    if op == "Split" and len(node.outputs) == 1:
+        return x if static_shape(x) == sy else None
+    if op == "Pad":
+        pads = const(node.inputs[1]) if len(node.inputs) > 1 else None
+        return x if pads is not None and not pads.any() and static_shape(x) == sy else None
+    if op == "ScatterElements" and attr(node, "reduction", "none") == "none":
+        # every element of a constant overwritten once, in place: the updates themselves (torch's
+        # select_scatter into a new tensor of one row)
+        data, idx, upd = node.inputs[0], const(node.inputs[1]), node.inputs[2]
+        if data is None or data.const_value is None or idx is None or upd is None or static_shape(upd) != sy:
+            return None
+        axis = int(attr(node, "axis", 0)) % len(sy)
+        iota = np.arange(sy[axis]).reshape([-1 if i == axis else 1 for i in range(len(sy))])
+        return upd if idx.shape == tuple(sy) and np.array_equal(np.where(idx < 0, idx + sy[axis], idx),
+                                                                 np.broadcast_to(iota, sy)) else None
+    if op == "Gather":  # the one row of a size-1 axis: a Reshape that drops it
+        idx = const(node.inputs[1])
+        sx = static_shape(x)
+        axis = int(attr(node, "axis", 0)) % len(sx)  # type: ignore[arg-type]
+        if idx is not None and idx.size == 1 and int(idx.reshape(-1)[0]) in (0, -1) and sx[axis] == 1:  # type: ignore[index]
+            return node
+    return None
+
+
+def _drop_noop_moves(graph: ir.Graph) -> int:
+    """Data movements that move nothing, given their constant parameters: a Where whose constant condition
+    picks one side everywhere, a Split into one part, a Pad of zeros, a ScatterElements that overwrites every
+    element of a constant once in place, and a Gather of the one row of a size-1 axis (a Reshape, which a
+    dispatch op reads as a view). Z-Image's and Lumina 2's token padding, at a size where nothing is padded."""
+    done = 0
+    for node in list(graph):
+        if node.graph is None or node.domain not in ("", "ai.onnx") or node.op_type not in (
+                "Where", "Split", "Pad", "ScatterElements", "Gather") or len(node.outputs) != 1:
+            continue
+        src = _noop_source(node)
+        if src is None:
+            continue
+        y = node.outputs[0]
+        if isinstance(src, ir.Node):  # the Gather -> Reshape
+            b = Builder(graph, RULE)
+            shape = list(static_shape(y))  # type: ignore[arg-type]
+            r = b.op("Reshape", [node.inputs[0], b.const(np.asarray(shape, np.int64), "shape")], dtype=y.dtype,
+                     shape=shape)
+            graph.insert_before(node, b.nodes)
+            reroute(graph, y, r.outputs[0])
+        else:
+            reroute(graph, y, src)
+        graph.remove(node, safe=True)
+        done += 1
+    if done:
+        remove_dead_nodes(graph)
     return done
 
 
@@ -949,6 +1059,8 @@ def canonicalize(model: ir.Model) -> PassResult:
     counts["Constant nodes -> initializers"] += int(lift(model).modified)
     provenance.mark_folded(model.graph, foldable)
     _sync_constant_shapes(model.graph)
+    common.ShapeInferencePass(strict_mode=False)(model)
+    counts["Where over constant rows -> Mul, Add"] = _where_to_arithmetic(model.graph)
     for _ in range(10):  # folding one node can make the next one's inputs constant, or shapes known
         common.ShapeInferencePass(strict_mode=False)(model)
         n = _fold_small(model.graph)
@@ -964,6 +1076,7 @@ def canonicalize(model: ir.Model) -> PassResult:
     counts["x*1, x/1, x+0 removed"] = _drop_neutral(model.graph)
     counts["casts to the same type dropped"] = _drop_noop_casts(model.graph)
     counts["expands and reshapes to the same shape dropped"] = _drop_noop_expands(model.graph)
+    counts["movements that move nothing dropped"] = _drop_noop_moves(model.graph)
     counts["1 / x -> Reciprocal"] = _reciprocals(model.graph)
     counts["Erf GELU -> Gelu"] = _erf_gelu(model.graph)
     counts["tanh GELU -> Gelu"] = _tanh_gelu(model.graph)

@@ -246,13 +246,17 @@ class _Glue:
         if not bias and prod(c_shape) == 1 and len(a_shape) >= 2:
             c, c_shape = self.spread(b, c, a_shape)
         spec = self.target.op(family)
+        shape = a_shape
+        if len(a_shape) == 2 and len(c_shape) == 2:  # the kernels take no 2-D pair: read both as [1, M, N] views
+            a_shape, c_shape = [1, *a_shape], [1, *c_shape]
         reason, assumed = spec.check({"a": a_shape, "b": c_shape, "b_const": bias, "op": family.capitalize()})
         if reason:
             return reason
         attrs: dict[str, object] = {"a_shape": a_shape, "b_shape": c_shape, "c_shape": a_shape}
         if family == "add":
             attrs["is_bias_add"] = int(bias)
-        return b.dispatch(spec.op_type, [a, c], attrs, dtype=a.dtype, shape=a_shape, assumed=assumed).outputs[0]
+        y = b.dispatch(spec.op_type, [a, c], attrs, dtype=a.dtype, shape=a_shape, assumed=assumed).outputs[0]
+        return unview(b, y, tuple(shape)) if shape != a_shape else y
 
 
 def lower_glue(model: ir.Model, target: Target) -> PassResult:

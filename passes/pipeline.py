@@ -9,6 +9,8 @@ one: the compile stage's log line and the report's pass records are read from it
     glue          the element-wise ops between them -> dispatch ops; after layout, which pushes Transposes
                   through their plain ONNX forms
     views         Reshapes in front of dispatch ops absorbed into them; after glue (every reader is final)
+    parallel      linear layers of one input each followed by the same op the registry lacks (Z-Image's tanh
+                  gates) -> one layer, one op, one Split (passes/parallel.py); after views, before precision
     precision     bf16 activations, constants as the table stores them, CastAvx at CPU<->NPU edges; needs the
                   final set of dispatch ops (it decides where the edges are)
     cuts          the Slices and Splits left on the CPU, one Split per value and axis (passes/cuts.py); after
@@ -45,6 +47,7 @@ from sdnpu.passes.glue import lower_glue
 from sdnpu.passes.handoff import handoff_pass
 from sdnpu.passes.joint import joint_attention
 from sdnpu.passes.layout import layout
+from sdnpu.passes.parallel import join_parallel
 from sdnpu.passes.manager import PassFn, PassRecord, PassResult, run_passes
 from sdnpu.passes.partition import partition
 from sdnpu.passes.precision import PRECISIONS, precision
@@ -104,6 +107,7 @@ def pipeline(options: CompileOptions) -> list[tuple[str, PassFn]]:
         ("layout", layout),
         ("glue", lambda m: lower_glue(m, t)),
         ("views", lambda m: absorb_views(m, t)),
+        ("parallel", lambda m: join_parallel(m, t)),
         ("precision", lambda m: precision(m, t, options.precision)),
         ("cuts", lambda m: gather_cuts(m, t)),
         *([("handoff", lambda m: handoff_pass(m, t, options.handoff))] if options.handoff else []),

@@ -92,6 +92,8 @@ def _runs_on_bf16(p: ir.Node | None, v: ir.Value, target: Target, entries: dict[
     data = _data_inputs(p)  # type: ignore[arg-type]
     if all(w.dtype == BF16 or _runs_on_bf16(w.producer(), w, target, entries) for w in data):  # type: ignore[union-attr]
         return True
+    if p.op_type == "Split" and len(p.outputs) > 1 and data[0].dtype == v.dtype:  # type: ignore[union-attr]
+        return True  # one cast in front of the Split serves all its parts (Z-Image's joined tanh gates)
     return p.op_type in _SHAREABLE and data[0].dtype == v.dtype and (  # type: ignore[union-attr]
         id(data[0]) in entries or len(data[0].uses()) > 1)  # type: ignore[union-attr]
 

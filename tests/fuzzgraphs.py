@@ -45,7 +45,10 @@ Families (``FAMILIES``):
                softmax is over the queries, a projection chunked along the batch).
   generality   rotary embeddings (rotate-half and interleaved pairs, near misses), AdaLN modulation (chunks,
                tables, scale-shift), streams cut back along the sequence, Einsum, a modulation table read a
-               few rows at a time (Slice, flatten + chunk, one Split; overlapping rows, step 2, a row output)
+               few rows at a time (Slice, flatten + chunk, one Split; overlapping rows, step 2, a row output),
+               tanh / sigmoid gates of one conditioning vector (a shared projection, another op, another
+               input), token padding (constant-mask Where, one-part Split, zero Pad, select_scatter, a row's
+               Gather; a Pad that pads, a scatter that writes half)
   mutation     ``MUTATIONS``: each rule's and glue lowering's pattern with what is around it changed, on its
                own input (ranks 1-5; odd, prime and size-1 dimensions), usually written by a dispatch op:
                GroupNorm with the batch folded into the groups ([1, B*G, -1]) or the groups on two axes
@@ -1327,6 +1330,66 @@ def step_streams(g: G, x: str) -> str:
     return img
 
 
+def step_gates(g: G, x: str) -> str:
+    """Z-Image's and Lumina 2's gates: several projections of one conditioning vector, each through the same
+    op the registry lacks (tanh; now and then sigmoid), each gating x. Near misses in the same draw: a gate's
+    projection also read by another op, one gate through another op, a gate from another input."""
+    b, s_, c = g.shape[x]
+    cond = _silu(g, _project(g, g.input((b, 1, g.num(1, 8)), "cond"), g.num(2, 12), keep_rank=True))
+    x = _project(g, x, c, keep_rank=True)
+    op = g.pick(["Tanh", "Tanh", "Sigmoid"])
+    miss = g.pick(["none", "none", "shared", "other_op", "other_input"])
+    out = x
+    for i in range(g.num(2, 4)):
+        src = cond if not (miss == "other_input" and i == 0) else _project(g, g.input((b, 1, 3), "cond2"), 4,
+                                                                                keep_rank=True)
+        pre = _project(g, src, c, bias=True, keep_rank=True)
+        gate = g.op("Sigmoid" if miss == "other_op" and i == 0 else op, [pre], g.shape[pre])
+        if miss == "shared" and i == 0:
+            out = g.bin("Add", out, pre)
+        out = g.bin("Add", out, g.bin("Mul", gate, x))
+    g.desc.append(f"Gates({op}, {miss})")
+    return out
+
+
+def step_pad_tokens(g: G, x: str) -> str:
+    """Z-Image's and Lumina 2's token padding after a layer, as torch.export writes it: Where(mask, pad_token,
+    x) with a constant mask (nothing padded, or some rows; now and then the token on the other side), a Split
+    into one part, a Pad of zeros, a select_scatter into a new tensor of one row (ScatterElements), then
+    Gather of that row; each present or not. Near misses: a Pad that pads, a scatter that writes half."""
+    b, s_, c = g.shape[x]
+    y = _project(g, x, c, keep_rank=True)
+    y = g.op("Reshape", [y, g.ints([b * s_, c])], (b * s_, c))
+    rows = b * s_
+    kind = g.pick(["none", "some", "some", "all"])
+    mask = np.zeros((rows, 1), bool)
+    if kind == "some":
+        mask[g.num(0, rows - 1):] = True
+    elif kind == "all":
+        mask[:] = True
+    token = g.weight((1, c), 0.5, "pad_token")
+    cond = g.tensor(mask, "mask")
+    y = g.op("Where", [cond, token, y] if g.flag() else [cond, y, token], (rows, c))  # either side the token
+    if g.flag():
+        y = g.op_n("Split", [y, g.ints([rows], "sizes")], [(rows, c)], axis=0)[0]
+    pad = g.pick(["zero", "zero", "real"])
+    if pad == "real":
+        y = g.op("Pad", [y, g.ints([0, 0, 1, 0], "pads")], (rows + 1, c))
+        y = g.op("Slice", [y, g.ints([0]), g.ints([rows]), g.ints([0])], (rows, c))
+    elif g.flag():
+        y = g.op("Pad", [y, g.ints([0, 0, 0, 0], "pads")], (rows, c))
+    y = g.op("Reshape", [y, g.ints([1, rows, c])], (1, rows, c))
+    if g.flag():
+        half = g.flag() and rows > 1
+        idx = np.zeros((1, rows, c), np.int64)
+        data = g.fconst(np.zeros((2 if half else 1, rows, c)), "new_full")
+        y = g.op("ScatterElements", [data, g.tensor(idx, "idx"), y], (2 if half else 1, rows, c), axis=0)
+        y = g.op("Gather", [y, g.ints([0], "row")], (1, rows, c), axis=0)
+    y = g.op("Reshape", [y, g.ints([b, s_, c])], (b, s_, c))
+    g.desc.append(f"PadTokens({kind}, pad {pad})")
+    return _project(g, g.bin("Add", y, x), c, keep_rank=True)
+
+
 def step_einsum(g: G, x: str) -> str:
     """Einsum as DiTs write it: the unpatchify's permutation, a batched product with a weight or between two
     activations."""
@@ -2176,6 +2239,8 @@ STEPS: dict[str, Step] = {
     "modulation": Step(step_modulation, (3, 4)),
     "streams": Step(step_streams, (3,)),
     "table_rows": Step(step_table_rows, (3,)),
+    "gates": Step(step_gates, (3,)),
+    "pad_tokens": Step(step_pad_tokens, (3,)),
     "einsum": Step(step_einsum, (3,)),
 }
 
@@ -2227,7 +2292,7 @@ FAMILIES: dict[str, list[str]] = {
     "block": ["resnet_block", "vae_attention_block", "transformer_block", "upsample_block", "downsample_block",
               "unet_skip_block"],
     "mmdit": ["rms_norm", "joint_attention", "adaln_chunks"],
-    "generality": ["rotary", "modulation", "streams", "einsum", "table_rows"],
+    "generality": ["rotary", "modulation", "streams", "einsum", "table_rows", "gates", "pad_tokens"],
     "near_miss": list(NEAR_MISSES),
     "mutation": [f"mut_{name}" for name in MUTATIONS],
 }

@@ -100,5 +100,5 @@ def test_the_joint_pass_runs_right_after_canonicalize():
     names = pass_names(CompileOptions())
     assert names[:3] == ["canonicalize", "joint", "fuse"]
     both = pass_names(CompileOptions(handoff=frozenset({"a"}), prologue=frozenset({"b"})))
-    assert both == ["canonicalize", "joint", "fuse", "layout", "glue", "views", "precision", "cuts", "handoff",
-                    "cleanup", "prologue", "partition"]
+    assert both == ["canonicalize", "joint", "fuse", "layout", "glue", "views", "parallel", "precision", "cuts",
+                    "handoff", "cleanup", "prologue", "partition"]

@@ -129,8 +129,8 @@ def test_every_pass_keeps_the_numbers(tiny_conversion, component):
         seen.append(name)
 
     compile_model(load(source), after_each=check)
-    assert seen == ["canonicalize", "joint", "fuse", "layout", "glue", "views", "precision", "cuts", "cleanup",
-                    "partition"]
+    assert seen == ["canonicalize", "joint", "fuse", "layout", "glue", "views", "parallel", "precision", "cuts",
+                    "cleanup", "partition"]
 
 
 @pytest.mark.parametrize("component", list(EXPECTED))

@@ -270,14 +270,15 @@ def _auraflow() -> Built:
                  ("hidden_states", "encoder_hidden_states", "timestep"))
 
 
-_COMPLEX = {"dynamo": "its rotary embedding is complex-valued (torch.polar, view_as_complex): the ONNX exporters "
-                      "have no complex type",
-            "torchscript": "its rotary embedding is complex-valued: 'ScalarType ComplexFloat is an unexpected tensor "
-                           "scalar type'"}
+# Lumina 2 and Z-Image keep their rotary tables complex; they export inside sdnpu's real_rotary context
+# (convert/realrope.py), each with the exporter that takes the rest of its forward.
+_LUMINA_WHY = {"dynamo": "its forward turns the caption mask into Python sequence lengths (len(set(seq_lengths))): "
+                         "torch.export cannot hash a symbolic size"}
+_Z_IMAGE_WHY = {"torchscript": "TorchScript cannot export aten::pad_sequence (Z-Image pads its token lists)"}
 
 
 @member("lumina2", "transformer", "Lumina Image 2.0 (grouped-query attention, 3-axis RoPE, refiner layers)",
-        exporters=(), why_not=_COMPLEX)
+        exporters=("torchscript",), why_not=_LUMINA_WHY)
 def _lumina2() -> Built:
     import torch
 
@@ -306,7 +307,7 @@ def _cogview4() -> Built:
 
 
 @member("z-image", "transformer", "Z-Image (single-stream DiT over text and image tokens, 3-axis RoPE)",
-        exporters=(), why_not=_COMPLEX)
+        exporters=("dynamo",), why_not=_Z_IMAGE_WHY)
 def _z_image() -> Built:
     import torch
 
@@ -479,11 +480,14 @@ def export(name: str, exporter: str, folder: Path) -> tuple[Path, dict[str, np.n
     outputs on them."""
     import torch
 
+    from sdnpu.convert.realrope import real_rotary
+
     wrapper, built = build(name)
     folder.mkdir(parents=True, exist_ok=True)
     path = folder / "model.onnx"
     with torch.no_grad():
-        reference = [o.numpy().copy() for o in wrapper(*built.inputs)]
+        reference = [o.numpy().copy() for o in wrapper(*built.inputs)]  # also makes tables made on first use
+    with torch.no_grad(), real_rotary(wrapper):
         if exporter == "dynamo":
             with np.errstate(all="ignore"):
                 program = torch.onnx.export(wrapper, built.inputs, dynamo=True, input_names=list(built.names),
