@@ -818,6 +818,104 @@ def _unflip_concat(graph: ir.Graph) -> int:
     return done
 
 
+_AFFINE = frozenset({"Mul", "Add", "Sub", "Div"})
+_CHAIN_UNARY = frozenset({"Sin", "Cos", "Neg", "Exp", "Sigmoid", "Tanh"})
+
+
+def _column_chain(y: ir.Value) -> tuple[ir.Value, list[tuple[str, int, np.ndarray, ir.Value]], int] | None:
+    """``y = Reshape(E(Reshape(x, [N k, 1])), [N, k F])`` with ``E`` element-wise ops whose other operand is a
+    constant row [1, F] or [F] (a sinusoid's frequencies and phase), or unary (its Sin): (x, E's steps as
+    (op, side of the constant or -1, its values, the constant or the unary's input), F), or None. Every
+    value on the way has one reader."""
+    outer = y.producer()
+    v: ir.Value | None = y
+    if outer is not None and outer.op_type == "Reshape" and outer.domain in ("", "ai.onnx"):
+        v = outer.inputs[0]  # (a column of one, k = 1, has no Reshape either side: they were dropped)
+    sy, sv = static_shape(y), static_shape(v)
+    if v is None or sy is None or sv is None or len(sy) != 2 or len(sv) != 2 or (v is not y and len(v.uses()) != 1):
+        return None
+    f = sv[1]
+    steps: list[tuple[str, int, np.ndarray, ir.Value]] = []
+    while (p := v.producer()) is not None and p.op_type in _AFFINE | _CHAIN_UNARY and p.domain in ("", "ai.onnx"):
+        if p.op_type in _CHAIN_UNARY:
+            if p.attributes:
+                return None
+            steps.append((p.op_type, -1, np.zeros(0), p.inputs[0]))  # type: ignore[arg-type]
+            v = p.inputs[0]
+            if v is None or len(v.uses()) != 1:
+                return None
+            continue
+        side = next((i for i, w in enumerate(p.inputs) if w is not None and w.const_value is not None), None)
+        if side is None or len(p.inputs) != 2:
+            return None
+        c = p.inputs[side]
+        cv = const(c)
+        if cv is None or cv.size != f or (cv.ndim == 2 and cv.shape[0] != 1) or cv.ndim > 2:
+            return None
+        steps.append((p.op_type, side, cv.reshape(-1), c))  # type: ignore[arg-type]
+        v = p.inputs[1 - side]
+        if v is None or len(v.uses()) != 1:
+            return None
+    col = v
+    x = v
+    while (inner := x.producer()) is not None and inner.op_type == "Reshape" and inner.domain in ("", "ai.onnx") \
+            and inner.inputs[0] is not None and len(x.uses()) == 1:
+        x = inner.inputs[0]  # the column, through a chain of Reshapes ([N, k] -> [N k] -> [N k, 1])
+    if not steps:
+        return None
+    sx, sc = static_shape(x), static_shape(col)
+    if x is None or sx is None or len(sx) != 2 or sc != (sx[0] * sx[1], 1) or sy != (sx[0], sx[1] * f):
+        return None
+    return x, steps[::-1], f
+
+
+def _merge_column_chains(graph: ir.Graph) -> int:
+    """A Concat (along the features, 2-D) of the same element-wise chain applied to several inputs' columns,
+    each flattened to [N k_i, 1], scaled by a row of constants and viewed back as [N, k_i F] (CogView4's
+    original size, crop and target size sinusoids: three chains of four CPU nodes), is the chain applied once
+    to the inputs' Concat: the rows of ``Concat(x_i)`` flattened are the chains' rows in the Concat's order,
+    so every value is the same number. One chain of five CPU nodes instead of four per input and the Concat."""
+    done = 0
+    remove_dead_nodes(graph)  # readers left by the rewrites before (the sinusoids' old halves)
+    for node in list(graph):
+        if node.op_type != "Concat" or node.domain not in ("", "ai.onnx") or node.graph is None or len(
+                node.inputs) < 2:
+            continue
+        y = node.outputs[0]
+        sy = static_shape(y)
+        if sy is None or len(sy) != 2 or int(attr(node, "axis", 0)) % 2 != 1:
+            continue
+        chains = [_column_chain(v) for v in node.inputs if v is not None]
+        if len(chains) != len(node.inputs) or any(c is None for c in chains):
+            continue
+        first = chains[0]
+        assert first is not None
+        same = all(c is not None and c[2] == first[2] and len(c[1]) == len(first[1]) and all(
+            a[0] == b[0] and a[1] == b[1] and np.array_equal(a[2], b[2]) for a, b in zip(c[1], first[1], strict=True))
+            and c[0].dtype == first[0].dtype and static_shape(c[0])[0] == static_shape(first[0])[0]  # type: ignore[index]
+            for c in chains)
+        if not same:
+            continue
+        n, f = static_shape(first[0])[0], first[2]  # type: ignore[index]
+        k = sum(static_shape(c[0])[1] for c in chains)  # type: ignore[index, union-attr]
+        b = Builder(graph, RULE)
+        v = b.op("Concat", [c[0] for c in chains], {"axis": 1}, dtype=first[0].dtype, shape=[n, k]).outputs[0]  # type: ignore[union-attr]
+        v = b.op("Reshape", [v, b.const(np.asarray([n * k, 1], np.int64), "shape")], dtype=v.dtype,
+                 shape=[n * k, 1]).outputs[0]
+        for op, side, _, c in first[1]:
+            ins = [v] if side < 0 else [c, v] if side == 0 else [v, c]
+            v = b.op(op, ins, dtype=y.dtype, shape=[n * k, f]).outputs[0]
+        v = b.op("Reshape", [v, b.const(np.asarray([n, k * f], np.int64), "shape")], dtype=y.dtype,
+                 shape=[n, k * f]).outputs[0]
+        graph.insert_before(node, b.nodes)
+        reroute(graph, y, v)
+        graph.remove(node, safe=True)
+        done += 1
+    if done:
+        remove_dead_nodes(graph)
+    return done
+
+
 def _sincos(graph: ir.Graph) -> int:
     """Concat(Sin(a) | Cos(a), ...) along the last axis with a = Mul(x, f), f a constant along that axis ->
     Sin(Mul(x, f') + phase), f' the parts' f side by side and phase pi/2 where a part is a cosine."""
@@ -1085,6 +1183,7 @@ def canonicalize(model: ir.Model) -> PassResult:
     counts["row-block ScatterND -> Concat"] = _scatter_rows(model.graph)
     counts["sin/cos halves reordered"] = _unflip_concat(model.graph)
     counts["sinusoids -> one Sin"] = _sincos(model.graph)
+    counts["parallel column chains -> one"] = _merge_column_chains(model.graph)
     counts["broadcast chains -> Expand"] = _scalar_broadcast(model.graph)
     remove_dead_nodes(model.graph)  # the sinusoids' old halves still read the timestep's Expand
     counts["expands folded into constants"] = _expand_into_constant(model.graph)

@@ -52,6 +52,14 @@ seed 12345, generation only); "outputs changed" are those whose dispatch-model e
   output over its bound whose scale is below SMALL = 1/4 of its scale on one of FRESH_FEEDS = 2 fresh
   draws (seeds 1, 2) is judged on those two instead, each with its own sensitivity, and must pass on both.
   A mistake is no smaller on a fresh draw, so it still fails. None of the measured cases needed it.
+- beyond the cap at any feed: an output computed by cancellation in its weights (a one-value input through
+  a Linear, a rotary embedding and a Linear whose products nearly cancel: output = x * c with |c| small)
+  is off by more than the cap in the input graph's own ideal bf16 evaluation (``bf16_everywhere``: 0.81 x
+  its scale in the case the fuzzer drew, fuzz-failures 469e6a8a29ed, kept as a regression test), so no
+  correct bf16 compile meets the cap against fp32 there, on this feed or a fresh one. Such an output (and
+  only one whose ideal bf16 evaluation exceeds the cap) is judged against that evaluation instead, under
+  the same cap: a structural mistake still errs by about the values it mixes up, far above the cap; the
+  dispatch model of that case equals the ideal evaluation bit for bit.
 - fp16 tier (the passes before precision on an fp16 graph): fused ops compute in fp32 and round once where
   the input graph rounds after every node: ``err <= EMUL_FACTOR * sens16 + LOW_FP16 * scale``, sens16 the
   fp16 graph's own error and (b) with d in [-2^-11, 2^-11]; LOW_FP16 = 2^-10. Measured over 8072
@@ -409,8 +417,8 @@ def check(model: onnx.ModelProto, precision: str = "bf16") -> Outcome:
     wide, feeds32 = as_fp32(model), {k: v.astype(np.float32) if v.dtype == np.float16 else v for k, v in feeds.items()}
     ref = run(wide, feeds32)
     outcome = Outcome()
-    outcome.sensitivity = _sensitivity(wide, feeds32, ref, BF16_EPS, run(bf16_everywhere(model), {
-        k: _round_bf16(v) for k, v in feeds.items()}))
+    ideal = run(bf16_everywhere(model), {k: _round_bf16(v) for k, v in feeds.items()})
+    outcome.sensitivity = _sensitivity(wide, feeds32, ref, BF16_EPS, ideal)
     if fp16:
         outcome.sensitivity16 = _sensitivity(wide, feeds32, ref, FP16_EPS, run(model, feeds))
 
@@ -455,6 +463,11 @@ def check(model: onnx.ModelProto, precision: str = "bf16") -> Outcome:
 
     over: list[tuple[str, float, str]] = []
     outcome.compared += _compare(precision, outs, ref, bound(outcome.sensitivity), where, over=over)
+    # an output whose ideal bf16 evaluation is itself beyond the cap (cancellation the graph has at any feed)
+    # is judged against that evaluation, under the same cap (module docstring)
+    over = [(name, scale, message) for name, scale, message in over
+            if not (precision == "bf16" and _max_diff(ideal[name], ref[name]) > CAP * scale
+                    and _max_diff(outs[name], ideal[name]) <= CAP * scale)]
     if over:  # a mismatch, unless each output over its bound only happens to be small on this feed
         fresh = []
         for k in range(1, FRESH_FEEDS + 1):

@@ -48,7 +48,8 @@ Families (``FAMILIES``):
                few rows at a time (Slice, flatten + chunk, one Split; overlapping rows, step 2, a row output),
                tanh / sigmoid gates of one conditioning vector (a shared projection, another op, another
                input), token padding (constant-mask Where, one-part Split, zero Pad, select_scatter, a row's
-               Gather; a Pad that pads, a scatter that writes half)
+               Gather; a Pad that pads, a scatter that writes half), size conditions (several inputs'
+               sinusoid columns concatenated; other frequencies, an intermediate read elsewhere)
   mutation     ``MUTATIONS``: each rule's and glue lowering's pattern with what is around it changed, on its
                own input (ranks 1-5; odd, prime and size-1 dimensions), usually written by a dispatch op:
                GroupNorm with the batch folded into the groups ([1, B*G, -1]) or the groups on two axes
@@ -1390,6 +1391,36 @@ def step_pad_tokens(g: G, x: str) -> str:
     return _project(g, g.bin("Add", y, x), c, keep_rank=True)
 
 
+def step_size_conditions(g: G, x: str) -> str:
+    """CogView4's (and SDXL-style) size conditions: several [N, k] inputs, each flattened to a column [N k, 1]
+    (in one Reshape or two), times a row of frequencies plus a phase, Sin, viewed back as [N, k F] and
+    concatenated, then a Linear, added to x. Near misses in the same draw: one chain with other frequencies,
+    a chain's intermediate read by another op."""
+    b, s_, c = g.shape[x]
+    f = g.pick([2, 4, 8])
+    freqs, phase = g.fconst(np.linspace(0.1, 1.0, f).reshape(1, f), "freqs"), g.fconst(np.full((1, f), 0.5), "phase")
+    miss = g.pick(["none", "none", "other_freqs", "shared"])
+    parts, total = [], 0
+    for i in range(g.num(2, 3)):
+        k = g.num(1, 3)
+        xi = g.input((b, k), "cond")
+        if g.flag():
+            xi = g.op("Reshape", [xi, g.ints([b * k])], (b * k,))
+        col = g.op("Reshape", [xi, g.ints([b * k, 1])], (b * k, 1))
+        fr = g.fconst(np.linspace(0.2, 2.0, f).reshape(1, f), "freqs") if miss == "other_freqs" and i == 1 else freqs
+        m = g.bin("Mul", col, fr)
+        a = g.bin("Add", m, phase)
+        if miss == "shared" and i == 0:
+            g.output(a)
+        parts.append(g.op("Reshape", [g.op("Sin", [a], (b * k, f)), g.ints([b, k * f])], (b, k * f)))
+        total += k * f
+    cat = g.op("Concat", parts, (b, total), axis=1)
+    emb = _project(g, cat, c, keep_rank=True)
+    emb = g.op("Reshape", [emb, g.ints([b, 1, c])], (b, 1, c))
+    g.desc.append(f"SizeConditions({len(parts)}, {miss})")
+    return g.bin("Add", _project(g, x, c, keep_rank=True), emb)
+
+
 def step_einsum(g: G, x: str) -> str:
     """Einsum as DiTs write it: the unpatchify's permutation, a batched product with a weight or between two
     activations."""
@@ -2241,6 +2272,7 @@ STEPS: dict[str, Step] = {
     "table_rows": Step(step_table_rows, (3,)),
     "gates": Step(step_gates, (3,)),
     "pad_tokens": Step(step_pad_tokens, (3,)),
+    "size_conditions": Step(step_size_conditions, (3,)),
     "einsum": Step(step_einsum, (3,)),
 }
 
@@ -2292,7 +2324,8 @@ FAMILIES: dict[str, list[str]] = {
     "block": ["resnet_block", "vae_attention_block", "transformer_block", "upsample_block", "downsample_block",
               "unet_skip_block"],
     "mmdit": ["rms_norm", "joint_attention", "adaln_chunks"],
-    "generality": ["rotary", "modulation", "streams", "einsum", "table_rows", "gates", "pad_tokens"],
+    "generality": ["rotary", "modulation", "streams", "einsum", "table_rows", "gates", "pad_tokens",
+                   "size_conditions"],
     "near_miss": list(NEAR_MISSES),
     "mutation": [f"mut_{name}" for name in MUTATIONS],
 }

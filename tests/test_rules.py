@@ -367,6 +367,32 @@ def test_the_sinusoidal_embedding_is_one_sin_with_a_phase():
     np.testing.assert_allclose(run(with_functions(irm, TARGET), t)[0], run(m, t)[0], atol=1e-4)
 
 
+@pytest.mark.parametrize("case", ["same", "other_freqs"])
+def test_size_condition_sinusoids_of_several_inputs_are_one_chain(case):
+    """CogView4's original size, crop and target size: each [2, k] flattened to a column, times the
+    frequencies plus the phase, Sin, viewed back as [2, k F], concatenated. The same chain once over the
+    inputs' Concat, the same numbers bit for bit; near miss: one chain with other frequencies stays."""
+    f, ks = 4, (2, 1, 2)
+    freqs = np.linspace(0.1, 1.0, f, dtype=np.float32)[None]
+    inits = {"f": freqs, "g": freqs * (2 if case == "other_freqs" else 1), "p": np.full((1, f), 0.5, np.float32)}
+    nodes, parts = [], []
+    for i, k in enumerate(ks):
+        inits[f"s{i}"], inits[f"o{i}"] = np.array([2 * k, 1]), np.array([2, k * f])
+        nodes += [n("Reshape", [f"c{i}", f"s{i}"], [f"col{i}"]), n("Mul", [f"col{i}", "g" if i == 1 else "f"], [f"m{i}"]),
+                  n("Add", [f"m{i}", "p"], [f"a{i}"]), n("Sin", [f"a{i}"], [f"sn{i}"]),
+                  n("Reshape", [f"sn{i}", f"o{i}"], [f"r{i}"])]
+        parts.append(f"r{i}")
+    nodes.append(n("Concat", parts, ["y"], axis=1))
+    m = model(nodes, {f"c{i}": [2, k] for i, k in enumerate(ks)}, {"y": [2, sum(ks) * f]}, inits)
+    irm = to_ir(m)
+    counts = canonicalize(irm).counts
+    assert counts["parallel column chains -> one"] == (1 if case == "same" else 0)
+    if case == "same":
+        assert dict(ops(irm)) == {"Concat": 1, "Reshape": 2, "Mul": 1, "Add": 1, "Sin": 1}
+    feeds = {f"c{i}": np.random.default_rng(i).uniform(0, 1024, (2, k)).astype(np.float32) for i, k in enumerate(ks)}
+    np.testing.assert_array_equal(run(with_functions(irm, TARGET), feeds)[0], run(m, feeds)[0])
+
+
 @pytest.mark.parametrize("also_read", [False, True])
 def test_a_scalar_broadcast_chain_is_one_expand_or_none(also_read):
     """The timestep broadcast to the batch: one Expand, and none where all it meets is a constant (broadcast

@@ -298,10 +298,11 @@ def _cogview4() -> Built:
     m = _diffusers("CogView4Transformer2DModel", patch_size=2, in_channels=4, out_channels=4, num_layers=1,
                    attention_head_dim=32, num_attention_heads=2, text_embed_dim=48, time_embed_dim=32,
                    condition_dim=16, pos_embed_max_size=32, sample_size=16, rope_axes_dim=[16, 16])
+    # the original and target sizes as two tensors: one tensor passed twice is one graph input to torch.export
     size = torch.tensor([[128.0, 128.0]] * 2)
     return Built(m, lambda m, h, e, t, o, ts, c: m(h, e, t, o, ts, c).sample,
-                 (_randn(2, 4, 16, 16), _randn(2, 8, 48, seed=2), torch.tensor([500.0, 500.0]), size, size,
-                  torch.zeros(2, 2)),
+                 (_randn(2, 4, 16, 16), _randn(2, 8, 48, seed=2), torch.tensor([500.0, 500.0]), size,
+                  size.clone(), torch.zeros(2, 2)),
                  ("hidden_states", "encoder_hidden_states", "timestep", "original_size", "target_size",
                   "crop_coords"))
 
