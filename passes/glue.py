@@ -7,7 +7,8 @@ region is not cut by an Add, a SiLU or a Concat.
     Add(a, b), Sub(a, c)           ==> SDAdd (a constant operand second, as a bias: is_bias_add=1; -c)
     Mul(a, b), Div(a, c)           ==> SDMul (the larger operand first; 1/c; a runtime scalar b spread
                                        to [N, 1, 1, C] by one shared CPU Expand, the kernels taking no
-                                       scalar; twice that width by SDConcat of it with itself)
+                                       scalar; twice that width by SDConcat of it with itself); a
+                                       2-D pair, which the kernels refuse, read as [1, M, N] views
     Concat(a, b, ...)              ==> SDConcat pairs (2-D operands along their last axis read as
                                        [B, 1, 1, C]: the NHWC channel concatenation the kernel takes)
 
