@@ -32,8 +32,9 @@ import numpy as np
 import onnx_ir as ir
 
 from sdnpu.ops.target import Target
-from sdnpu.passes.irutil import Builder, const, remove_dead_nodes, reroute, static_shape
+from sdnpu.passes.irutil import Builder, remove_dead_nodes, reroute, static_shape
 from sdnpu.passes.manager import PassResult
+from sdnpu.passes.streams import cut_axis, cut_bounds, slice_span
 from sdnpu.passes.views import absorb_views
 
 RULE = "Cuts"
@@ -55,46 +56,19 @@ def _onnx(node: ir.Node | None, *ops: str) -> bool:
 
 def _cut_parts(node: ir.Node) -> list[tuple[ir.Value, int, int, int]] | None:
     """(output, axis, lo, hi) for every output of a Slice or Split with constant bounds along one axis (step
-    1), or None."""
-    x = node.inputs[0] if node.inputs else None
-    shape = static_shape(x)
-    if x is None or shape is None or not shape:
+    1), or None: the streams pass's reading of a cut."""
+    shape = static_shape(node.inputs[0]) if node.inputs else None
+    if not shape:
         return None
-    rank = len(shape)
+    axis = cut_axis(node, len(shape))
+    bounds = cut_bounds(node, axis, shape[axis]) if axis is not None else None
+    if bounds is None:
+        return None
     if node.op_type == "Split":
-        axis = int(node.attributes["axis"].value if "axis" in node.attributes else 0) % rank
-        sizes = const(node.inputs[1]) if len(node.inputs) > 1 and node.inputs[1] is not None else None
-        if sizes is None:
-            shapes = [static_shape(o) for o in node.outputs]
-            if any(s is None or len(s) != rank for s in shapes):
-                return None
-            sizes = np.asarray([s[axis] for s in shapes])  # type: ignore[index]
-        ends = np.cumsum(sizes.reshape(-1))
-        if len(ends) != len(node.outputs) or ends[-1] != shape[axis]:
+        if len(bounds) != len(node.outputs):
             return None
-        starts = np.concatenate([[0], ends[:-1]])
-        return [(o, axis, int(a), int(b)) for o, a, b in zip(node.outputs, starts, ends, strict=True)]
-    vals = [const(v) if v is not None else None for v in node.inputs[1:5]]
-    if len(vals) < 2 or vals[0] is None or vals[1] is None or vals[0].size != 1 or vals[1].size != 1:
-        return None
-    axes = vals[2] if len(vals) > 2 else np.zeros(1, np.int64)
-    steps = vals[3] if len(vals) > 3 else np.ones(1, np.int64)
-    if len(vals) > 2 and node.inputs[3] is not None and axes is None:
-        return None
-    if axes is None:
-        axes = np.zeros(1, np.int64)
-    if len(vals) > 3 and node.inputs[4] is not None and (steps is None or int(steps.reshape(-1)[0]) != 1):
-        return None
-    if axes.size != 1:
-        return None
-    axis = int(axes.reshape(-1)[0]) % rank
-    n = shape[axis]
-    lo, hi = int(vals[0].reshape(-1)[0]), int(vals[1].reshape(-1)[0])
-    lo = min(max(lo + n if lo < 0 else lo, 0), n)
-    hi = min(max(hi + n if hi < 0 else hi, 0), n)
-    if lo >= hi:
-        return None
-    return [(node.outputs[0], axis, lo, hi)]
+        return [(o, axis, lo, hi) for o, (lo, hi) in zip(node.outputs, bounds, strict=True)]  # type: ignore[misc]
+    return [(node.outputs[0], axis, *slice_span(node, shape[axis]))]  # type: ignore[list-item]
 
 
 def _merged_axis(src: tuple[int, ...], dst: tuple[int, ...], axis: int) -> tuple[int, int] | None:
@@ -181,8 +155,7 @@ def _gather(graph: ir.Graph, target: Target, root: ir.Value, axis: int, parts: l
                      dtype=root.dtype, shape=list(want))
             seg = r.outputs[0]
         reads.append((p.value, seg))
-    first = min((p.value.producer() for p in parts), key=lambda n: list(graph).index(n))  # type: ignore[arg-type]
-    graph.insert_before(first, b.nodes)  # type: ignore[arg-type]
+    graph.insert_before(parts[0].value.producer(), b.nodes)  # type: ignore[arg-type]  # placed by the sort after
     for old, new in reads:
         reroute(graph, old, new)
     return True

@@ -28,7 +28,7 @@ import numpy as np
 import onnx_ir as ir
 
 from sdnpu.ops.target import Target
-from sdnpu.passes.irutil import Builder, reroute, remove_dead_nodes, static_shape
+from sdnpu.passes.irutil import Builder, remove_dead_nodes, reroute, static_shape
 from sdnpu.passes.manager import PassResult
 from sdnpu.passes.provenance import step
 
@@ -77,29 +77,16 @@ def _join(graph: ir.Graph, target: Target, layers: list[ir.Node]) -> None:
     attrs = {"input_shape": view, "output_shape": out_shape, "weight_shape": [k, total], "bias_enable": 1}
     gemm = b.dispatch(target.op("gemm").op_type, [x, w, bias], attrs, dtype=first.outputs[0].dtype,
                       shape=out_shape)
-    act0 = first.outputs[0].uses()[0].node
-    act = b.op(act0.op_type, [gemm.outputs[0]], {k_: a.value for k_, a in act0.attributes.items()},
-               dtype=act0.outputs[0].dtype, shape=out_shape)
+    acts = [n.outputs[0].uses()[0].node for n in layers]  # each layer's one reader (``_member``)
+    act = b.op(acts[0].op_type, [gemm.outputs[0]], {k_: a.value for k_, a in acts[0].attributes.items()},
+               dtype=acts[0].outputs[0].dtype, shape=out_shape)
     sizes = b.const(np.asarray(widths, np.int64), f"{first.name}_joined_widths")
     split = b.op("Split", [act.outputs[0], sizes], {"axis": len(out_shape) - 1}, n_out=len(layers))
-    for out, n, width in zip(split.outputs, layers, widths, strict=True):
-        old = n.outputs[0].uses()[0].node.outputs[0]
-        out.dtype = old.dtype
-        out.shape = ir.Shape([*view[:-1], width])
-    # before the first reader of any gate (x is made before every layer that reads it)
-    position = min(list(graph).index(n) for n in layers)
-    graph.insert_before(list(graph)[position], b.nodes)
-    for out, n in zip(split.outputs, layers, strict=True):
-        old = n.outputs[0].uses()[0].node.outputs[0]
-        want = static_shape(old)
-        if want is not None and list(want) != list(static_shape(out) or []):
-            r = Builder(graph, RULE, target)
-            made = r.op("Reshape", [out, r.const(np.asarray(want, np.int64), f"{old.name}_view")],
-                        dtype=old.dtype, shape=list(want))
-            graph.insert_after(split, r.nodes)
-            reroute(graph, old, made.outputs[0])
-        else:
-            reroute(graph, old, out)
+    graph.insert_before(first, b.nodes)  # after x (every layer reads it); the sort places the rest
+    for out, old, width in zip(split.outputs, acts, widths, strict=True):
+        # an element-wise op keeps its layer's [*view[:-1], width]: the Split's part is its output as it is
+        out.dtype, out.shape = old.outputs[0].dtype, ir.Shape([*view[:-1], width])
+        reroute(graph, old.outputs[0], out)
 
 
 def join_parallel(model: ir.Model, target: Target) -> PassResult:

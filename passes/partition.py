@@ -132,8 +132,8 @@ def cpu_islands(graph: ir.Graph, target: Target) -> dict[str, int]:
         counts["CPU islands"] += 1
         edge = any(v is not None and v.is_graph_input() for n in island for v in n.inputs) or any(
             o.is_graph_output() for n in island for o in n.outputs)
-        lacks = any(not target.is_boundary(n.domain, n.op_type)
-                    and not _cpu_reason(n, target).startswith(_CHOSEN) for n in island)
+        lacks = any(not target.is_boundary(n.domain, n.op_type) and not (
+            n.metadata_props.get(REASON_TAG) or _cpu_reason(n, target)).startswith(_CHOSEN) for n in island)
         counts["at the edges" if edge else "around ops the registry lacks" if lacks else "avoidable"] += 1
     return counts
 

@@ -59,7 +59,7 @@ def _onnx(node: ir.Node | None) -> bool:
     return node is not None and node.domain in ("", "ai.onnx")
 
 
-def _bounds_of(cut: ir.Node, axis: int, n: int) -> Bounds | None:
+def cut_bounds(cut: ir.Node, axis: int, n: int) -> Bounds | None:
     """The parts a Split or Slice takes along ``axis`` (of length n), or None."""
     if cut.op_type == "Split":
         sizes = const(cut.inputs[1]) if len(cut.inputs) > 1 and cut.inputs[1] is not None else None
@@ -86,7 +86,7 @@ def _bounds_of(cut: ir.Node, axis: int, n: int) -> Bounds | None:
     return tuple(p for p in ((0, lo), (lo, hi), (hi, n)) if p[0] < p[1])
 
 
-def _cut_axis(cut: ir.Node, rank: int) -> int | None:
+def cut_axis(cut: ir.Node, rank: int) -> int | None:
     if cut.op_type == "Split":
         return int(attr(cut, "axis", 0)) % rank
     axes = const(cut.inputs[3]) if len(cut.inputs) > 3 and cut.inputs[3] is not None else np.zeros(1, np.int64)
@@ -325,7 +325,7 @@ class _Planner:
             ins = [self.parts(w, axis, bounds) for w in node.inputs]  # type: ignore[arg-type]
             return [self._op(node, [i[k] for i in ins], [self._shape(shape, axis, lo, hi)])
                     for k, (lo, hi) in enumerate(bounds)]
-        along = _cut_axis(node, rank)
+        along = cut_axis(node, rank)
         if along is None or along == axis or x is None:
             raise _Fail("a cut along the same axis, or of unknown axes")
         pieces = self.parts(x, axis, bounds)
@@ -368,10 +368,10 @@ def _cut_once(graph: ir.Graph, cut: ir.Node, edges: dict[ir.Value, bool],
     shape = static_shape(x)
     if x is None or shape is None or len(shape) < 2 or _edge(x, edges):  # a cut among CPU values stays there
         return False
-    axis = _cut_axis(cut, len(shape))
+    axis = cut_axis(cut, len(shape))
     if axis is None or axis == len(shape) - 1:  # the features: the Gemm rule's
         return False
-    bounds = _bounds_of(cut, axis, shape[axis])
+    bounds = cut_bounds(cut, axis, shape[axis])
     if bounds is None or len(bounds) < 2:
         return False
     planner = _Planner(graph, edges, cut_edges)
@@ -383,7 +383,7 @@ def _cut_once(graph: ir.Graph, cut: ir.Node, edges: dict[ir.Value, bool],
     if cut.op_type == "Split":
         targets = list(zip(cut.outputs, pieces, strict=True))
     else:
-        targets = [(cut.outputs[0], pieces[bounds.index(_slice_span(cut, shape[axis]))])]
+        targets = [(cut.outputs[0], pieces[bounds.index(slice_span(cut, shape[axis]))])]
     # every value now made of parts keeps its other readers: one that works row by row is made of parts too
     # (Flux.2's fused projection cut into q, k, v, mlp per stream), the rest read the parts' Concat (attention's
     # keys and values: an SDConcat on the NPU)
@@ -424,7 +424,7 @@ def _cut_once(graph: ir.Graph, cut: ir.Node, edges: dict[ir.Value, bool],
     return True
 
 
-def _slice_span(cut: ir.Node, n: int) -> tuple[int, int]:
+def slice_span(cut: ir.Node, n: int) -> tuple[int, int]:
     vals = [const(v) for v in cut.inputs[1:3]]
     lo, hi = (int(v.reshape(-1)[0]) for v in vals)  # type: ignore[union-attr]
     lo = min(max(lo + n if lo < 0 else lo, 0), n)
