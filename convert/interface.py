@@ -14,7 +14,7 @@ from sdnpu.errors import SdnpuError
 from sdnpu.imagesize import Size
 from sdnpu.passes.modelfile import unreadable
 from sdnpu.signatures import signature, vae_scale_factor
-from sdnpu.specs import DENOISER_MODULES, default_resolution, pipeline_outputs
+from sdnpu.specs import SDXL, DENOISER_MODULES, default_resolution, pipeline_family, pipeline_outputs
 
 log = logging.getLogger(__name__)
 
@@ -24,12 +24,13 @@ OUTPUT_CHOICES = ("pipeline", "all")
 
 
 def keep_outputs(spec: str, available: list[str], component: str, config: dict[str, Any] | None,
-                 sdxl: bool | None) -> list[str] | None:
-    """``--outputs`` -> the output names to keep (None: all). ``sdxl`` None: the pipeline is unknown."""
+                 family: str | None) -> list[str] | None:
+    """``--outputs`` -> the output names to keep (None: all). ``family``: the pipeline's
+    (``sdnpu.specs.pipeline_family``), None where it is unknown."""
     if spec == "all":
         return None
     if spec == "pipeline":
-        return _pipeline_keeps(available, component, config, sdxl)
+        return _pipeline_keeps(available, component, config, family)
     names = [n.strip() for n in spec.split(",") if n.strip()]
     unknown = [n for n in names if n not in available]
     if unknown or not names:
@@ -39,12 +40,12 @@ def keep_outputs(spec: str, available: list[str], component: str, config: dict[s
 
 
 def _pipeline_keeps(available: list[str], component: str, config: dict[str, Any] | None,
-                    sdxl: bool | None) -> list[str] | None:
-    if sdxl is None and component == "text_encoder":
+                    family: str | None) -> list[str] | None:
+    if family is None and component == "text_encoder":
         log.info("[%s] keeping every output: no model_index.json says which pipeline reads it "
                  "(--outputs NAME,... chooses)", component)
         return None
-    wanted = pipeline_outputs(component, config or {}, bool(sdxl)) if config is not None else None
+    wanted = pipeline_outputs(component, config or {}, family) if config is not None else None
     if wanted is None:
         return None
     if not set(wanted) <= set(available):
@@ -113,15 +114,15 @@ def _sibling_vae_config(folder: Path) -> dict[str, Any] | None:
     return None
 
 
-def pipeline_kind(source: Path) -> bool | None:
-    """Whether ``source`` (``<pipeline>/<component>/model.onnx``) belongs to an SDXL pipeline (one with a
-    text_encoder_2), from the pipeline's model_index.json; None where there is none."""
-    if source.parent.name == "text_encoder_2":
-        return True
+def pipeline_kind(source: Path) -> str | None:
+    """The family (``sdnpu.specs.pipeline_family``) of the pipeline ``source`` (``<pipeline>/<component>/
+    model.onnx``) belongs to, from the pipeline's model_index.json; None where there is none (a
+    ``text_encoder_2`` folder alone: SDXL's)."""
     try:
-        return "text_encoder_2" in json.loads((source.parent.parent / "model_index.json").read_text())
+        index = json.loads((source.parent.parent / "model_index.json").read_text())
     except (OSError, ValueError):
-        return None
+        return SDXL if source.parent.name == "text_encoder_2" else None
+    return pipeline_family(index) if isinstance(index, dict) else None
 
 
 def output_names(path: Path) -> list[str]:

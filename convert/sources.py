@@ -25,7 +25,7 @@ from sdnpu.convert.tokenizer import clip_vocab_and_merges, t5_tokenizer_files, t
 from sdnpu.errors import SdnpuError
 from sdnpu.fileio import atomic_write_bytes, staged_dir
 from sdnpu.formats import generation
-from sdnpu.specs import PipelineConfig
+from sdnpu.specs import SD, SDXL, PipelineConfig, pipeline_family
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")  # no model hub is reachable; never try one
 
@@ -43,6 +43,7 @@ _CLASSES: dict[str, tuple[str, str]] = {
     "CLIPTextModelWithProjection": ("transformers", "text_encoder_2"),
     "ControlNetModel": ("diffusers", "controlnet"),
     "SD3Transformer2DModel": ("diffusers", "transformer"),
+    "FluxTransformer2DModel": ("diffusers", "transformer"),
     "T5EncoderModel": ("transformers", "text_encoder_3"),
 }
 _WEIGHT_SUFFIXES = (".safetensors", ".bin")
@@ -130,17 +131,25 @@ class Source:
     def _configs(self) -> _Configs:
         return _Configs(self.modules)
 
+    @property
+    def family(self) -> str | None:
+        """Its pipeline's family (``sdnpu.specs.pipeline_family``); None for one module's folder."""
+        if self.kind == "component" or not (self.root / "model_index.json").is_file():
+            return None
+        return pipeline_family(_read_json(self.root / "model_index.json"))
+
     def pipeline_config(self) -> PipelineConfig:
-        """The source's module configs (each read once, when first asked for) and whether it is SDXL's
+        """The source's module configs (each read once, when first asked for), its family and T5's tokens
         (``sdnpu.specs``: every component's spec comes from it)."""
-        return PipelineConfig(self._configs, sdxl="text_encoder_2" in self.modules)
+        family = self.family or (SDXL if "text_encoder_2" in self.modules else SD)  # one module: as it was named
+        return PipelineConfig(self._configs, family=family, text_len=self.generation().max_sequence_length)
 
     def generation(self) -> generation.Generation:
         """How the model is meant to be drawn (``sdnpu.formats.generation``: its steps, guidance and so the
-        denoiser's default batch), from its folder's ``generation.json``."""
+        denoiser's default batch), from its folder's ``generation.json`` or its family's defaults."""
         if self.kind == "component" or not (self.root / "model_index.json").is_file():
             return generation.Generation()
-        return generation.read(self.root)
+        return generation.read(self.root, self.family)
 
     def fingerprint(self) -> str:
         """A content hash of what defines the weights: the configs, and for folders each weight
@@ -193,8 +202,8 @@ class Source:
     def write_pipeline_files(self, out: Path) -> list[str]:
         """Copy what a runtime needs beside the graphs: model_index.json (and generation.json), scheduler/,
         tokenizer/, tokenizer_2/, tokenizer_3/ (for presets the CLIP tokenizers are built from CLIP's BPE merges,
-        SD3's T5 tokenizer is a stand-in: ``sdnpu.convert.tokenizer.t5_tokenizer_files``). Returns what it
-        wrote."""
+        a T5 tokenizer (SD3's third, Flux.1's second) is a stand-in: ``sdnpu.convert.tokenizer.t5_tokenizer_files``).
+        Returns what it wrote."""
         if self.kind == "component" or not (self.root / "model_index.json").is_file():
             return []  # one module (a ControlNet): it joins a pipeline folder, whose files are not its own
         written = []
@@ -210,7 +219,9 @@ class Source:
                 if name not in index:
                     continue
                 pad = _preset_pad(src, "<|endoftext|>" if name == "tokenizer" else "!")  # CLIP-L's, OpenCLIP's
-                files = t5_tokenizer_files() if name == "tokenizer_3" else tokenizer_files(pad)
+                entry = index[name]  # a T5 tokenizer: SD3's third, Flux.1's second
+                t5 = isinstance(entry, list) and str(entry[-1]).startswith("T5")
+                files = t5_tokenizer_files() if t5 else tokenizer_files(pad)
                 with staged_dir(out / name) as stage:
                     for fname, data in files.items():
                         (stage / fname).write_bytes(data)

@@ -68,7 +68,7 @@ def compile_stage(job: Job, stage: Path, feeds: dict[str, Any], actual: dict[str
     """Compile ``stage/model.onnx`` into ``stage/dd`` (with the fidelity run when the job checks). Returns
     the report."""
     spec, options = job.spec, job.options
-    keep = keep_outputs(options.outputs, list(job.signature().outputs), job.component, spec.config, spec.sdxl)
+    keep = keep_outputs(options.outputs, list(job.signature().outputs), job.component, spec.config, spec.family)
     check = FidelityCheck(feeds, reference=actual) if options.check else None
     compile_options = dataclasses.replace(options.compile_options, handoff=spec.handoff, prologue=spec.prologue)
     return compile_into(stage / MODEL_FILE, stage / "dd", compile_info(job, lora), compile_options, outputs=keep,

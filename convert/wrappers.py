@@ -151,11 +151,34 @@ class Transformer(torch.nn.Module):
                                  pooled_projections=pooled_projections, return_dict=False)[0],)
 
 
+class FluxTransformer(torch.nn.Module):
+    """Flux.1's transformer: (hidden_states, timestep, encoder_hidden_states, pooled_projections, img_ids,
+    txt_ids[, guidance]) -> out_sample, as ``FluxPipeline`` calls it (packed latents, timestep / 1000)."""
+
+    def __init__(self, transformer: Any, guidance: bool) -> None:
+        super().__init__()
+        self.transformer = transformer
+        self.guidance = guidance
+
+    @classmethod
+    def of(cls, module: Any, component: str, config: dict[str, Any]) -> torch.nn.Module:
+        return cls(module, guidance=bool(config.get("guidance_embeds")))
+
+    def forward(self, hidden_states: torch.Tensor, timestep: torch.Tensor, encoder_hidden_states: torch.Tensor,
+                pooled_projections: torch.Tensor, img_ids: torch.Tensor, txt_ids: torch.Tensor,
+                guidance: torch.Tensor | None = None) -> tuple[torch.Tensor]:
+        return (self.transformer(hidden_states=hidden_states, timestep=timestep,
+                                 encoder_hidden_states=encoder_hidden_states, pooled_projections=pooled_projections,
+                                 img_ids=img_ids, txt_ids=txt_ids, guidance=guidance if self.guidance else None,
+                                 return_dict=False)[0],)
+
+
 _BY_NAME: dict[str, Any] = {"TextEncoder": TextEncoder, "T5Encoder": T5Encoder, "Transformer": Transformer,
+                            "FluxTransformer": FluxTransformer,
                             "UNet": UNet, "VaeEncoder": VaeEncoder, "VaeDecoder": VaeDecoder,
                             "ControlNet": ControlNet, "UNetResiduals": UNetResiduals}
 
 
 def build_wrapper(component: str, module: Any, config: dict[str, Any]) -> Any:
     """A torch module whose forward takes the signature's inputs in order and returns a tuple."""
-    return _BY_NAME[components.row(component).wrapper].of(module, component, config).eval()
+    return _BY_NAME[components.wrapper_of(component, config)].of(module, component, config).eval()

@@ -30,7 +30,7 @@ from sdnpu.formats import generation
 from sdnpu.runtime.session import Component, RuntimeOptions, add_command, batches_at, component_path
 from sdnpu.runtime.stages import Stages, check_generate, halves, load_scheduler, plan_calls, read_index
 from sdnpu.signatures import vae_scale_factor
-from sdnpu.specs import pipeline_outputs
+from sdnpu.specs import SD3, pipeline_outputs
 
 log = logging.getLogger(__name__)
 
@@ -102,7 +102,7 @@ class SD3Pipeline(Stages):
         for name in CLIP_ENCODERS:
             enc = parts[name]
             config = json.loads((self.folder / name / "config.json").read_text())
-            wanted = pipeline_outputs(name, config, sdxl=True)
+            wanted = pipeline_outputs(name, config, SD3)
             if wanted is None or not set(wanted) <= set(enc.outputs):
                 raise SdnpuError(f"{enc.path} lacks the outputs SD3 reads ({', '.join(wanted or [])})",
                                  hint="compile it again with --outputs pipeline (the default) or --outputs all")

@@ -41,6 +41,7 @@ from sdnpu.runtime.controlnet import (
     keep,
     residual_inputs,
 )
+from sdnpu.runtime.flux import FluxPipeline, is_flux
 from sdnpu.runtime.sd3 import SD3Pipeline, is_sd3
 from sdnpu.runtime.session import (
     Component,
@@ -53,7 +54,7 @@ from sdnpu.runtime.session import (
 )
 from sdnpu.runtime.stages import Stages, check_generate, halves, load_scheduler, plan_calls, read_index
 from sdnpu.signatures import vae_scale_factor
-from sdnpu.specs import pipeline_outputs
+from sdnpu.specs import SDXL, pipeline_outputs
 
 log = logging.getLogger(__name__)
 
@@ -78,8 +79,8 @@ class GenerateOptions:
 
 
 class Pipeline(Stages):
-    """A converted folder and the loop that runs its components (an SD3 folder gets ``SD3Pipeline``, with
-    the same interface).
+    """A converted folder and the loop that runs its components (an SD3 folder gets ``SD3Pipeline``, a Flux.1
+    folder ``FluxPipeline``, with the same interface).
 
     By default each stage opens its sessions and drops them when done (text encoders, then the UNet, then
     the VAE), so the peak is the largest stage, not the sum: at full SDXL size in fp32 the four sessions
@@ -88,8 +89,11 @@ class Pipeline(Stages):
     optimizations, threads; see ``sdnpu.runtime.session.RuntimeOptions``)."""
 
     def __new__(cls, folder: str | Path, *args: Any, **kwargs: Any) -> Any:
-        if is_sd3(read_index(Path(folder))):
+        index = read_index(Path(folder))
+        if is_sd3(index):
             return SD3Pipeline(folder, *args, **kwargs)
+        if is_flux(index):
+            return FluxPipeline(folder, *args, **kwargs)
         return super().__new__(cls)
 
     def __init__(self, folder: str | Path, reference: bool = False, keep_sessions: bool = False,
@@ -430,7 +434,7 @@ def _penultimate(component: Component, config_path: Path) -> str:
     the encoder's num_hidden_layers; a dispatch model keeps only that one, the fp32 graph has them all)."""
     try:
         config = json.loads(config_path.read_text())
-        name = pipeline_outputs(component.name, config, sdxl=True)[-1]  # type: ignore[index]
+        name = pipeline_outputs(component.name, config, SDXL)[-1]  # type: ignore[index]
     except (OSError, ValueError, KeyError) as e:
         raise SdnpuError(f"cannot read num_hidden_layers from {config_path}: {e}",
                          hint="the converted folder keeps each encoder's config.json: convert it again") from e

@@ -19,6 +19,9 @@ controlnet      controlnet      yes                     ControlNet
 transformer     transformer     yes                     Transformer
 =============== =============== ===== ==== ============ ==============
 
+A module of another class under the same key takes another wrapper (``wrapper_of``): Flux.1's
+``text_encoder_2`` is T5 (``T5Encoder``), its ``transformer`` a ``FluxTransformer2DModel`` (``FluxTransformer``).
+
 *sized*: its graph depends on the image size (converted at every size of ``--res``; the text encoders once).
 *LoRA*: a LoRA can change it (``sdnpu lora``, ``--lora``). *wrapper*: the torch wrapper that gives its module
 a positional, tuple-returning ``forward`` (``sdnpu.convert.wrappers``), and so its ONNX signature
@@ -29,6 +32,7 @@ from __future__ import annotations
 
 from collections.abc import Iterable
 from dataclasses import dataclass
+from typing import Any
 
 from sdnpu.errors import SdnpuError
 
@@ -80,6 +84,19 @@ def row(name: str) -> ComponentRow:
 def module_of(name: str) -> str:
     """The pipeline module component ``name`` is exported from."""
     return row(name).module
+
+
+def wrapper_of(name: str, config: dict[str, Any] | None = None) -> str:
+    """The wrapper of component ``name`` for a module of ``config`` (its row's, unless the config names another
+    class under the same key: T5 as Flux.1's ``text_encoder_2``, Flux.1's transformer)."""
+    wrapper = row(name).wrapper
+    if config is None:
+        return wrapper
+    if wrapper == "TextEncoder" and config.get("model_type") == "t5":
+        return "T5Encoder"
+    if wrapper == "Transformer" and config.get("_class_name") == "FluxTransformer2DModel":
+        return "FluxTransformer"
+    return wrapper
 
 
 _POSITION = {c: i for i, c in enumerate(COMPONENTS)}

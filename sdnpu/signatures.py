@@ -26,7 +26,17 @@ text_encoder_3  input_ids [1, 77] int64 (SD3's T5)                 last_hidden_s
 transformer     hidden_states [2, 16, H/f, W/f], timestep [2] f32, out_sample [2, 16, H/f, W/f]
                 encoder_hidden_states [2, 154, J],
                 pooled_projections [2, P1 + P2] (SD3's MMDiT)
+transformer     hidden_states [1, N, 4L], timestep [1] f32,          out_sample [1, N, 4L]
+(Flux.1)        encoder_hidden_states [1, T, J], pooled_projections
+                [1, P], img_ids [N, 3], txt_ids [T, 3],
+                guidance [1] (dev only)
 =============== ================================================= =====================================
+
+Flux.1's transformer takes the latents packed as diffusers' ``FluxPipeline`` packs them: each 2 x 2 patch of
+the L-channel latents one token of 4L values, N = (H/2f) (W/2f) tokens, with their position ids (0, row,
+column) and T5's T tokens' (zeros); its timestep and guidance are diffusers' (the timestep divided by 1000).
+Flux.1's ``text_encoder_2`` is T5 (``input_ids [1, T]``, T 512 by default: ``generation.json``'s
+``max_sequence_length``), its CLIP-L gives the pooled prompt alone.
 
 The UNet, a ControlNet and SD3's transformer run at the denoiser's batch (``batched``; the table shows the
 default, 2: classifier-free guidance's unconditional and conditional halves in one call; 1 for a guidance-free
@@ -52,9 +62,10 @@ from sdnpu.imagesize import Size
 
 CFG_BATCH = 2  # classifier-free guidance runs both halves (unconditional, conditional) in one denoiser call
 # The wrappers whose graphs take a denoiser's batch (``batched``); the others run at batch 1.
-_BATCHED = frozenset({"Transformer", "UNet", "UNetResiduals", "ControlNet"})
+_BATCHED = frozenset({"Transformer", "FluxTransformer", "UNet", "UNetResiduals", "ControlNet"})
 SEQ_LEN = 77  # CLIP's context length
 T5_SEQ_LEN = 77  # SD3's T5 tokens (diffusers' max_sequence_length)
+FLUX_T5_SEQ_LEN = 512  # Flux.1's T5 tokens, FluxPipeline's default max_sequence_length
 F32, I64 = "float32", "int64"
 
 
@@ -102,6 +113,7 @@ class _At:
     size: Size
     latent: tuple[int, int]  # (H/f, W/f)
     batch: int  # the denoiser's batch (``batched`` components)
+    text_len: int | None  # T5's tokens where the pipeline sets them; None: the family's default
 
 
 def _text_encoder(at: _At) -> Signature:
@@ -112,7 +124,39 @@ def _text_encoder(at: _At) -> Signature:
 
 
 def _t5_encoder(at: _At) -> Signature:
-    return Signature((TensorSpec("input_ids", (1, T5_SEQ_LEN), I64),), ("last_hidden_state",))
+    length = at.text_len or (FLUX_T5_SEQ_LEN if at.component == "text_encoder_2" else T5_SEQ_LEN)
+    return Signature((TensorSpec("input_ids", (1, length), I64),), ("last_hidden_state",))
+
+
+def flux_tokens(latent: tuple[int, int]) -> int:
+    """The image tokens of Flux.1's packed latents (one per 2 x 2 patch) for latents of ``latent``."""
+    return (latent[0] // 2) * (latent[1] // 2)
+
+
+def _flux_transformer(at: _At) -> Signature:
+    c = at.config
+    n, t = flux_tokens(at.latent), at.text_len or FLUX_T5_SEQ_LEN
+    inputs = [
+        TensorSpec("hidden_states", (at.batch, n, c["in_channels"]), F32),
+        TensorSpec("timestep", (at.batch,), F32),
+        TensorSpec("encoder_hidden_states", (at.batch, t, c["joint_attention_dim"]), F32),
+        TensorSpec("pooled_projections", (at.batch, c["pooled_projection_dim"]), F32),
+        TensorSpec("img_ids", (n, 3), F32),
+        TensorSpec("txt_ids", (t, 3), F32),
+    ]
+    if c.get("guidance_embeds"):
+        inputs.append(TensorSpec("guidance", (at.batch,), F32))
+    return Signature(tuple(inputs), ("out_sample",))
+
+
+def flux_image_ids(latent: tuple[int, int]) -> np.ndarray:
+    """Flux.1's image position ids for latents of ``latent`` (diffusers' ``_prepare_latent_image_ids``): each
+    packed token's (0, row, column)."""
+    h, w = latent[0] // 2, latent[1] // 2
+    ids = np.zeros((h, w, 3), np.float32)
+    ids[..., 1] = np.arange(h, dtype=np.float32)[:, None]
+    ids[..., 2] = np.arange(w, dtype=np.float32)[None, :]
+    return ids.reshape(h * w, 3)
 
 
 def _transformer(at: _At) -> Signature:
@@ -172,13 +216,14 @@ def _vae_decoder(at: _At) -> Signature:
 
 
 _BY_WRAPPER: dict[str, Callable[[_At], Signature]] = {
-    "TextEncoder": _text_encoder, "T5Encoder": _t5_encoder, "Transformer": _transformer, "UNet": _unet,
+    "TextEncoder": _text_encoder, "T5Encoder": _t5_encoder, "Transformer": _transformer,
+    "FluxTransformer": _flux_transformer, "UNet": _unet,
     "UNetResiduals": _unet_residuals, "ControlNet": _controlnet, "VaeEncoder": _vae_encoder,
     "VaeDecoder": _vae_decoder,
 }
 
 
-def batched(component: str) -> bool:
+def batched(component: str) -> bool:  # the row's wrapper: a Flux transformer is batched as SD3's
     """Whether ``component``'s graph takes the denoiser's batch (the UNets, a ControlNet, SD3's transformer): 2
     for classifier-free guidance's two halves, 1 for a guidance-free model, or that times the images per call."""
     return component in components.COMPONENTS and components.row(component).wrapper in _BATCHED
@@ -194,13 +239,14 @@ def check_batch(batch: int) -> int:
 
 
 def signature(component: str, config: dict[str, Any], res: int | Size, vae_factor: int = 8,
-              batch: int | None = None) -> Signature:
+              batch: int | None = None, text_len: int | None = None) -> Signature:
     """The static ONNX signature of ``component`` at image size ``res`` for a module ``config``; ``batch``: the
-    denoiser's (``batched`` components; None: ``CFG_BATCH``), ignored by the others."""
+    denoiser's (``batched`` components; None: ``CFG_BATCH``), ignored by the others; ``text_len``: T5's
+    tokens where the pipeline sets them (None: the family's default)."""
     size = Size.of(res)
     at = _At(component, config, size, (size.height // vae_factor, size.width // vae_factor),
-             check_batch(batch) if batch is not None else CFG_BATCH)
-    return _BY_WRAPPER[components.row(component).wrapper](at)
+             check_batch(batch) if batch is not None else CFG_BATCH, text_len)
+    return _BY_WRAPPER[components.wrapper_of(component, config)](at)
 
 
 def controlnet_outputs(config: dict[str, Any]) -> tuple[str, ...]:
@@ -260,12 +306,20 @@ def sample_inputs(sig: Signature, config: dict[str, Any], res: int | Size, seed:
     diffusers writes them), and a CLIP token sequence (BOS, tokens, EOS, padding)."""
     h, w = Size.of(res)
     rng = np.random.default_rng(seed)
+    flux = config.get("_class_name") == "FluxTransformer2DModel"
     feeds: dict[str, np.ndarray] = {}
     for spec in sig.inputs:
         if spec.name == "input_ids":
             feeds[spec.name] = _token_ids(spec, config, rng)
-        elif spec.name == "timestep":
-            feeds[spec.name] = np.full(spec.shape, 500.0, dtype=np.float32)
+        elif spec.name == "timestep":  # mid-schedule (Flux.1 takes diffusers' timestep / 1000)
+            feeds[spec.name] = np.full(spec.shape, 0.5 if flux else 500.0, dtype=np.float32)
+        elif spec.name == "guidance":
+            feeds[spec.name] = np.full(spec.shape, 3.5, dtype=np.float32)  # FluxPipeline's default
+        elif spec.name == "img_ids":
+            scale = (h * w / spec.shape[0]) ** 0.5  # pixels per token side: 2 f
+            feeds[spec.name] = flux_image_ids((2 * round(h / scale), 2 * round(w / scale)))
+        elif spec.name == "txt_ids":
+            feeds[spec.name] = np.zeros(spec.shape, np.float32)
         elif spec.name == "time_ids":
             feeds[spec.name] = np.tile(np.array([h, w, 0, 0, h, w], np.float32), (spec.shape[0], 1))
         elif spec.name == "sample" and len(spec.shape) == 4 and spec.shape[1] == 3:  # an image in [-1, 1]

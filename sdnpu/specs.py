@@ -35,28 +35,30 @@ _UNET_LIKE = frozenset({"UNet", "UNetResiduals", "ControlNet"})
 _STEP_SHARING = frozenset({"UNetResiduals", "ControlNet"})
 
 
-def _wrapper(component: str) -> str | None:
-    """The component's wrapper (its kind of graph); None for a name that is not a component (a graph compiled
-    alone, in a folder of another name)."""
-    return components.row(component).wrapper if component in components.COMPONENTS else None
+def _wrapper(component: str, config: dict[str, Any] | None = None) -> str | None:
+    """The component's wrapper for a module of ``config`` (its kind of graph); None for a name that is not a
+    component (a graph compiled alone, in a folder of another name)."""
+    return components.wrapper_of(component, config) if component in components.COMPONENTS else None
 
 
 def resolution_step(component: str, config: dict[str, Any], vae_factor: int) -> int:
     """The resolution must be a multiple of this (each down block halves the latent, and the UNet's
     skip connections need the halves to line up again)."""
-    wrapper = _wrapper(component)
+    wrapper = _wrapper(component, config)
     if wrapper in _UNET_LIKE:
         return vae_factor * 2 ** (len(config["block_out_channels"]) - 1)
     if wrapper == "Transformer":  # latents cut into patch x patch tokens
         return vae_factor * int(config.get("patch_size", 2))
+    if wrapper == "FluxTransformer":  # the pipeline packs 2 x 2 latents into a token
+        return vae_factor * 2
     return vae_factor
 
 
 def default_resolution(unet_config: dict[str, Any] | None, vae_config: dict[str, Any] | None) -> int:
     """The resolution a pipeline was trained at, in pixels: the UNet's (or SD3 transformer's) sample size times
     the VAE's scale factor (1024 for SDXL and SD 3.5, 512 for SD 1.5); the VAE's own sample size without a
-    UNet; else 1024."""
-    if unet_config is not None:
+    UNet or where the denoiser's config has none (Flux.1's transformer: its VAE's 1024); else 1024."""
+    if unet_config is not None and "sample_size" in unet_config:
         return int(unet_config["sample_size"]) * vae_scale_factor(vae_config)
     if vae_config is not None:
         return int(vae_config["sample_size"])
@@ -82,18 +84,42 @@ def check_resolution(res: int | Size, configs: dict[str, dict[str, Any]], vae_fa
                          hint=f"the nearest that fit: {', '.join(str(s) for s in near[:4])}")
 
 
-def pipeline_outputs(component: str, config: dict[str, Any], sdxl: bool) -> list[str] | None:
-    """The outputs of ``component`` that a diffusers pipeline reads (None: all of them).
+# Pipeline families (``pipeline_family``): which diffusers pipeline reads a converted folder.
+SD, SDXL, SD3, FLUX = "sd", "sdxl", "sd3", "flux"
+FAMILIES = (SD, SDXL, SD3, FLUX)
+
+
+def pipeline_family(index: Mapping[str, Any]) -> str:
+    """The family of the pipeline a ``model_index.json`` describes: Flux.1 (a ``FluxTransformer2DModel``),
+    SD3 (an ``SD3Transformer2DModel``), SDXL (a second CLIP encoder) or SD 1.x/2.x."""
+
+    def cls(key: str) -> str | None:
+        entry = index.get(key)
+        return str(entry[1]) if isinstance(entry, list) and len(entry) == 2 and entry[1] else None
+
+    name = str(index.get("_class_name", ""))
+    if cls("transformer") == "FluxTransformer2DModel" or name.startswith("Flux"):
+        return FLUX
+    if cls("transformer") == "SD3Transformer2DModel" or name.startswith("StableDiffusion3"):
+        return SD3
+    return SDXL if cls("text_encoder_2") is not None else SD
+
+
+def pipeline_outputs(component: str, config: dict[str, Any], family: str | None) -> list[str] | None:
+    """The outputs of ``component`` that a diffusers pipeline of ``family`` reads (None: all of them; family
+    None: unknown, read as SD 1.x's).
 
     The text encoders are exported with every hidden state (optimum's signature), but SDXL reads only the
     penultimate hidden states of both encoders and text_encoder_2's pooled ``text_embeds`` (SD3 the same of
-    both its CLIP encoders: each has the projection); SD 1.x/2.x read ``last_hidden_state``. Every other output
-    would cost a CastAvx on the CPU and, past the penultimate layer, NPU work nobody uses. The UNet, the
-    transformer, SD3's T5 and the VAEs have one output.
+    both its CLIP encoders: each has the projection); SD 1.x/2.x read ``last_hidden_state``, Flux.1 CLIP-L's
+    ``pooler_output`` alone (its prompt is T5's). Every other output would cost a CastAvx on the CPU and, past
+    the penultimate layer, NPU work nobody uses. The UNet, the transformers, T5 and the VAEs have one output.
     """
-    if component not in components.CLIP_ENCODERS:
+    if component not in components.CLIP_ENCODERS or config.get("model_type") == "t5":
         return None
-    if not sdxl and component == "text_encoder":
+    if family == FLUX and not clip_projection(component, config):
+        return ["pooler_output"]
+    if family in (SD, FLUX, None) and component == "text_encoder":
         return ["last_hidden_state"]
     penultimate = f"hidden_states.{int(config['num_hidden_layers']) - 1}"
     return ["text_embeds", penultimate] if clip_projection(component, config) else [penultimate]
@@ -126,7 +152,8 @@ class ComponentSpec:
     name: str
     config: dict[str, Any]  # its module's config.json
     vae_factor: int  # the pipeline VAE's scale factor (8 without a VAE)
-    sdxl: bool | None  # whether its pipeline is SDXL's (has a text_encoder_2); None: unknown
+    family: str | None  # its pipeline's (``pipeline_family``); None: unknown
+    text_len: int | None = None  # T5's tokens where the pipeline sets them (``generation.json``); None: the default
 
     @property
     def row(self) -> components.ComponentRow:
@@ -137,7 +164,7 @@ class ComponentSpec:
         return self.row.module
 
     def signature(self, res: int | Size, batch: int | None = None) -> Signature:
-        return signature(self.name, self.config, res, self.vae_factor, batch)
+        return signature(self.name, self.config, res, self.vae_factor, batch, self.text_len)
 
     def sample_inputs(self, res: int | Size, seed: int = 0, batch: int | None = None) -> dict[str, np.ndarray]:
         return sample_inputs(self.signature(res, batch), self.config, res, seed)
@@ -153,7 +180,7 @@ class ComponentSpec:
 
     @property
     def pipeline_outputs(self) -> list[str] | None:
-        return pipeline_outputs(self.name, self.config, bool(self.sdxl))
+        return pipeline_outputs(self.name, self.config, self.family)
 
     @property
     def handoff(self) -> frozenset[str]:
@@ -166,11 +193,12 @@ class ComponentSpec:
 
 @dataclass(frozen=True)
 class PipelineConfig:
-    """A pipeline's module configs, each read once (``modules``: model_index.json's key -> config.json), and
-    whether the pipeline is SDXL's."""
+    """A pipeline's module configs, each read once (``modules``: model_index.json's key -> config.json), its
+    family (``pipeline_family``; None: unknown) and T5's tokens where the pipeline sets them."""
 
     modules: Mapping[str, dict[str, Any]]
-    sdxl: bool | None = None
+    family: str | None = None
+    text_len: int | None = None
 
     def config(self, component: str) -> dict[str, Any]:
         return self.modules[components.module_of(component)]
@@ -184,7 +212,7 @@ class PipelineConfig:
         return vae_scale_factor(self.vae)
 
     def spec(self, component: str) -> ComponentSpec:
-        return ComponentSpec(component, self.config(component), self.vae_factor, self.sdxl)
+        return ComponentSpec(component, self.config(component), self.vae_factor, self.family, self.text_len)
 
     def default_resolution(self) -> int:
         """The resolution the pipeline was trained at (``default_resolution``: 1024 for SDXL; a ControlNet

@@ -127,3 +127,35 @@ def tiny_sd3_folder(tmp_path_factory: pytest.TempPathFactory) -> Path:
     folder = tmp_path_factory.mktemp("local") / "my-sd3"
     pipe.save_pretrained(folder)
     return folder
+
+
+@pytest.fixture(scope="session")
+def tiny_flux(tmp_path_factory: pytest.TempPathFactory):
+    """tiny-flux converted whole: CLIP-L, T5, the 16-channel VAE, the transformer (dev: guidance embedded)."""
+    from sdnpu.convert import convert
+
+    return convert("tiny-flux", "all", out=tmp_path_factory.mktemp("tiny-flux"))
+
+
+@pytest.fixture(scope="session")
+def tiny_flux_folder(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """tiny-flux written by diffusers' own save_pretrained (``FluxPipeline``): a local folder as users have
+    them, with the preset's generation.json beside it."""
+    from diffusers import FlowMatchEulerDiscreteScheduler, FluxPipeline
+    from transformers import CLIPTokenizer, T5TokenizerFast
+
+    from sdnpu.convert import resolve_source
+
+    src = resolve_source("tiny-flux")
+    files = tmp_path_factory.mktemp("flux-files")
+    src.write_pipeline_files(files)
+    pipe = FluxPipeline(
+        transformer=src.load_module("transformer"), vae=src.load_module("vae"),
+        text_encoder=src.load_module("text_encoder"), text_encoder_2=src.load_module("text_encoder_2"),
+        tokenizer=CLIPTokenizer.from_pretrained(files / "tokenizer"),
+        tokenizer_2=T5TokenizerFast.from_pretrained(files / "tokenizer_2"),
+        scheduler=FlowMatchEulerDiscreteScheduler.from_pretrained(files / "scheduler"))
+    folder = tmp_path_factory.mktemp("local") / "my-flux"
+    pipe.save_pretrained(folder)
+    shutil.copy(files / "generation.json", folder / "generation.json")
+    return folder

@@ -9,6 +9,11 @@ beside its ``model_index.json``, and ``sdnpu convert`` copies it into the conver
 ::
 
     {"format": "sdnpu-generation", "version": 1, "steps": 1, "guidance": 0.0}
+
+A guidance-distilled model whose transformer takes the guidance as an input (Flux.1 dev: ``"embedded_guidance":
+true``) runs one half whatever the guidance: its default batch is 1. ``max_sequence_length`` (optional) is T5's
+tokens, diffusers' argument of that name (Flux.1 schnell: 256); it sets the T5 encoder's and the transformer's
+shapes. A Flux.1 folder without the file gets ``FluxPipeline``'s defaults (``family_default``).
 """
 
 from __future__ import annotations
@@ -36,21 +41,42 @@ class Generation:
 
     steps: int = DEFAULT_STEPS
     guidance: float = DEFAULT_GUIDANCE
+    embedded_guidance: bool = False  # the transformer takes the guidance (Flux.1 dev): no unconditional half
+    max_sequence_length: int | None = None  # T5's tokens; None: the family's default
 
     @property
     def batch(self) -> int:
         """The denoiser's default batch: ``CFG_BATCH`` where the guidance needs both halves, else 1."""
-        return CFG_BATCH if uses_guidance(self.guidance) else 1
+        return CFG_BATCH if self.classifier_free else 1
+
+    @property
+    def classifier_free(self) -> bool:
+        """Whether a step runs the unconditional half too at the default guidance."""
+        return not self.embedded_guidance and uses_guidance(self.guidance)
 
     def to_json(self) -> dict[str, object]:
-        return {"format": FORMAT, "version": VERSION, "steps": self.steps, "guidance": self.guidance}
+        data: dict[str, object] = {"format": FORMAT, "version": VERSION, "steps": self.steps,
+                                   "guidance": self.guidance}
+        if self.embedded_guidance:
+            data["embedded_guidance"] = True
+        if self.max_sequence_length is not None:
+            data["max_sequence_length"] = self.max_sequence_length
+        return data
 
 
-def read(folder: Path) -> Generation:
-    """``folder``'s generation defaults (the usual ones where it has no ``generation.json``)."""
+def family_default(family: str | None) -> Generation:
+    """The defaults of a folder without ``generation.json``: diffusers' pipeline's for its family (Flux.1:
+    ``FluxPipeline``'s 28 steps at guidance 3.5, embedded), else the usual ones."""
+    if family == "flux":
+        return Generation(28, 3.5, embedded_guidance=True)
+    return Generation()
+
+
+def read(folder: Path, family: str | None = None) -> Generation:
+    """``folder``'s generation defaults (``family_default`` where it has no ``generation.json``)."""
     path = Path(folder) / FILE
     if not path.is_file():
-        return Generation()
+        return family_default(family)
     try:
         data = json.loads(path.read_text(encoding="utf-8"))
     except (OSError, UnicodeDecodeError, ValueError) as e:
@@ -63,4 +89,9 @@ def read(folder: Path) -> Generation:
         raise SdnpuError(f"{path}: steps {steps!r} is not a whole number of at least 1")
     if isinstance(guidance, bool) or not isinstance(guidance, (int, float)) or guidance < 0:
         raise SdnpuError(f"{path}: guidance {guidance!r} is not a number of at least 0")
-    return Generation(steps, float(guidance))
+    embedded, length = data.get("embedded_guidance", False), data.get("max_sequence_length")
+    if not isinstance(embedded, bool):
+        raise SdnpuError(f"{path}: embedded_guidance {embedded!r} is not true or false")
+    if length is not None and (isinstance(length, bool) or not isinstance(length, int) or length < 1):
+        raise SdnpuError(f"{path}: max_sequence_length {length!r} is not a whole number of at least 1")
+    return Generation(steps, float(guidance), embedded, length)
