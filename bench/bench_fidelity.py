@@ -48,33 +48,35 @@ def measure(source: str, models: Path, component: str, res: int | None, loras: t
     from sdnpu.convert import resolve_source
     from sdnpu.convert.wrappers import build_wrapper
     from sdnpu.convert.driver import default_resolution
-    from sdnpu.signatures import sample_inputs, signature, vae_scale_factor
+    from sdnpu.signatures import sample_inputs
     from sdnpu.reports.fidelity import RANGE_RUNS
 
     src = resolve_source(source)
     res = res or default_resolution(src)
     config = src.module_config(component)
-    vae = src.module_config("vae_decoder") if "vae" in src.modules else None
-    sig = signature(component, config, res, vae_scale_factor(vae))
+    spec = src.pipeline_config().spec(component)
+    sig = spec.signature(res, src.generation().batch if spec.batched else None)
+    per_step = 1000.0 if config.get("_class_name") == "FluxTransformer2DModel" else 1.0  # Flux: timestep / 1000
     runs = []
     for seed, t in RANGE_RUNS:
         feeds = sample_inputs(sig, config, res, seed=seed)
         if "timestep" in feeds:
-            feeds["timestep"] = np.full(feeds["timestep"].shape, t, feeds["timestep"].dtype)
+            feeds["timestep"] = np.full(feeds["timestep"].shape, t / per_step, feeds["timestep"].dtype)
         runs.append(feeds)
     from sdnpu.components import module_of
 
     export = models / component / "export.json"
     if export.is_file() and json.loads(export.read_text()).get("blockwise"):
-        refs, bfs, seconds = _blockwise_torch(src, module_of(component), runs, sig.outputs)
+        refs, bfs, seconds = _blockwise_torch(src, module_of(component), sig, runs, list(sig.outputs))
         return _compare(component, models, runs, refs, bfs, seconds, sig.outputs)
     module = src.load_module(module_of(component))
     if loras:
         from sdnpu.lora.adapters import fuse_into, read_lora
 
         unet_config = src.module_config("unet") if "unet" in src.modules else None
-        files = [read_lora(spec, "text_encoder_2" in src.modules, unet_config) for spec in loras]
-        fuse_into(module, component, files, "text_encoder_2" in src.modules)
+        family = src.pipeline_config().family or "sd"
+        files = [read_lora(spec, family, unet_config) for spec in loras]
+        fuse_into(module, component, files, family)
     wrapper = build_wrapper(component, module, config)
     del module
     seconds = {}
@@ -93,31 +95,38 @@ def measure(source: str, models: Path, component: str, res: int | None, loras: t
     return _compare(component, models, runs, refs, bfs, seconds, sig.outputs)
 
 
-def _blockwise_torch(src, key: str, runs: list[dict], outputs: list[str]) -> tuple[list, list, dict]:
-    """PyTorch's fp32 and bf16 outputs of a module converted block by block (T5-XXL: too large to load whole
-    here), chained piece by piece as ``sdnpu.convert.blockwise`` builds them: each piece in fp32 on the fp32
-    chain, then in bf16 on the bf16 chain, one piece in memory at a time."""
+def _blockwise_torch(src, key: str, sig, runs: list[dict], outputs: list[str]) -> tuple[list, list, dict]:
+    """PyTorch's fp32 and bf16 outputs of a module converted block by block (T5-XXL, Flux.1's transformer: too
+    large to load whole here), chained piece by piece as ``sdnpu.convert.blockwise`` builds them: each piece in
+    fp32 on the fp32 chain, then in bf16 on the bf16 chain, one piece in memory at a time."""
     import torch
 
-    from sdnpu.convert.blockwise import pieces
+    from sdnpu.convert.blockwise import link_values, pieces
 
-    (name,) = list(runs[0])
-    seq_len = int(runs[0][name].shape[1])
-    fp32 = [torch.from_numpy(f[name]) for f in runs]
-    bf16 = list(fp32)
+    def bf16(x):
+        return x.to(torch.bfloat16) if x.is_floating_point() else x
+
+    fp32 = [{k: torch.from_numpy(v) for k, v in f.items()} for f in runs]
+    low = [{k: bf16(v) for k, v in f.items()} for f in fp32]
     seconds = {"torch fp32": 0.0, "torch bf16": 0.0}
     with torch.no_grad():
-        for _, _, piece in pieces(src, key, seq_len):
+        for piece in pieces(src, key, sig):
+            module = piece.module
+
+            def step(values, module=module, piece=piece):
+                got = module(*(values[n] for n in piece.inputs))
+                return link_values(values, piece.outputs, got if isinstance(got, tuple) else (got,))
+
             start = time.perf_counter()
-            fp32 = [piece(x) for x in fp32]
+            fp32 = [step(v) for v in fp32]
             seconds["torch fp32"] += time.perf_counter() - start
-            piece = piece.to(torch.bfloat16)
+            module.to(torch.bfloat16)
             start = time.perf_counter()
-            bf16 = [piece(x) for x in bf16]
+            low = [step(v) for v in low]
             seconds["torch bf16"] += time.perf_counter() - start
-            del piece
-    (out,) = outputs
-    return ([{out: x.numpy()} for x in fp32], [[x.float().numpy()] for x in bf16], seconds)
+            del module, piece
+    return ([{o: v[o].numpy() for o in outputs} for v in fp32],
+            [[v[o].float().numpy() for o in outputs] for v in low], seconds)
 
 
 def _compare(component: str, models: Path, runs: list[dict], refs: list[dict], bfs: list[list], seconds: dict,

@@ -1,5 +1,7 @@
-"""Block by block: T5 (SD3's ``text_encoder_3``) converted one transformer block at a time, for a module whose
-fp32 weights do not fit this machine's memory whole (T5-XXL: 19 GB).
+"""Block by block: T5 (SD3's ``text_encoder_3``, Flux.1's ``text_encoder_2``) and Flux.1's transformer
+(``sdnpu.convert.blockwise_flux``) converted one block at a time, for a module whose fp32 weights do not fit this
+machine's memory whole (T5-XXL: 19 GB; Flux.1: 47.6 GB). Each piece is a ``Piece``: a torch module, the names of
+its inputs (the module's own for the first, earlier pieces' outputs for the others) and of its outputs.
 
 T5's encoder is an embedding, blocks that each read the previous block's hidden states and one shared
 position bias, and a final RMSNorm. The position bias depends on the sequence length and block 0's bucket
@@ -10,7 +12,7 @@ compiled, and its dispatch model run; then the pieces' files are stitched into t
 (``sdnpu.convert.stitch``), each deleted as it is copied: memory holds one block (T5-XXL: 5.7 GB peak), the
 disk the pieces' graphs until they become the stitched ones (T5-XXL: 19.05 GB fp32 and 9.79 GB bf16).
 
-The checks chain: piece ``i`` of each kind runs on what the same kind's piece ``i - 1`` gave (PyTorch on
+The checks chain: piece ``i`` of each kind runs on what the same kind's earlier pieces gave (PyTorch on
 PyTorch's, the fp32 graph on the fp32 graph's, the dispatch model on the dispatch model's), so the last piece's
 outputs are the whole module's and the whole graphs', without running them whole. The stitched dispatch
 model computes what the chained pieces compute: the casts it cancels between them are exact.
@@ -28,7 +30,7 @@ import logging
 import shutil
 import time
 from collections.abc import Iterator
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
@@ -49,14 +51,29 @@ from sdnpu.onnxrun import run_onnx
 from sdnpu.passes.partition import partition
 from sdnpu.progress import peak_rss_bytes, release_memory, step
 from sdnpu.reports.fidelity import fidelity
+from sdnpu.signatures import Signature
 
 log = logging.getLogger(__name__)
 
-CLASSES = ("T5EncoderModel",)  # module classes that convert block by block
+CLASSES = ("T5EncoderModel", "FluxTransformer2DModel")  # module classes that convert block by block
 
 
 def supports(src: Source, key: str) -> bool:
     return src.classes.get(key) in CLASSES
+
+
+@dataclass
+class Piece:
+    """Piece ``i`` of ``n``: a torch module whose forward takes ``inputs`` (positionally) and returns ``outputs``
+    (a tensor, or a tuple in that order). An output ``x.next`` feeds later pieces' input ``x``
+    (``sdnpu.convert.stitch``); a piece with one output also feeds the next piece's ``hidden_states``."""
+
+    i: int
+    n: int
+    module: Any
+    inputs: tuple[str, ...]
+    outputs: tuple[str, ...]
+    whole: Any = None  # param name in the piece -> the whole module's (None: the same)
 
 
 def _t5_config(src: Source, key: str) -> Any:
@@ -186,8 +203,30 @@ def _piece_class() -> Any:
     return T5Piece
 
 
-def pieces(src: Source, key: str, seq_len: int) -> Iterator[tuple[int, int, Any]]:
-    """``(i, n, module)`` for T5's pieces in order, each built when asked for (the caller drops it)."""
+def pieces(src: Source, key: str, sig: Signature) -> Iterator[Piece]:
+    """The module's pieces in order for its graph's signature ``sig``, each built when asked for (the caller
+    drops it)."""
+    if src.classes.get(key) == "FluxTransformer2DModel":
+        from sdnpu.convert import blockwise_flux
+
+        yield from blockwise_flux.pieces(src, key, sig, _Weights(src, key))
+        return
+    yield from _t5_pieces(src, key, int(sig.inputs[0].shape[1]), sig.inputs[0].name, sig.outputs[0])
+
+
+def _t5_whole(i: int, param: str) -> str:
+    """A T5 piece's parameter as the whole T5EncoderModel names it (``map_parameters`` strips the piece's
+    first child, ``block``)."""
+    if param.startswith("embed."):
+        return "shared." + param[len("embed."):]
+    if param.startswith("norm."):
+        return "encoder.final_layer_norm." + param[len("norm."):]
+    if param == "position_bias":
+        return "position_bias (computed from encoder.block.0's relative_attention_bias)"
+    return f"encoder.block.{i}.{param}"
+
+
+def _t5_pieces(src: Source, key: str, seq_len: int, in_name: str, out_name: str) -> Iterator[Piece]:
     import torch
 
     config = _t5_config(src, key)
@@ -202,11 +241,16 @@ def pieces(src: Source, key: str, seq_len: int) -> Iterator[tuple[int, int, Any]
                 bias = block.layer[0].SelfAttention.compute_bias(seq_len, seq_len).detach().clone()
         embed = _embedding(config, weights) if i == 0 else None
         norm = _final_norm(config, weights) if i == n - 1 else None
-        yield i, n, cls(block, bias, embed, norm).eval()
+        yield Piece(i, n, cls(block, bias, embed, norm).eval(), (in_name if i == 0 else "hidden_states",),
+                    (out_name if i == n - 1 else "block_output",), whole=_t5_whole)
 
 
 def whole_module(src: Source, key: str) -> Any:
-    """The T5EncoderModel whose weights the pieces hold (small modules only: tests compare against it)."""
+    """The module whose weights the pieces hold (small modules only: tests compare against it)."""
+    if src.classes.get(key) == "FluxTransformer2DModel":
+        from sdnpu.convert import blockwise_flux
+
+        return blockwise_flux.whole_module(src, key, _Weights(src, key))
     import torch
     from transformers import T5EncoderModel
 
@@ -223,11 +267,27 @@ def whole_module(src: Source, key: str) -> Any:
 
 @dataclass
 class Chain:
-    """The three chains' current values (PyTorch, the fp32 graph, the dispatch model) and their errors."""
+    """The three chains' current values by name (PyTorch, the fp32 graph, the dispatch model): what the pieces
+    so far gave, the latest of each name."""
 
-    torch: np.ndarray
-    onnx: np.ndarray
-    dispatch: np.ndarray | None
+    torch: dict[str, np.ndarray]
+    onnx: dict[str, np.ndarray]
+    dispatch: dict[str, np.ndarray] | None
+
+
+def link_values(values: dict[str, Any], names: tuple[str, ...], outs: list[Any] | tuple[Any, ...]) -> dict[str, Any]:
+    """``values`` updated with a piece's outputs, each under the name later pieces read it by (any chain: arrays
+    or tensors)."""
+    from sdnpu.convert.stitch import link_name
+
+    new = dict(values)
+    new.update((link_name(name), v) for name, v in zip(names, outs, strict=True))
+    if len(outs) == 1:
+        new[CHAIN_INPUT] = outs[0]
+    return new
+
+
+CHAIN_INPUT = "hidden_states"  # what a piece with one output feeds in the next
 
 
 @dataclass
@@ -236,36 +296,37 @@ class _Run:
 
     job: Job
     work: Path  # the pieces' folders
-    x: np.ndarray  # the seeded input (token ids)
-    in_name: str
-    out_name: str
+    feeds: dict[str, np.ndarray]  # the seeded inputs of the module
+    out_names: tuple[str, ...]
     seconds: dict[str, float] = field(default_factory=lambda: dict.fromkeys(
         ("torch_run", "export", "onnx_run", "compile", "stitch"), 0.0))
     fp32_parts: list[Path] = field(default_factory=list)
     dd_parts: list[Path] = field(default_factory=list)
     records: dict[str, dict[str, int]] = field(default_factory=dict)  # the pieces' pass counts, summed
     params: list[dict[str, Any]] = field(default_factory=list)  # each piece's parameters.json
+    wholes: list[Any] = field(default_factory=list)  # each piece's parameter naming (``Piece.whole``)
     worst_piece: float = 0.0
     n_params: int = 0
     chain: Chain | None = None
+    partition: dict[str, Any] | None = None  # the stitched dispatch model's partition record
 
     def timed(self, what: str, started: float) -> None:
         self.seconds[what] += time.perf_counter() - started
 
 
 def convert_blockwise(src: Source, job: Job, stage: Path) -> ComponentResult:
-    """Convert ``job`` (text_encoder_3) into ``stage`` block by block: ``model.onnx`` (+ data) stitched from
-    the pieces' fp32 graphs, ``dd/`` from their dispatch models. Returns the ComponentResult."""
-    feeds = job.sample_inputs()
-    (in_name,), (out_name,) = list(feeds), list(job.signature().outputs)
-    run = _Run(job, stage / ".pieces", feeds[in_name], in_name, out_name)
+    """Convert ``job`` (T5, Flux.1's transformer) into ``stage`` block by block: ``model.onnx`` (+ data)
+    stitched from the pieces' fp32 graphs, ``dd/`` from their dispatch models. Returns the ComponentResult."""
+    run = _Run(job, stage / ".pieces", job.sample_inputs(), tuple(job.signature().outputs))
     shutil.rmtree(run.work, ignore_errors=True)
     run.work.mkdir()
     started = time.perf_counter()
     try:
-        for i, n, piece in pieces(src, job.key, int(run.x.shape[1])):
-            _piece(run, i, n, piece)
-            log.info("[%s] block %d of %d done (%.0f s so far, peak memory %.1f GB)", job.component, i + 1, n,
+        for piece in pieces(src, job.key, job.signature()):
+            i, n = piece.i, piece.n
+            _piece(run, piece)
+            del piece
+            log.info("[%s] piece %d of %d done (%.0f s so far, peak memory %.1f GB)", job.component, i + 1, n,
                      time.perf_counter() - started, peak_rss_bytes() / 1e9)
         check_data = _check_chain(run)  # before stitching: a graph that does not match is not worth writing
         s32, summary = _stitch(run, stage)
@@ -275,63 +336,81 @@ def convert_blockwise(src: Source, job: Job, stage: Path) -> ComponentResult:
     result = ComponentResult(component=job.component, path=stage / MODEL_FILE, nodes=s32.nodes,
                              parameters=run.n_params, seconds=seconds, peak_rss_bytes=peak_rss_bytes(),
                              check=check_data, report=summary)
-    write_records(job, stage, result, _parameters(run.params, s32.alias), blockwise=True)
+    write_records(job, stage, result, _parameters(run.params, run.wholes, s32.alias), blockwise=True)
     return result
 
 
-def _piece(run: _Run, i: int, n: int, piece: Any) -> None:
-    """Piece ``i`` of ``n``: run in PyTorch on the torch chain, exported, run in onnxruntime on the fp32
-    chain (and alone on PyTorch's input, its own error), compiled and its dispatch model run on the dispatch
-    chain."""
+def _piece(run: _Run, piece: Piece) -> None:
+    """``piece``: run in PyTorch on the torch chain, exported, run in onnxruntime on the fp32 chain (and alone
+    on PyTorch's inputs, its own error), compiled and its dispatch model run on the dispatch chain."""
     import torch
 
-    job, options = run.job, run.job.options
-    run.n_params += sum(p.numel() for p in piece.parameters())
+    job, options, i = run.job, run.job.options, piece.i
+    module = piece.module
+    piece.module = None  # the caller's Piece must not keep the weights alive past this piece
+    run.n_params += sum(p.numel() for p in module.parameters())
     folder = run.work / f"piece{i:03d}"
     folder.mkdir()
     path = folder / MODEL_FILE
-    piece_in = run.in_name if i == 0 else "hidden_states"
-    piece_out = run.out_name if i == n - 1 else "block_output"
+    before = run.feeds if run.chain is None else run.chain.torch
+    missing = [name for name in piece.inputs if name not in before]
+    if missing:
+        raise SdnpuError(f"{job.component}'s piece {i} takes {', '.join(missing)}, which no earlier piece gives")
     t0 = time.perf_counter()
     with torch.no_grad():
-        t_in = torch.from_numpy(run.x if run.chain is None else run.chain.torch)
-        t_out = piece(t_in).numpy().copy()
+        t_in = tuple(torch.from_numpy(before[name]) for name in piece.inputs)
+        got = module(*t_in)
+        t_out = [o.numpy().copy() for o in (got if isinstance(got, tuple) else (got,))]
     run.timed("torch_run", t0)
     t0 = time.perf_counter()
     try:
-        export_module(piece, (t_in,), [piece_in], [piece_out], path, exporter=options.export_with)
-        run.params.append(map_parameters(piece, path))
+        export_module(module, t_in, list(piece.inputs), list(piece.outputs), path, exporter=options.export_with)
+        run.params.append(map_parameters(module, path))
+        run.wholes.append(piece.whole)
     except SdnpuError:
         raise
     except Exception as e:
-        raise SdnpuError(f"torch's {options.exporter} exporter failed on {job.component}'s block {i}: "
+        raise SdnpuError(f"torch's {options.exporter} exporter failed on {job.component}'s piece {i}: "
                          f"{type(e).__name__}: {e}") from e
     run.timed("export", t0)
-    del piece, t_in
+    del module, t_in, got
     release_memory()
-    got = _run_fp32(run, path, (piece_in, piece_out), t_out)
-    dispatch = _compile_piece(run, i, path, (piece_in, piece_out)) if options.compile else None
-    run.chain = Chain(t_out, got, dispatch)
+    names = (piece.inputs, piece.outputs)
+    onnx_out = _run_fp32(run, path, names, t_out)
+    dispatch = _compile_piece(run, i, path, names) if options.compile else None
+    previous = run.chain
+    run.chain = Chain(link_values(before, piece.outputs, t_out),
+                      link_values(run.feeds if previous is None else previous.onnx, piece.outputs, onnx_out),
+                      None if dispatch is None else link_values(
+                          run.feeds if previous is None or previous.dispatch is None else previous.dispatch,
+                          piece.outputs, dispatch))
     run.fp32_parts.append(path)
 
 
-def _run_fp32(run: _Run, path: Path, names: tuple[str, str], t_out: np.ndarray) -> np.ndarray:
-    """The piece's fp32 graph on the fp32 chain (PyTorch's output where the job does not check), and its own
-    error against PyTorch on PyTorch's input."""
+def _run_fp32(run: _Run, path: Path, names: tuple[tuple[str, ...], tuple[str, ...]],
+              t_out: list[np.ndarray]) -> list[np.ndarray]:
+    """The piece's fp32 graph on the fp32 chain (PyTorch's outputs where the job does not check), and its own
+    error against PyTorch on PyTorch's inputs."""
     piece_in, piece_out = names
-    onnx_in = run.x if run.chain is None else run.chain.onnx
+    if not run.job.options.check:
+        return t_out
+    values = run.feeds if run.chain is None else run.chain.onnx
     t0 = time.perf_counter()
-    got = run_onnx(path, {piece_in: onnx_in}, optimize=True)[piece_out] if run.job.options.check else t_out
+    res = run_onnx(path, {k: values[k] for k in piece_in}, optimize=True)
+    got = [res[k] for k in piece_out]
     run.timed("onnx_run", t0)
-    if run.job.options.check:
-        # this piece alone, on PyTorch's input: its own export error, not the chain's
-        alone = got if run.chain is None else run_onnx(path, {piece_in: run.chain.torch}, optimize=True)[piece_out]
+    # this piece alone, on PyTorch's inputs: its own export error, not the chain's
+    if run.chain is not None:
+        res = run_onnx(path, {k: run.chain.torch[k] for k in piece_in}, optimize=True)
+    for k, want in zip(piece_out, t_out, strict=True):
+        alone = res[k]
         run.worst_piece = max(run.worst_piece,
-                              float(np.max(np.abs(alone - t_out)) / max(np.max(np.abs(t_out)), 1e-30)))
+                              float(np.max(np.abs(alone - want)) / max(np.max(np.abs(want)), 1e-30)))
     return got
 
 
-def _compile_piece(run: _Run, i: int, path: Path, names: tuple[str, str]) -> np.ndarray | None:
+def _compile_piece(run: _Run, i: int, path: Path, names: tuple[tuple[str, ...], tuple[str, ...]]
+                   ) -> list[np.ndarray] | None:
     """The piece compiled (its pass counts summed into ``run.records``) and, where the job checks, its dispatch
     model run on the dispatch chain."""
     piece_in, piece_out = names
@@ -347,9 +426,10 @@ def _compile_piece(run: _Run, i: int, path: Path, names: tuple[str, str]) -> np.
                 bucket[k] = bucket.get(k, 0) + v
     dispatch = None
     if options.check:
-        d_in = run.x if run.chain is None else run.chain.dispatch
+        values = run.feeds if run.chain is None or run.chain.dispatch is None else run.chain.dispatch
         t0 = time.perf_counter()
-        dispatch = run_onnx(path.parent / "dd" / REPLACED, {piece_in: d_in})[piece_out]
+        res = run_onnx(path.parent / "dd" / REPLACED, {k: values[k] for k in piece_in})
+        dispatch = [res[k] for k in piece_out]
         run.timed("onnx_run", t0)
     run.dd_parts.append(path.parent / "dd" / REPLACED)
     return dispatch
@@ -361,8 +441,8 @@ def _check_chain(run: _Run) -> dict[str, Any] | None:
     assert chain is not None
     if not run.job.options.check:
         return None
-    fid = fidelity({run.out_name: chain.torch}, {run.out_name: chain.onnx})
-    worst = fid["outputs"][run.out_name]["max_rel"]
+    fid = fidelity({k: chain.torch[k] for k in run.out_names}, {k: chain.onnx[k] for k in run.out_names})
+    worst = max(fid["outputs"][k]["max_rel"] for k in run.out_names)
     log.info("[%s] ONNX vs PyTorch (chained over %d blocks): max abs error %.3g, max rel error %.3g, "
              "min cosine %.9f", comp, len(run.fp32_parts), fid["max_abs"], worst, fid["min_cosine"])
     if not worst <= CHECK_RTOL:
@@ -381,17 +461,17 @@ def _stitch(run: _Run, stage: Path) -> tuple[StitchStats, dict[str, Any] | None]
     comp, options = run.job.component, run.job.options
     t0 = time.perf_counter()
     with step(log, f"[{comp}] stitching {len(run.fp32_parts)} pieces into {MODEL_FILE}"):
-        s32 = stitch(run.fp32_parts, stage / MODEL_FILE, "hidden_states", consume=True)
+        s32 = stitch(run.fp32_parts, stage / MODEL_FILE, CHAIN_INPUT, consume=True)
     sdd = None
     if options.compile:
         (stage / "dd").mkdir(exist_ok=True)
         target = options.compile_options.target
         with step(log, f"[{comp}] stitching {len(run.dd_parts)} dispatch models into dd/{REPLACED}"):
-            sdd = stitch(run.dd_parts, stage / "dd" / REPLACED, "hidden_states",
+            sdd = stitch(run.dd_parts, stage / "dd" / REPLACED, CHAIN_INPUT,
                          cast=(target.domain, "CastAvx"), consume=True)
-        log.info("[%s] %d boundary casts between the blocks cancelled; %d repeated constants kept once",
-                 comp, sdd.casts_cancelled, sdd.deduplicated)
-        _repartition(stage / "dd" / REPLACED, target)
+        log.info("[%s] %d boundary casts between the blocks cancelled; %d repeated constants and %d repeated "
+                 "nodes kept once", comp, sdd.casts_cancelled, sdd.deduplicated, sdd.repeated_nodes)
+        run.partition = _repartition(stage / "dd" / REPLACED, target)
         _stitch_provenance(run.dd_parts, stage / "dd", s32.alias, sdd.alias)
     run.seconds["stitch"] = time.perf_counter() - t0
     shutil.rmtree(run.work, ignore_errors=True)
@@ -408,13 +488,17 @@ def _report(run: _Run, stage: Path, sdd: StitchStats) -> dict[str, Any]:
     validate_dispatch_model(stage / "dd" / REPLACED, comp, "stitched from its blocks", "`--no-compile` keeps the graph")
     fid_dd = None
     if options.check:
-        fid_dd = fidelity({run.out_name: chain.onnx}, {run.out_name: chain.dispatch})
+        assert chain.dispatch is not None
+        fid_dd = fidelity({k: chain.onnx[k] for k in run.out_names}, {k: chain.dispatch[k] for k in run.out_names})
         log.info("[%s] dispatch vs fp32 (chained): min cosine %.6f, max abs error %.3g", comp,
                  fid_dd["min_cosine"], fid_dd["max_abs"])
-    passes = [{"name": k, "seconds": 0.0, "counts": v} for k, v in run.records.items()]
+    passes = [{"name": k, "seconds": 0.0, "counts": v} for k, v in run.records.items() if k != "partition"]
+    if run.partition is not None:
+        passes.append(run.partition)
     passes.append({"name": "stitch", "seconds": round(run.seconds["stitch"], 3),
                    "counts": {"pieces": sdd.pieces, "boundary casts cancelled": sdd.casts_cancelled,
-                              "repeated constants kept once": sdd.deduplicated}})
+                              "repeated constants kept once": sdd.deduplicated,
+                              "repeated nodes kept once": sdd.repeated_nodes}})
     info = {**compile_info(run.job, None), "target": options.compile_options.target.name,
             "precision": options.precision, "peak_rss_bytes": peak_rss_bytes(),
             "blockwise": {"pieces": len(run.dd_parts)}}
@@ -423,31 +507,24 @@ def _report(run: _Run, stage: Path, sdd: StitchStats) -> dict[str, Any]:
     return report["summary"]  # type: ignore[no-any-return]
 
 
-def _parameters(per_piece: list[dict[str, Any]], alias: dict[str, str]) -> dict[str, Any]:
-    """parameters.json for the stitched graph: each piece's record under its prefix, named as the whole
-    T5EncoderModel names its parameters (``map_parameters`` strips the piece's first child, ``block``)."""
+def _parameters(per_piece: list[dict[str, Any]], wholes: list[Any], alias: dict[str, str]) -> dict[str, Any]:
+    """parameters.json for the stitched graph: each piece's record under its prefix, named as the whole module
+    names its parameters (each piece's ``whole``; None: the piece names them so)."""
     found: dict[str, Any] = {}
     ambiguous = 0
     n = len(per_piece)
+    for i, (record, naming) in enumerate(zip(per_piece, wholes, strict=True)):
+        def whole(param: str, i: int = i, naming: Any = naming) -> str:
+            return param if naming is None else naming(i, param)
 
-    def whole(i: int, param: str) -> str:
-        if param.startswith("embed."):
-            return "shared." + param[len("embed."):]
-        if param.startswith("norm."):
-            return "encoder.final_layer_norm." + param[len("norm."):]
-        if param == "position_bias":
-            return "position_bias (computed from encoder.block.0's relative_attention_bias)"
-        return f"encoder.block.{i}.{param}"
-
-    for i, record in enumerate(per_piece):
         for name, entry in record["initializers"].items():
             stitched = f"b{i}/{name}"
             if stitched in alias:
                 continue  # kept once, under the first piece's name
             if entry.get("param") is not None:
-                found[stitched] = {**entry, "param": whole(i, entry["param"])}
+                found[stitched] = {**entry, "param": whole(entry["param"])}
             else:
-                found[stitched] = {**entry, "candidates": [whole(i, c) for c in entry.get("candidates", [])]}
+                found[stitched] = {**entry, "candidates": [whole(c) for c in entry.get("candidates", [])]}
                 ambiguous += 1
     return {**(per_piece[0] if per_piece else {}), "module": "", "ambiguous": ambiguous, "initializers": found,
             "blockwise": n}
@@ -477,14 +554,22 @@ def _stitch_provenance(parts: list[Path], dd_dir: Path, alias32: dict[str, str],
     write_record(dd_dir / WEIGHTS_FILE, make_record("model.onnx", stitched_weights))
 
 
-def _repartition(path: Path, target: Any) -> None:
+def _repartition(path: Path, target: Any) -> dict[str, Any]:
     """The regions again over the stitched dispatch model (each piece numbered its own from 0, and the blocks'
-    regions meet where the casts went): the graph is read without its weights and written back so."""
+    regions meet where the casts went), after the views the seams left between dispatch ops are absorbed (a
+    piece's output viewed back to its own shape, now read by the next piece's op: ``passes.views``): the graph
+    is read without its weights and written back so. Returns the partition's record (the stitched model's, in
+    place of the pieces' summed)."""
     import onnx
     import onnx_ir as ir
 
+    from sdnpu.passes.views import absorb_views
+
     proto = onnx.load(str(path), load_external_data=False)
     model = ir.serde.deserialize_model(proto)
-    partition(model, target)
+    absorb_views(model, target)
+    result = partition(model, target)
     out = ir.serde.serialize_model(model)
     onnx.save(out, str(path))
+    return {"name": "partition", "seconds": 0.0, "counts": result.counts,
+            "regions": [asdict(reg) for reg in result.details["regions"]]}  # type: ignore[attr-defined]

@@ -66,7 +66,7 @@ class ConvertOptions:
     precision: str = "bf16"
     loras: tuple[LoraSpec, ...] = ()  # diffusers' fuse_lora, before export
     add: bool = False
-    blockwise: bool = False  # T5 block by block even where it fits whole (it does where it does not)
+    blockwise: bool = False  # T5 and Flux's transformer block by block even where they fit (they do where not)
     batch: int | str | Sequence[int] | None = None
 
     def __post_init__(self) -> None:

@@ -2,11 +2,16 @@
 weights in memory: the pieces' protos are read without their data, renamed apart, chained output to input,
 and their weights copied byte for byte into the stitched graph's one data file.
 
-Piece ``i`` (``i > 0``) has one graph input, the chained value, which becomes piece ``i - 1``'s output; piece
-0's inputs and the last piece's outputs are the stitched graph's. Every other name gets the piece's prefix
-(``b7/``). Where a dispatch model's piece ends in a ``CastAvx`` back to fp32 and the next one starts with
-``CastAvx`` to bf16 of it, both casts go: the bf16 value flows on (exact: a bf16 value widened to fp32 and
-narrowed again is itself). Identical small constants (the pieces each carry T5's position bias) are kept once.
+Each input of piece ``i`` (``i > 0``) is an output of an earlier piece of the same name, the latest (an output
+``x.next`` feeds inputs ``x``, a piece with one output also the next piece's ``chain_input``: T5's
+``block_output`` -> ``hidden_states``); piece 0's
+inputs and the last piece's outputs are the stitched graph's. A value several later pieces read (Flux.1's
+timestep embedding and rotary tables, written once by its first piece) is read by all of them. Every other
+name gets the piece's prefix (``b7/``). Where a dispatch model's piece ends in a ``CastAvx`` back to fp32 and
+the pieces after it start with ``CastAvx`` to bf16 of it, the casts go: the bf16 value flows on (exact: a bf16
+value widened to fp32 and narrowed again is itself). Identical small constants (the pieces each carry T5's
+position bias) are kept once, and so are identical nodes on identical inputs (each piece's cast of a shared
+table, the same Split or activation of it): the first computes it for all.
 """
 
 from __future__ import annotations
@@ -36,6 +41,7 @@ class StitchStats:
     initializers: int = 0
     deduplicated: int = 0
     casts_cancelled: int = 0
+    repeated_nodes: int = 0  # nodes that computed what an earlier piece's node computes, on the same inputs
     data_bytes: int = 0
     alias: dict[str, str] = field(default_factory=dict)  # a constant dropped as a repeat -> the one kept
 
@@ -64,29 +70,73 @@ def _rename_graph(g: onnx.GraphProto, names: dict[str, str]) -> None:
             v.name = r(v.name)
 
 
+_VIEWS = frozenset({"Reshape", "Squeeze", "Unsqueeze", "Flatten"})  # ops that move no value: any dtype
+
+
 def _cancel_casts(nodes: list[onnx.NodeProto], link: str, outputs: set[str], cast: tuple[str, str]) -> int:
-    """Remove ``CastAvx(to=fp32)`` writing ``link`` and the ``CastAvx(to=bf16)`` nodes reading it, when those
-    are all that reads it; readers of the bf16 copies read the value before the first cast."""
+    """Remove ``CastAvx(to=fp32)`` writing ``link`` (through views: a piece's output viewed back to its own
+    shape after the cast) and the ``CastAvx(to=bf16)`` nodes reading it, when those are all that reads it;
+    the views then run on the bf16 value, and the readers of the bf16 copies read it."""
     domain, op = cast
-    writer = next((n for n in nodes if link in n.output), None)
-    readers = [n for n in nodes if link in n.input]
-    to = {a.name: a.i for a in writer.attribute} if writer is not None else {}
+    by_output = {o: n for n in nodes for o in n.output}
 
     def is_cast(n: onnx.NodeProto, dtype: int) -> bool:
         return n.domain == domain and n.op_type == op and any(a.name == "to" and a.i == dtype for a in n.attribute)
 
-    if writer is None or link in outputs or to.get("to") != onnx.TensorProto.FLOAT or not is_cast(writer, 1):
+    views, value = [], link
+    while (writer := by_output.get(value)) is not None and writer.domain == "" and writer.op_type in _VIEWS:
+        views.append(writer)
+        value = writer.input[0]
+    if writer is None or link in outputs or not is_cast(writer, onnx.TensorProto.FLOAT):
         return 0
+    chain = {id(writer), *(id(v) for v in views)}
+    inner = {x for v in (writer, *views) for x in v.output} - {link}
+    if any(x in inner for n in nodes if id(n) not in chain for x in n.input):
+        return 0  # an intermediate of the chain is read elsewhere
+    readers = [n for n in nodes if link in n.input]
     if not readers or not all(is_cast(n, onnx.TensorProto.BFLOAT16) for n in readers):
         return 0
     source = writer.input[0]
     gone = {id(writer), *(id(n) for n in readers)}
-    renamed = {n.output[0]: source for n in readers}
+    renamed = {n.output[0]: link for n in readers} if views else {n.output[0]: source for n in readers}
+    renamed[writer.output[0]] = source  # the first view reads the bf16 value
     kept = [n for n in nodes if id(n) not in gone]
     for n in kept:
         n.input[:] = [renamed.get(x, x) for x in n.input]
     nodes[:] = kept
     return len(readers) + 1
+
+
+NEXT = ".next"  # a piece output ``x.next`` feeds later pieces' input ``x`` (a graph cannot take and give one name)
+
+
+def link_name(output: str) -> str:
+    """The input name a piece's output feeds in later pieces (``NEXT``)."""
+    return output.removesuffix(NEXT)
+
+
+_IMPURE = ("Random", "Multinomial", "Bernoulli")  # op types that draw: two of them are not one
+
+
+def _merge_repeats(nodes: list[onnx.NodeProto], outputs: set[str]) -> int:
+    """Drop each node that computes what an earlier node computes (the same op, attributes and inputs; nodes
+    are in order, so the earlier one's inputs are ready where the later one's are); its readers read the
+    earlier one's outputs. Graph outputs are kept as they are written. Returns how many went."""
+    seen: dict[tuple[Any, ...], list[str]] = {}
+    renamed: dict[str, str] = {}
+    kept = []
+    for n in nodes:
+        n.input[:] = [renamed.get(x, x) for x in n.input]
+        key = (n.domain, n.op_type, tuple(n.input), tuple(a.SerializeToString() for a in n.attribute), len(n.output))
+        first = seen.get(key)
+        if first is not None and not n.op_type.startswith(_IMPURE) and not outputs & set(n.output):
+            renamed.update((o, f) for o, f in zip(n.output, first, strict=True) if o)
+            continue
+        seen.setdefault(key, list(n.output))
+        kept.append(n)
+    gone = len(nodes) - len(kept)
+    nodes[:] = kept
+    return gone
 
 
 @dataclass
@@ -104,10 +154,10 @@ class _Stitching:
     opsets: dict[str, int] = field(default_factory=dict)
     seen: dict[str, str] = field(default_factory=dict)  # digest -> kept name
     links: list[str] = field(default_factory=list)  # each chained value
+    produced: dict[str, str] = field(default_factory=dict)  # a piece output's name -> its stitched name
     head: dict[str, Any] = field(default_factory=dict)
     graph_inputs: list[onnx.ValueInfoProto] = field(default_factory=list)
     graph_outputs: list[onnx.ValueInfoProto] = field(default_factory=list)
-    previous_out: str | None = None
     offset: int = 0
 
     @property
@@ -146,20 +196,20 @@ def _add_piece(st: _Stitching, m: onnx.ModelProto, path: Path, place: tuple[int,
                    "producer_version": m.producer_version, "metadata": [(p.key, p.value) for p in m.metadata_props]}
     inputs = [v.name for v in g.input]
     outs = [v.name for v in g.output]
-    if i > 0 and (len(inputs) != 1 or inputs[0] != st.chain_input):
-        raise ValueError(f"piece {path} takes {inputs}, not the one chained input {st.chain_input!r}")
-    if not last and len(outs) != 1:
-        raise ValueError(f"piece {path} gives {outs}, not one chained output")
+    unknown = [n for n in inputs if n not in st.produced] if i > 0 else []
+    if unknown:
+        raise ValueError(f"piece {path} takes {unknown}, which no earlier piece gives ({sorted(st.produced)})")
     every = {n for node in g.node for n in (*node.input, *node.output) if n}
-    every |= {t.name for t in g.initializer} | {v.name for v in g.value_info}
+    every |= {t.name for t in g.initializer} | {v.name for v in g.value_info} | set(inputs) | set(outs)
     every |= {node.name for node in g.node if node.name}
     names = {n: f"{st.prefix}{i}/{n}" for n in every}
     if i == 0:
         names.update((n, n) for n in inputs)
     else:
-        assert st.previous_out is not None
-        names[st.chain_input] = st.previous_out
-        st.links.append(st.previous_out)
+        for n in inputs:
+            names[n] = st.produced[n]
+            if st.produced[n] not in st.links:
+                st.links.append(st.produced[n])
     if last:
         names.update((n, n) for n in outs)
     _rename_graph(g, names)
@@ -167,7 +217,10 @@ def _add_piece(st: _Stitching, m: onnx.ModelProto, path: Path, place: tuple[int,
         st.graph_inputs = [_copy(v) for v in g.input]
     if last:
         st.graph_outputs = [_copy(v) for v in g.output]
-    st.previous_out = g.output[0].name
+    for old_name, v in zip(outs, g.output, strict=True):
+        st.produced[link_name(old_name)] = v.name
+    if len(outs) == 1:
+        st.produced[st.chain_input] = g.output[0].name
     _copy_weights(st, g, path.parent, data)
     st.nodes.extend(_copy(n) for n in g.node)
     st.value_info.extend(_copy(v) for v in g.value_info)
@@ -217,8 +270,10 @@ def _write(st: _Stitching, cast: tuple[str, str] | None) -> StitchStats:
     if cast is not None:
         for link in st.links:
             stats.casts_cancelled += _cancel_casts(nodes, link, outputs, cast)
+    stats.repeated_nodes = _merge_repeats(nodes, outputs)
     present = {x for n in nodes for x in (*n.input, *n.output)}
-    value_info = [v for v in st.value_info if v.name in present]
+    retyped = set(st.links)  # a link's views may now run on the bf16 value: its declared type is stale
+    value_info = [v for v in st.value_info if v.name in present and v.name not in retyped]
     graph = onnx.helper.make_graph(nodes, st.head["graph"], st.graph_inputs, st.graph_outputs, st.inits,
                                    value_info=value_info)
     model = onnx.helper.make_model(graph, opset_imports=[onnx.helper.make_opsetid(d, v) for d, v in st.opsets.items()],

@@ -25,8 +25,9 @@ from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
 
-from sdnpu.components import LORA_MODULES, module_of
+from sdnpu.components import LORA_MODULES, lora_components, module_of
 from sdnpu.errors import SdnpuError
+from sdnpu.specs import FLUX, SD, SDXL
 
 log = logging.getLogger(__name__)
 
@@ -80,19 +81,30 @@ class LoraFile:
                 "format": self.format, "sha256": self.sha256}
 
 
-def _pipeline_class(sdxl: bool) -> Any:
-    if sdxl:
-        from diffusers import StableDiffusionXLPipeline
-
-        return StableDiffusionXLPipeline
-    from diffusers import StableDiffusionPipeline
-
-    return StableDiffusionPipeline
+Family = str | bool  # a pipeline family (``sdnpu.specs``: sd, sdxl, flux); True / False: sdxl / sd
+DENOISERS = ("unet", "transformer")  # the modules diffusers loads a LoRA into with ``load_lora_adapter``
 
 
-def read_lora(spec: LoraSpec, sdxl: bool, unet_config: dict[str, Any] | None) -> LoraFile:
-    """``spec``'s file read by diffusers for an SDXL (or SD 1.x) pipeline whose UNet has ``unet_config``
-    (it maps kohya's SDXL block names), or one line saying why it cannot be."""
+def family_of(family: Family) -> str:
+    """``family`` as a pipeline family name (a bool says whether it is SDXL's)."""
+    if isinstance(family, bool):
+        return SDXL if family else SD
+    if family not in (SD, SDXL, FLUX):
+        raise SdnpuError(f"a {family} pipeline takes no LoRAs in sdnpu",
+                         hint="LoRAs apply to SDXL, SD 1.x/2.x and Flux.1 folders")
+    return family
+
+
+def _pipeline_class(family: Family) -> Any:
+    name = {SD: "StableDiffusionPipeline", SDXL: "StableDiffusionXLPipeline", FLUX: "FluxPipeline"}[family_of(family)]
+    import diffusers
+
+    return getattr(diffusers, name)
+
+
+def read_lora(spec: LoraSpec, family: Family, unet_config: dict[str, Any] | None) -> LoraFile:
+    """``spec``'s file read by diffusers for a pipeline of ``family`` (SDXL, SD 1.x, Flux.1) whose UNet has
+    ``unet_config`` (it maps kohya's SDXL block names), or one line saying why it cannot be."""
     from safetensors import safe_open
 
     path = spec.path
@@ -106,17 +118,22 @@ def read_lora(spec: LoraSpec, sdxl: bool, unet_config: dict[str, Any] | None) ->
                          hint="LoRAs are read from .safetensors files (diffusers/PEFT or kohya format)") from e
     if not keys:
         raise SdnpuError(f"{path} holds no tensors", hint="give a LoRA file")
-    kohya = all(k.startswith(("lora_te_", "lora_te1_", "lora_te2_", "lora_unet_")) for k in keys)
+    kohya = all(k.startswith(("lora_te_", "lora_te1_", "lora_te2_", "lora_unet_", "lora_transformer_")) for k in keys)
     if not kohya and not any(".lora" in k or "lora_" in k for k in keys):
         raise SdnpuError(f"{path} is not a LoRA: none of its {len(keys)} tensors is a LoRA matrix "
                          f"(first key {keys[0]!r})", hint="give a diffusers/PEFT or kohya LoRA file")
+    cls = _pipeline_class(family)
     try:
-        state_dict, alphas, metadata = _pipeline_class(sdxl).lora_state_dict(
-            str(path.parent), weight_name=path.name, return_lora_metadata=True,
-            unet_config=SimpleNamespace(**unet_config) if unet_config else None)
-    except Exception as e:  # diffusers' converters raise ValueError/KeyError on keys they cannot place
-        raise SdnpuError(f"diffusers cannot read the LoRA {path}: {type(e).__name__}: {e}",
-                         hint="is it a LoRA for this kind of pipeline (SDXL or SD 1.x)?") from e
+        if family_of(family) == FLUX:
+            state_dict, alphas, metadata = cls.lora_state_dict(str(path.parent), weight_name=path.name,
+                                                               return_alphas=True, return_lora_metadata=True)
+        else:
+            state_dict, alphas, metadata = cls.lora_state_dict(
+                str(path.parent), weight_name=path.name, return_lora_metadata=True,
+                unet_config=SimpleNamespace(**unet_config) if unet_config else None)
+    except Exception as e:  # diffusers' converters raise ValueError/KeyError/AssertionError on keys they cannot place
+        raise SdnpuError(f"diffusers cannot read the LoRA {path}: {type(e).__name__}: {_brief(e)}",
+                         hint=f"is it a LoRA for this kind of pipeline ({cls.__name__})?") from e
     lora = LoraFile(spec, "kohya" if kohya else "diffusers", sha256(path), state_dict, alphas, metadata)
     stray = []
     for key in state_dict:
@@ -128,7 +145,19 @@ def read_lora(spec: LoraSpec, sdxl: bool, unet_config: dict[str, Any] | None) ->
     if stray:
         raise SdnpuError(f"{path}: {len(stray)} keys belong to no component sdnpu applies LoRAs to (first "
                          f"{stray[0]!r})", hint=f"LoRAs change {', '.join(LORA_MODULES)}")
+    able = {module_of(c) for c in lora_components(family_of(family))}
+    foreign = sorted(set(lora.components) - able)
+    if foreign:
+        raise SdnpuError(f"{path} changes {', '.join(foreign)}, which a {cls.__name__} has not: a LoRA made for "
+                         "another kind of model", hint=f"a LoRA for this model changes {', '.join(sorted(able))}")
     return lora
+
+
+def _brief(e: Exception, limit: int = 200) -> str:
+    """An exception's message on one line, cut to ``limit`` characters (diffusers lists every key it could not
+    place: thousands of characters)."""
+    text = " ".join(str(e).split())
+    return text if len(text) <= limit else text[: limit - 3].rstrip(",; ") + "..."
 
 
 def _skeleton(folder: Path, component: str) -> Any:
@@ -140,10 +169,15 @@ def _skeleton(folder: Path, component: str) -> Any:
     config = json.loads((folder / component / "config.json").read_text())
     with init_empty_weights(), warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        if module_of(component) == "unet":
-            from diffusers import UNet2DConditionModel
+        if module_of(component) in DENOISERS:
+            import diffusers
 
-            return UNet2DConditionModel.from_config(config)
+            cls_name = config.get("_class_name") or "UNet2DConditionModel"
+            cls = getattr(diffusers, cls_name, None)
+            if cls is None or cls_name not in ("UNet2DConditionModel", "FluxTransformer2DModel"):
+                raise SdnpuError(f"{folder / component} is a {cls_name}: sdnpu applies LoRAs to SDXL and SD 1.x "
+                                 "UNets and Flux.1 transformers")
+            return cls.from_config(config)
         import transformers
 
         arch = (config.get("architectures") or ["CLIPTextModel"])[0]
@@ -162,18 +196,18 @@ def _peft_state_dict(state_dict: dict[str, Any], component: str) -> dict[str, An
     sd = {k.removeprefix(f"{component}."): v for k, v in state_dict.items() if k.startswith(f"{component}.")}
     if not sd:
         return sd
-    if component == "unet":
+    if component in DENOISERS:
         return sd if "lora_A" in next(iter(sd)) else convert_unet_state_dict_to_peft(sd)
     return convert_state_dict_to_peft(convert_state_dict_to_diffusers(sd))
 
 
-def _load_adapter(module: Any, lora: LoraFile, component: str, adapter: str, sdxl: bool) -> None:
+def _load_adapter(module: Any, lora: LoraFile, component: str, adapter: str, family: Family) -> None:
     """``lora``'s part for ``component`` into ``module`` as adapter ``adapter``, by diffusers' loaders."""
-    if component == "unet":
-        module.load_lora_adapter(lora.state_dict, prefix="unet", network_alphas=lora.alphas,
+    if component in DENOISERS:
+        module.load_lora_adapter(lora.state_dict, prefix=component, network_alphas=lora.alphas,
                                  adapter_name=adapter, metadata=lora.metadata)
     else:
-        _pipeline_class(sdxl).load_lora_into_text_encoder(
+        _pipeline_class(family).load_lora_into_text_encoder(
             lora.state_dict, lora.alphas, module, prefix=component, adapter_name=adapter, metadata=lora.metadata)
 
 
@@ -189,7 +223,7 @@ class Adapters:
     """The LoRAs of one component over its skeleton: which modules they change and, on demand, each
     module's weight change per LoRA (PEFT's ``get_delta_weight``, scaled as ``set_adapters`` scales)."""
 
-    def __init__(self, folder: Path, component: str, loras: Sequence[LoraFile], sdxl: bool) -> None:
+    def __init__(self, folder: Path, component: str, loras: Sequence[LoraFile], family: Family) -> None:
         import warnings
 
         import torch
@@ -209,7 +243,7 @@ class Adapters:
             try:
                 with warnings.catch_warnings():  # loading into meta tensors is a no-op torch warns about
                     warnings.simplefilter("ignore")
-                    _load_adapter(skeleton, lora, module, adapter, sdxl)
+                    _load_adapter(skeleton, lora, module, adapter, family)
             except SdnpuError:
                 raise
             except Exception as e:
@@ -311,7 +345,7 @@ def _check_targets(sd: dict[str, Any], skeleton: Any, lora: LoraFile, component:
                              f"{takes}", hint="a LoRA made for another base model (SD 1.5 on SDXL?)")
 
 
-def fuse_into(module: Any, component: str, loras: Sequence[LoraFile], sdxl: bool) -> int:
+def fuse_into(module: Any, component: str, loras: Sequence[LoraFile], family: Family) -> int:
     """Fuse ``loras`` into the loaded PyTorch ``module`` with diffusers (load each as an adapter, set the
     scales, ``fuse_lora``, unload the LoRA layers), as ``sdnpu convert --lora`` does before exporting.
     Returns how many modules changed."""
@@ -326,14 +360,14 @@ def fuse_into(module: Any, component: str, loras: Sequence[LoraFile], sdxl: bool
             continue
         _check_targets(sd, module, lora, part)
         adapter = f"lora{len(names)}"
-        _load_adapter(module, lora, part, adapter, sdxl)
+        _load_adapter(module, lora, part, adapter, family)
         names.append(adapter)
         scales.append(lora.spec.scale)
     if not names:
         return 0
     changed = sum(1 for _ in _lora_layers(module))
     set_weights_and_activate_adapters(module, names, scales)
-    if part == "unet":
+    if part in DENOISERS:
         module.fuse_lora(adapter_names=names)
         module.unload_lora()
     else:  # as the pipeline's fuse_lora and unload_lora_weights do for a text encoder

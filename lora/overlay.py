@@ -37,13 +37,14 @@ import numpy as np
 import onnx
 import onnx_ir as ir
 
-from sdnpu.components import LORA_COMPONENTS, module_of
+from sdnpu.components import LORA_COMPONENTS, lora_components, module_of
 from sdnpu.errors import SdnpuError
 from sdnpu.fileio import atomic_write_json, recover_staging, staged_dir
 from sdnpu.formats import parameters, weights
 from sdnpu.formats.overlay import ALIGN, DATA, FORMAT, MANIFEST, OVERLAY_DIR, VERSION, base_digest, read_manifest
 from sdnpu.lora.adapters import Adapters, LoraFile, LoraSpec, read_lora, sha256
 from sdnpu.reports.report import write as write_report
+from sdnpu.specs import SD3, pipeline_family
 
 log = logging.getLogger(__name__)
 
@@ -56,32 +57,33 @@ def pipeline_folder(path: str | Path) -> tuple[Path, list[str]]:
     one of its component folders; one line where ``path`` is neither."""
     path = Path(path)
     root = path if (path / "model_index.json").is_file() else path.parent
-    if (root / "transformer" / "export.json").is_file():
-        raise SdnpuError(f"{root} is an SD3 pipeline: sdnpu applies LoRAs to SDXL and SD 1.x folders only",
+    fam = family(root) if (root / "model_index.json").is_file() else None
+    if fam == SD3:
+        raise SdnpuError(f"{root} is an SD3 pipeline: sdnpu applies LoRAs to SDXL, SD 1.x and Flux.1 folders only",
                          hint="LoRAs for SD3's transformer are not supported yet")
+    able = lora_components(fam)
     if (path / "model_index.json").is_file():
-        comps = [c for c in LORA_COMPONENTS if (path / c / "dd" / "replaced.onnx").is_file()]
+        comps = [c for c in able if (path / c / "dd" / "replaced.onnx").is_file()]
         if not comps:
-            raise SdnpuError(f"{path} has no compiled UNet or text encoder",
-                             hint="convert them first: make convert MODEL=unet")
+            raise SdnpuError(f"{path} has no compiled {' or '.join(able)}",
+                             hint="convert them first: make convert MODEL=" + ",".join(able))
         return path, comps
-    if path.name in LORA_COMPONENTS and (path / "dd" / "replaced.onnx").is_file() and (
-            path.parent / "model_index.json").is_file():
+    if path.name in able and (path / "dd" / "replaced.onnx").is_file():
         return path.parent, [path.name]
     raise SdnpuError(f"{path} is not a converted pipeline folder (no model_index.json) or one of its "
                      f"components ({', '.join(LORA_COMPONENTS)})", hint="give the folder sdnpu convert wrote, "
                      "e.g. models/sdxl-base")
 
 
-def is_sdxl(folder: Path) -> bool:
-    index = json.loads((folder / "model_index.json").read_text())
-    return bool(index.get("text_encoder_2") and index["text_encoder_2"][1] is not None)
+def family(folder: Path) -> str:
+    """The converted pipeline's family (``sdnpu.specs.pipeline_family``), from its model_index.json."""
+    return pipeline_family(json.loads((folder / "model_index.json").read_text()))
 
 
 def read_loras(folder: Path, specs: Sequence[LoraSpec]) -> list[LoraFile]:
     config = folder / "unet" / "config.json"
     unet_config = json.loads(config.read_text()) if config.is_file() else None
-    loras = [read_lora(spec, is_sdxl(folder), unet_config) for spec in specs]
+    loras = [read_lora(spec, family(folder), unet_config) for spec in specs]
     seen: dict[str, Path] = {}
     for lora in loras:
         if lora.sha256 in seen:
@@ -296,8 +298,7 @@ def apply(path: str | Path, specs: Sequence[LoraSpec]) -> list[Applied]:
         if missing:
             log.warning("%s also changes %s, which %s has not compiled: that part is not applied",
                         lora.spec.path.name, ", ".join(missing), folder)
-    sdxl = is_sdxl(folder)
-    plans = {c: Adapters(folder, c, loras, sdxl) for c in comps}
+    plans = {c: Adapters(folder, c, loras, family(folder)) for c in comps}
     for c, adapters in plans.items():
         _changed_constants(_sources(folder / c), adapters)  # every module maps to a constant, before writing
     if not any(a.modules for a in plans.values()):
@@ -363,7 +364,7 @@ def compute_in_memory(comp_dir: Path, specs: Sequence[LoraSpec], reference: bool
     (of the dispatch model, or with ``reference`` of the fp32 graph) and the LoRAs' descriptions."""
     folder = comp_dir.parent
     loras = read_loras(folder, specs)
-    adapters = Adapters(folder, comp_dir.name, loras, is_sdxl(folder))
+    adapters = Adapters(folder, comp_dir.name, loras, family(folder))
     if not adapters.modules:
         return {}, []
     return dict(compute(comp_dir, adapters, reference)), [lora.describe() for lora in adapters.loras]

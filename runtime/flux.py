@@ -8,7 +8,8 @@ step for step as diffusers' pipeline does it:
     unpacked, / scaling_factor + shift_factor -> VAE decoder (16 latent channels) -> PNG
 
 Several images per call go through the transformer's converted batches, each its own noise and scheduler.
-Image-to-image, inpainting, ControlNets and LoRAs are refused with the reason.
+LoRAs (the transformer's and CLIP-L's parts) apply as for SDXL: an overlay (``sdnpu lora apply``) or ``--lora``
+at session open. Image-to-image, inpainting and ControlNets are refused with the reason.
 """
 
 from __future__ import annotations
@@ -138,9 +139,6 @@ class FluxPipeline(Stages):
         if not opts.prompt.strip():
             raise SdnpuError("the prompt is empty", hint='say what to draw: --prompt "a cat"')
         check_generate(opts)
-        if self.runtime.loras:
-            raise SdnpuError(f"{self.folder} is a Flux.1 pipeline: sdnpu applies LoRAs to SDXL and SD 1.x folders "
-                             "only", hint="drop --lora")
         if opts.image is not None or opts.controlnets or getattr(opts, "mask", None) is not None:
             raise SdnpuError(f"{self.folder} is a Flux.1 pipeline: sdnpu runs it text-to-image only",
                              hint="drop --image / --mask / --controlnet")

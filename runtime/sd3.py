@@ -137,7 +137,8 @@ class SD3Pipeline(Stages):
             raise SdnpuError("the prompt is empty", hint='say what to draw: --prompt "a cat"')
         check_generate(opts)
         if self.runtime.loras:
-            raise SdnpuError(f"{self.folder} is an SD3 pipeline: sdnpu applies LoRAs to SDXL and SD 1.x folders only",
+            raise SdnpuError(f"{self.folder} is an SD3 pipeline: sdnpu applies LoRAs to SDXL, SD 1.x and Flux.1 "
+                             "folders only",
                              hint="drop --lora")
         if opts.image is not None or opts.controlnets:
             raise SdnpuError(f"{self.folder} is an SD3 pipeline: sdnpu runs it text-to-image only",

@@ -326,9 +326,9 @@ def build_parser() -> argparse.ArgumentParser:
     conv.add_argument("--no-check", action="store_true", help="skip the onnxruntime-vs-PyTorch check")
     conv.add_argument("--no-compile", action="store_true", help="export only (no dd/ dispatch model)")
     conv.add_argument("--blockwise", action="store_true",
-                      help="convert SD3's T5 (text_encoder_3) one block at a time and stitch the graphs, even where "
-                      "it fits whole (done so by itself where its fp32 weights exceed half the available memory, "
-                      "as T5-XXL's 19 GB do on a 24 GB machine)")
+                      help="convert T5 (SD3's text_encoder_3, Flux's text_encoder_2) and Flux's transformer one block "
+                      "at a time and stitch the graphs, even where they fit whole (done so by itself where the fp32 "
+                      "weights exceed half the available memory, as T5-XXL's 19 GB and Flux's 47.6 GB do here)")
     conv.add_argument("--target", default=DEFAULT_TARGET, choices=target_names(),
                       help=f"the NPU whose op contract the dispatch models are written in (default {DEFAULT_TARGET})")
     conv.add_argument("--precision", choices=("bf16", "bfp16"), default="bf16",

@@ -16,14 +16,16 @@ vae_decoder     vae             yes                     VaeDecoder
 unet            unet            yes   yes               UNet
 unet_controlnet unet            yes   yes               UNetResiduals
 controlnet      controlnet      yes                     ControlNet
-transformer     transformer     yes                     Transformer
+transformer     transformer     yes   yes               Transformer
 =============== =============== ===== ==== ============ ==============
 
 A module of another class under the same key takes another wrapper (``wrapper_of``): Flux.1's
 ``text_encoder_2`` is T5 (``T5Encoder``), its ``transformer`` a ``FluxTransformer2DModel`` (``FluxTransformer``).
 
 *sized*: its graph depends on the image size (converted at every size of ``--res``; the text encoders once).
-*LoRA*: a LoRA can change it (``sdnpu lora``, ``--lora``). *wrapper*: the torch wrapper that gives its module
+*LoRA*: a LoRA can change it (``sdnpu lora``, ``--lora``) in a pipeline whose family takes LoRAs
+(``lora_components``: SDXL's and SD 1.x's UNet and CLIP encoders, Flux.1's transformer and CLIP-L).
+*wrapper*: the torch wrapper that gives its module
 a positional, tuple-returning ``forward`` (``sdnpu.convert.wrappers``), and so its ONNX signature
 (``sdnpu.signatures``).
 """
@@ -59,8 +61,8 @@ TABLE: tuple[ComponentRow, ...] = (
     ComponentRow("unet_controlnet", "unet", sized=True, lora=True, text_encoder=False,
                  wrapper="UNetResiduals"),  # the UNet taking a ControlNet's residuals
     ComponentRow("controlnet", "controlnet", sized=True, lora=False, text_encoder=False, wrapper="ControlNet"),
-    ComponentRow("transformer", "transformer", sized=True, lora=False, text_encoder=False,
-                 wrapper="Transformer"),  # SD3's MMDiT
+    ComponentRow("transformer", "transformer", sized=True, lora=True, text_encoder=False,
+                 wrapper="Transformer"),  # SD3's MMDiT, Flux.1's transformer (LoRAs: Flux.1's)
 )
 _ROWS = {r.name: r for r in TABLE}
 
@@ -97,6 +99,17 @@ def wrapper_of(name: str, config: dict[str, Any] | None = None) -> str:
     if wrapper == "Transformer" and config.get("_class_name") == "FluxTransformer2DModel":
         return "FluxTransformer"
     return wrapper
+
+
+def lora_components(family: str | None) -> tuple[str, ...]:
+    """The components a LoRA can change in a pipeline of ``family`` (``sdnpu.specs``' names): none in SD3's
+    (not supported), Flux.1's transformer and CLIP-L (its T5 takes none, as in diffusers), else the UNets and
+    CLIP encoders."""
+    if family == "sd3":
+        return ()
+    if family == "flux":
+        return ("text_encoder", "transformer")
+    return tuple(c for c in LORA_COMPONENTS if c != "transformer")
 
 
 _POSITION = {c: i for i, c in enumerate(COMPONENTS)}

@@ -143,8 +143,234 @@ def test_flux_refuses_what_it_does_not_run(tiny_flux, tmp_path):
 
     with pytest.raises(SdnpuError, match="Flux.1 pipeline: sdnpu runs it text-to-image only"):
         Pipeline(tiny_flux.out, reference=True)(GenerateOptions("a cat", image=tmp_path / "x.png"))
-    with pytest.raises(SdnpuError, match="Flux.1 pipeline: sdnpu applies LoRAs"):
+    with pytest.raises(SdnpuError, match="LoRA file x.safetensors not found"):
         Pipeline(tiny_flux.out, reference=True, runtime=RuntimeOptions(loras=("x.safetensors",)))(
             GenerateOptions("a cat"))
     with pytest.raises(SdnpuError, match="takes no sigmas"):
         Pipeline(tiny_flux.out, reference=True)(GenerateOptions("a cat", steps=1, scheduler="DDIMScheduler"))
+
+
+@pytest.fixture(scope="module")
+def flux_loras(tmp_path_factory, tiny_flux) -> dict[str, Path]:
+    """Seeded rank-4 LoRAs of tiny-flux's transformer (both streams' attention and feed-forward projections,
+    the single blocks', the modulations) and CLIP-L: one in diffusers naming, one in kohya's (Flux's original
+    block names, q, k and v one fused projection)."""
+    from sdnpu.lora.seeded import write_seeded_lora
+
+    d = tmp_path_factory.mktemp("flux-loras")
+    files = {"diffusers": d / "a.safetensors", "kohya": d / "a-kohya.safetensors"}
+    assert write_seeded_lora(tiny_flux.out, files["diffusers"], rank=4) == {"text_encoder": 12, "transformer": 26}
+    # below Flux's own widths diffusers cannot split a single block's linear1: those 8 modules are left out
+    assert write_seeded_lora(tiny_flux.out, files["kohya"], rank=4, naming="kohya") == {"text_encoder": 12,
+                                                                                       "transformer": 18}
+    return files
+
+
+def _initializers(model: Path) -> dict[str, bytes]:
+    import onnx
+    from onnx import numpy_helper
+
+    return {t.name: numpy_helper.to_array(t).tobytes() for t in onnx.load(str(model)).graph.initializer}
+
+
+def _adapted(comp_dir: Path) -> dict[str, bytes]:
+    from sdnpu.formats.overlay import overlay_initializers
+
+    weights = _initializers(comp_dir / "dd" / "replaced.onnx")
+    arrays, _ = overlay_initializers(comp_dir / "dd")
+    weights.update({name: np.asarray(a).tobytes() for name, a in arrays.items()})
+    return weights
+
+
+@pytest.mark.parametrize("naming", ["diffusers", "kohya"])
+def test_a_lora_overlay_is_what_diffusers_fuse_lora_converts_to(naming, tiny_flux, flux_loras, tmp_path):
+    """`sdnpu lora apply` on the converted folder gives every weight of the transformer's and CLIP-L's dispatch
+    models byte for byte as converting them after diffusers' fuse_lora (`sdnpu convert --lora`) does; T5 takes
+    no LoRA (as in diffusers), and the graphs and offload are unchanged."""
+    import shutil
+
+    from sdnpu.convert import convert
+    from sdnpu.lora import LoraSpec, overlay
+
+    folder = tmp_path / "flux"
+    shutil.copytree(tiny_flux.out, folder)
+    spec = f"{flux_loras[naming]}:0.7"
+    fused = convert("tiny-flux", "text_encoder,transformer", out=tmp_path / "fused", loras=(spec,)).out
+    results = overlay.apply(folder, [LoraSpec.parse(spec)])
+    assert {r.component for r in results} == {"text_encoder", "transformer"}
+    for comp in ("text_encoder", "transformer"):
+        adapted, want = _adapted(folder / comp), _initializers(fused / comp / "dd" / "replaced.onnx")
+        assert adapted.keys() == want.keys()
+        differ = [n for n in want if adapted[n] != want[n]]
+        assert not differ, f"{comp}: {len(differ)} weights differ from the fused conversion, e.g. {differ[:3]}"
+        report = json.loads((folder / comp / "dd" / "report.json").read_text())
+        assert report["summary"] == json.loads((fused / comp / "dd" / "report.json").read_text())["summary"]
+    assert overlay.status(folder)["transformer"]["loras"][0]["format"] == naming
+    assert overlay.remove(folder) == ["text_encoder", "transformer"]
+
+
+def test_the_merged_weights_are_diffusers_pipeline_fuse_lora(tiny_flux_folder, flux_loras):
+    """Both LoRAs through diffusers' own FluxPipeline API (load_lora_weights, set_adapters with weights,
+    fuse_lora of both components, unload_lora_weights) give every changed weight of the transformer and CLIP-L
+    bit for bit as
+    sdnpu's merge over a weightless skeleton and its convert-time fusion (``fuse_into``)."""
+    import torch
+    from diffusers import FluxPipeline
+
+    from sdnpu.lora import LoraSpec
+    from sdnpu.lora.adapters import Adapters, fuse_into, read_lora
+
+    pipe = FluxPipeline.from_pretrained(tiny_flux_folder)
+    comps = ("text_encoder", "transformer")
+    base = {c: {n: p.detach().clone() for n, p in getattr(pipe, c).named_parameters()} for c in comps}
+    specs = [LoraSpec(flux_loras["diffusers"], 0.5), LoraSpec(flux_loras["kohya"], 1.25)]
+    for i, spec in enumerate(specs):
+        pipe.load_lora_weights(str(spec.path.parent), weight_name=spec.path.name, adapter_name=f"l{i}")
+    pipe.set_adapters(["l0", "l1"], adapter_weights=[s.scale for s in specs])
+    # FluxPipeline.fuse_lora fuses the transformer alone unless told; a LoRA's CLIP-L part is in force when the
+    # pipeline runs it unfused, so sdnpu applies both parts: fused here as such
+    pipe.fuse_lora(components=["transformer", "text_encoder"], adapter_names=["l0", "l1"])
+    pipe.unload_lora_weights()
+    files = [read_lora(s, "flux", None) for s in specs]
+    for comp in comps:
+        fused = dict(getattr(pipe, comp).named_parameters())
+        adapters = Adapters(tiny_flux_folder, comp, files, "flux")
+        for module in adapters.modules:
+            w = f"{module}.weight"
+            assert torch.equal(adapters.merged(module, base[comp][w]), fused[w].detach()), f"{comp}.{module}"
+        own = getattr(FluxPipeline.from_pretrained(tiny_flux_folder), comp)
+        fuse_into(own, comp, files, "flux")
+        for name, p in own.named_parameters():
+            assert torch.equal(p.detach(), fused[name].detach()), f"{comp}.{name}"
+        changed = [n for n in base[comp] if not torch.equal(base[comp][n], fused[n].detach())]
+        assert len(changed) == len(adapters.modules) > 0
+
+
+def test_generate_with_a_lora_draws_what_the_overlay_draws(tiny_flux, flux_loras, tmp_path):
+    """`generate --lora` (the weights computed at session open) draws what the folder with the same LoRA
+    applied (`sdnpu lora apply`) draws, bit for bit, and not what the base weights draw."""
+    import shutil
+
+    from sdnpu.lora import LoraSpec, overlay
+    from sdnpu.runtime import RuntimeOptions
+
+    opts = GenerateOptions("a cat", steps=2, seed=1)
+    folder = tmp_path / "flux"
+    shutil.copytree(tiny_flux.out, folder)
+    spec = LoraSpec(flux_loras["diffusers"], 0.8)
+    at_open = Pipeline(folder, runtime=RuntimeOptions(loras=(spec,)))(opts)
+    overlay.apply(folder, [spec])
+    assert np.array_equal(Pipeline(folder)(opts), at_open)
+    overlay.remove(folder)
+    assert not np.array_equal(Pipeline(folder)(opts), at_open)
+
+
+@pytest.mark.parametrize("naming, message", [
+    ("diffusers", "changes text_encoder_2, unet, which a FluxPipeline has not"),
+    ("kohya", "diffusers cannot read the LoRA"),  # SDXL's block names are no Flux block
+])
+def test_an_sdxl_lora_on_flux_gets_one_line_and_changes_nothing(naming, message, tiny_flux, tmp_path, capsys):
+    import hashlib
+    import shutil
+
+    from sdnpu.cli import main
+    from sdnpu.lora.seeded import write_seeded_lora
+
+    folder = tmp_path / "flux"
+    shutil.copytree(tiny_flux.out, folder)
+    lora = tmp_path / "sdxl.safetensors"
+    write_seeded_lora(Path(__file__).resolve().parents[1] / "convert" / "presets" / "tiny-sdxl", lora, rank=2,
+                      naming=naming)
+
+    def digest() -> dict[str, str]:
+        return {str(p): hashlib.sha256(p.read_bytes()).hexdigest() for p in sorted(folder.rglob("*")) if p.is_file()}
+
+    before = digest()
+    capsys.readouterr()
+    assert main(["lora", "apply", str(folder), "--lora", str(lora)]) == 2
+    err = capsys.readouterr().err
+    assert message in err and "Traceback" not in err
+    assert len(err.strip().splitlines()) <= 2 and len(err) < 600, err  # the error and its hint
+    assert digest() == before
+
+
+@pytest.fixture(scope="module")
+def blockwise_flux(tmp_path_factory, tiny_flux_folder):
+    """tiny-flux's transformer from its local folder (safetensors) converted block by block (`--blockwise`:
+    what flux-dev's 47.6 GB of fp32 weights need here) and whole, from the same weights."""
+    from sdnpu.convert import convert
+
+    blocks = convert(tiny_flux_folder, "transformer", out=tmp_path_factory.mktemp("flux-blocks"), blockwise=True)
+    whole = convert(tiny_flux_folder, "transformer", out=tmp_path_factory.mktemp("flux-whole"))
+    return blocks, whole
+
+
+def test_the_transformer_converts_block_by_block_as_it_converts_whole(blockwise_flux):
+    """Piece by piece (the embeddings and the first block, each block, the last block and the output layers),
+    stitched: the fp32 graph computes what the module computes, the dispatch model what the whole graph's
+    does, with the same CPU nodes and one NPU region (the shared timestep embedding and rotary tables written
+    once; the casts and the repeated casts and Splits of them between the pieces gone), and every weight replays
+    from the stitched graph's constants."""
+    import onnx
+    import onnx_ir as ir
+
+    from sdnpu.convert.compile import run_onnx
+    from sdnpu.formats import weights as provenance
+    from sdnpu.reports.fidelity import generic_inputs
+
+    blocks, whole = blockwise_flux
+    out, ref_dir = blocks.out / "transformer", whole.out / "transformer"
+    export = json.loads((out / "export.json").read_text())
+    assert export["blockwise"] and export["check"]["max_rel_error"] < 1e-5
+    feeds = {**generic_inputs(ref_dir / "model.onnx", seed=2),
+             **blocks.source.pipeline_config().spec("transformer").sample_inputs(256, seed=2, batch=1)}
+    a, b = (run_onnx(d / "model.onnx", feeds)["out_sample"] for d in (ref_dir, out))
+    np.testing.assert_allclose(b, a, rtol=0, atol=1e-5 * np.abs(a).max())
+    da, db = (run_onnx(d / "dd" / "replaced.onnx", feeds)["out_sample"] for d in (ref_dir, out))
+    cos = float(db.ravel() @ a.ravel() / np.linalg.norm(db) / np.linalg.norm(a))
+    assert cos > 0.9999 and np.abs(db - da).max() < 0.05 * np.abs(da).max(), cos
+    for graph in (out / "model.onnx", out / "dd" / "replaced.onnx"):
+        onnx.checker.check_model(str(graph), full_check=True)
+    report, ref = (json.loads((d / "dd" / "report.json").read_text())["summary"] for d in (out, ref_dir))
+    assert (report["cpu_nodes"], report["npu_regions"], report["cpu_islands"]) == (
+        ref["cpu_nodes"], ref["npu_regions"], ref["cpu_islands"])
+    assert report["macs_offloaded_share"] == 1.0
+    record = provenance.read_record(out / "dd" / provenance.FILE)
+    counts, problems = provenance.check_replay(record["weights"], ir.load(out / "dd" / "replaced.onnx").graph,
+                                               provenance.constant_reader(ir.load(out / "model.onnx")))
+    assert not problems and counts["replayed"] > 0, problems[:5]
+
+
+def test_a_lora_reaches_the_stitched_transformer(blockwise_flux, flux_loras, tmp_path):
+    """The stitched graph's constants are named by the whole module's parameters, so a LoRA applied to the
+    block-by-block conversion changes what it changes in the whole one: the adapted dispatch models agree.
+    `convert --lora` refuses a transformer it converts block by block, naming `lora apply`."""
+    import shutil
+
+    from sdnpu.convert import convert
+    from sdnpu.convert.compile import run_onnx
+    from sdnpu.errors import SdnpuError
+    from sdnpu.lora import LoraSpec, overlay
+    from sdnpu.runtime import RuntimeOptions
+    from sdnpu.runtime.session import open_component
+
+    blocks, whole = blockwise_flux
+    spec = LoraSpec(flux_loras["diffusers"], 1.0)
+    outs = []
+    for result in (blocks, whole):
+        folder = tmp_path / result.out.name
+        shutil.copytree(result.out, folder)
+        (folder / "model_index.json").write_text((result.source.root / "model_index.json").read_text())
+        applied = overlay.apply(folder, [spec])
+        assert [(r.component, r.modules) for r in applied] == [("transformer", 26)]
+        feeds = result.source.pipeline_config().spec("transformer").sample_inputs(256, seed=3, batch=1)
+        adapted = open_component(folder, "transformer", False, RuntimeOptions())  # reads the overlay in place
+        assert adapted.lora
+        outs.append(adapted.run(feeds, ["out_sample"])["out_sample"])
+        base = run_onnx(folder / "transformer" / "dd" / "replaced.onnx", feeds)["out_sample"]
+        assert np.abs(outs[-1] - base).max() > 0.01 * np.abs(base).max()  # the LoRA changes the output
+    cos = float(outs[0].ravel() @ outs[1].ravel() / np.linalg.norm(outs[0]) / np.linalg.norm(outs[1]))
+    assert cos > 0.9999, cos
+    with pytest.raises(SdnpuError, match="converts block by block, where sdnpu does not fuse LoRAs"):
+        convert(blocks.source.root, "transformer", out=tmp_path / "x", blockwise=True, loras=(str(spec),))
+    assert not (tmp_path / "x").exists()

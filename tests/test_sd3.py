@@ -123,13 +123,13 @@ def test_sd3_refuses_what_it_does_not_run(tiny_sd3, tmp_path):
 
     with pytest.raises(SdnpuError, match="SD3 pipeline: sdnpu runs it text-to-image only"):
         Pipeline(tiny_sd3.out, reference=True)(GenerateOptions("a cat", image=tmp_path / "x.png"))
-    with pytest.raises(SdnpuError, match="SD3 pipeline: sdnpu applies LoRAs to SDXL and SD 1.x folders only"):
+    with pytest.raises(SdnpuError, match="SD3 pipeline: sdnpu applies LoRAs to SDXL, SD 1.x and Flux.1 folders only"):
         Pipeline(tiny_sd3.out, reference=True, runtime=RuntimeOptions(loras=("x.safetensors",)))(
             GenerateOptions("a cat"))
     from sdnpu.lora import overlay
     from sdnpu.lora.adapters import LoraSpec
 
-    with pytest.raises(SdnpuError, match="SD3 pipeline: sdnpu applies LoRAs to SDXL and SD 1.x folders only"):
+    with pytest.raises(SdnpuError, match="SD3 pipeline: sdnpu applies LoRAs to SDXL, SD 1.x and Flux.1 folders only"):
         overlay.apply(tiny_sd3.out, [LoraSpec.parse("x.safetensors")])
     with pytest.raises(SdnpuError, match="SD3 pipeline: sdnpu fuses LoRAs into UNets"):
         convert("tiny-sd3", "transformer", out=tmp_path / "o", loras=("x.safetensors",))
