@@ -12,7 +12,8 @@ LoRAs reach them.
 Weights: a folder's come tensor by tensor from its safetensors files; a preset draws each part from its own seed
 (``PRESET_SEED`` for the embeddings, in turn, and again for the output layers; ``PRESET_SEED + 1 + i`` for block
 ``i``, counting the double-stream blocks first) with PyTorch's default initialization, so a piece's weights do
-not depend on the others (a whole preset module draws from one stream: the two are different seeded weights of one architecture).
+not depend on the others (a whole preset module draws from one stream: the two are different seeded weights of
+one architecture).
 """
 
 from __future__ import annotations
