@@ -49,19 +49,18 @@ def measure(source: str, models: Path, component: str, res: int | None, loras: t
     from sdnpu.convert.wrappers import build_wrapper
     from sdnpu.convert.driver import default_resolution
     from sdnpu.signatures import sample_inputs
-    from sdnpu.reports.fidelity import RANGE_RUNS
+    from sdnpu.reports.fidelity import RANGE_RUNS, timestep_scale
 
     src = resolve_source(source)
     res = res or default_resolution(src)
     config = src.module_config(component)
     spec = src.pipeline_config().spec(component)
     sig = spec.signature(res, src.generation().batch if spec.batched else None)
-    per_step = 1000.0 if config.get("_class_name") == "FluxTransformer2DModel" else 1.0  # Flux: timestep / 1000
     runs = []
     for seed, t in RANGE_RUNS:
         feeds = sample_inputs(sig, config, res, seed=seed)
-        if "timestep" in feeds:
-            feeds["timestep"] = np.full(feeds["timestep"].shape, t / per_step, feeds["timestep"].dtype)
+        if "timestep" in feeds:  # diffusers' timestep, as the module takes it (Flux: a thousandth)
+            feeds["timestep"] = np.full(feeds["timestep"].shape, t * timestep_scale(config), feeds["timestep"].dtype)
         runs.append(feeds)
     from sdnpu.components import module_of
 

@@ -19,7 +19,7 @@ one architecture).
 from __future__ import annotations
 
 import json
-from collections.abc import Iterator
+from collections.abc import Collection, Iterator
 from typing import Any
 
 from sdnpu.convert.sources import PRESET_SEED, Source
@@ -144,9 +144,10 @@ def _piece_class() -> Any:
     return FluxPiece
 
 
-def pieces(src: Source, key: str, sig: Signature, weights: Any) -> Iterator[Any]:
+def pieces(src: Source, key: str, sig: Signature, weights: Any, only: Collection[int] | None = None
+           ) -> Iterator[Any]:
     """Flux.1's pieces in order (``blockwise.Piece``) for the transformer's signature ``sig``, each built when
-    asked for."""
+    asked for; ``only``: these pieces alone, the others not built (``bench/bench_flux_pieces.py``)."""
     from sdnpu.convert.blockwise import Piece
 
     config = _config(src, key)
@@ -159,6 +160,8 @@ def pieces(src: Source, key: str, sig: Signature, weights: Any) -> Iterator[Any]
     n = len(blocks)
     nexts = tuple(f"{s}.next" for s in STREAMS)
     for i, block in enumerate(blocks):
+        if only is not None and i not in only:
+            continue
         first, last = i == 0, i == n - 1
         parts = {}
         if first:

@@ -23,7 +23,7 @@ from typing import Any, Literal
 from sdnpu.components import COMPONENTS, MODULES, module_of
 from sdnpu.convert.tokenizer import clip_vocab_and_merges, t5_tokenizer_files, tokenizer_files
 from sdnpu.errors import SdnpuError
-from sdnpu.fileio import atomic_write_bytes, staged_dir
+from sdnpu.fileio import atomic_write_bytes, atomic_write_json, staged_dir
 from sdnpu.formats import generation
 from sdnpu.specs import SD, SDXL, PipelineConfig, pipeline_family
 
@@ -200,7 +200,8 @@ class Source:
             clip_vocab_and_merges()
 
     def write_pipeline_files(self, out: Path) -> list[str]:
-        """Copy what a runtime needs beside the graphs: model_index.json (and generation.json), scheduler/,
+        """Copy what a runtime needs beside the graphs: model_index.json (and generation.json, written where the
+        family's defaults are not the usual ones: a Flux.1 folder's), scheduler/,
         tokenizer/, tokenizer_2/, tokenizer_3/ (for presets the CLIP tokenizers are built from CLIP's BPE merges,
         a T5 tokenizer (SD3's third, Flux.1's second) is a stand-in: ``sdnpu.convert.tokenizer.t5_tokenizer_files``).
         Returns what it wrote."""
@@ -212,6 +213,9 @@ class Source:
         written.append("model_index.json")
         if (self.root / generation.FILE).is_file():
             atomic_write_bytes(out / generation.FILE, (self.root / generation.FILE).read_bytes())
+            written.append(generation.FILE)
+        elif self.generation() != generation.Generation():  # a family's own defaults (Flux.1's): said in the folder
+            atomic_write_json(out / generation.FILE, self.generation().to_json())
             written.append(generation.FILE)
         for name in _PIPELINE_FOLDERS:
             src = self.root / name

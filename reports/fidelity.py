@@ -128,6 +128,10 @@ def generic_inputs(path: Path, seed: int = 0, shapes: dict[str, list[int]] | Non
             feeds[vi.name] = rng.uniform(0, 1, size=shape).astype(dtype)
         elif not shape or vi.name == "timestep":
             feeds[vi.name] = np.full(shape, 500.0, dtype=dtype)
+        elif vi.name == "guidance":  # Flux.1 dev's embedded guidance: FluxPipeline's default
+            feeds[vi.name] = np.full(shape, 3.5, dtype=dtype)
+        elif vi.name in ("img_ids", "txt_ids") and len(shape) == 2 and np.issubdtype(dtype, np.floating):
+            feeds[vi.name] = _position_ids(vi.name, shape, dtype)
         elif np.issubdtype(dtype, np.floating):
             feeds[vi.name] = rng.standard_normal(shape).astype(dtype)
         else:
@@ -135,16 +139,34 @@ def generic_inputs(path: Path, seed: int = 0, shapes: dict[str, list[int]] | Non
     return feeds
 
 
+def _position_ids(name: str, shape: list[int], dtype: Any) -> np.ndarray:
+    """diffusers' position ids (Flux.1 and its kin): the text's zeros, the image's (0, row, column) of the most
+    nearly square grid of its tokens (a token count that is no grid: one row)."""
+    ids = np.zeros(shape, dtype=dtype)
+    n = shape[0]
+    if name == "img_ids" and shape[1] >= 3:
+        rows = next(r for r in range(int(n ** 0.5), 0, -1) if n % r == 0)
+        ids[:, 1] = np.arange(n) // (n // rows)
+        ids[:, 2] = np.arange(n) % (n // rows)
+    return ids
+
+
 # (seed, timestep) of the runs a fidelity range is taken over: three seeds, three timesteps spread across the
 # schedule (noisy, middle, nearly clean). Components without a timestep take the seeds alone.
 RANGE_RUNS = ((0, 999.0), (1, 500.0), (2, 1.0))
 
 
-def range_inputs(path: Path, seed: int, timestep: float | None) -> dict[str, np.ndarray]:
-    """``generic_inputs`` with the timestep (a UNet's scalar, SD3's per batch item) set to ``timestep``."""
+def timestep_scale(config: dict[str, Any] | None) -> float:
+    """What a denoiser of module ``config`` takes of diffusers' timestep: Flux.1's transformer a thousandth."""
+    return 1e-3 if (config or {}).get("_class_name") == "FluxTransformer2DModel" else 1.0
+
+
+def range_inputs(path: Path, seed: int, timestep: float | None, scale: float = 1.0) -> dict[str, np.ndarray]:
+    """``generic_inputs`` with the timestep (a UNet's scalar, SD3's per batch item) set to ``timestep`` times
+    ``scale`` (Flux.1's transformer takes diffusers' timestep / 1000: ``timestep_scale``)."""
     feeds = generic_inputs(path, seed)
     if timestep is not None and "timestep" in feeds:
-        feeds["timestep"] = np.full(feeds["timestep"].shape, timestep, dtype=feeds["timestep"].dtype)
+        feeds["timestep"] = np.full(feeds["timestep"].shape, timestep * scale, dtype=feeds["timestep"].dtype)
     return feeds
 
 

@@ -29,7 +29,7 @@ from sdnpu.imagesize import Size
 from sdnpu.memory import check_fits, estimate
 from sdnpu.progress import step
 from sdnpu.reports import report as reports
-from sdnpu.reports.fidelity import RANGE_RUNS, fidelity, pessimistic_model, range_inputs, worst
+from sdnpu.reports.fidelity import RANGE_RUNS, fidelity, pessimistic_model, range_inputs, timestep_scale, worst
 from sdnpu.runtime.session import RuntimeOptions, component_path, open_component, open_component_path
 from sdnpu.runtime.text2image import GenerateOptions, Pipeline
 from sdnpu.worker import run_in_worker
@@ -52,7 +52,9 @@ def _component(folder: Path, name: str, runs: tuple[tuple[int, float], ...], siz
     peak = max(check_fits(path, f"[{name}] running {path.name}", hint="verify the other components: sdnpu verify "
                           "takes a folder, move this one aside; or convert at a smaller RES").bytes
                for path in (source, dispatch))
-    feeds = [range_inputs(source, seed, t) for seed, t in runs]
+    config = folder / name / "config.json"
+    scale = timestep_scale(json.loads(config.read_text()) if config.is_file() else None)
+    feeds = [range_inputs(source, seed, t, scale) for seed, t in runs]
 
     def each(model: str, what: str, path: Path | None = None) -> list[dict[str, np.ndarray]]:
         if peak < ONE_WORKER_BELOW:

@@ -106,19 +106,16 @@ def test_several_images_each_its_own_seed(tiny_flux, tiny_flux_folder):
         assert worst <= 1 and share < 1e-3, (worst, share)
 
 
-def test_a_local_flux_folder_converts_like_the_preset(tiny_flux, tiny_flux_folder, tmp_path):
-    """A FluxPipeline folder (save_pretrained) converts as the preset does: the same graphs' outputs."""
-    from sdnpu.convert import convert
+def test_a_local_flux_folder_converts_like_the_preset(tiny_flux, blockwise_flux):
+    """A FluxPipeline folder (save_pretrained) converts as the preset does: the same graph's outputs."""
     from sdnpu.convert.compile import run_onnx
     from sdnpu.reports.fidelity import generic_inputs
 
-    result = convert(tiny_flux_folder, "text_encoder_2,transformer", out=tmp_path / "local", compile=False)
-    assert [c.component for c in result.components] == ["text_encoder_2", "transformer"]
-    for comp in ("text_encoder_2", "transformer"):
-        feeds = generic_inputs(tiny_flux.out / comp / "model.onnx", seed=1)
-        a = run_onnx(tiny_flux.out / comp / "model.onnx", feeds)
-        b = run_onnx(result.out / comp / "model.onnx", feeds)
-        assert all(np.allclose(a[k], b[k], rtol=0, atol=1e-5 * np.abs(a[k]).max()) for k in a), comp
+    _, local = blockwise_flux
+    feeds = generic_inputs(tiny_flux.out / "transformer" / "model.onnx", seed=1)
+    a = run_onnx(tiny_flux.out / "transformer" / "model.onnx", feeds)["out_sample"]
+    b = run_onnx(local.out / "transformer" / "model.onnx", feeds)["out_sample"]
+    assert np.allclose(a, b, rtol=0, atol=1e-5 * np.abs(a).max())
 
 
 def test_the_transformer_is_offloaded_but_for_its_tables(tiny_flux):
@@ -182,11 +179,11 @@ def _adapted(comp_dir: Path) -> dict[str, bytes]:
     return weights
 
 
-@pytest.mark.parametrize("naming", ["diffusers", "kohya"])
-def test_a_lora_overlay_is_what_diffusers_fuse_lora_converts_to(naming, tiny_flux, flux_loras, tmp_path):
-    """`sdnpu lora apply` on the converted folder gives every weight of the transformer's and CLIP-L's dispatch
-    models byte for byte as converting them after diffusers' fuse_lora (`sdnpu convert --lora`) does; T5 takes
-    no LoRA (as in diffusers), and the graphs and offload are unchanged."""
+def test_a_lora_overlay_is_what_diffusers_fuse_lora_converts_to(tiny_flux, flux_loras, tmp_path):
+    """`sdnpu lora apply` on the converted folder (a LoRA in each naming, stacked) gives every weight of the
+    transformer's and CLIP-L's dispatch models byte for byte as converting them after diffusers' fuse_lora
+    (`sdnpu convert --lora`) does; T5 takes no LoRA (as in diffusers), and the graphs and offload are
+    unchanged."""
     import shutil
 
     from sdnpu.convert import convert
@@ -194,9 +191,9 @@ def test_a_lora_overlay_is_what_diffusers_fuse_lora_converts_to(naming, tiny_flu
 
     folder = tmp_path / "flux"
     shutil.copytree(tiny_flux.out, folder)
-    spec = f"{flux_loras[naming]}:0.7"
-    fused = convert("tiny-flux", "text_encoder,transformer", out=tmp_path / "fused", loras=(spec,)).out
-    results = overlay.apply(folder, [LoraSpec.parse(spec)])
+    specs = (f"{flux_loras['diffusers']}:0.7", f"{flux_loras['kohya']}:0.4")
+    fused = convert("tiny-flux", "text_encoder,transformer", out=tmp_path / "fused", loras=specs).out
+    results = overlay.apply(folder, [LoraSpec.parse(s) for s in specs])
     assert {r.component for r in results} == {"text_encoder", "transformer"}
     for comp in ("text_encoder", "transformer"):
         adapted, want = _adapted(folder / comp), _initializers(fused / comp / "dd" / "replaced.onnx")
@@ -205,7 +202,7 @@ def test_a_lora_overlay_is_what_diffusers_fuse_lora_converts_to(naming, tiny_flu
         assert not differ, f"{comp}: {len(differ)} weights differ from the fused conversion, e.g. {differ[:3]}"
         report = json.loads((folder / comp / "dd" / "report.json").read_text())
         assert report["summary"] == json.loads((fused / comp / "dd" / "report.json").read_text())["summary"]
-    assert overlay.status(folder)["transformer"]["loras"][0]["format"] == naming
+    assert [x["format"] for x in overlay.status(folder)["transformer"]["loras"]] == ["diffusers", "kohya"]
     assert overlay.remove(folder) == ["text_encoder", "transformer"]
 
 
@@ -374,3 +371,38 @@ def test_a_lora_reaches_the_stitched_transformer(blockwise_flux, flux_loras, tmp
     with pytest.raises(SdnpuError, match="converts block by block, where sdnpu does not fuse LoRAs"):
         convert(blocks.source.root, "transformer", out=tmp_path / "x", blockwise=True, loras=(str(spec),))
     assert not (tmp_path / "x").exists()
+
+
+def test_a_flux_folder_without_generation_json_gets_flux_pipelines_defaults(tiny_flux_folder, tmp_path):
+    """A FluxPipeline folder as diffusers saves it has no generation.json: it is drawn as FluxPipeline draws by
+    default (28 steps, guidance 3.5 embedded, 512 T5 tokens, the transformer at batch 1), and the converted folder
+    says so in its own generation.json, which every reader of it (generate, serve, verify) takes."""
+    import shutil
+
+    from sdnpu.convert import resolve_source
+    from sdnpu.formats import generation
+
+    folder = tmp_path / "plain"
+    shutil.copytree(tiny_flux_folder, folder, ignore=shutil.ignore_patterns("generation.json"))
+    src = resolve_source(folder)
+    assert src.generation() == generation.Generation(28, 3.5, embedded_guidance=True) and src.generation().batch == 1
+    assert src.pipeline_config().spec("transformer").signature(256, 1).inputs[2].shape == (1, 512, 128)
+    out = tmp_path / "out"
+    out.mkdir()
+    assert "generation.json" in src.write_pipeline_files(out)
+    assert generation.read(out) == src.generation()
+
+
+def test_verify_feeds_the_transformer_flux_inputs(tiny_flux):
+    """`sdnpu verify` on a Flux folder feeds the transformer diffusers' timesteps 999, 500, 1 as it takes them
+    (a thousandth), its position ids a grid, its guidance FluxPipeline's (its pipeline comparison is
+    `generate`'s, tested above)."""
+    from sdnpu.reports.fidelity import range_inputs
+    from sdnpu.runtime.verify import _component
+
+    feeds = range_inputs(tiny_flux.out / "transformer" / "model.onnx", 0, 999.0, 1e-3)
+    assert np.allclose(feeds["timestep"], 0.999) and np.all(feeds["guidance"] == 3.5)
+    assert np.array_equal(feeds["img_ids"][:, 1:], np.stack(np.divmod(np.arange(256), 16), axis=1))
+    assert not feeds["txt_ids"].any()
+    result = _component(tiny_flux.out, "transformer", ((0, 999.0),))
+    assert result["optimistic"]["min_cosine"] > 0.9999 and "timestep 999" in result["optimistic"]["inputs"]

@@ -1,0 +1,130 @@
+"""Flux.1's transformer at its public size, some of its pieces: what one block costs and gives, measured the way
+``sdnpu convert`` converts the whole transformer block by block (``sdnpu.convert.blockwise``), without the other
+pieces (a whole conversion runs all 57; their stitching and the rest are not measured here).
+
+    python bench/bench_flux_pieces.py --source flux-dev --res 1024 --pieces 0,1,19 --out /work/runs/flux-pieces
+
+Piece 0 is the embeddings with the first double-stream block (it computes the timestep embedding and the rotary
+tables every block reads), pieces 1-18 the other double-stream blocks, 19-56 the single-stream ones, 56 with
+the output layers. Each piece runs on the outputs of the pieces before it in this run (piece 19 after 0 and 1
+takes the double-stream blocks' streams as the single-stream blocks would: the values differ from a whole run's
+past the skipped blocks, the shapes and the work do not). Per piece: PyTorch's fp32 run, the export, the ONNX
+check against PyTorch, the compile, the dispatch model (reference bodies on the CPU) and PyTorch's own bf16 run
+each on PyTorch's fp32 inputs of the piece against PyTorch's fp32 outputs, the contract check
+(``tests/contract.py``), the offload counted AMD's way, the time and the process's peak
+memory. The per-piece dispatch models keep their casts at both ends (the stitched model cancels them).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import shutil
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--source", default="flux-dev")
+    ap.add_argument("--res", default="1024")
+    ap.add_argument("--pieces", default="0,1,19", help="piece indices, increasing (0 is always run first)")
+    ap.add_argument("--out", type=Path, required=True, help="a work folder (emptied)")
+    args = ap.parse_args()
+    sys.path.insert(0, str(ROOT))
+    import torch
+
+    from sdnpu.convert import blockwise, blockwise_flux
+    from sdnpu.convert.driver import _prepare
+    from sdnpu.convert.options import ConvertOptions
+    from sdnpu.formats.sizes import Variant
+    from sdnpu.imagesize import Size
+    from sdnpu.onnxrun import run_onnx
+    from sdnpu.progress import peak_rss_bytes
+    from sdnpu.reports.fidelity import fidelity
+    from tests.contract import problems
+
+    wanted = sorted({0, *(int(x) for x in args.pieces.split(","))})
+    shutil.rmtree(args.out, ignore_errors=True)
+    run_ = _prepare(args.source, "transformer", args.out / "folder",
+                    ConvertOptions(res=[Size.of(args.res)], blockwise=True))
+    job = run_.job("transformer", Variant(Size.of(args.res), 1))
+    src, sig = run_.src, job.signature()
+    work = args.out / "pieces"
+    work.mkdir(parents=True)
+    run = blockwise._Run(job, work, job.sample_inputs(), tuple(sig.outputs))
+    config = blockwise_flux._config(src, "transformer")
+    weights = blockwise._Weights(src, "transformer")
+    rows = []
+    for piece in blockwise_flux.pieces(src, "transformer", sig, weights, only=set(wanted)):
+        before = run.feeds if run.chain is None else run.chain.torch
+        inputs = {k: before[k] for k in piece.inputs}
+        low = piece.module.to(torch.bfloat16)  # PyTorch's own bf16 on the same inputs, first (then fp32 again)
+        with torch.no_grad():
+            got = low(*(torch.from_numpy(v).to(torch.bfloat16) for v in inputs.values()))
+        bf16 = [o.float().numpy() for o in (got if isinstance(got, tuple) else (got,))]
+        piece.module = low.float()
+        del got, low
+        seconds_before = dict(run.seconds)
+        start = time.perf_counter()
+        i = piece.i
+        blockwise._piece(run, piece)
+        wall = time.perf_counter() - start
+        report = json.loads((work / f"piece{i:03d}" / "dd" / "report.json").read_text())
+        chain = run.chain
+        assert chain is not None and chain.dispatch is not None
+        names = list(piece.outputs)
+        dd = run_onnx(work / f"piece{i:03d}" / "dd" / "replaced.onnx", inputs)  # alone, on PyTorch's inputs
+        ours = fidelity({n: chain.torch[_link(n)] for n in names}, {n: dd[n] for n in names})
+        onnx_fid = fidelity({n: chain.torch[_link(n)] for n in names}, {n: chain.onnx[_link(n)] for n in names})
+        torch_fid = fidelity({n: chain.torch[_link(n)] for n in names}, dict(zip(names, bf16, strict=True)))
+        s = report["summary"]
+        rows.append({
+            "piece": i, "what": _what(i, config),
+            "dispatch": s["offloaded_nodes"], "cpu": s["cpu_nodes"], "offload": s["offload_rate"],
+            "macs_share": s["macs_offloaded_share"], "regions": s["npu_regions"],
+            "contract_problems": len(problems(work / f"piece{i:03d}" / "dd" / "replaced.onnx")[1]),
+            "onnx_max_rel": max(o["max_rel"] for o in onnx_fid["outputs"].values()),
+            "ours_max_abs": ours["max_abs"], "ours_1mcos": 1 - ours["min_cosine"],
+            "torch_bf16_max_abs": torch_fid["max_abs"], "torch_bf16_1mcos": 1 - torch_fid["min_cosine"],
+            "seconds": round(wall, 1), "stage_seconds": {k: round(run.seconds[k] - seconds_before.get(k, 0), 1)
+                                                         for k in run.seconds},
+            "peak_gb": round(peak_rss_bytes() / 1e9, 2),
+        })
+        print(json.dumps(rows[-1]), flush=True)
+        shutil.rmtree(work / f"piece{i:03d}", ignore_errors=True)  # the disk holds one piece at a time
+    print("| piece | what | dispatch | CPU | offload | MACs on NPU | contract problems | ONNX vs PyTorch "
+          "| ours: max abs / 1-cos | PyTorch bf16: max abs / 1-cos | ratio max abs / 1-cos | seconds | peak GB |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|---|---|")
+    for r in rows:
+        print(f"| {r['piece']} | {r['what']} | {r['dispatch']} | {r['cpu']} | {r['offload']:.2%} | "
+              f"{r['macs_share']:.2%} | {r['contract_problems']} | {r['onnx_max_rel']:.2g} | "
+              f"{r['ours_max_abs']:.3g} / {r['ours_1mcos']:.3g} | "
+              f"{r['torch_bf16_max_abs']:.3g} / {r['torch_bf16_1mcos']:.3g} | "
+              f"{r['ours_max_abs'] / r['torch_bf16_max_abs']:.2f} / {r['ours_1mcos'] / r['torch_bf16_1mcos']:.2f} | "
+              f"{r['seconds']} | {r['peak_gb']} |")
+    shutil.rmtree(args.out, ignore_errors=True)
+
+
+def _link(name: str) -> str:
+    return name.removesuffix(".next")
+
+
+def _what(i: int, config: dict) -> str:
+    doubles = int(config.get("num_layers", 19))
+    total = doubles + int(config.get("num_single_layers", 38))
+    if i == 0:
+        return "embeddings + double-stream block 0"
+    if i < doubles:
+        return f"double-stream block {i}"
+    return f"single-stream block {i - doubles}" + (" + output layers" if i == total - 1 else "")
+
+
+if __name__ == "__main__":
+    np.set_printoptions(precision=4)
+    main()
