@@ -106,18 +106,6 @@ def test_several_images_each_its_own_seed(tiny_flux, tiny_flux_folder):
         assert worst <= 1 and share < 1e-3, (worst, share)
 
 
-def test_a_local_flux_folder_converts_like_the_preset(tiny_flux, blockwise_flux):
-    """A FluxPipeline folder (save_pretrained) converts as the preset does: the same graph's outputs."""
-    from sdnpu.convert.compile import run_onnx
-    from sdnpu.reports.fidelity import generic_inputs
-
-    _, local = blockwise_flux
-    feeds = generic_inputs(tiny_flux.out / "transformer" / "model.onnx", seed=1)
-    a = run_onnx(tiny_flux.out / "transformer" / "model.onnx", feeds)["out_sample"]
-    b = run_onnx(local.out / "transformer" / "model.onnx", feeds)["out_sample"]
-    assert np.allclose(a, b, rtol=0, atol=1e-5 * np.abs(a).max())
-
-
 def test_the_transformer_is_offloaded_but_for_its_tables(tiny_flux):
     """Every attention, norm, projection and modulation of diffusers' own Flux graph is a dispatch op and every
     MAC is on the NPU, in one region; what stays on the CPU is the graph's edge: the inputs' casts, the timestep's
@@ -292,18 +280,19 @@ def test_an_sdxl_lora_on_flux_gets_one_line_and_changes_nothing(naming, message,
 
 
 @pytest.fixture(scope="module")
-def blockwise_flux(tmp_path_factory, tiny_flux_folder):
-    """tiny-flux's transformer from its local folder (safetensors) converted block by block (`--blockwise`:
-    what flux-dev's 47.6 GB of fp32 weights need here) and whole, from the same weights."""
+def blockwise_flux(tmp_path_factory, tiny_flux_folder, tiny_flux):
+    """tiny-flux's transformer from its local folder (safetensors, the preset's weights) converted block by
+    block (`--blockwise`: what flux-dev's 47.6 GB of fp32 weights need here), beside the preset converted whole
+    (``tiny_flux``): the same weights."""
     from sdnpu.convert import convert
 
     blocks = convert(tiny_flux_folder, "transformer", out=tmp_path_factory.mktemp("flux-blocks"), blockwise=True)
-    whole = convert(tiny_flux_folder, "transformer", out=tmp_path_factory.mktemp("flux-whole"))
-    return blocks, whole
+    return blocks, tiny_flux
 
 
 def test_the_transformer_converts_block_by_block_as_it_converts_whole(blockwise_flux):
-    """Piece by piece (the embeddings and the first block, each block, the last block and the output layers),
+    """A local FluxPipeline folder (save_pretrained), its transformer read tensor by tensor and converted piece by
+    piece (the embeddings and the first block, each block, the last block and the output layers),
     stitched: the fp32 graph computes what the module computes, the dispatch model what the whole graph's
     does, with the same CPU nodes and one NPU region (the shared timestep embedding and rotary tables written
     once; the casts and the repeated casts and Splits of them between the pieces gone), and every weight replays
@@ -357,9 +346,10 @@ def test_a_lora_reaches_the_stitched_transformer(blockwise_flux, flux_loras, tmp
     for result in (blocks, whole):
         folder = tmp_path / result.out.name
         shutil.copytree(result.out, folder)
-        (folder / "model_index.json").write_text((result.source.root / "model_index.json").read_text())
+        if not (folder / "model_index.json").is_file():
+            (folder / "model_index.json").write_text((result.source.root / "model_index.json").read_text())
         applied = overlay.apply(folder, [spec])
-        assert [(r.component, r.modules) for r in applied] == [("transformer", 26)]
+        assert ("transformer", 26) in [(r.component, r.modules) for r in applied]
         feeds = result.source.pipeline_config().spec("transformer").sample_inputs(256, seed=3, batch=1)
         adapted = open_component(folder, "transformer", False, RuntimeOptions())  # reads the overlay in place
         assert adapted.lora
