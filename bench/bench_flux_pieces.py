@@ -12,13 +12,16 @@ past the skipped blocks, the shapes and the work do not). Per piece: PyTorch's f
 check against PyTorch, the compile, the dispatch model (reference bodies on the CPU) and PyTorch's own bf16 run
 each on PyTorch's fp32 inputs of the piece against PyTorch's fp32 outputs, the contract check
 (``tests/contract.py``), the offload counted AMD's way, the time and the process's peak
-memory. The per-piece dispatch models keep their casts at both ends (the stitched model cancels them).
+memory (the process's; a piece's large runs go to worker processes, as in a conversion: ``/usr/bin/time -v``
+gives the largest of all). The per-piece dispatch models keep their casts at both ends (the stitched model
+cancels them).
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+from collections import Counter
 import shutil
 import sys
 import time
@@ -44,7 +47,6 @@ def main() -> None:
     from sdnpu.convert.options import ConvertOptions
     from sdnpu.formats.sizes import Variant
     from sdnpu.imagesize import Size
-    from sdnpu.onnxrun import run_onnx
     from sdnpu.progress import peak_rss_bytes
     from sdnpu.reports.fidelity import fidelity
     from tests.contract import problems
@@ -79,7 +81,7 @@ def main() -> None:
         chain = run.chain
         assert chain is not None and chain.dispatch is not None
         names = list(piece.outputs)
-        dd = run_onnx(work / f"piece{i:03d}" / "dd" / "replaced.onnx", inputs)  # alone, on PyTorch's inputs
+        dd = blockwise._run_graph(work / f"piece{i:03d}" / "dd" / "replaced.onnx", inputs)  # alone, on PyTorch's
         ours = fidelity({n: chain.torch[_link(n)] for n in names}, {n: dd[n] for n in names})
         onnx_fid = fidelity({n: chain.torch[_link(n)] for n in names}, {n: chain.onnx[_link(n)] for n in names})
         torch_fid = fidelity({n: chain.torch[_link(n)] for n in names}, dict(zip(names, bf16, strict=True)))
@@ -87,6 +89,7 @@ def main() -> None:
         rows.append({
             "piece": i, "what": _what(i, config),
             "dispatch": s["offloaded_nodes"], "cpu": s["cpu_nodes"], "offload": s["offload_rate"],
+            "cpu_ops": dict(Counter(n["op_type"] for n in report["cpu_nodes"])),
             "macs_share": s["macs_offloaded_share"], "regions": s["npu_regions"],
             "contract_problems": len(problems(work / f"piece{i:03d}" / "dd" / "replaced.onnx")[1]),
             "onnx_max_rel": max(o["max_rel"] for o in onnx_fid["outputs"].values()),

@@ -387,6 +387,21 @@ def _piece(run: _Run, piece: Piece) -> None:
     run.fp32_parts.append(path)
 
 
+ISOLATE_RUNS_ABOVE = 1 << 30  # bytes (``memory.estimate``): a piece's run past this goes to a worker process
+
+
+def _run_graph(path: Path, feeds: dict[str, np.ndarray], optimize: bool = False) -> dict[str, np.ndarray]:
+    """``run_onnx``, in a worker process where the run is large (``ISOLATE_RUNS_ABOVE``: a Flux.1 block at 1024
+    px, whose attention scores alone are 2 GB): a finished onnxruntime session leaves its arena's gigabytes
+    behind in the process, and one piece after another they would add up."""
+    from sdnpu.memory import estimate
+    from sdnpu.worker import run_in_worker
+
+    if estimate(path).bytes < ISOLATE_RUNS_ABOVE:
+        return run_onnx(path, feeds, optimize=optimize)
+    return run_in_worker(run_onnx, path, feeds, optimize, what=f"running {path.parent.name}")  # type: ignore[no-any-return]
+
+
 def _run_fp32(run: _Run, path: Path, names: tuple[tuple[str, ...], tuple[str, ...]],
               t_out: list[np.ndarray]) -> list[np.ndarray]:
     """The piece's fp32 graph on the fp32 chain (PyTorch's outputs where the job does not check), and its own
@@ -396,12 +411,12 @@ def _run_fp32(run: _Run, path: Path, names: tuple[tuple[str, ...], tuple[str, ..
         return t_out
     values = run.feeds if run.chain is None else run.chain.onnx
     t0 = time.perf_counter()
-    res = run_onnx(path, {k: values[k] for k in piece_in}, optimize=True)
+    res = _run_graph(path, {k: values[k] for k in piece_in}, optimize=True)
     got = [res[k] for k in piece_out]
     run.timed("onnx_run", t0)
     # this piece alone, on PyTorch's inputs: its own export error, not the chain's
     if run.chain is not None:
-        res = run_onnx(path, {k: run.chain.torch[k] for k in piece_in}, optimize=True)
+        res = _run_graph(path, {k: run.chain.torch[k] for k in piece_in}, optimize=True)
     for k, want in zip(piece_out, t_out, strict=True):
         alone = res[k]
         run.worst_piece = max(run.worst_piece,
@@ -428,7 +443,7 @@ def _compile_piece(run: _Run, i: int, path: Path, names: tuple[tuple[str, ...], 
     if options.check:
         values = run.feeds if run.chain is None or run.chain.dispatch is None else run.chain.dispatch
         t0 = time.perf_counter()
-        res = run_onnx(path.parent / "dd" / REPLACED, {k: values[k] for k in piece_in})
+        res = _run_graph(path.parent / "dd" / REPLACED, {k: values[k] for k in piece_in})
         dispatch = [res[k] for k in piece_out]
         run.timed("onnx_run", t0)
     run.dd_parts.append(path.parent / "dd" / REPLACED)

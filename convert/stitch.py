@@ -42,6 +42,7 @@ class StitchStats:
     deduplicated: int = 0
     casts_cancelled: int = 0
     repeated_nodes: int = 0  # nodes that computed what an earlier piece's node computes, on the same inputs
+    retyped: set[str] = field(default_factory=set)  # values a cancelled seam left in bf16 (their types dropped)
     data_bytes: int = 0
     alias: dict[str, str] = field(default_factory=dict)  # a constant dropped as a repeat -> the one kept
 
@@ -73,10 +74,12 @@ def _rename_graph(g: onnx.GraphProto, names: dict[str, str]) -> None:
 _VIEWS = frozenset({"Reshape", "Squeeze", "Unsqueeze", "Flatten"})  # ops that move no value: any dtype
 
 
-def _cancel_casts(nodes: list[onnx.NodeProto], link: str, outputs: set[str], cast: tuple[str, str]) -> int:
+def _cancel_casts(nodes: list[onnx.NodeProto], link: str, outputs: set[str], cast: tuple[str, str],
+                  retyped: set[str]) -> int:
     """Remove ``CastAvx(to=fp32)`` writing ``link`` (through views: a piece's output viewed back to its own
     shape after the cast) and the ``CastAvx(to=bf16)`` nodes reading it, when those are all that reads it;
-    the views then run on the bf16 value, and the readers of the bf16 copies read it."""
+    the views then run on the bf16 value (their outputs go into ``retyped``), and the readers of the bf16
+    copies read it."""
     domain, op = cast
     by_output = {o: n for n in nodes for o in n.output}
 
@@ -100,6 +103,7 @@ def _cancel_casts(nodes: list[onnx.NodeProto], link: str, outputs: set[str], cas
     gone = {id(writer), *(id(n) for n in readers)}
     renamed = {n.output[0]: link for n in readers} if views else {n.output[0]: source for n in readers}
     renamed[writer.output[0]] = source  # the first view reads the bf16 value
+    retyped.update(o for v in views for o in v.output)
     kept = [n for n in nodes if id(n) not in gone]
     for n in kept:
         n.input[:] = [renamed.get(x, x) for x in n.input]
@@ -269,10 +273,10 @@ def _write(st: _Stitching, cast: tuple[str, str] | None) -> StitchStats:
     outputs = {v.name for v in st.graph_outputs}
     if cast is not None:
         for link in st.links:
-            stats.casts_cancelled += _cancel_casts(nodes, link, outputs, cast)
+            stats.casts_cancelled += _cancel_casts(nodes, link, outputs, cast, stats.retyped)
     stats.repeated_nodes = _merge_repeats(nodes, outputs)
     present = {x for n in nodes for x in (*n.input, *n.output)}
-    retyped = set(st.links)  # a link's views may now run on the bf16 value: its declared type is stale
+    retyped = set(st.links) | stats.retyped  # now bf16 where a seam's views run on the bf16 value
     value_info = [v for v in st.value_info if v.name in present and v.name not in retyped]
     graph = onnx.helper.make_graph(nodes, st.head["graph"], st.graph_inputs, st.graph_outputs, st.inits,
                                    value_info=value_info)
