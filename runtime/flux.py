@@ -127,13 +127,6 @@ class FluxPipeline(Stages):
                              hint="convert text_encoder_2 and the transformer with the same max_sequence_length")
         return hidden, pooled
 
-    def __call__(self, opts: Any, progress: Callable[[int, int], None] | None = None) -> np.ndarray:
-        """The image, [H, W, 3] uint8 (``opts``: ``GenerateOptions`` with one image)."""
-        if opts.num_images != 1:
-            raise SdnpuError(f"a pipeline call draws one image, not {opts.num_images}",
-                             hint="FluxPipeline.generate(opts) draws num_images")
-        return self.generate(opts, progress)[0]
-
     def generate(self, opts: Any, progress: Callable[[int, int], None] | None = None) -> list[np.ndarray]:
         """``opts.num_images`` images, image k from seed ``opts.seed + k`` (as ``Pipeline.generate``)."""
         if not opts.prompt.strip():

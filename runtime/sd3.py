@@ -124,13 +124,6 @@ class SD3Pipeline(Stages):
         clip = np.pad(clip, ((0, 0), (0, 0), (0, width - clip.shape[-1])))
         return np.concatenate([clip, t5], axis=1), np.concatenate(pooled, axis=-1)
 
-    def __call__(self, opts: Any, progress: Callable[[int, int], None] | None = None) -> np.ndarray:
-        """The image, [H, W, 3] uint8 (``opts``: ``GenerateOptions`` with one image)."""
-        if opts.num_images != 1:
-            raise SdnpuError(f"a pipeline call draws one image, not {opts.num_images}",
-                             hint="SD3Pipeline.generate(opts) draws num_images")
-        return self.generate(opts, progress)[0]
-
     def generate(self, opts: Any, progress: Callable[[int, int], None] | None = None) -> list[np.ndarray]:
         """``opts.num_images`` images, image k from seed ``opts.seed + k`` (as ``Pipeline.generate``)."""
         if not opts.prompt.strip():

@@ -30,6 +30,16 @@ class Stages:
     size: Size | None
     parts: dict[tuple[str, int | None], Component]  # kept sessions, by component and batch
 
+    def generate(self, opts: Any, progress: Callable[[int, int], None] | None = None) -> list[np.ndarray]:
+        raise NotImplementedError
+
+    def __call__(self, opts: Any, progress: Callable[[int, int], None] | None = None) -> np.ndarray:
+        """The image, [H, W, 3] uint8 (``opts``: ``GenerateOptions`` with one image)."""
+        if opts.num_images != 1:
+            raise SdnpuError(f"a pipeline call draws one image, not {opts.num_images}",
+                             hint=f"{type(self).__name__}.generate(opts) draws num_images")
+        return self.generate(opts, progress)[0]
+
     @contextlib.contextmanager
     def _using(self, *names: str, runtime: RuntimeOptions | None = None,
                batch: int | None = None) -> Iterator[dict[str, Component]]:

@@ -11,6 +11,7 @@ import numpy as np
 import pytest
 
 from sdnpu.runtime import GenerateOptions, Pipeline
+from tests.test_lora import _adapted, _initializers  # the dispatch weights, with a folder's overlay
 
 OPTS = GenerateOptions("a photo of a cat", steps=3, guidance=3.5, seed=4)
 
@@ -149,22 +150,6 @@ def flux_loras(tmp_path_factory, tiny_flux) -> dict[str, Path]:
     assert write_seeded_lora(tiny_flux.out, files["kohya"], rank=4, naming="kohya") == {"text_encoder": 12,
                                                                                        "transformer": 18}
     return files
-
-
-def _initializers(model: Path) -> dict[str, bytes]:
-    import onnx
-    from onnx import numpy_helper
-
-    return {t.name: numpy_helper.to_array(t).tobytes() for t in onnx.load(str(model)).graph.initializer}
-
-
-def _adapted(comp_dir: Path) -> dict[str, bytes]:
-    from sdnpu.formats.overlay import overlay_initializers
-
-    weights = _initializers(comp_dir / "dd" / "replaced.onnx")
-    arrays, _ = overlay_initializers(comp_dir / "dd")
-    weights.update({name: np.asarray(a).tobytes() for name, a in arrays.items()})
-    return weights
 
 
 def test_a_lora_overlay_is_what_diffusers_fuse_lora_converts_to(tiny_flux, flux_loras, tmp_path):
