@@ -5,7 +5,7 @@
 #   make generate PROMPT="a cat" [MODELS=models/sdxl-base] [STEPS=30] [GUIDANCE=5] [IMAGES=N] [IMAGE=image.png]
 #                 [INIT=in.png [MASK=mask.png] [STRENGTH=s]]
 #   make serve [MODELS=models/sdxl-base] [PORT=8080]
-#   make test | make fuzz [N=10000] [SEED=n] | make bench [FULL=1] | make clean
+#   make test | make sweep | make fuzz [N=10000] [SEED=n] | make bench [FULL=1] | make clean
 
 PYTHON ?= python3
 VENV   := .venv
@@ -41,7 +41,7 @@ STRENGTH ?=
 
 PORT     ?= 8080
 
-.PHONY: venv convert lora lora-remove generate serve test fuzz bench clean
+.PHONY: venv convert lora lora-remove generate serve test sweep fuzz bench clean
 
 venv: $(STAMP)
 
@@ -82,7 +82,11 @@ serve: $(STAMP)
 # Two workers (pytest-xdist): much of the suite is single-threaded Python (torch's exporter, process start-up),
 # so two run it in about two thirds of one's time on 2 cores (bench/results.md).
 test: $(STAMP)
-	$(BIN)/python -m pytest -q -n 2
+	$(BIN)/python -m pytest -q -n 2 -m "not sweep"
+
+# The sweeps in full (every size pair and batch of every preset); `make test` runs the first case of each.
+sweep: $(STAMP)
+	$(BIN)/python -m pytest -q -n 2 -m sweep
 
 # Differential fuzzing of the compiler passes (tests/test_fuzz.py); `make test` runs 600 of these cases.
 # A failing graph lands in fuzz-failures/ with the line that reproduces it.

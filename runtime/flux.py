@@ -59,7 +59,7 @@ class FluxPipeline(Stages):
     """A converted Flux.1 folder and the loop that runs it; the same interface as ``Pipeline`` (which gives
     this class for a Flux folder). Sessions are opened per stage and dropped after it unless ``keep_sessions``."""
 
-    def __init__(self, folder: str | Path, reference: bool = False, keep_sessions: bool = False,
+    def __init__(self, folder: str | Path, reference: bool = False, keep_sessions: bool | frozenset[str] = False,
                  runtime: RuntimeOptions | None = None, size: Any = None) -> None:
         import onnx
 

@@ -12,6 +12,11 @@ imported; where it cannot, ``pack`` says so and writes nothing. The bf16 tensors
 The packed copy (``dd/packed/replaced.onnx``) carries no reference bodies: its weights are no longer what the
 bodies read, so only a runtime with AMD's custom ops runs it. sdnpu has not run that path: AMD's packer and
 NPU are not available where it was written, and the tests exercise the plumbing with a stand-in packer.
+
+The copy is then written in AMD's loading format (``ddpackage``): each NPU region one ``com.ryzenai``
+``DynamicDispatch`` node, its ops and packed constants in ``.cache/`` beside the model, which is what AMD's
+custom-op library loads. ``pack(folder, out=...)`` writes a whole folder laid out for AMD's SD server instead:
+each component's ``dd/replaced.onnx`` is the package, everything else as in ``folder``.
 """
 
 from __future__ import annotations
@@ -25,6 +30,7 @@ import numpy as np
 
 from sdnpu.errors import SdnpuError
 from sdnpu.fileio import staged_dir
+from sdnpu.runtime import ddpackage
 from sdnpu.formats import prologue
 from sdnpu.formats.keys import PACKED_KEY, TARGET_KEY
 from sdnpu.formats.sizes import sizes_of
@@ -40,8 +46,13 @@ def amd_packer() -> Any:
     """AMD's packer module (``ryzenai_dynamic_dispatch.sd``), or an SdnpuError saying it is not here."""
     import importlib
 
-    try:
-        return importlib.import_module(f"{PACKER_MODULE}.sd")
+    try:  # `sd` is an attribute of the package (a nanobind submodule of its _DynamicDispatch extension,
+        # star-imported by its __init__: DD src/python/bindings.cpp:103, 174; ryzenai_dynamic_dispatch/__init__.py),
+        # not a module of its own: AMD's test models write `from ryzenai_dynamic_dispatch import fuse, sd`
+        sd = getattr(importlib.import_module(PACKER_MODULE), "sd", None)
+        if sd is None:
+            raise ImportError(f"{PACKER_MODULE} has no `sd` packer functions")
+        return sd
     except ImportError as e:
         raise SdnpuError(f"sdnpu pack needs AMD's weight packer ({PACKER_MODULE}.sd, from the Ryzen AI software), "
                          f"and it cannot be imported here: {e}",
@@ -56,8 +67,9 @@ def _bits16(a: np.ndarray) -> np.ndarray:
     return np.ascontiguousarray(np.asarray(a).astype(ml_dtypes.bfloat16)).view(np.uint16)
 
 
-def pack_model(source: Path, out_dir: Path) -> dict[str, int]:
-    """Pack ``source`` (a dd/replaced.onnx) into ``out_dir/replaced.onnx``; returns counts by kind."""
+def pack_model(source: Path, out_dir: Path, kernels: ddpackage.Kernels, prefix: str = "") -> dict[str, int]:
+    """Pack ``source`` (a dd/replaced.onnx) into ``out_dir/<its name>``, in AMD's loading format for the
+    model class ``kernels`` (its DynamicDispatch nodes' names start with ``prefix``); returns counts by kind."""
     import onnx
     from onnx import numpy_helper
 
@@ -115,6 +127,10 @@ def pack_model(source: Path, out_dir: Path) -> dict[str, int]:
     del model.functions[:]  # the bodies read the unpacked weights: only AMD's custom ops run this copy
     model.metadata_props.add(key=PACKED_KEY, value=f"{PACKER_MODULE}.sd")
     out_dir.mkdir(parents=True, exist_ok=True)
+    package = ddpackage.package_model(model, out_dir, source.name, kernels, prefix)
+    counts[f"DynamicDispatch nodes ({kernels.model_type}, {Path(kernels.xclbin).name})"] = len(package.nodes)
+    counts["ops inside them"] = sum(package.nodes.values())
+    counts["nodes left on the CPU"] = package.cpu_nodes
     big = sum(t.ByteSize() for t in model.graph.initializer) > (1 << 31) - (1 << 26)
     onnx.save(model, str(out_dir / source.name), save_as_external_data=big,
               location=f"{source.name}.data" if big else None)
@@ -125,27 +141,122 @@ def pack_model(source: Path, out_dir: Path) -> dict[str, int]:
     return counts
 
 
-def pack(folder: str | Path) -> dict[str, dict[str, int]]:
+def _family(folder: Path) -> str:
+    """The pipeline family of a converted folder (or of the folder a component folder lies in)."""
+    import json
+
+    from sdnpu.specs import pipeline_family
+
+    for where in (folder, folder.parent):
+        index = where / "model_index.json"
+        if index.is_file():
+            try:
+                return pipeline_family(json.loads(index.read_text()))
+            except ValueError as e:
+                raise SdnpuError(f"{index} is not JSON: {e}", hint="convert the folder again") from e
+    raise SdnpuError(f"{folder} has no model_index.json beside its components, so its pipeline is not known",
+                     hint="give a folder written by sdnpu convert")
+
+
+def _height(graph: Path, component: str) -> int:
+    """The image height a dispatch model was compiled for, for the model class of SD 3's VAE (AMD's 1024-px
+    kernels differ from its 512-px ones): the size recorded for it, else its first input's (the interface
+    stays NCHW; a latent's times 8)."""
+    import onnx
+
+    for f in sizes_of(graph.parent.parent):
+        if graph.name == Path(f.dispatch).name:
+            return f.size.height
+    model = onnx.load(str(graph), load_external_data=False)
+    dims = [d.dim_value for d in model.graph.input[0].type.tensor_type.shape.dim]
+    if len(dims) != 4:
+        return 0
+    return dims[2] if component == "vae_encoder" else dims[2] * 8
+
+
+def pack(folder: str | Path, out: str | Path | None = None) -> dict[str, dict[str, int] | str]:
     """Pack every component's dispatch models under ``folder`` (a converted folder or one component's) into
-    ``<component>/dd/packed/``, each folder replaced atomically. A component converted at several sizes gets
-    every size's model under its own name (``replaced.WxH.onnx``), each with its own packed weights: AMD's
-    packing follows per-shape layer parameters, so one size's blobs are not assumed to fit another's.
-    Returns counts by component (``"<component> WxH"`` for the sizes after the first)."""
+    ``<component>/dd/packed/`` in AMD's loading format, each folder replaced atomically; with ``out``, write a
+    whole new folder laid out for AMD's SD server instead (each packed component's ``dd/`` is the package;
+    every other file a hard link, or a copy, of ``folder``'s). A component converted at several sizes gets
+    every size's model under its own name (``replaced.WxH.onnx``), each with its own packed weights (AMD's
+    packing follows per-shape layer parameters) and its own DynamicDispatch nodes (named after the size) in
+    the one ``.cache``. Components AMD has no NPU model class for (the text encoders, which AMD runs on the
+    CPU; pipelines other than SD 1.5, SDXL and SD 3) are left as they are, with the reason. Returns counts
+    by component (``"<component> WxH"`` for the sizes after the first), or that reason."""
     folder = Path(folder)
     sources = sorted(folder.glob("*/dd/replaced.onnx")) or sorted(folder.glob("dd/replaced.onnx"))
     if not sources:
         raise SdnpuError(f"no dispatch model (*/dd/replaced.onnx) under {folder}", hint="make convert first")
     amd_packer()  # fail before anything is written
-    results = {}
+    family = _family(folder)
+    if out is not None:
+        out = Path(out)
+        if not (folder / "model_index.json").is_file():
+            raise SdnpuError(f"--out writes a whole pipeline folder, and {folder} is not one (no model_index.json)",
+                             hint="give the converted folder, or pack this component in place (without --out)")
+        if out.exists() and any(out.iterdir()):
+            raise SdnpuError(f"{out} exists and is not empty", hint="give a new folder for the packed copy")
+        if out.resolve() == folder.resolve() or folder.resolve() in out.resolve().parents:
+            raise SdnpuError(f"{out} lies inside {folder}", hint="give a folder outside the converted one")
+    results: dict[str, dict[str, int] | str] = {}
+    plans = []
     for source in sources:
         comp_dir = source.parent.parent
         name = comp_dir.name
         sizes = sizes_of(comp_dir)
-        graphs = [(name if f.primary else f"{name} {f.size}", comp_dir / f.dispatch) for f in sizes]
-        with staged_dir(source.parent / PACKED_DIR) as stage:
-            for key, graph in graphs or [(name, source)]:
-                results[key] = pack_model(graph, stage)
-        for key, _ in graphs or [(name, source)]:
-            log.info("[%s] packed into %s: %s", key, source.parent / PACKED_DIR,
-                     ", ".join(f"{k} {v}" for k, v in results[key].items()))
+        graphs = [(name if f.primary else f"{name} {f.tag}", comp_dir / f.dispatch,
+                   "" if f.primary else f"s{f.tag}_") for f in sizes]
+        graphs = graphs or [(name, source, "")]
+        kernels = ddpackage.kernels_for(family, name, _height(graphs[0][1], name))
+        if isinstance(kernels, str):
+            for key, _, _ in graphs:
+                results[key] = kernels
+            log.info("[%s] not packaged: %s", name, kernels)
+            continue
+        plans.append((source, graphs, kernels))
+    if out is None:
+        for source, graphs, kernels in plans:
+            with staged_dir(source.parent / PACKED_DIR) as stage:
+                for key, graph, prefix in graphs:
+                    results[key] = pack_model(graph, stage, kernels, prefix)
+            _log(graphs, results, source.parent / PACKED_DIR)
+        return results
+    packed_dd = {source.parent.resolve() for source, _, _ in plans}
+    root = folder
+    with staged_dir(out) as stage:
+        _link_tree(root, stage, skip=packed_dd)
+        for source, graphs, kernels in plans:
+            dd = stage / source.parent.relative_to(root)
+            for key, graph, prefix in graphs:
+                results[key] = pack_model(graph, dd, kernels, prefix)
+            for extra in ("onnx_report.txt", "report.json"):  # what the folder's reports say of it
+                if (source.parent / extra).is_file():
+                    shutil.copyfile(source.parent / extra, dd / extra)
+            _log(graphs, results, out / source.parent.relative_to(root))
     return results
+
+
+def _log(graphs: list[tuple[str, Path, str]], results: dict[str, Any], where: Path) -> None:
+    for key, _, _ in graphs:
+        log.info("[%s] packed into %s: %s", key, where, ", ".join(f"{k} {v}" for k, v in results[key].items()))
+
+
+def _link_tree(src: Path, dst: Path, skip: set[Path]) -> None:
+    """``src``'s files under ``dst``, hard-linked where the file system allows (copied otherwise), but the
+    folders in ``skip`` (the dispatch models' folders that the packages replace) and earlier packed copies."""
+    import os
+
+    for dirpath, dirnames, filenames in os.walk(src):
+        here = Path(dirpath)
+        if here.resolve() in skip:
+            dirnames[:] = []
+            continue
+        dirnames[:] = [d for d in dirnames if not (d == PACKED_DIR and here.name == "dd") and not d.startswith(".")]
+        target = dst / here.relative_to(src)
+        target.mkdir(parents=True, exist_ok=True)
+        for f in filenames:
+            try:
+                os.link(here / f, target / f)
+            except OSError:
+                shutil.copy2(here / f, target / f)

@@ -47,7 +47,7 @@ class SD3Pipeline(Stages):
     """A converted SD3 folder and the loop that runs it; the same interface as ``Pipeline`` (which gives this
     class for an SD3 folder). Sessions are opened per stage and dropped after it unless ``keep_sessions``."""
 
-    def __init__(self, folder: str | Path, reference: bool = False, keep_sessions: bool = False,
+    def __init__(self, folder: str | Path, reference: bool = False, keep_sessions: bool | frozenset[str] = False,
                  runtime: RuntimeOptions | None = None, size: Any = None) -> None:
         import onnx
 

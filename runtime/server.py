@@ -7,7 +7,8 @@
     GET  /v1/models               the folders served: their sizes and denoiser batches
     GET  /health
 
-Each folder is a model named by its directory. Its sessions stay open between requests (``keep_sessions``;
+Each folder is a model named by its directory. Its sessions stay open between requests where they fit
+(``sessions_to_keep``: the largest that fit beside the others' stages; the rest opened per request;
 one pipeline per size and LoRAs, the last asked for), and its requests run one at a time on a worker thread of
 its own, in arrival order; at most ``queue`` wait behind the running one, and a request beyond them is
 answered 429. A request whose client has gone before it starts is dropped, and one whose client goes while it
@@ -166,24 +167,33 @@ def _mask_file(data: bytes, folder: Path) -> Path:
     return path
 
 
-def sessions_fit(folder: Path, size: Size | None, reference: bool) -> bool:
-    """Whether every stage's sessions of ``folder`` may stay open together between requests: twice their
-    weight bytes (the weights, and the activations beside them) within 80% of the memory available. Where they
-    do not (a full-size fp32 SDXL folder), each request opens and drops them stage by stage, as ``generate``."""
+def sessions_to_keep(folder: Path, size: Size | None, reference: bool) -> frozenset[str]:
+    """The components of ``folder`` whose sessions stay open between requests: the largest first, each while
+    twice the weight bytes of those kept (the weights, and the activations beside them) plus twice those of
+    the largest component not kept (opened for its stage of a request, then dropped, as ``generate`` does)
+    stay within 80% of the memory available. Every one where all fit (the tiny folders); none where not
+    even the largest fits beside the others' stages."""
     from sdnpu.memory import available_bytes
     from sdnpu.runtime.session import component_path, weight_bytes
 
     names = [c for c in ("text_encoder", "text_encoder_2", "text_encoder_3", "unet", "unet_controlnet", "transformer",
                          "vae_decoder", "vae_encoder") if (folder / c).is_dir()]
     try:
-        need = 2 * sum(weight_bytes(component_path(folder, c, reference, size)) for c in names)
+        sizes = {c: weight_bytes(component_path(folder, c, reference, size)) for c in names}
     except (SdnpuError, OSError):
-        return False  # what is missing is refused where it is opened, with its fix
+        return frozenset()  # what is missing is refused where it is opened, with its fix
     available = available_bytes()
-    fits = available is None or need <= 0.8 * available
-    log.info("%s: its sessions (%.1f GB with their activations) %s", folder.name, need / 1e9,
-             "stay open between requests" if fits else "do not fit together: opened per request, stage by stage")
-    return fits
+    if available is None:
+        return frozenset(names)
+    kept: list[str] = []
+    for c in sorted(names, key=lambda n: -sizes[n]):
+        rest = [sizes[n] for n in names if n not in kept and n != c]
+        if 2 * (sum(sizes[n] for n in kept) + sizes[c] + max(rest, default=0)) <= 0.8 * available:
+            kept.append(c)
+    opened = [c for c in names if c not in kept]
+    log.info("%s: sessions kept open between requests: %s; opened per request, stage by stage: %s", folder.name,
+             ", ".join(c for c in names if c in kept) or "none", ", ".join(opened) or "none")
+    return frozenset(kept)
 
 
 def lora_specs(items: list[str] | None, lora_dir: Path | None) -> tuple[Any, ...]:
@@ -223,7 +233,7 @@ def build_app(folders: list[Path], *, queue: int = 8, reference: bool = False, r
     base = runtime or RuntimeOptions()
 
     def make(folder: Path, size: Size | None, loras: tuple[Any, ...]) -> Any:
-        return Pipeline(folder, reference=reference, keep_sessions=sessions_fit(folder, size, reference), size=size,
+        return Pipeline(folder, reference=reference, keep_sessions=sessions_to_keep(folder, size, reference), size=size,
                         runtime=dataclasses.replace(base, loras=loras) if loras else base)
 
     served: dict[str, Served] = {}

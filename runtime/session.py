@@ -29,6 +29,8 @@ from sdnpu.formats.overlay import DATA, OVERLAY_DIR, overlay_initializers, read_
 from sdnpu.formats.sizes import Variant, sizes_of
 from sdnpu.imagesize import Size
 from sdnpu.memory import available_bytes
+from sdnpu.runtime import ddpackage
+from sdnpu.runtime.pack import PACKED_DIR
 from sdnpu.signatures import batched
 
 log = logging.getLogger(__name__)
@@ -341,10 +343,23 @@ def open_component_path(path: Path, component: str, reference: bool = False,
     npu = options.custom_ops is not None and not reference and (
         component not in TEXT_ENCODERS or options.npu_text_encoders)
     library = options.custom_ops if npu else None
-    optimize = options.optimize if options.optimize is not None else choose_optimize(path, reference)
-    opts = session_options(path, library, optimize and library is None, options.threads)
     if comp_dir is None:
         comp_dir = path.parent if reference else path.parent.parent
+    packed = path.parent / PACKED_DIR / path.name
+    if npu and packed.is_file():  # sdnpu pack's copy: AMD's loading format, what AMD's library loads
+        path = packed
+    package = not reference and ddpackage.is_package(path)
+    if package and not npu:
+        raise SdnpuError(f"{path} is in AMD's loading format (DynamicDispatch nodes, sdnpu pack): only AMD's "
+                         "custom-op library runs it",
+                         hint="give --custom-ops (AMD's onnx_custom_ops library), or use the folder it was packed from")
+    if package and (options.loras or read_manifest(comp_dir / "dd") is not None):
+        raise SdnpuError(f"{component}: LoRAs do not reach AMD's packed form (its weights are in the DD cache's "
+                         "constant files)",
+                         hint="fuse the LoRA before packing (sdnpu convert --lora ... --pack), or run without "
+                              "--custom-ops")
+    optimize = options.optimize if options.optimize is not None else choose_optimize(path, reference)
+    opts = session_options(path, library, optimize and library is None, options.threads)
     manifest = _overlay_beside(path, comp_dir, component, reference, options.loras)
     if manifest is not None:  # the folder's overlay, read in place: the session maps it as it maps the base
         arrays, loras, replaced = {}, manifest["loras"], len(manifest["tensors"])

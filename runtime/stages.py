@@ -25,7 +25,7 @@ class Stages:
 
     folder: Path
     reference: bool
-    keep: bool
+    keep: bool | frozenset[str]  # True: every session; a set: those components' (the rest per stage)
     runtime: RuntimeOptions
     size: Size | None
     parts: dict[tuple[str, int | None], Component]  # kept sessions, by component and batch
@@ -51,13 +51,13 @@ class Stages:
         parts = {n: self.parts.get(key[n]) or open_component(self.folder, n, self.reference, runtime, self.size,
                                                                batch=batch if batched(n) else None)
                  for n in names}
-        if self.keep:
-            self.parts.update({key[n]: c for n, c in parts.items()})
+        kept = [n for n in names if self.keep is True or (self.keep and n in self.keep)]
+        self.parts.update({key[n]: parts[n] for n in kept})
         try:
             yield parts
         finally:
             parts.clear()
-            if not self.keep:
+            if len(kept) < len(names):
                 release_memory()
 
 

@@ -85,8 +85,9 @@ class Pipeline(Stages):
     By default each stage opens its sessions and drops them when done (text encoders, then the UNet, then
     the VAE), so the peak is the largest stage, not the sum: at full SDXL size in fp32 the four sessions
     together would not fit beside the UNet's activations on a 24 GiB machine. ``keep_sessions=True`` keeps
-    them open for repeated generation. ``runtime``: how sessions are made (a custom-op library, graph
-    optimizations, threads; see ``sdnpu.runtime.session.RuntimeOptions``)."""
+    them open for repeated generation; a set of component names keeps those (``sdnpu serve``: the ones that
+    fit). ``runtime``: how sessions are made (a custom-op library, graph optimizations, threads; see
+    ``sdnpu.runtime.session.RuntimeOptions``)."""
 
     def __new__(cls, folder: str | Path, *args: Any, **kwargs: Any) -> Any:
         index = read_index(Path(folder))
@@ -96,7 +97,7 @@ class Pipeline(Stages):
             return FluxPipeline(folder, *args, **kwargs)
         return super().__new__(cls)
 
-    def __init__(self, folder: str | Path, reference: bool = False, keep_sessions: bool = False,
+    def __init__(self, folder: str | Path, reference: bool = False, keep_sessions: bool | frozenset[str] = False,
                  runtime: RuntimeOptions | None = None, size: Any = None) -> None:
         import onnx
 

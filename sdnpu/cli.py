@@ -32,7 +32,7 @@ from sdnpu.reports.plot import plot
 from sdnpu.reports.report import render_text
 from sdnpu.runtime import GenerateOptions, Pipeline, RuntimeOptions, save_png, verify
 from sdnpu.runtime.controlnet import ControlSpec
-from sdnpu.runtime.pack import PACKED_DIR, pack
+from sdnpu.runtime.pack import PACKED_DIR, amd_packer, pack
 
 log = logging.getLogger("sdnpu")
 
@@ -51,6 +51,8 @@ def _cmd_convert(args: argparse.Namespace) -> int:
                              compile=not args.no_compile, outputs=args.outputs, target=args.target,
                              precision=args.precision, loras=tuple(args.lora or ()), add=args.add,
                              blockwise=args.blockwise, batch=args.batch)
+    if args.pack:
+        amd_packer()  # a prerequisite: checked before any work
     result = convert(args.source, components=args.model, out=args.out, options=options)
     sizes = ", ".join(str(s) for s in result.sizes)
     batches = (f", denoiser at batch {', '.join(map(str, result.batches))}"
@@ -72,6 +74,9 @@ def _cmd_convert(args: argparse.Namespace) -> int:
         print(f"LoRA fused before export (diffusers' fuse_lora): {', '.join(str(s) for s in options.loras)}")
     if result.pipeline_files:
         print(f"pipeline files: {', '.join(result.pipeline_files)}")
+    if args.pack:
+        print()
+        _print_packed(pack(result.out), None)
     return 0
 
 
@@ -241,12 +246,20 @@ def _cmd_lora(args: argparse.Namespace) -> int:
 
 
 def _cmd_pack(args: argparse.Namespace) -> int:
-    results = pack(args.models)
-    for name, counts in results.items():
-        print(f"{name:<16}{', '.join(f'{k} {v}' for k, v in counts.items()) or 'nothing to pack'}")
-    print(f"written to <component>/dd/{PACKED_DIR}/replaced.onnx, and replaced.WxH.onnx for each other size (for "
-          "AMD's custom ops only: no reference bodies)")
+    results = pack(args.models, out=args.out)
+    _print_packed(results, args.out)
     return 0
+
+
+def _print_packed(results: dict, out: str | None) -> None:
+    for name, counts in results.items():
+        if isinstance(counts, str):
+            print(f"{name:<16}not packaged: {counts}")
+        else:
+            print(f"{name:<16}{', '.join(f'{k} {v}' for k, v in counts.items()) or 'nothing to pack'}")
+    where = f"{out}/<component>/dd/" if out else f"<component>/dd/{PACKED_DIR}/"
+    print(f"written to {where}replaced.onnx (and replaced.WxH.onnx for each other size) with its DD cache "
+          f"{where}.cache/: AMD's loading format, for AMD's custom-op library only (no reference bodies)")
 
 
 def _cmd_serve(args: argparse.Namespace) -> int:
@@ -329,6 +342,10 @@ def build_parser() -> argparse.ArgumentParser:
                       help="convert T5 (SD3's text_encoder_3, Flux's text_encoder_2) and Flux's transformer one block "
                       "at a time and stitch the graphs, even where they fit whole (done so by itself where the fp32 "
                       "weights exceed half the available memory, as T5-XXL's 19 GB and Flux's 47.6 GB do here)")
+    conv.add_argument("--pack", action="store_true",
+                      help="then pack the folder's dispatch models in AMD's loading format (sdnpu pack: "
+                      "DynamicDispatch nodes, their DD cache, AMD's packed weights; needs AMD's "
+                      "ryzenai_dynamic_dispatch packer, checked first)")
     conv.add_argument("--target", default=DEFAULT_TARGET, choices=target_names(),
                       help=f"the NPU whose op contract the dispatch models are written in (default {DEFAULT_TARGET})")
     conv.add_argument("--precision", choices=("bf16", "bfp16"), default="bf16",
@@ -434,6 +451,9 @@ def build_parser() -> argparse.ArgumentParser:
     pk = sub.add_parser("pack", help="a deployable copy of the dispatch models with AMD's packed weights "
                         "(needs AMD's ryzenai_dynamic_dispatch packer)")
     pk.add_argument("models", nargs="?", default="models/sdxl-base", help="a converted folder or one component's")
+    pk.add_argument("--out", default=None, metavar="DIR",
+                    help="write a whole new folder laid out for AMD's SD server (each component's dd/ the package, "
+                         "the rest hard links) instead of <component>/dd/packed/")
     pk.set_defaults(func=_cmd_pack)
 
     srv = sub.add_parser("serve", help="serve converted folders over an OpenAI-style images API "

@@ -1,12 +1,19 @@
 """Shared fixtures: one tiny-sdxl and one tiny-sd3 conversion per test session (reused by the tests that read
-them), and the local folders made from their presets."""
+them), and the local folders made from their presets.
+
+The session's expensive fixtures (and the test modules' own) are made once per run however many pytest-xdist
+workers ask for them (``once``): the first worker makes it under a lock in the run's shared temporary folder,
+the others wait and read what it made. They are read-only: a test that changes one copies it first."""
 
 from __future__ import annotations
 
 import hashlib
 import os
+import pickle
 import shutil
+from collections.abc import Callable
 from pathlib import Path
+from typing import TypeVar
 
 import numpy as np
 
@@ -14,13 +21,35 @@ import pytest
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
+T = TypeVar("T")
+
+
+def once(factory: pytest.TempPathFactory, key: str, make: Callable[[Path], T]) -> T:
+    """``make(folder)`` (``folder``: a new empty folder) run once per test run, its value shared by every xdist
+    worker that asks for ``key`` (pickled beside it); without xdist, simply run."""
+    if os.environ.get("PYTEST_XDIST_WORKER") is None:
+        return make(factory.mktemp(key))
+    from filelock import FileLock
+
+    root = factory.getbasetemp().parent / "shared"
+    root.mkdir(exist_ok=True)
+    with FileLock(str(root / f"{key}.lock")):
+        record = root / f"{key}.pickle"
+        if record.is_file():
+            return pickle.loads(record.read_bytes())
+        folder = root / key
+        shutil.rmtree(folder, ignore_errors=True)
+        folder.mkdir()
+        value = make(folder)
+        record.write_bytes(pickle.dumps(value))
+        return value
+
 
 @pytest.fixture(scope="session")
 def tiny_conversion(tmp_path_factory: pytest.TempPathFactory):
     from sdnpu.convert import convert
 
-    out = tmp_path_factory.mktemp("tiny-sdxl")
-    return convert("tiny-sdxl", "all", out=out)
+    return once(tmp_path_factory, "tiny-sdxl", lambda out: convert("tiny-sdxl", "all", out=out))
 
 
 @pytest.fixture(scope="session")
@@ -28,19 +57,24 @@ def tiny_sd15_conversion(tmp_path_factory: pytest.TempPathFactory):
     """tiny-sd15 converted whole (SD 1.5's architecture: one text encoder, no added conditioning)."""
     from sdnpu.convert import convert
 
-    return convert("tiny-sd15", "all", out=tmp_path_factory.mktemp("tiny-sd15"))
+    return once(tmp_path_factory, "tiny-sd15", lambda out: convert("tiny-sd15", "all", out=out))
 
 
 @pytest.fixture(scope="session")
 def tiny_pipeline_folder(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """tiny-sdxl written by diffusers' own save_pretrained: a local folder as users have them."""
+    return once(tmp_path_factory, "my-sdxl", _sdxl_folder)
+
+
+def _sdxl_folder(root: Path) -> Path:
     from diffusers import EulerDiscreteScheduler, StableDiffusionXLPipeline
     from transformers import CLIPTokenizer
 
     from sdnpu.convert import resolve_source
 
     src = resolve_source("tiny-sdxl")
-    tok_dir = tmp_path_factory.mktemp("tok")
+    tok_dir = root / "tok"
+    tok_dir.mkdir()
     src.write_pipeline_files(tok_dir)
     pipe = StableDiffusionXLPipeline(
         vae=src.load_module("vae"),
@@ -51,7 +85,7 @@ def tiny_pipeline_folder(tmp_path_factory: pytest.TempPathFactory) -> Path:
         unet=src.load_module("unet"),
         scheduler=EulerDiscreteScheduler.from_pretrained(tok_dir / "scheduler"),
     )
-    folder = tmp_path_factory.mktemp("local") / "my-sdxl"
+    folder = root / "local" / "my-sdxl"
     pipe.save_pretrained(folder)
     return folder
 
@@ -76,9 +110,13 @@ def _arrays(path: Path) -> dict[str, np.ndarray]:
 def two_sizes(tiny_conversion, tmp_path_factory) -> Path:
     """The session's tiny-sdxl conversion (256x256) copied, and 320x256 added to its UNet and VAE decoder
     (their dispatch models re-derived from the primary's: sdnpu.passes.specialize). Read-only: copy it first."""
+    return once(tmp_path_factory, "two-sizes", lambda root: _two_sizes(tiny_conversion, root))
+
+
+def _two_sizes(tiny_conversion, root: Path) -> Path:
     from sdnpu.convert import convert
 
-    folder = tmp_path_factory.mktemp("sizes") / "tiny-sdxl"
+    folder = root / "tiny-sdxl"
     shutil.copytree(tiny_conversion.out, folder)
     before = _tree(folder)
     result = convert("tiny-sdxl", "unet,vae_decoder", out=folder, res="320x256", add=True)
@@ -102,19 +140,24 @@ def tiny_sd3(tmp_path_factory: pytest.TempPathFactory):
     """tiny-sd3 converted whole: three text encoders, the transformer, the 16-channel VAE."""
     from sdnpu.convert import convert
 
-    return convert("tiny-sd3", "all", out=tmp_path_factory.mktemp("tiny-sd3"))
+    return once(tmp_path_factory, "tiny-sd3", lambda out: convert("tiny-sd3", "all", out=out))
 
 
 @pytest.fixture(scope="session")
 def tiny_sd3_folder(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """tiny-sd3 written by diffusers' own save_pretrained: a local folder as users have them."""
+    return once(tmp_path_factory, "my-sd3", _sd3_folder)
+
+
+def _sd3_folder(root: Path) -> Path:
     from diffusers import FlowMatchEulerDiscreteScheduler, StableDiffusion3Pipeline
     from transformers import CLIPTokenizer, T5TokenizerFast
 
     from sdnpu.convert import resolve_source
 
     src = resolve_source("tiny-sd3")
-    files = tmp_path_factory.mktemp("sd3-files")
+    files = root / "sd3-files"
+    files.mkdir()
     src.write_pipeline_files(files)
     pipe = StableDiffusion3Pipeline(
         transformer=src.load_module("transformer"), vae=src.load_module("vae"),
@@ -124,7 +167,7 @@ def tiny_sd3_folder(tmp_path_factory: pytest.TempPathFactory) -> Path:
         tokenizer_2=CLIPTokenizer.from_pretrained(files / "tokenizer_2"),
         tokenizer_3=T5TokenizerFast.from_pretrained(files / "tokenizer_3"),
         scheduler=FlowMatchEulerDiscreteScheduler.from_pretrained(files / "scheduler"))
-    folder = tmp_path_factory.mktemp("local") / "my-sd3"
+    folder = root / "local" / "my-sd3"
     pipe.save_pretrained(folder)
     return folder
 
@@ -134,20 +177,25 @@ def tiny_flux(tmp_path_factory: pytest.TempPathFactory):
     """tiny-flux converted whole: CLIP-L, T5, the 16-channel VAE, the transformer (dev: guidance embedded)."""
     from sdnpu.convert import convert
 
-    return convert("tiny-flux", "all", out=tmp_path_factory.mktemp("tiny-flux"))
+    return once(tmp_path_factory, "tiny-flux", lambda out: convert("tiny-flux", "all", out=out))
 
 
 @pytest.fixture(scope="session")
 def tiny_flux_folder(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """tiny-flux written by diffusers' own save_pretrained (``FluxPipeline``): a local folder as users have
     them, with the preset's generation.json beside it."""
+    return once(tmp_path_factory, "my-flux", _flux_folder)
+
+
+def _flux_folder(root: Path) -> Path:
     from diffusers import FlowMatchEulerDiscreteScheduler, FluxPipeline
     from transformers import CLIPTokenizer, T5TokenizerFast
 
     from sdnpu.convert import resolve_source
 
     src = resolve_source("tiny-flux")
-    files = tmp_path_factory.mktemp("flux-files")
+    files = root / "flux-files"
+    files.mkdir()
     src.write_pipeline_files(files)
     pipe = FluxPipeline(
         transformer=src.load_module("transformer"), vae=src.load_module("vae"),
@@ -155,7 +203,7 @@ def tiny_flux_folder(tmp_path_factory: pytest.TempPathFactory) -> Path:
         tokenizer=CLIPTokenizer.from_pretrained(files / "tokenizer"),
         tokenizer_2=T5TokenizerFast.from_pretrained(files / "tokenizer_2"),
         scheduler=FlowMatchEulerDiscreteScheduler.from_pretrained(files / "scheduler"))
-    folder = tmp_path_factory.mktemp("local") / "my-flux"
+    folder = root / "local" / "my-flux"
     pipe.save_pretrained(folder)
     shutil.copy(files / "generation.json", folder / "generation.json")
     return folder

@@ -16,6 +16,7 @@ from sdnpu.errors import SdnpuError
 from sdnpu.formats.sizes import sizes_of
 from sdnpu.runtime import GenerateOptions, Pipeline
 from sdnpu.runtime.stages import plan_calls
+from tests.conftest import once
 from tests.images import levels, psnr, uint8
 
 
@@ -39,7 +40,10 @@ def _diffusers_sdxl(preset: str, folder: Path, scheduler: str | None = None):
 @pytest.fixture(scope="module")
 def turbo(tmp_path_factory) -> Path:
     """tiny-sdxl-turbo converted as it comes (guidance-free: its UNet at batch 1), then batch 2 added."""
-    out = tmp_path_factory.mktemp("turbo") / "tiny-sdxl-turbo"
+    return once(tmp_path_factory, "turbo", lambda root: _turbo(root / "tiny-sdxl-turbo"))
+
+
+def _turbo(out: Path) -> Path:
     result = convert("tiny-sdxl-turbo", "all", out=out)
     assert result.batches == [1] and [c.batch for c in result.components if c.component == "unet"] == [1]
     added = convert("tiny-sdxl-turbo", "unet", out=out, batch=2, add=True)

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import logging
+from pathlib import Path
 
 import numpy as np
 import onnx
@@ -15,6 +16,7 @@ import torch
 
 from sdnpu.convert import convert
 from sdnpu.convert.compile import run_onnx
+from tests.conftest import once
 
 IDS = np.random.default_rng(3).integers(0, 1000, (1, 77)).astype(np.int64)
 
@@ -32,14 +34,13 @@ def blockwise_preset(tmp_path_factory):
     same T5 converted whole (other seeded weights, the same graph)."""
     from sdnpu.convert import budget
 
-    mp = pytest.MonkeyPatch()
-    mp.setattr(budget, "available_bytes", lambda: 20_000_000)  # 20 MB: the T5's 17.5 MB are over half of it
-    try:
-        out = tmp_path_factory.mktemp("t5-blockwise")
-        result = convert("tiny-sd3", "text_encoder_3", out=out)
-    finally:
-        mp.undo()
-    whole = convert("tiny-sd3", "text_encoder_3", out=tmp_path_factory.mktemp("t5-whole"))
+    def blocks(out: Path):
+        with pytest.MonkeyPatch.context() as mp:
+            mp.setattr(budget, "available_bytes", lambda: 20_000_000)  # 20 MB: the T5's 17.5 MB are over half
+            return convert("tiny-sd3", "text_encoder_3", out=out)
+
+    result = once(tmp_path_factory, "t5-blockwise", blocks)
+    whole = once(tmp_path_factory, "t5-whole", lambda out: convert("tiny-sd3", "text_encoder_3", out=out))
     return result, whole
 
 
@@ -48,9 +49,11 @@ def t5_folder(tmp_path_factory):
     """tiny-sd3's T5 as transformers' save_pretrained writes it (one module's folder, safetensors)."""
     from sdnpu.convert import resolve_source
 
-    folder = tmp_path_factory.mktemp("t5-folder") / "t5"
-    resolve_source("tiny-sd3").load_module("text_encoder_3").save_pretrained(folder)
-    return folder
+    def make(root: Path) -> Path:
+        resolve_source("tiny-sd3").load_module("text_encoder_3").save_pretrained(root / "t5")
+        return root / "t5"
+
+    return once(tmp_path_factory, "t5-folder", make)
 
 
 def test_a_t5_that_does_not_fit_converts_block_by_block_and_matches_the_module(blockwise_preset):

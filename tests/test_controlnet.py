@@ -13,12 +13,13 @@ from sdnpu.convert import convert, parse_components, resolve_source
 from sdnpu.convert.compile import generic_inputs, run_onnx
 from sdnpu.errors import SdnpuError
 from sdnpu.signatures import controlnet_outputs, sample_inputs, signature
+from tests.conftest import once
 
 
 @pytest.fixture(scope="module", params=["tiny-controlnet-sdxl", "tiny-controlnet-sd15"])
 def converted(request, tmp_path_factory):
-    out = tmp_path_factory.mktemp(request.param)
-    return request.param, convert(request.param, "controlnet", out=out, res=256)
+    return request.param, once(tmp_path_factory, request.param,
+                               lambda out: convert(request.param, "controlnet", out=out, res=256))
 
 
 def test_a_controlnet_exports_matches_pytorch_and_compiles(converted):

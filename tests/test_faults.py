@@ -30,6 +30,7 @@ from pathlib import Path
 
 import pytest
 from sdnpu.passes.modelfile import EXTERNAL_DATA_ENV
+from tests.conftest import once
 
 SEED = int(os.environ.get("SDNPU_FAULT_SEED", "0"))
 CONVERT = ["convert", "--source", "tiny-sdxl", "--model", "vae_decoder"]
@@ -154,12 +155,14 @@ def previous(tmp_path_factory: pytest.TempPathFactory) -> Path:
     every fault must leave as it was. Tests copy it and never change it."""
     from sdnpu.convert import convert
 
-    out = tmp_path_factory.mktemp("previous")
-    with pytest.MonkeyPatch.context() as mp:
-        mp.setenv(EXTERNAL_DATA_ENV, "0")
-        convert("tiny-sdxl", "vae_decoder", out=out)
-    assert {"vae_decoder/model.onnx.data", "vae_decoder/dd/replaced.onnx.data"} <= set(_tree(out))
-    return out
+    def make(out: Path) -> Path:
+        with pytest.MonkeyPatch.context() as mp:
+            mp.setenv(EXTERNAL_DATA_ENV, "0")
+            convert("tiny-sdxl", "vae_decoder", out=out)
+        assert {"vae_decoder/model.onnx.data", "vae_decoder/dd/replaced.onnx.data"} <= set(_tree(out))
+        return out
+
+    return once(tmp_path_factory, "previous", make)
 
 
 @pytest.fixture(scope="module")
@@ -357,8 +360,8 @@ def _truncate(path: Path) -> None:
     ],
     ids=["truncated-model", "random-bytes", "missing-external-data", "truncated-external-data"],
 )
-def test_broken_model_is_one_clear_error_and_writes_nothing(damage: Callable[[Path], object], message: str, previous: Path,
-                                                            tmp_path: Path) -> None:
+def test_broken_model_is_one_clear_error_and_writes_nothing(damage: Callable[[Path], object], message: str,
+                                                            previous: Path, tmp_path: Path) -> None:
     """`sdnpu compile` on a damaged model: exit 2 and a message naming the damage, and the folder (with the
     previous dd/) exactly as it was: no new dd/, no half file, no staging folder."""
     folder = tmp_path / "vae_decoder"

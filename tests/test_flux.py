@@ -11,6 +11,7 @@ import numpy as np
 import pytest
 
 from sdnpu.runtime import GenerateOptions, Pipeline
+from tests.conftest import once
 from tests.test_lora import _adapted, _initializers  # the dispatch weights, with a folder's overlay
 
 OPTS = GenerateOptions("a photo of a cat", steps=3, guidance=3.5, seed=4)
@@ -143,13 +144,16 @@ def flux_loras(tmp_path_factory, tiny_flux) -> dict[str, Path]:
     block names, q, k and v one fused projection)."""
     from sdnpu.lora.seeded import write_seeded_lora
 
-    d = tmp_path_factory.mktemp("flux-loras")
-    files = {"diffusers": d / "a.safetensors", "kohya": d / "a-kohya.safetensors"}
-    assert write_seeded_lora(tiny_flux.out, files["diffusers"], rank=4) == {"text_encoder": 12, "transformer": 26}
-    # below Flux's own widths diffusers cannot split a single block's linear1: those 8 modules are left out
-    assert write_seeded_lora(tiny_flux.out, files["kohya"], rank=4, naming="kohya") == {"text_encoder": 12,
-                                                                                       "transformer": 18}
-    return files
+    def make(d: Path) -> dict[str, Path]:
+        files = {"diffusers": d / "a.safetensors", "kohya": d / "a-kohya.safetensors"}
+        assert write_seeded_lora(tiny_flux.out, files["diffusers"], rank=4) == {"text_encoder": 12,
+                                                                               "transformer": 26}
+        # below Flux's own widths diffusers cannot split a single block's linear1: those 8 modules are left out
+        assert write_seeded_lora(tiny_flux.out, files["kohya"], rank=4, naming="kohya") == {"text_encoder": 12,
+                                                                                           "transformer": 18}
+        return files
+
+    return once(tmp_path_factory, "flux-loras", make)
 
 
 def test_a_lora_overlay_is_what_diffusers_fuse_lora_converts_to(tiny_flux, flux_loras, tmp_path):
@@ -271,7 +275,8 @@ def blockwise_flux(tmp_path_factory, tiny_flux_folder, tiny_flux):
     (``tiny_flux``): the same weights."""
     from sdnpu.convert import convert
 
-    blocks = convert(tiny_flux_folder, "transformer", out=tmp_path_factory.mktemp("flux-blocks"), blockwise=True)
+    blocks = once(tmp_path_factory, "flux-blocks",
+                  lambda out: convert(tiny_flux_folder, "transformer", out=out, blockwise=True))
     return blocks, tiny_flux
 
 

@@ -18,6 +18,7 @@ from sdnpu.cli import main
 from sdnpu.convert import convert, resolve_source
 from sdnpu.errors import SdnpuError
 from sdnpu.runtime import GenerateOptions, Pipeline
+from tests.conftest import once
 from tests.images import levels, psnr, uint8
 
 
@@ -65,16 +66,14 @@ def _diffusers(preset: str, folder: Path):
 
 @pytest.fixture(scope="module")
 def sdxl_inpaint(tmp_path_factory) -> Path:
-    out = tmp_path_factory.mktemp("inpaint") / "tiny-sdxl-inpaint"
-    convert("tiny-sdxl-inpaint", "all", out=out)
-    return out
+    return once(tmp_path_factory, "sdxl-inpaint",
+                lambda root: convert("tiny-sdxl-inpaint", "all", out=root / "tiny-sdxl-inpaint").out)
 
 
 @pytest.fixture(scope="module")
 def sd15_inpaint(tmp_path_factory) -> Path:
-    out = tmp_path_factory.mktemp("inpaint") / "tiny-sd15-inpaint"
-    convert("tiny-sd15-inpaint", "all", out=out)
-    return out
+    return once(tmp_path_factory, "sd15-inpaint",
+                lambda root: convert("tiny-sd15-inpaint", "all", out=root / "tiny-sd15-inpaint").out)
 
 
 def _agree(ours: np.ndarray, theirs: np.ndarray) -> None:

@@ -18,6 +18,7 @@ from sdnpu.errors import SdnpuError
 from sdnpu.formats.overlay import overlay_initializers, read_manifest
 from sdnpu.lora import LoraSpec, overlay
 from sdnpu.lora.seeded import write_seeded_lora, write_summed_lora
+from tests.conftest import once
 
 LORA_COMPONENTS = ("unet", "text_encoder", "text_encoder_2")
 PRESETS = Path(__file__).resolve().parents[1] / "convert" / "presets"
@@ -27,14 +28,16 @@ PRESETS = Path(__file__).resolve().parents[1] / "convert" / "presets"
 def loras(tmp_path_factory, tiny_conversion) -> dict[str, Path]:
     """Seeded rank-4 LoRAs over every attention and feed-forward projection and the resnets' convolutions
     (3x3 LoRAs) of tiny-sdxl: one in diffusers naming, the same in kohya naming, and two more seeds."""
-    d = tmp_path_factory.mktemp("loras")
-    files = {"diffusers": d / "a.safetensors", "kohya": d / "a-kohya.safetensors", "b": d / "b.safetensors",
-             "c": d / "c.safetensors"}
-    write_seeded_lora(tiny_conversion.out, files["diffusers"], rank=4, convs=True)
-    write_seeded_lora(tiny_conversion.out, files["kohya"], rank=4, naming="kohya", convs=True)
-    write_seeded_lora(tiny_conversion.out, files["b"], rank=4, seed=1, convs=True)
-    write_seeded_lora(tiny_conversion.out, files["c"], rank=4, seed=2, convs=True)
-    return files
+    def make(d: Path) -> dict[str, Path]:
+        files = {"diffusers": d / "a.safetensors", "kohya": d / "a-kohya.safetensors", "b": d / "b.safetensors",
+                 "c": d / "c.safetensors"}
+        write_seeded_lora(tiny_conversion.out, files["diffusers"], rank=4, convs=True)
+        write_seeded_lora(tiny_conversion.out, files["kohya"], rank=4, naming="kohya", convs=True)
+        write_seeded_lora(tiny_conversion.out, files["b"], rank=4, seed=1, convs=True)
+        write_seeded_lora(tiny_conversion.out, files["c"], rank=4, seed=2, convs=True)
+        return files
+
+    return once(tmp_path_factory, "loras", make)
 
 
 @pytest.fixture
@@ -50,9 +53,8 @@ def fused(tmp_path_factory, loras) -> Path:
     """tiny-sdxl converted with the diffusers LoRA fused at 0.7 by diffusers' fuse_lora (sdnpu convert --lora)."""
     from sdnpu.convert import convert
 
-    out = tmp_path_factory.mktemp("fused")
-    convert("tiny-sdxl", "all", out=out, loras=(f"{loras['diffusers']}:0.7",))
-    return out
+    return once(tmp_path_factory, "fused",
+                lambda out: convert("tiny-sdxl", "all", out=out, loras=(f"{loras['diffusers']}:0.7",)).out)
 
 
 def _initializers(model: Path) -> dict[str, bytes]:

@@ -182,19 +182,14 @@ def test_a_size_compiled_in_full_reads_the_primarys_prologue_or_its_own(tmp_path
 def test_pack_carries_the_prologue(tmp_path, monkeypatch):
     """`sdnpu pack` (with the stand-in for AMD's packer, as tests/test_pack.py) copies the step prologue beside
     the packed model: it is CPU work, nothing in it to pack."""
-    import sys
-    import types
-
+    from sdnpu.runtime import ddpackage
     from sdnpu.runtime.pack import pack_model
 
-    from .test_pack import _stand_in
+    from .test_pack import _install_stand_in
 
     path, _ = compiled(tmp_path / "a", step_graph(), {"x", "t"})
-    parent = types.ModuleType("ryzenai_dynamic_dispatch")
-    parent.sd = _stand_in([])  # type: ignore[attr-defined]
-    monkeypatch.setitem(sys.modules, "ryzenai_dynamic_dispatch", parent)
-    monkeypatch.setitem(sys.modules, "ryzenai_dynamic_dispatch.sd", parent.sd)  # type: ignore[attr-defined]
-    counts = pack_model(path, tmp_path / "packed")
+    _install_stand_in(monkeypatch)
+    counts = pack_model(path, tmp_path / "packed", ddpackage.kernels_for("sdxl", "unet", 256))
     assert counts["step prologue copied"] == 1 and counts["SDConv weights -> bfp16ebs8 blob"] == 2
     assert (tmp_path / "packed" / prologue.FILE).read_bytes() == path.with_name(prologue.FILE).read_bytes()
 

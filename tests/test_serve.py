@@ -222,13 +222,34 @@ def test_a_full_queue_answers_429_and_a_client_that_left_costs_nothing(tiny_conv
         s.stop()
 
 
-def test_sessions_stay_open_only_where_they_fit_together(tiny_conversion, monkeypatch):
+def test_sessions_stay_open_where_they_fit(tiny_conversion, monkeypatch):
+    """All sessions where all fit; where memory is short, the largest that fit beside the stage of the largest
+    one not kept (the rest opened per request); none where nothing fits."""
     from sdnpu import memory
-    from sdnpu.runtime.server import sessions_fit
+    from sdnpu.runtime.server import sessions_to_keep
+    from sdnpu.runtime.session import component_path, weight_bytes
 
-    assert sessions_fit(tiny_conversion.out, None, reference=False)
+    folder = tiny_conversion.out
+    names = ["text_encoder", "text_encoder_2", "unet", "vae_decoder", "vae_encoder"]
+    assert sessions_to_keep(folder, None, reference=False) == frozenset(names)
+    sizes = {c: weight_bytes(component_path(folder, c)) for c in names}
+    big = sorted(names, key=lambda c: -sizes[c])
+    # room for the largest two and the third's stage, not for the third beside them and the fourth's stage
+    budget = 2 * (sizes[big[0]] + sizes[big[1]] + sizes[big[2]])
+    assert 2 * (sizes[big[0]] + sizes[big[1]] + sizes[big[2]] + sizes[big[3]]) > budget
+    monkeypatch.setattr(memory, "available_bytes", lambda: int(budget / 0.8) + 64)
+    kept = sessions_to_keep(folder, None, reference=False)
+    assert big[0] in kept and big[1] in kept and big[2] not in kept and len(kept) < len(names)
     monkeypatch.setattr(memory, "available_bytes", lambda: 1 << 20)  # 1 MB: nothing fits beside the rest
-    assert not sessions_fit(tiny_conversion.out, None, reference=False)
+    assert sessions_to_keep(folder, None, reference=False) == frozenset()
+
+
+def test_a_pipeline_keeps_the_sessions_it_is_told_to(tiny_conversion):
+    from sdnpu.runtime.text2image import GenerateOptions, Pipeline
+
+    pipe = Pipeline(tiny_conversion.out, keep_sessions=frozenset({"unet"}))
+    pipe(GenerateOptions(prompt="a cat", steps=1, seed=1))
+    assert {name for name, _ in pipe.parts} == {"unet"}
 
 
 def test_serve_refuses_what_is_not_a_converted_folder(tmp_path, capsys):

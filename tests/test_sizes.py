@@ -343,13 +343,18 @@ def test_verify_at_another_size(two_sizes, tmp_path, capsys):
 # equal and neither a multiple of 64; swapped again on SD3's VAEs (its transformer is compiled per size).
 # SD 1.5's UNet is refused: its 1x1 proj_in/proj_out convolutions read the [B, H*W, C] tokens as NHWC, and
 # no operand says how 780 tokens split into rows and columns
-SWEEP = [("tiny-sdxl", "unet,vae_decoder,vae_encoder", "256x192,192x256", "unet,vae_decoder,vae_encoder"),
-         ("tiny-sd15", "unet,vae_decoder,vae_encoder", "240x176,240x208", "vae_decoder,vae_encoder"),
-         ("tiny-sd3", "vae_decoder,vae_encoder", "224x160,160x224", "vae_decoder,vae_encoder")]
+# `make test` runs the first of each list; `make sweep` (pytest -m sweep) the others too.
+_SWEEP = pytest.mark.sweep
+SWEEP = [pytest.param("tiny-sdxl", "unet,vae_decoder,vae_encoder", "256x192,192x256", "unet,vae_decoder,vae_encoder",
+                      id="tiny-sdxl"),
+         pytest.param("tiny-sd15", "unet,vae_decoder,vae_encoder", "240x176,240x208", "vae_decoder,vae_encoder",
+                      marks=_SWEEP, id="tiny-sd15"),
+         pytest.param("tiny-sd3", "vae_decoder,vae_encoder", "224x160,160x224", "vae_decoder,vae_encoder",
+                      marks=_SWEEP, id="tiny-sd3")]
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize(("preset", "comps", "res", "expected"), SWEEP, ids=[s[0] for s in SWEEP])
+@pytest.mark.parametrize(("preset", "comps", "res", "expected"), SWEEP)
 def test_every_size_pair_is_rederived_as_a_full_compile_writes_it_or_compiled_in_full(preset, comps, res, expected,
                                                                                         tmp_path, caplog):
     """The specializer never crashes (issue 27): each second size is re-derived from the primary's dispatch
@@ -379,15 +384,16 @@ def test_every_size_pair_is_rederived_as_a_full_compile_writes_it_or_compiled_in
 # more (the passes may decide differently there); 2 -> 4, the timestep's sinusoid frequencies broadcast to the
 # batch offline (canonicalize's _expand_into_constant) are a constant of the primary's batch; SD3's transformer,
 # its position embedding cut for the primary (sized components it is compiled per size). All compile in full.
-BATCHES = [("tiny-sdxl", "unet", 2, 4, "the table's shape rule refuses"),
-           ("tiny-sdxl-turbo", "unet", 1, 2, "a dimension of 1"),
-           ("tiny-sd15", "unet", 2, 1, "a dimension of 1"),
-           ("tiny-sd3", "transformer", 2, 1, "position-embedding crop")]
+BATCHES = [pytest.param("tiny-sdxl-turbo", "unet", 1, 2, "a dimension of 1", id="tiny-sdxl-turbo-1-2"),
+           pytest.param("tiny-sdxl", "unet", 2, 4, "the table's shape rule refuses", marks=_SWEEP,
+                        id="tiny-sdxl-2-4"),
+           pytest.param("tiny-sd15", "unet", 2, 1, "a dimension of 1", marks=_SWEEP, id="tiny-sd15-2-1"),
+           pytest.param("tiny-sd3", "transformer", 2, 1, "position-embedding crop", marks=_SWEEP,
+                        id="tiny-sd3-2-1")]
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize(("preset", "comp", "first", "second", "why"), BATCHES,
-                         ids=[f"{b[0]}-{b[2]}-{b[3]}" for b in BATCHES])
+@pytest.mark.parametrize(("preset", "comp", "first", "second", "why"), BATCHES)
 def test_every_batch_is_rederived_as_a_full_compile_writes_it_or_compiled_in_full(preset, comp, first, second, why,
                                                                                   tmp_path, caplog):
     """A denoiser's second batch, as its second size: re-derived tensor for tensor as a full compile of its
