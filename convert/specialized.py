@@ -45,7 +45,12 @@ def _io_dims(model: Any, primary: Path, source: Path) -> dict[str, list[int]]:
             dims[name] = handoff.graph_shape(dims[name], to_reference)
     steps = prologue.of_proto(model)  # the step prologue's values, at this size
     if steps is not None:
-        dims.update(prologue_output_shapes(steps.path(primary), {k: dims[k] for k in steps.inputs}))
+        try:
+            dims.update(prologue_output_shapes(steps.path(primary), {k: dims[k] for k in steps.inputs}))
+        except Exception as e:  # onnxruntime's refusal: a constant of the prologue is sized for the primary
+            first = str(e).strip().splitlines()[0][:200] if str(e).strip() else type(e).__name__
+            raise CannotSpecialize(f"its prologue does not run at this size, a constant in it is sized for the "
+                                   f"primary (Flux.1's rotary tables are cut at the text length): {first}") from None
     return dims
 
 

@@ -250,9 +250,10 @@ def _gather_scale(graph: ir.Graph, edge: set[ir.Value]) -> int:
             continue
         with np.errstate(all="ignore"):
             src = np.where(scale != 0, v1 / scale, 1.0)
-        if np.any(np.abs(src - np.round(src)) > 1e-6) or np.any(src < 1) or np.any(src > n):
+        rounded = np.round(src)  # the range is checked on the indices: 13824 * f / f may be 13824.000000000002
+        if np.any(np.abs(src - rounded) > 1e-6) or np.any(rounded < 1) or np.any(rounded > n):
             continue
-        src = np.round(src).astype(np.int64) - 1
+        src = rounded.astype(np.int64) - 1
         cu = u_shape[-1]
         rows_u = n // cu
         flat_src, flat_scale = src.reshape(-1), scale.reshape(-1)

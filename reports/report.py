@@ -306,9 +306,11 @@ def render_text(r: dict[str, Any]) -> str:
         lines += ["", f"Step prologue: {steps['file']} ({len(steps['cpu_nodes'])} CPU nodes, digest {steps['digest']})",
                   "-" * 79]
         lines += textwrap.wrap(f"the CPU work on {', '.join(steps['inputs'])}, moved out of this graph: its values "
-                               f"({', '.join(steps['outputs'])}) are this graph's inputs. Each step, the models "
-                               "whose prologue has this digest (a ControlNet, the UNet that takes its residuals) "
-                               "share one run of it.", 77, initial_indent="  ", subsequent_indent="  ")
+                               f"({', '.join(steps['outputs'])}) are this graph's inputs. The runtime runs it "
+                               "once for the models whose prologue has this digest (a ControlNet and the UNet that "
+                               "takes its residuals: once a step), and once a generation where its inputs are the "
+                               "same every step (Flux.1's position ids).", 77, initial_indent="  ",
+                               subsequent_indent="  ")
         for c in steps["cpu_nodes"]:
             lines.append(f"  {c['op_type']:<14}{c['reason'][:62]}")
     lines += ["", f"NPU regions ({len(r['regions'])})", "-" * 79]
@@ -350,7 +352,7 @@ def _prologue_summary(r: dict[str, Any]) -> list[str]:
     if not steps:
         return []
     s, n = r["summary"], len(steps["cpu_nodes"])
-    return [f"step prologue          {n} CPU nodes in {steps['file']}, shared each step (see below)",
+    return [f"step prologue          {n} CPU nodes in {steps['file']}, run apart (see below)",
             (f"with them counted here {100 * steps['offload_rate_with_it']:.2f}%  "
              f"({s['offloaded_nodes']} / ({s['offloaded_nodes']} + {s['cpu_nodes']} + {n}))")]
 

@@ -191,6 +191,8 @@ class FluxPipeline(Stages):
         latents = [torch.from_numpy(pack(self.noise(seed))) for seed in seeds]
         timesteps = schedulers[0].timesteps
         with self._using("transformer", batch=batch) as parts:
+            # its prologue (the rotary tables from the position ids, the same every step): computed once here
+            feeds = {**feeds, **parts["transformer"].prepare(feeds)}
             for i, t in enumerate(timesteps):
                 step_feeds = {**feeds, "hidden_states": torch.cat(latents).numpy().astype(np.float32),
                               "timestep": np.full((batch,), np.float32(float(t)) / np.float32(1000), np.float32)}

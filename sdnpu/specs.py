@@ -33,6 +33,7 @@ DENOISER_MODULES = ("unet", "transformer")
 _UNET_LIKE = frozenset({"UNet", "UNetResiduals", "ControlNet"})
 # Wrappers that run each denoising step beside another dispatch model and share the step's inputs with it.
 _STEP_SHARING = frozenset({"UNetResiduals", "ControlNet"})
+FLUX_TABLE_INPUTS = frozenset({"img_ids", "txt_ids"})  # Flux.1's position ids: its rotary tables' only inputs
 
 
 def _wrapper(component: str, config: dict[str, Any] | None = None) -> str | None:
@@ -137,9 +138,12 @@ def handoff_values(component: str, config: dict[str, Any]) -> frozenset[str]:
 
 
 def prologue_inputs(component: str, config: dict[str, Any]) -> frozenset[str]:
-    """The graph inputs of ``component`` whose CPU work goes into the step prologue it shares with the other
-    dispatch models of a step (``sdnpu.formats.prologue``): a ControlNet's and the residual UNet's UNet inputs
-    (the latents, the timestep, the text, SDXL's added conditioning), which both read each step."""
+    """The graph inputs of ``component`` whose CPU work goes into its prologue (``sdnpu.formats.prologue``): a
+    ControlNet's and the residual UNet's UNet inputs (the latents, the timestep, the text, SDXL's added
+    conditioning), which both read each step; Flux.1's position ids, whose rotary tables are the same every
+    step of a generation (the runtime computes them once per generation)."""
+    if _wrapper(component, config) == "FluxTransformer":
+        return FLUX_TABLE_INPUTS
     if _wrapper(component) not in _STEP_SHARING:
         return frozenset()
     return frozenset(spec.name for spec in signature("unet", config, 512).inputs)  # names: any size will do

@@ -43,7 +43,7 @@ def ir_node(node: onnx.NodeProto):
 def problems(path: Path, target: Target | None = None) -> tuple[int, list[str]]:
     """(dispatch ops checked, what breaks the contract) for the model at ``path``."""
     target = target or get_target()
-    m = onnx.shape_inference.infer_shapes(onnx.load(str(path)))
+    m = onnx.shape_inference.infer_shapes(onnx.load(str(path), load_external_data=False))  # shapes, not weights
     shapes, types = _value_shapes(m), _value_types(m)
     checked, found = 0, []
     for node in m.graph.node:

@@ -12,6 +12,11 @@ runtime runs that prologue once per step and hands its values to both (``sdnpu.r
 dispatch model run alone runs its own prologue first (``sdnpu.onnxrun.run_with_prologue``), so every caller
 can give it the fp32 graph's inputs, as before.
 
+Flux.1's transformer has one too: its rotary tables, computed from the position ids alone (``img_ids``,
+``txt_ids``: the same every step of a generation). The runtime runs that prologue once a generation and hands
+its tables to every step (``sdnpu.runtime.flux``); converted block by block, the stitched dispatch model's
+prologue is cut after stitching (in a piece the tables are a graph output).
+
 The prologue is plain CPU work (the boundary cast's reference body is onnx's Cast, which rounds to nearest
 even as CastAvx does); its shapes are symbolic, so every size of a component shares one.
 """

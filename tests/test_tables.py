@@ -1,0 +1,53 @@
+"""The tables pass (``sdnpu.passes.tables``) on the rotary tables Flux.1 computes from its position ids, at the
+token count of its public size: the per-axis gathers, casts, products and repeats collapse into one Gather and one
+Mul whatever the number of positions, computing what it computed (in float32: the pass's own choice)."""
+
+from __future__ import annotations
+
+from collections import Counter
+
+import numpy as np
+import onnx_ir as ir
+import pytest
+import torch
+
+from sdnpu.onnxrun import run_onnx
+from sdnpu.passes.tables import simplify_tables
+
+
+class _Angles(torch.nn.Module):
+    """Flux.1's rotary angles (``FluxPosEmbed``'s per-axis position x frequency, repeated pairwise, in float64)
+    from its ids [S, 3], and their cosine."""
+
+    def __init__(self, axes: tuple[int, ...] = (16, 56, 56), theta: float = 10000.0) -> None:
+        super().__init__()
+        self.axes, self.theta = axes, theta
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        parts = []
+        for i, d in enumerate(self.axes):
+            freqs = 1.0 / self.theta ** (torch.arange(0, d, 2, dtype=torch.float64) / d)
+            angles = ids[:, i].to(torch.float64)[:, None] * freqs[None, :]
+            parts.append(angles.repeat_interleave(2, dim=1))
+        return torch.cos(torch.cat(parts, dim=-1)).float()
+
+
+@pytest.mark.parametrize("tokens", [64, 4608])  # 4608: 4096 image + 512 text tokens, flux-dev at 1024 px
+def test_the_rotary_tables_collapse_at_any_token_count(tokens, tmp_path):
+    """At 4608 positions a probe's quotient 13824 * f / f is 13824.000000000002: the range check reads the
+    rounded index (it once read the quotient, and the full-size table kept 22 extra CPU nodes)."""
+    ids = torch.stack([torch.zeros(tokens), torch.arange(tokens) // 64, torch.arange(tokens) % 64], dim=1).float()
+    path = tmp_path / "angles.onnx"
+    torch.onnx.export(_Angles().eval(), (ids,), str(path), input_names=["ids"], output_names=["table"], dynamo=True)
+    model = ir.load(path)
+    counts = simplify_tables(model.graph)
+    assert counts["table chains -> gather and scale"] == 1, counts
+    ops = Counter(n.op_type for n in model.graph)
+    assert ops["Gather"] == 1 and ops["Mul"] == 1 and ops["Cos"] == 1 and ops["Expand"] == 0, ops
+    out = tmp_path / "collapsed.onnx"
+    ir.save(model, out)
+    want = run_onnx(path, {"ids": ids.numpy()})["table"]
+    # the pass computes the float64 table in float32 (documented in the pass): the angles then err by half an
+    # ulp of float32 at most, so the cosines by one ulp of the largest angle at most (flux-dev: 71 rad, 7.6e-6)
+    bound = float(np.spacing(np.float32(ids.max().item())))
+    np.testing.assert_allclose(run_onnx(out, {"ids": ids.numpy()})["table"], want, rtol=0, atol=bound)
