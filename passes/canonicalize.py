@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import logging
 from collections import Counter
+from typing import Any
 
 import numpy as np
 import onnx_ir as ir
@@ -38,6 +39,7 @@ from sdnpu.formats.weights import INLINE_LIMIT
 from sdnpu.passes.irutil import Builder, attr, const, producer, remove_dead_nodes, replace, reroute, scalar, static_shape
 from sdnpu.passes.provenance import step
 from sdnpu.passes.manager import PassResult
+from sdnpu.passes.loops import unroll
 from sdnpu.passes.tables import simplify_tables
 
 log = logging.getLogger(__name__)
@@ -145,12 +147,14 @@ def _fold_small(graph: ir.Graph) -> int:
             g = helper.make_graph([proto], "fold", [helper.make_tensor_value_info(n, ir.serde.serialize_type(  # type: ignore
                 v.type).tensor_type.elem_type, None) for n, v in zip(names, node.inputs) if v is not None], [
                 helper.make_tensor_value_info(o.name, 0, None) for o in outs])
+            one = helper.make_model(g, opset_imports=[helper.make_opsetid("", TARGET_OPSET)])
             try:  # the graph's own arithmetic: T5's position buckets take Log(0) = -inf in a branch Where drops
                 with np.errstate(all="ignore"):
-                    values = ReferenceEvaluator(helper.make_model(
-                        g, opset_imports=[helper.make_opsetid("", TARGET_OPSET)])).run(None, feeds)
-            except Exception:  # an op the reference evaluator lacks: leave it to the rules
-                continue
+                    values = ReferenceEvaluator(one).run(None, feeds)
+            except Exception:  # an op the reference evaluator lacks or limits (its GatherElements takes <= 64 rows)
+                values = _fold_with_onnxruntime(one, outs, feeds)
+                if values is None:  # onnxruntime cannot either: leave it to the rules
+                    continue
             if any(np.asarray(v).size > _FOLD_LIMIT for v in values):
                 continue
         else:
@@ -165,6 +169,25 @@ def _fold_small(graph: ir.Graph) -> int:
         folded += 1
     remove_dead_nodes(graph)
     return folded
+
+
+def _fold_with_onnxruntime(model: Any, outs: list[ir.Value], feeds: dict[str, np.ndarray]) -> list[np.ndarray] | None:
+    """One node's model run in onnxruntime (its optimizations off; the outputs typed, as it needs them); None
+    where it cannot."""
+    import onnxruntime as ort
+
+    if any(o.type is None for o in outs):
+        return None
+    for vi, o in zip(model.graph.output, outs, strict=True):
+        vi.type.tensor_type.elem_type = ir.serde.serialize_type(o.type).tensor_type.elem_type  # type: ignore[arg-type]
+    opts = ort.SessionOptions()
+    opts.graph_optimization_level = ort.GraphOptimizationLevel.ORT_DISABLE_ALL
+    opts.log_severity_level = 3
+    try:
+        session = ort.InferenceSession(model.SerializeToString(), opts, providers=["CPUExecutionProvider"])
+        return list(session.run(None, feeds))
+    except Exception:  # noqa: BLE001 - a node onnxruntime refuses is left as it is
+        return None
 
 
 def _sync_constant_shapes(graph: ir.Graph) -> None:
@@ -344,7 +367,9 @@ def _reciprocals(graph: ir.Graph) -> int:
 
 
 def _drop_neutral(graph: ir.Graph) -> int:
-    """x * 1, x / 1 and x + 0 (a resnet's output_scale_factor of 1, as TorchScript writes it) are x."""
+    """x * 1, x / 1 and x + 0 (a resnet's output_scale_factor of 1, as TorchScript writes it) are x, the
+    constant a scalar or a tensor of it that x's shape absorbs (Lumina 2's attention mask where no key is
+    masked: zeros of [B, 1, 1, N] added to the scores)."""
 
     done = 0
     for node in list(graph):
@@ -352,12 +377,84 @@ def _drop_neutral(graph: ir.Graph) -> int:
             continue
         x, c = node.inputs
         neutral = 0.0 if node.op_type == "Add" else 1.0
-        if scalar(c) != neutral or x is None or static_shape(x) != static_shape(node.outputs[0]):
+        if node.op_type == "Add" and const(x) is not None and const(c) is None:
+            x, c = c, x
+        value = const(c)
+        if value is None or value.size > _FOLD_LIMIT or not np.all(value == neutral) or x is None \
+                or static_shape(x) != static_shape(node.outputs[0]):
             continue
         out = node.outputs[0]
         if out.is_graph_output() or x.dtype != out.dtype:
             continue
         out.replace_all_uses_with(x)
+        done += 1
+    return done
+
+
+def _drop_softmax_guards(graph: ir.Graph) -> int:
+    """``Where(IsNaN(p), 0, p)`` after ``p = Softmax(s)`` (TorchScript's scaled_dot_product_attention guards a
+    row whose keys are all masked) is ``p`` where no row can be: the scores are a MatMul's, maybe scaled by
+    constants and offset by a finite constant (no -inf anywhere), so every row has a finite maximum and
+    Softmax gives no NaN from finite inputs. A mask computed at run time keeps its guard."""
+    done = 0
+    for node in list(graph):
+        if node.op_type != "Where" or node.domain not in ("", "ai.onnx") or node.graph is None:
+            continue
+        cond, zero, p = node.inputs
+        isnan = cond.producer() if cond is not None else None
+        sm = p.producer() if p is not None else None
+        if isnan is None or isnan.op_type != "IsNaN" or isnan.inputs[0] is not p or sm is None \
+                or sm.op_type != "Softmax" or scalar(zero) != 0.0 or node.outputs[0].is_graph_output():
+            continue
+        if static_shape(node.outputs[0]) != static_shape(p) or not _finite_scores(sm.inputs[0]):
+            continue
+        reroute(graph, node.outputs[0], p)  # type: ignore[arg-type]
+        done += 1
+    if done:
+        remove_dead_nodes(graph)
+    return done
+
+
+def _finite_scores(v: ir.Value | None) -> bool:
+    """Whether ``v`` is a MatMul's product behind scalings and finite constant offsets (no mask of -inf)."""
+    while v is not None and (p := v.producer()) is not None and p.domain in ("", "ai.onnx"):
+        if p.op_type == "MatMul":
+            return True
+        if p.op_type not in ("Mul", "Div", "Add") or len(p.inputs) != 2:
+            return False
+        consts = [const(x) for x in p.inputs]
+        side = next((i for i, c in enumerate(consts) if c is not None), None)
+        if side is None or not np.all(np.isfinite(consts[side])) or (p.op_type == "Div" and side == 0):  # type: ignore[arg-type]
+            return False
+        v = p.inputs[1 - side]
+    return False
+
+
+def _tile_repeats(graph: ir.Graph) -> int:
+    """A Tile that repeats one axis of size 1 (grouped-query attention's ``k.unsqueeze(3).repeat(1, 1, 1,
+    r, 1)`` for Lumina 2's key and value heads, as TorchScript writes it) is the Concat of r copies: of the input
+    viewed without that axis, along the last axis of the view, which is the Tile's output in memory. The
+    Concat goes to the NPU (SDConcat); the attention reads its output as the K or V it is."""
+    done = 0
+    for node in list(graph):
+        if node.op_type != "Tile" or node.domain not in ("", "ai.onnx") or node.graph is None:
+            continue
+        x, reps = node.inputs
+        sx, r, sy = static_shape(x), const(reps), static_shape(node.outputs[0])
+        if x is None or sx is None or r is None or sy is None or const(x) is not None:
+            continue
+        axes = [i for i, k in enumerate(r.reshape(-1)) if int(k) != 1]
+        if len(axes) != 1 or sx[axes[0]] != 1 or not 2 <= int(r.reshape(-1)[axes[0]]) <= 64:
+            continue
+        a, times = axes[0], int(r.reshape(-1)[axes[0]])
+        view = [*sx[:a], int(np.prod(sx[a + 1:], dtype=np.int64))]
+        b = Builder(graph, RULE)
+        flat = b.op("Reshape", [x, b.const(np.asarray(view, np.int64), "shape")], dtype=x.dtype, shape=view)
+        joined = [*view[:-1], view[-1] * times]
+        cat = b.op("Concat", [flat.outputs[0]] * times, {"axis": len(view) - 1}, dtype=x.dtype, shape=joined)
+        out = b.op("Reshape", [cat.outputs[0], b.const(np.asarray(sy, np.int64), "shape")], dtype=x.dtype,
+                   shape=list(sy))
+        replace(graph, node, [node], b.nodes, [node.outputs[0]], [out.outputs[0]])
         done += 1
     return done
 
@@ -1175,11 +1272,15 @@ def canonicalize(model: ir.Model) -> PassResult:
     counts["casts to the same type dropped"] = _drop_noop_casts(model.graph)
     counts["expands and reshapes to the same shape dropped"] = _drop_noop_expands(model.graph)
     counts["movements that move nothing dropped"] = _drop_noop_moves(model.graph)
+    counts["softmax NaN guards without a mask dropped"] = _drop_softmax_guards(model.graph)
+    counts["tiles of a size-1 axis -> Concat"] = _tile_repeats(model.graph)
     counts["1 / x -> Reciprocal"] = _reciprocals(model.graph)
     counts["Erf GELU -> Gelu"] = _erf_gelu(model.graph)
     counts["tanh GELU -> Gelu"] = _tanh_gelu(model.graph)
     counts["Pad merged into Conv"] = _pad_into_conv(model.graph)
     counts["Einsum -> Transpose / MatMul"] = _einsum(model.graph)
+    counts.update(unroll(model.graph))  # per-item loops written out, as the batched movement they are
+    remove_dead_nodes(model.graph)
     counts["row-block ScatterND -> Concat"] = _scatter_rows(model.graph)
     counts["sin/cos halves reordered"] = _unflip_concat(model.graph)
     counts["sinusoids -> one Sin"] = _sincos(model.graph)

@@ -1331,6 +1331,101 @@ def step_streams(g: G, x: str) -> str:
     return img
 
 
+def _boolean(g: G, name: str) -> str:
+    """Mark ``name`` (an op's output) a bool value: not a float activation, never a graph output."""
+    g.types[name] = onnx.TensorProto.BOOL
+    g.activations.remove(name)
+    return name
+
+
+def step_grouped_attention(g: G, x: str) -> str:
+    """Grouped-query attention as TorchScript writes Lumina 2's: q in H heads, k and v in H / r heads each
+    repeated r times (Unsqueeze, Tile, Reshape: repeat_interleave of the heads), the scores scaled, then a mask
+    added: none; zeros of [B, 1, 1, S] (no mask at all); a constant padding row (-inf on some keys of some batch
+    rows, never all); one computed from an input (a Where of a comparison: the CPU's MultiHeadAttention, a
+    query may lose every key); and near misses, a constant row that masks every key of a batch row (the guard
+    then acts) or a guard whose other branch is not 0. Softmax, the NaN guard Where(IsNaN(p), 0, p) or not, the
+    product with v, the heads merged."""
+    b, s_, c = g.shape[x]
+    hkv, r, d = g.pick([1, 2]), g.pick([2, 3]), g.pick([2, 4])
+    heads = hkv * r
+    mask = g.pick(["none", "zeros", "padding", "computed", "all_masked", "guard_not_zero"])
+    guard = mask in ("computed", "all_masked", "guard_not_zero") or g.flag()
+    q, k, v = _project(g, x, heads * d), _project(g, x, hkv * d), _project(g, x, hkv * d)
+    qh = g.op("Transpose", [g.op("Reshape", [q, g.ints([b, s_, heads, d])], (b, s_, heads, d))], (b, heads, s_, d),
+              perm=[0, 2, 1, 3])
+
+    def repeated(t: str) -> str:
+        t4 = g.op("Reshape", [t, g.ints([b, s_, hkv, d])], (b, s_, hkv, d))
+        u = g.op("Unsqueeze", [t4, g.ints([3], "axes")], (b, s_, hkv, 1, d))
+        tiled = g.op("Tile", [u, g.ints([1, 1, 1, r, 1], "repeats")], (b, s_, hkv, r, d))
+        return g.op("Reshape", [tiled, g.ints([b, s_, heads, d])], (b, s_, heads, d))
+
+    kh = g.op("Transpose", [repeated(k)], (b, heads, d, s_), perm=[0, 2, 3, 1])
+    vh = g.op("Transpose", [repeated(v)], (b, heads, s_, d), perm=[0, 2, 1, 3])
+    scores = g.bin("Mul", g.op("MatMul", [qh, kh], (b, heads, s_, s_)), g.scalar(d ** -0.5, "scale"))
+    if mask in ("zeros", "padding", "all_masked"):
+        m = np.zeros((b, 1, 1, s_))
+        if mask == "padding" and s_ > 1:
+            m[g.num(0, b - 1), 0, 0, g.num(1, s_ - 1):] = -np.inf
+        elif mask == "all_masked":
+            m[g.num(0, b - 1)] = -np.inf
+        scores = g.bin("Add", scores, g.fconst(m, "mask"))
+    elif mask == "computed":
+        keep = _boolean(g, g.op("Greater", [g.input((b, s_), "keep"), g.scalar(-0.5)], (b, s_)))
+        keep = _boolean(g, g.op("Reshape", [keep, g.ints([b, 1, 1, s_])], (b, 1, 1, s_)))
+        bias = g.op("Where", [keep, g.scalar(0.0), g.scalar(-np.inf)], (b, 1, 1, s_))
+        scores = g.bin("Add", scores, bias)
+    probs = g.op("Softmax", [scores], (b, heads, s_, s_), axis=-1)
+    if guard:
+        isnan = _boolean(g, g.op("IsNaN", [probs], (b, heads, s_, s_)))
+        probs = g.op("Where", [isnan, g.scalar(0.5 if mask == "guard_not_zero" else 0.0), probs], (b, heads, s_, s_))
+    o = g.op("Transpose", [g.op("MatMul", [probs, vh], (b, heads, s_, d))], (b, s_, heads, d), perm=[0, 2, 1, 3])
+    y = g.op("Reshape", [o, g.ints([b, s_, heads * d])], (b, s_, heads * d))
+    g.desc.append(f"GroupedAttention(heads={heads}, kv={hkv}, d={d}, mask={mask}, guard={guard})")
+    return _project(g, y, c, keep_rank=True)
+
+
+def step_unrolled_loops(g: G, x: str) -> str:
+    """A module's per-item loops as an exporter unrolls them (Lumina 2's): a sequence assembled by ScatterND
+    row blocks into zeros, item by item (Gather, Slice, Reshape, ScatterND), and an unpatchify run per item
+    (Gather, Slice, Reshape, Transpose, Reshape, Unsqueeze) then stacked by a Concat on axis 0. Near misses: a
+    block left unwritten (the zeros show), the items stacked out of order, one item's chain another."""
+    b, s_, c = g.shape[x]
+    miss = g.pick(["none", "none", "none", "unwritten", "out_of_order", "other_chain"])
+    extra = g.num(1, 3)
+    y = _project(g, x, c, keep_rank=True)
+    ctx = _project(g, x, c, keep_rank=True)  # a second stream of the same tokens
+    total = 2 * s_ if miss != "unwritten" else 2 * s_ + extra
+    joint = g.fconst(np.zeros((b, total, c)), "zeros")
+    for i in range(b):
+        for part, start in ((ctx, 0), (y, s_)):
+            item = g.op("Gather", [part, g.tensor(np.asarray(i, np.int64), "item")],
+                        (s_, c), axis=0)
+            item = g.op("Slice", [item, g.ints([0]), g.ints([s_]), g.ints([0])], (s_, c))
+            item = g.op("Reshape", [item, g.ints([1, s_, c])], (1, s_, c))
+            idx = np.stack(np.meshgrid([i], np.arange(start, start + s_), indexing="ij"), -1).astype(np.int64)
+            joint = g.op("ScatterND", [joint, g.tensor(idx, "rows"), item], (b, total, c))
+    joint = _project(g, joint, c, keep_rank=True)
+    order = list(range(b))
+    if miss == "out_of_order" and b > 1:
+        order.reverse()
+    items = []
+    for n, i in enumerate(order):
+        item = g.op("Gather", [joint, g.tensor(np.asarray(i, np.int64), "item")], (total, c), axis=0)
+        item = g.op("Slice", [item, g.ints([s_]), g.ints([2 * s_]), g.ints([0])], (s_, c))
+        if miss == "other_chain" and n == len(order) - 1:
+            item = g.op("Transpose", [g.op("Reshape", [item, g.ints([s_, c, 1])], (s_, c, 1))], (1, c, s_),
+                        perm=[2, 1, 0])
+        else:
+            item = g.op("Transpose", [g.op("Reshape", [item, g.ints([s_, 1, c])], (s_, 1, c))], (1, c, s_),
+                        perm=[1, 2, 0])
+        items.append(g.op("Unsqueeze", [item, g.ints([0], "axes")], (1, 1, c, s_)))
+    out = g.op("Concat", items, (b, 1, c, s_), axis=0)
+    g.desc.append(f"UnrolledLoops(b={b}, miss={miss})")
+    return _project(g, g.op("Reshape", [out, g.ints([b, c, s_])], (b, c, s_)), s_, keep_rank=True)
+
+
 def step_gates(g: G, x: str) -> str:
     """Z-Image's and Lumina 2's gates: several projections of one conditioning vector, each through the same
     op the registry lacks (tanh; now and then sigmoid), each gating x. Near misses in the same draw: a gate's
@@ -2274,6 +2369,8 @@ STEPS: dict[str, Step] = {
     "pad_tokens": Step(step_pad_tokens, (3,)),
     "size_conditions": Step(step_size_conditions, (3,)),
     "einsum": Step(step_einsum, (3,)),
+    "grouped_attention": Step(step_grouped_attention, (3,)),
+    "unrolled_loops": Step(step_unrolled_loops, (3,)),
 }
 
 NEAR_MISSES: dict[str, Step] = {
@@ -2325,7 +2422,7 @@ FAMILIES: dict[str, list[str]] = {
               "unet_skip_block"],
     "mmdit": ["rms_norm", "joint_attention", "adaln_chunks"],
     "generality": ["rotary", "modulation", "streams", "einsum", "table_rows", "gates", "pad_tokens",
-                   "size_conditions"],
+                   "size_conditions", "grouped_attention", "unrolled_loops"],
     "near_miss": list(NEAR_MISSES),
     "mutation": [f"mut_{name}" for name in MUTATIONS],
 }

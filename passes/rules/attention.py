@@ -44,6 +44,7 @@ class MHAParams:
     cpu: str | None = None  # why the target cannot take it: then onnxruntime's MultiHeadAttention on the CPU
     bias: ir.Value | None = None  # what is added to the scores (a causal mask, T5's position bias)
     scale: float = 1.0
+    guard: bool = False  # a NaN guard on the probabilities (a row whose keys are all masked gives zeros)
 
 
 def _head_split(src: tuple[int, ...], heads: int, kind: str) -> np.ndarray | None:
@@ -56,12 +57,16 @@ def _head_split(src: tuple[int, ...], heads: int, kind: str) -> np.ndarray | Non
 
 
 def _as_rank3(shape: tuple[int, ...] | None, target: tuple[int, ...] | None, kind: str) -> tuple[int, ...] | None:
-    """A source's [B, S, C]: its own, or [B, S, H, D] (heads already apart) read as one, where the heads the
-    attention reads (``target``: [B, H, S, D], K's [B, H, D, S]) are that tensor's axes transposed."""
+    """A source's [B, S, C]: its own, or a 4-D [B, S, h, d] read as one where the heads the attention reads
+    (``target``: [B, H, S, D], K's [B, H, D, S]) hold its h * d channels per token: heads already apart
+    ([B, S, H, D]), or grouped-query attention's key and value heads repeated ([B, S, Hkv, r * D], the Concat
+    a Tile of the heads is, canonicalize's ``_tile_repeats``). The split itself is checked on index tensors."""
     if shape is None or len(shape) != 4 or target is None or len(target) != 4:
         return shape
     b, s, h, d = shape
-    if (target == (b, h, d, s)) if kind == "k" else (target == (b, h, s, d)):
+    tb, th = target[0], target[1]
+    ts, td = (target[3], target[2]) if kind == "k" else (target[2], target[3])
+    if (b, s) == (tb, ts) and h * d == th * td:
         return (b, s, h * d)
     return shape
 
@@ -142,7 +147,8 @@ class SDMHAFusion(Rule):
     anchors = ("MatMul",)
 
     def match(self, node: ir.Node) -> Match | str | None:
-        sm = producer(node.inputs[0], "Softmax")
+        guard = _nan_guard(node.inputs[0])
+        sm = producer(guard[2] if guard else node.inputs[0], "Softmax")
         if sm is None:
             return None
         qk = sm.inputs[0]
@@ -210,9 +216,12 @@ class SDMHAFusion(Rule):
         reason = bias_reason or reason
         if reason and bias is not None and not _bias_fits(bias, q_shape[0], heads, q_shape[1], k_shape[1]):
             return reason
-        nodes = [*q_chain, *k_chain, *v_chain, qk_mm, *reversed(between), sm, node, *out_chain]
+        if guard and not reason and bias is not None and not _every_row_has_a_key(const(bias)):
+            return "a NaN guard after the softmax, and a mask that leaves a query without keys"
+        nodes = [*q_chain, *k_chain, *v_chain, qk_mm, *reversed(between), sm, *(guard[:2] if guard else ()), node,
+                 *out_chain]
         uniq = _own_nodes(list(dict.fromkeys(nodes)), {*q_chain, *k_chain, *v_chain})
-        return Match(uniq, [out], MHAParams(q_src, k_src, v_src, heads, assumed, reason, bias, total))
+        return Match(uniq, [out], MHAParams(q_src, k_src, v_src, heads, assumed, reason, bias, total, bool(guard)))
 
     def rewrite(self, b: Builder, m: Match) -> list[ir.Value]:
         p: MHAParams = m.params
@@ -236,6 +245,29 @@ class SDMHAFusion(Rule):
         return [node.outputs[0]]
 
 
+def _nan_guard(v: ir.Value | None) -> tuple[ir.Node, ir.Node, ir.Value] | None:
+    """``Where(IsNaN(p), 0, p)`` writing ``v`` (TorchScript's scaled_dot_product_attention with a mask: a query
+    whose keys are all masked gets zeros, not NaN): (its IsNaN, its Where, p); else None."""
+    where = producer(v, "Where")
+    if where is None or len(where.inputs) != 3:
+        return None
+    isnan = producer(where.inputs[0], "IsNaN")
+    p = where.inputs[2]
+    if isnan is None or isnan.inputs[0] is not p or scalar(where.inputs[1]) != 0.0 or p is None \
+            or static_shape(where.outputs[0]) != static_shape(p):
+        return None
+    return isnan, where, p
+
+
+def _every_row_has_a_key(mask: np.ndarray | None) -> bool:
+    """Whether a constant mask added to the scores leaves each query at least one finite key (then the NaN
+    guard after the softmax never acts); a computed mask: not known."""
+    if mask is None:
+        return False
+    rows = mask.reshape(-1, mask.shape[-1]) if mask.ndim else mask.reshape(1, 1)
+    return bool(np.all(np.any(np.isfinite(rows), axis=-1)))
+
+
 def _bias_side(add: ir.Node) -> int | None:
     """Which input of the Add before the Softmax is the addend (a runtime mask), the other being Q·Kᵀ's
     product (maybe scaled): None where neither is."""
@@ -251,12 +283,13 @@ def _bias_side(add: ir.Node) -> int | None:
 
 def _bias_fits(bias: ir.Value, b: int, h: int, m: int, n: int) -> bool:
     """Whether onnxruntime's MultiHeadAttention takes ``bias`` as its attention_bias: [B or 1, H or 1, M, N]
-    (leading axes of 1 may be missing)."""
+    (leading axes of 1 may be missing), or one row over the keys per batch ([B or 1, 1, 1, N]: a key-padding
+    mask, broadcast over the queries first)."""
     shape = static_shape(bias)
     if shape is None or len(shape) > 4 or not is_float(bias):
         return False
     full = (1,) * (4 - len(shape)) + tuple(shape)
-    return full[0] in (1, b) and full[1] in (1, h) and full[2:] == (m, n)
+    return full[0] in (1, b) and full[1] in (1, h) and full[2] in (1, m) and full[3] == n
 
 
 def _cpu_attention(b: Builder, rule: str, p: MHAParams, q: ir.Value, k: ir.Value, v: ir.Value) -> ir.Value:
@@ -269,9 +302,13 @@ def _cpu_attention(b: Builder, rule: str, p: MHAParams, q: ir.Value, k: ir.Value
         shape = static_shape(p.bias)
         assert shape is not None
         bias = p.bias
+        full = [1] * (4 - len(shape)) + list(shape)
         if len(shape) < 4:
-            full = [1] * (4 - len(shape)) + list(shape)
             bias = b.op("Reshape", [bias, b.const(np.asarray(full, np.int64), "shape")], dtype=bias.dtype,
+                        shape=full).outputs[0]
+        if full[2] != static_shape(q)[1]:  # type: ignore[index]  # one row over the keys: every query's
+            full[2] = static_shape(q)[1]  # type: ignore[index]
+            bias = b.op("Expand", [bias, b.const(np.asarray(full, np.int64), "shape")], dtype=bias.dtype,
                         shape=full).outputs[0]
         inputs += [None, None, bias]
     bq, mq, _ = static_shape(q)  # type: ignore[misc]
@@ -280,7 +317,15 @@ def _cpu_attention(b: Builder, rule: str, p: MHAParams, q: ir.Value, k: ir.Value
                 dtype=q.dtype, shape=[bq, mq, cv])
     node.metadata_props[DECLINED_TAG] = (f"{rule}: {p.cpu}; runs on the CPU as one onnxruntime "
                                          "MultiHeadAttention")
-    return node.outputs[0]
+    out = node.outputs[0]
+    if p.guard:  # a query whose keys are all masked: NaN from its softmax, zeros in the graph, so zeros here
+        isnan = b.op("IsNaN", [out], dtype=ir.DataType.BOOL, shape=[bq, mq, cv])
+        zero = b.const(np.zeros((), out.dtype.numpy()), "zero")  # type: ignore[union-attr]
+        guarded = b.op("Where", [isnan.outputs[0], zero, out], dtype=q.dtype, shape=[bq, mq, cv])
+        for n in (isnan, guarded):
+            n.metadata_props[DECLINED_TAG] = f"{rule}: the attention's NaN guard (a query without keys gives zeros)"
+        out = guarded.outputs[0]
+    return out
 
 
 def _rank3(b: Builder, x: ir.Value) -> ir.Value:
