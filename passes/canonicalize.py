@@ -367,9 +367,9 @@ def _reciprocals(graph: ir.Graph) -> int:
 
 
 def _drop_neutral(graph: ir.Graph) -> int:
-    """x * 1, x / 1 and x + 0 (a resnet's output_scale_factor of 1, as TorchScript writes it) are x, the
-    constant a scalar or a tensor of it that x's shape absorbs (Lumina 2's attention mask where no key is
-    masked: zeros of [B, 1, 1, N] added to the scores)."""
+    """x * 1, x / 1 and x + 0 (a resnet's output_scale_factor of 1, as TorchScript writes it) are x. A weight
+    that happens to hold ones or zeros (a seeded norm's gamma, a zero-initialized bias) is a tensor, not a
+    scalar, and stays: the graph's form never depends on a parameter's values."""
 
     done = 0
     for node in list(graph):
@@ -377,11 +377,7 @@ def _drop_neutral(graph: ir.Graph) -> int:
             continue
         x, c = node.inputs
         neutral = 0.0 if node.op_type == "Add" else 1.0
-        if node.op_type == "Add" and const(x) is not None and const(c) is None:
-            x, c = c, x
-        value = const(c)
-        if value is None or value.size > _FOLD_LIMIT or not np.all(value == neutral) or x is None \
-                or static_shape(x) != static_shape(node.outputs[0]):
+        if scalar(c) != neutral or x is None or static_shape(x) != static_shape(node.outputs[0]):
             continue
         out = node.outputs[0]
         if out.is_graph_output() or x.dtype != out.dtype:

@@ -227,13 +227,14 @@ def _lift(b: Builder, x: ir.Value, chain: list[ir.Node], out: tuple[int, ...]) -
             new = b.op("Transpose", [cur], {"perm": [0, *(int(p) + 1 for p in perm)]}, dtype=cur.dtype, shape=shape)
         elif op == "Slice":
             starts, ends = const(node.inputs[1]), const(node.inputs[2])
+            if starts is None or ends is None:
+                return None
             rank = len(static_shape(node.inputs[0]) or ())
-            axes = const(node.inputs[3]) if len(node.inputs) > 3 and node.inputs[3] is not None else np.arange(len(starts))  # type: ignore[arg-type]
+            given = const(node.inputs[3]) if len(node.inputs) > 3 else None
+            axes = given if given is not None else np.arange(len(starts))
             params = [node.inputs[1], node.inputs[2], b.const(np.asarray([int(a) % rank + 1 for a in axes], np.int64), "axes")]
             if len(node.inputs) > 4 and node.inputs[4] is not None:
                 params.append(node.inputs[4])
-            if starts is None or ends is None:
-                return None
             new = b.op("Slice", [cur, *params], dtype=cur.dtype, shape=shape)
         elif not last and chain[k + 2].op_type not in ("Transpose", "Slice"):
             continue  # a view followed by a view: the later one says the shape

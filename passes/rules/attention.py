@@ -13,6 +13,10 @@ scalar-scale nodes reaches rank-3 sources whose chains *are* head splits, run on
 TorchScript spelling with its Sqrt(Sqrt(d)) scales on q and kᵀ and the dynamo one match alike), and walking
 down from the output reaches [B, M, C] through a head merge. ``scale`` is the product of every scalar met and
 must be the kernel's 1/sqrt(d); a causal mask (CLIP) cannot be expressed by the kernel's one-row mask.
+Grouped-query attention's key and value heads, repeated (a Tile of the heads, which canonicalize writes as a
+Concat: SDConcat), are read as the [B, N, C] source they are. TorchScript's NaN guard after the softmax
+(``Where(IsNaN(p), 0, p)``: a query whose keys are all masked gets zeros) is part of the pattern: dropped where
+the mask leaves every query a key, kept after onnxruntime's CPU attention where a computed mask may not.
 
 The variant follows AMD's pass: the VAE's single head is SDMHA_VAE (v1.0), M >= 256 and N >= 128 the flash
 SDMHA (v2), the rest SDFlatMHA (v1.1). The mask holds 0 for the N keys and -inf for the padding up to the
@@ -165,9 +169,11 @@ class SDMHAFusion(Rule):
             added = const(bias)
             if added is None:
                 bias_reason = "the scores' addend is computed, not a constant mask"
+            elif not np.any(added) and static_shape(p.outputs[0]) == static_shape(p.inputs[1 - side]):
+                bias = None  # zeros (Lumina 2's mask where no key is masked) that widen nothing: no mask at all
             elif not _is_causal(added):
                 bias_reason = _bias_reason(added)
-            causal = added is not None and _is_causal(added)
+            causal = added is not None and bias is not None and _is_causal(added)
             between.append(p)
             p = p.inputs[1 - side].producer()  # type: ignore[union-attr]
         while p is not None and p.op_type in ("Mul", "Div") and len(p.inputs) == 2:
