@@ -466,3 +466,15 @@ def test_a_tanh_gelu_near_miss_stays_as_written(coeff, also_read):
     irm = lowered(m)
     assert "SDGelu" not in dispatch_ops(irm) and ops(irm).get("Tanh") == 1
     assert_same(m, irm)
+
+
+def test_a_weight_that_holds_zeros_or_ones_keeps_its_place():
+    """A zero-initialized bias and a norm's gamma of ones (seeded presets, ControlNets' zero convolutions) are
+    weights: the compiled graph has the form a trained checkpoint's would, whatever they hold now (a LoRA or
+    another checkpoint changes them in place)."""
+    m = model([n("MatMul", ["x", "w"], ["h"]), n("Add", ["h", "b"], ["y0"]), n("Mul", ["y0", "g"], ["y"])],
+              {"x": [1, 4, 8]}, {"y": None}, {"w": w(8, 6), "b": np.zeros(6, np.float32), "g": np.ones(6, np.float32)})
+    irm = to_ir(m)
+    canonicalize(irm)
+    assert ops(irm)["Add"] == 1 and ops(irm)["Mul"] == 1
+    assert {"b", "g"} <= set(irm.graph.initializers)
