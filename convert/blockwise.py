@@ -333,7 +333,7 @@ def convert_blockwise(src: Source, job: Job, stage: Path) -> ComponentResult:
             del piece
             log.info("[%s] piece %d of %d done (%.0f s so far, peak memory %.1f GB)", job.component, i + 1, n,
                      time.perf_counter() - started, peak_rss_bytes() / 1e9)
-        check_data = _check_chain(run)  # before stitching: a graph that does not match is not worth writing
+        check_data = _export_check(run)  # before stitching: a graph that does not match is not worth writing
         s32, summary = _stitch(run, stage)
     finally:
         shutil.rmtree(run.work, ignore_errors=True)
@@ -454,7 +454,7 @@ def _compile_piece(run: _Run, i: int, path: Path, names: tuple[tuple[str, ...], 
     return dispatch
 
 
-def _check_chain(run: _Run) -> dict[str, Any] | None:
+def _export_check(run: _Run) -> dict[str, Any] | None:
     """The export check of the whole module: every piece's fp32 graph against PyTorch on PyTorch's inputs
     (``_check_piece``), the worst of them."""
     if not run.job.options.check:
