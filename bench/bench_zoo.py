@@ -10,8 +10,11 @@ on the CPU), CPU nodes, NPU regions, CPU islands (at the graph's edges / around 
 avoidable), the share of multiply-accumulates on the NPU, contract problems
 (``tests/contract.py``), the dispatch model against its fp32 graph (min cosine, seeded inputs of the
 compile's own check), the error against PyTorch's own bf16 run on the member's example inputs (max abs and
-1 - cosine, each as a ratio: the dispatch model's error against PyTorch fp32 over PyTorch bf16's), and the
-compile's wall time and peak memory (os.wait4). An export torch writes wrong says so instead.
+1 - cosine, each as a ratio: the dispatch model's error against PyTorch fp32 over PyTorch bf16's), the same
+ratios over the error of the export itself with every weight, input and node output rounded to bf16
+(``tests.fuzz_repro.bf16_everywhere``: what rounding each op's result costs this graph, where PyTorch's bf16 keeps
+some intermediates in fp32, its fused attention's and norms'), and the compile's wall time and peak memory
+(os.wait4). An export torch writes wrong says so instead.
 """
 
 from __future__ import annotations
@@ -121,11 +124,26 @@ def measure(name: str, exporter: str, tmp: Path) -> dict:
     ours = run_onnx(tmp / "dd" / "replaced.onnx", feeds)
     ours_list = [ours[k] for k in ours]
     bf16 = _pytorch_bf16(name)
+    m_ours, c_ours = _errors(ours_list, reference)
     if bf16 is not None:
-        (m_ours, c_ours), (m_pt, c_pt) = _errors(ours_list, reference), _errors(bf16, reference)
+        m_pt, c_pt = _errors(bf16, reference)
         row["ratio_max_abs"] = m_ours / m_pt if m_pt else None
         row["ratio_cos"] = c_ours / c_pt if c_pt else None
+    m_r, c_r = _errors(_rounded_op_by_op(path, feeds), reference)
+    row["ratio_rounded_max_abs"] = m_ours / m_r if m_r else None
+    row["ratio_rounded_cos"] = c_ours / c_r if c_r else None
     return row
+
+
+def _rounded_op_by_op(path: Path, feeds: dict[str, np.ndarray]) -> list[np.ndarray]:
+    import onnx
+    import onnxruntime as ort
+
+    from tests.fuzz_repro import _round_bf16, bf16_everywhere
+
+    model = bf16_everywhere(onnx.load(str(path)))
+    session = ort.InferenceSession(model.SerializeToString(), providers=["CPUExecutionProvider"])
+    return session.run(None, {k: _round_bf16(v) if v.dtype == np.float32 else v for k, v in feeds.items()})
 
 
 def _fmt(x: float | None, spec: str) -> str:
@@ -134,25 +152,26 @@ def _fmt(x: float | None, spec: str) -> str:
 
 def table(rows: list[dict]) -> str:
     head = ("| member | exporter | offload | dispatch ops | CPU nodes | NPU regions | CPU islands (edges / lacks / "
-            "avoidable) | MACs on NPU | contract | cosine vs fp32 | vs PyTorch bf16 (max abs, 1 - cos) | compile s | "
-            "peak GB |")
+            "avoidable) | MACs on NPU | contract | cosine vs fp32 | vs PyTorch bf16 (max abs, 1 - cos) | vs the graph "
+            "rounded to bf16 op by op | compile s | peak GB |")
     lines = [head, "|" + "---|" * (head.count("|") - 1)]
     for r in rows:
         if "refused" in r or "exporter_bug" in r:
             why = re.sub(r"/\S*/export/", "<export>/", r.get("refused") or r["exporter_bug"])  # no temp paths
-            lines.append(f"| {r['member']} | {r['exporter']} | {why[:150]} |" + " |" * 10)
+            lines.append(f"| {r['member']} | {r['exporter']} | {why[:150]} |" + " |" * 11)
             continue
         ratio = f"{_fmt(r.get('ratio_max_abs'), '.2f')}x, {_fmt(r.get('ratio_cos'), '.2f')}x"
+        rounded = f"{_fmt(r.get('ratio_rounded_max_abs'), '.2f')}x, {_fmt(r.get('ratio_rounded_cos'), '.2f')}x"
         i = r.get("islands") or {}
         isl = (f"{i['total']} ({i['at the edges']} / {i['around ops the registry lacks']} / {i['avoidable']})"
                if "total" in i else "-")
         lines.append(f"| {r['member']} | {r['exporter']} | {100 * r['offload']:.2f}% | {r['dispatch']} | {r['cpu']} | "
                      f"{r['regions']} | {isl} | {_fmt(100 * r['macs'] if r['macs'] is not None else None, '.2f')}% | "
-                     f"{r['contract']} | {r['min_cosine']:.6f} | {ratio} | {r.get('compile_s') or '-'} | "
+                     f"{r['contract']} | {r['min_cosine']:.6f} | {ratio} | {rounded} | {r.get('compile_s') or '-'} | "
                      f"{r.get('peak_gb') or '-'} |")
     for name, m in zoo.MEMBERS.items():
         for exporter, why in m.why_not.items():
-            lines.append(f"| {name} | {exporter} | not exported: {why} |" + " |" * 10)
+            lines.append(f"| {name} | {exporter} | not exported: {why} |" + " |" * 11)
     return "\n".join(lines)
 
 
@@ -195,7 +214,7 @@ def main() -> None:
     if not args.no_write and not args.fast:
         stamp = time.strftime("%Y-%m-%d")
         body = (f"{SECTION}\n\nMeasured {stamp} with `python bench/bench_zoo.py` (one process per compile, 2 cores). "
-                "Offload counted AMD's way; the PyTorch bf16 ratios on each member's example inputs.\n\n{text}\n")
+                "Offload counted AMD's way; the bf16 ratios on each member's example inputs.\n\n{text}\n")
         body = body.replace("{text}", text)
         results = RESULTS.read_text() if RESULTS.exists() else ""
         if SECTION in results:
