@@ -4,6 +4,7 @@ export it, compiled with ``sdnpu compile`` in a process of its own.
     python bench/bench_zoo.py                     # every member: the table, into bench/results.md
     python bench/bench_zoo.py --only flux-dev,sana --no-write
     python bench/bench_zoo.py --floors            # also record each member's floor in tests/zoo_floors.json
+    python bench/bench_zoo.py --draws 4 --only lumina2,sd15-unet   # the PyTorch bf16 ratios on 4 input draws
 
 Per member and exporter: the offload counted AMD's way (dispatch ops / (dispatch ops + CPU nodes), CastAvx
 on the CPU), CPU nodes, NPU regions, CPU islands (at the graph's edges / around ops the registry lacks /
@@ -146,6 +147,39 @@ def _rounded_op_by_op(path: Path, feeds: dict[str, np.ndarray]) -> list[np.ndarr
     return session.run(None, {k: _round_bf16(v) if v.dtype == np.float32 else v for k, v in feeds.items()})
 
 
+def draw_errors(name: str, exporter: str, tmp: Path, draws: int) -> list[tuple[float, float, float, float]]:
+    """The dispatch model's and PyTorch bf16's errors against PyTorch fp32 (max abs ours, PyTorch's; 1 - cos
+    ours, PyTorch's) on ``draws`` inputs: the member's example inputs, then its float inputs of 8 or more values
+    drawn again (seeded normals with the example's mean and deviation; timesteps, sizes, ids and masks kept):
+    how much one input's ratio says. Raises ValueError where the export is not the module."""
+    import torch
+
+    from sdnpu.convert.compile import compile_file, run_onnx
+
+    path, feeds, reference = zoo.export(name, exporter, tmp / "export")
+    if not zoo.agrees_with_pytorch(path, feeds, reference):
+        raise ValueError("onnxruntime does not run the export to PyTorch's outputs")
+    compile_file(path, tmp / "dd")
+    out = []
+    for draw in range(draws):
+        wrapper, built = zoo.build(name)  # afresh: the bf16 run rounds the module's weights in place
+        g = torch.Generator().manual_seed(draw)
+        inputs = [a if draw == 0 or not a.is_floating_point() or a.numel() < 8
+                  else torch.randn(a.shape, generator=g) * a.std() + a.mean() for a in built.inputs]
+        with torch.no_grad():
+            ref = [o.numpy().copy() for o in wrapper(*inputs)]
+            low = [o.float().numpy() for o in wrapper.to(torch.bfloat16)(
+                *[a.to(torch.bfloat16) if a.is_floating_point() else a for a in inputs])]
+        got = run_onnx(tmp / "dd" / "replaced.onnx", {k: a.numpy() for k, a in zip(feeds, inputs, strict=True)})
+        (m_ours, c_ours), (m_pt, c_pt) = _errors([got[k] for k in got], ref), _errors(low, ref)
+        out.append((m_ours, m_pt, c_ours, c_pt))
+    return out
+
+
+def _ratio(a: float, b: float) -> str:
+    return f"{a / b:.2f}" if b else "-"
+
+
 def _fmt(x: float | None, spec: str) -> str:
     return "-" if x is None else format(x, spec)
 
@@ -197,8 +231,30 @@ def main() -> None:
     ap.add_argument("--no-write", action="store_true", help="print the table, leave bench/results.md")
     ap.add_argument("--fast", action="store_true", help="offload and fidelity only, in this process (implies "
                     "--no-write): what the floors need")
+    ap.add_argument("--draws", type=int, default=0, help="only the PyTorch bf16 ratios, on this many input draws "
+                    "(the first the example's), printed")
     args = ap.parse_args()
     names = [n for n in args.only.split(",") if n] or list(zoo.MEMBERS)
+    if args.draws:
+        print("| member | exporter | max abs: ratio per draw | of the means | 1 - cos: ratio per draw | of the means |\n"
+              "|---|---|---|---|---|---|")
+        for name in names:
+            for exporter in zoo.MEMBERS[name].exporters:  # the first whose export compiles and runs
+                with tempfile.TemporaryDirectory(prefix="sdnpu-zoo-") as tmp:
+                    try:
+                        got = draw_errors(name, exporter, Path(tmp), args.draws)
+                    except Exception as e:  # noqa: BLE001 - the zoo's table says why, in full
+                        print(f"  {name} {exporter}: {type(e).__name__}: {str(e)[:100]}", file=sys.stderr)
+                        continue
+                break
+            else:
+                continue
+            m = [_ratio(e[0], e[1]) for e in got]
+            c = [_ratio(e[2], e[3]) for e in got]
+            means = [float(np.mean([e[i] for e in got])) for i in range(4)]
+            print(f"| {name} | {exporter} | {', '.join(m)} | {_ratio(means[0], means[1])} | {', '.join(c)} | "
+                  f"{_ratio(means[2], means[3])} |", flush=True)
+        return
     rows = []
     for name in names:
         for exporter in zoo.MEMBERS[name].exporters:
