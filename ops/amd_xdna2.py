@@ -104,6 +104,13 @@ def _mha_scale(p: Params) -> str | None:
     return f"scale {s:.6g} is not 1/sqrt({d}): the kernel has no scale parameter"
 
 
+def _mha_key_channel(p: Params) -> str | None:
+    if not p.get("key_channel"):
+        return None
+    return ("a computed key mask carried as one more channel per head (the head width padded to 4x): no "
+            "public source lists such a head width")
+
+
 def _mha_same_batch(p: Params) -> str | None:
     q, k, v = p["q"], p["k"], p.get("v", p["k"])
     if q[0] == k[0] == v[0] and q[2] == k[2] == v[2] and k[1] == v[1]:
@@ -299,7 +306,11 @@ _MHA_LIMITS = (Limit("heads", "K divides into num_heads", "DD src/ops/sd/mha.cpp
                      "(mask of max(N, 128) / align(N, 256) / M elements)", _mha_causal),
                Limit("default scale", "1/sqrt(head dim)", "DD src/ops/sd/mha.cpp:139-171 (no scale attribute)",
                      _mha_scale),
-               Limit("Q, K, V agree", "same batch and width", "DD src/ops/sd/mha.cpp:173-176", _mha_same_batch))
+               Limit("Q, K, V agree", "same batch and width", "DD src/ops/sd/mha.cpp:173-176", _mha_same_batch),
+               Limit("key mask channel", "a key-padding mask computed at run time (Lumina 2's caption mask) rides in "
+                     "Q and K as one more channel per head, the heads padded to 4x their width; the kernel's own "
+                     "mask is a load-time constant", "DD src/ops/sd/mha.cpp:269-308 (initialize_const_params: "
+                     "the mask; execute: Q, K, V)", _mha_key_channel, assumed=True))
 
 
 def _mha(op: str, version: str, flag: str | None, doc: str, bfp: str | None = None) -> OpSpec:

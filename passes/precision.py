@@ -22,7 +22,7 @@ from collections import Counter
 import onnx_ir as ir
 
 from sdnpu.errors import SdnpuError
-from sdnpu.formats.keys import RULE_TAG
+from sdnpu.formats.keys import BF16_ONLY_TAG, RULE_TAG
 from sdnpu.ops.target import OpSpec, Target
 from sdnpu.passes.irutil import Builder, static_shape
 from sdnpu.passes.manager import PassResult
@@ -151,7 +151,9 @@ def precision(model: ir.Model, target: Target, mode: str = "bf16") -> PassResult
             continue
         spec = target.spec(node.op_type)
         if mode == "bfp16" and spec.bfp:
-            if bfp_variant_fits(spec, node):
+            if BF16_ONLY_TAG in node.metadata_props:
+                counts["kept bf16 (" + node.metadata_props[BF16_ONLY_TAG] + ")"] += 1
+            elif bfp_variant_fits(spec, node):
                 node.op_type = spec.bfp
                 node.attributes["in_dtypes"] = ir.AttrStrings("in_dtypes", list(spec.bfp_in_dtypes))
                 counts["ops -> _bfp"] += 1

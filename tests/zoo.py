@@ -283,7 +283,7 @@ def _lumina2() -> Built:
     import torch
 
     m = _diffusers("Lumina2Transformer2DModel", sample_size=16, patch_size=2, in_channels=4, hidden_size=64,
-                   num_layers=1, num_refiner_layers=1, num_attention_heads=4, num_kv_heads=2, multiple_of=16,
+                   num_layers=1, num_refiner_layers=2, num_attention_heads=4, num_kv_heads=2, multiple_of=16,
                    axes_dim_rope=[4, 6, 6], axes_lens=[64, 32, 32], cap_feat_dim=48)
     mask = torch.ones(2, 8, dtype=torch.bool)
     return Built(m, lambda m, h, t, e, mk: m(h, t, e, mk).sample,

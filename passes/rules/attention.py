@@ -18,6 +18,11 @@ Concat: SDConcat), are read as the [B, N, C] source they are. TorchScript's NaN 
 (``Where(IsNaN(p), 0, p)``: a query whose keys are all masked gets zeros) is part of the pattern: dropped where
 the mask leaves every query a key, kept after onnxruntime's CPU attention where a computed mask may not.
 
+A mask the kernel's one load-time row cannot be, but which is one row over the keys per batch (a padding
+mask that differs between batch rows, or one computed from an input: Lumina 2's caption mask), rides in Q
+and K as one more channel per head, the heads padded to 4x their width (``_key_channel_operands``); a mask
+that varies per query or head (CLIP's causal mask, T5's position bias) runs as onnxruntime's CPU attention.
+
 The variant follows AMD's pass: the VAE's single head is SDMHA_VAE (v1.0), M >= 256 and N >= 128 the flash
 SDMHA (v2), the rest SDFlatMHA (v1.1). The mask holds 0 for the N keys and -inf for the padding up to the
 length DD's kernel reads (``mha_mask_length``); one mask initializer per (length, N) is shared.
@@ -25,12 +30,13 @@ length DD's kernel reads (``mha_mask_length``); one mask initializer per (length
 
 from __future__ import annotations
 
+import hashlib
 from dataclasses import dataclass
 
 import numpy as np
 import onnx_ir as ir
 
-from sdnpu.formats.keys import DECLINED_TAG
+from sdnpu.formats.keys import BF16_ONLY_TAG, DECLINED_TAG
 from sdnpu.passes import movement
 from sdnpu.passes.irutil import Builder, attr, const, is_float, producer, scalar, static_shape
 from sdnpu.passes.rules.base import Match, Rule
@@ -49,6 +55,7 @@ class MHAParams:
     bias: ir.Value | None = None  # what is added to the scores (a causal mask, T5's position bias)
     scale: float = 1.0
     guard: bool = False  # a NaN guard on the probabilities (a row whose keys are all masked gives zeros)
+    key_channel: bool = False  # a computed key-padding mask carried in Q and K as one more channel per head
 
 
 def _head_split(src: tuple[int, ...], heads: int, kind: str) -> np.ndarray | None:
@@ -168,7 +175,7 @@ class SDMHAFusion(Rule):
             bias = p.inputs[side]
             added = const(bias)
             if added is None:
-                bias_reason = "the scores' addend is computed, not a constant mask"
+                bias_reason = _COMPUTED
             elif not np.any(added) and static_shape(p.outputs[0]) == static_shape(p.inputs[1 - side]):
                 bias = None  # zeros (Lumina 2's mask where no key is masked) that widen nothing: no mask at all
             elif not _is_causal(added):
@@ -217,23 +224,35 @@ class SDMHAFusion(Rule):
         assert self.target.mha_variant is not None, f"{self.target.name} has no attention op"
         op = self.target.mha_variant(q_shape[1], k_shape[1], heads)
         total = scale * q_s * k_s
-        reason, assumed = self.target.spec(op).check(
-            {"q": q_shape, "k": k_shape, "v": v_shape, "heads": heads, "causal": causal, "scale": total})
-        reason = bias_reason or reason
+        params = {"q": q_shape, "k": k_shape, "v": v_shape, "heads": heads, "causal": causal, "scale": total}
+        reason, assumed = self.target.spec(op).check(params)
+        key_channel = (bias_reason is not None and not causal and reason is None and bias is not None
+                       and _key_row(bias, q_shape[0], k_shape[1]))
+        if key_channel:  # the target takes it, its mask given as a channel (the op that is, checked as such)
+            wide = (q_shape[0], q_shape[1], 4 * q_shape[2])
+            op = self.target.mha_variant(q_shape[1], k_shape[1] + int(bool(guard)), heads)
+            reason, assumed = self.target.spec(op).check(
+                {**params, "q": wide, "k": (k_shape[0], k_shape[1] + int(bool(guard)), wide[2]),
+                 "v": (v_shape[0], v_shape[1] + int(bool(guard)), wide[2]), "scale": total / 2, "key_channel": True})
+            key_channel = reason is None
+        reason = None if key_channel else bias_reason or reason
         if reason and bias is not None and not _bias_fits(bias, q_shape[0], heads, q_shape[1], k_shape[1]):
             return reason
-        if guard and not reason and bias is not None and not _every_row_has_a_key(const(bias)):
+        if guard and not reason and not key_channel and bias is not None and not _every_row_has_a_key(const(bias)):
             return "a NaN guard after the softmax, and a mask that leaves a query without keys"
         nodes = [*q_chain, *k_chain, *v_chain, qk_mm, *reversed(between), sm, *(guard[:2] if guard else ()), node,
                  *out_chain]
         uniq = _own_nodes(list(dict.fromkeys(nodes)), {*q_chain, *k_chain, *v_chain})
-        return Match(uniq, [out], MHAParams(q_src, k_src, v_src, heads, assumed, reason, bias, total, bool(guard)))
+        return Match(uniq, [out], MHAParams(q_src, k_src, v_src, heads, assumed, reason, bias, total, bool(guard),
+                                            key_channel))
 
     def rewrite(self, b: Builder, m: Match) -> list[ir.Value]:
         p: MHAParams = m.params
         q, k_in, v = (_rank3(b, x) for x in (p.q, p.k, p.v))
         if p.cpu:
             return [_cpu_attention(b, self.name, p, q, k_in, v)]
+        if p.key_channel:
+            q, k_in, v = _key_channel_operands(b, p, q, k_in, v, self._key_masks)
         bq, mq, k = static_shape(q)  # type: ignore[misc]
         n = static_shape(k_in)[1]  # type: ignore[index]
         op = self.target.mha_variant(mq, n, p.heads)  # type: ignore[misc]
@@ -248,7 +267,154 @@ class SDMHAFusion(Rule):
             attrs[flag] = 1
         node = b.dispatch(op, [q, k_in, v, mask_v], attrs, dtype=q.dtype, shape=[bq, mq, k],
                           assumed=p.assumed)
+        if p.key_channel:  # each head's first quarter is its output: a 0/1 weight picks it (an SDGemm, fused next)
+            node.metadata_props[BF16_ONLY_TAG] = "a mask channel in K: a shared exponent cannot hold its -inf"
+            return [_first_quarters(b, node.outputs[0], p.heads)]
         return [node.outputs[0]]
+
+    @property
+    def _key_masks(self) -> dict[str, ir.Value]:
+        """The key-mask channels made so far, by what computes them: a mask that each layer recomputes alike
+        from the same input (Lumina 2's refiner layers) is made, expanded and cast once."""
+        if not hasattr(self, "_masks"):
+            self._masks: dict[str, ir.Value] = {}
+        return self._masks
+
+
+_COMPUTED = "the scores' addend is computed, not a constant mask"
+SENTINEL = -1.0e4  # the score of the key a guarded attention gets for rows whose keys are all masked
+
+
+def _key_row(bias: ir.Value, b: int, n: int) -> bool:
+    """Whether a computed addend of the scores is one row over the N keys per batch ([B or 1, 1, 1, N], leading
+    axes of 1 maybe missing): a key-padding mask, the same for every head and query."""
+    shape = static_shape(bias)
+    if shape is None or len(shape) > 4 or not is_float(bias):
+        return False
+    full = (1,) * (4 - len(shape)) + tuple(shape)
+    return full[0] in (1, b) and full[1] == full[2] == 1 and full[3] == n
+
+
+def _signature(v: ir.Value | None, memo: dict[int, str], budget: list[int]) -> str | None:
+    """What computes ``v``, as text (ops, attributes, constants, graph inputs): equal for two values that the
+    graph computes alike, None past a small budget of nodes or for a value no node writes."""
+    if v is None:
+        return "-"
+    if id(v) in memo:
+        return memo[id(v)]
+    if v.const_value is not None:
+        a = v.const_value.numpy()
+        digest = hashlib.blake2b(np.ascontiguousarray(a).tobytes(), digest_size=16).hexdigest()
+        sig = f"c{a.dtype}{list(a.shape)}{digest}" if a.size <= 1 << 12 else None
+    elif v.is_graph_input():
+        sig = f"in:{v.name}"
+    else:
+        node = v.producer()
+        budget[0] -= 1
+        if node is None or budget[0] < 0:
+            return None
+        ins = [_signature(x, memo, budget) for x in node.inputs]
+        if any(x is None for x in ins):
+            return None
+        attrs = sorted((k, str(a.value)) for k, a in node.attributes.items())
+        sig = f"{node.domain}:{node.op_type}{attrs}[{list(node.outputs).index(v)}]({','.join(ins)})"  # type: ignore[arg-type]
+    if sig is not None:
+        memo[id(v)] = sig
+    return sig
+
+
+def _extra_channel(d: int) -> int:
+    """Where a head of width d, padded to 4d, carries the mask: the first channel of a block of 8 that the
+    head's own values do not touch (AMD's bfp16 shares an exponent per 8 channels), else right after them."""
+    e = 8 * -(-d // 8)
+    return e if e < 4 * d else d
+
+
+def _reshape(b: Builder, x: ir.Value, shape: list[int]) -> ir.Value:
+    return b.op("Reshape", [x, b.const(np.asarray(shape, np.int64), "shape")], dtype=x.dtype, shape=shape).outputs[0]
+
+
+def _concat(b: Builder, parts: list[ir.Value], axis: int) -> ir.Value:
+    shapes = [list(static_shape(x)) for x in parts]  # type: ignore[arg-type]
+    out = list(shapes[0])
+    out[axis] = sum(s[axis] for s in shapes)
+    return b.op("Concat", parts, {"axis": axis}, dtype=parts[0].dtype, shape=out).outputs[0]
+
+
+def _key_channel_operands(b: Builder, p: MHAParams, q: ir.Value, k: ir.Value, v: ir.Value,
+                          made: dict[str, ir.Value]) -> tuple[ir.Value, ir.Value, ir.Value]:
+    """Q, K, V for an attention whose scores get a computed key-padding row (the caption's mask) that the
+    kernel's load-time mask cannot be. Each head of width d grows to 4d: Q's head is [2q, .., c, ..],
+    K's [k, .., bias, ..] (c and the bias at ``_extra_channel``, zeros elsewhere), V's
+    [v, 0..]. The kernel's 1/sqrt(4d) then gives q·k/sqrt(d) + c·bias/(2 sqrt(d)): the graph's scores and
+    mask, with c = 2 sqrt(d) (rounded to bf16 as every constant: exact for 0 / -inf masks, within 2^-9 of
+    a finite bias). The 4x width keeps the factor on q a power of two (exact in bf16), where d + 1 would
+    round q once more. The mask row is expanded over the heads on the CPU, once per distinct computation.
+    Under the NaN guard (a query whose keys are all masked gets zeros) one more key is appended: score
+    SENTINEL, value 0, which takes no weight while any key is unmasked (exp(-1e4) is 0) and all of it when
+    none is."""
+    bq, m, cq = static_shape(q)  # type: ignore[misc]
+    n = static_shape(k)[1]  # type: ignore[index]
+    h = p.heads
+    d = cq // h
+    e = _extra_channel(d)
+    dtype = q.dtype
+    np_dtype = dtype.numpy()  # type: ignore[union-attr]
+    assert p.bias is not None
+    sig = _signature(p.bias, {}, [32])
+    key = f"{sig}|{bq}|{n}|{h}" if sig is not None else None
+    row = made.get(key) if key is not None else None
+    fixed = const(p.bias)
+    if fixed is not None:  # a constant row per batch (a padding mask the export baked in): a constant channel
+        rows = np.broadcast_to(fixed.reshape(-1, 1, 1, n).transpose(0, 3, 1, 2), (bq, n, h, 1))
+        row = b.const(np.ascontiguousarray(rows, dtype=np_dtype), "key_mask")
+    elif row is None:
+        shape = static_shape(p.bias)
+        assert shape is not None
+        bb = ((1,) * (4 - len(shape)) + tuple(shape))[0]
+        row = _reshape(b, p.bias, [bb, n, 1, 1])
+        if row.dtype != dtype:
+            row = b.op("Cast", [row], {"to": int(dtype)}, dtype=dtype, shape=[bb, n, 1, 1]).outputs[0]
+        row = b.op("Expand", [row, b.const(np.asarray([bq, n, h, 1], np.int64), "shape")], dtype=dtype,
+                   shape=[bq, n, h, 1]).outputs[0]
+        row.producer().metadata_props[DECLINED_TAG] = (  # type: ignore[union-attr]
+            "SDMHAFusion: spreads the computed key mask over the heads (the channel it rides in Q and K)")
+        if key is not None:
+            made[key] = row
+    q_extra = np.zeros((bq, m, h, 3 * d), np_dtype)
+    q_extra[..., e - d] = 2.0 * np.sqrt(d)
+    q4 = b.op("Mul", [_reshape(b, q, [bq, m, h, d]), b.const(np.asarray(2.0, np_dtype), "two")], dtype=dtype,
+              shape=[bq, m, h, d]).outputs[0]
+    q_wide = _concat(b, [q4, b.shared_const(q_extra, f"sdnpu_key_channel_q_{bq}_{m}_{h}_{d}")], 3)
+    k_parts = [_reshape(b, k, [bq, n, h, d])]
+    if e > d:
+        k_parts.append(b.shared_const(np.zeros((bq, n, h, e - d), np_dtype), f"sdnpu_zeros_{bq}_{n}_{h}_{e - d}"))
+    k_parts += [row, b.shared_const(np.zeros((bq, n, h, 4 * d - e - 1), np_dtype),
+                                    f"sdnpu_zeros_{bq}_{n}_{h}_{4 * d - e - 1}")]
+    k_wide = _concat(b, k_parts, 3)
+    v_wide = _concat(b, [_reshape(b, v, [bq, n, h, d]),
+                         b.shared_const(np.zeros((bq, n, h, 3 * d), np_dtype), f"sdnpu_zeros_{bq}_{n}_{h}_{3 * d}")], 3)
+    if p.guard:
+        sentinel = np.zeros((bq, 1, h, 4 * d), np_dtype)
+        sentinel[..., e] = SENTINEL
+        k_wide = _concat(b, [k_wide, b.shared_const(sentinel, f"sdnpu_key_channel_sentinel_{bq}_{h}_{d}")], 1)
+        v_wide = _concat(b, [v_wide, b.shared_const(np.zeros((bq, 1, h, 4 * d), np_dtype),
+                                                    f"sdnpu_zeros_{bq}_1_{h}_{4 * d}")], 1)
+        n += 1
+    return (_reshape(b, q_wide, [bq, m, 4 * cq]), _reshape(b, k_wide, [bq, n, 4 * cq]),
+            _reshape(b, v_wide, [bq, n, 4 * cq]))
+
+
+def _first_quarters(b: Builder, out: ir.Value, heads: int) -> ir.Value:
+    """[B, M, H * 4d] -> [B, M, H * d]: each head's first d channels, by a 0/1 weight (a MatMul the Gemm rule
+    makes an SDGemm)."""
+    bq, m, wide = static_shape(out)  # type: ignore[misc]
+    d = wide // (4 * heads)
+    pick = np.zeros((wide, heads * d), out.dtype.numpy())  # type: ignore[union-attr]
+    for i in range(heads):
+        pick[i * 4 * d + np.arange(d), i * d + np.arange(d)] = 1.0
+    return b.op("MatMul", [out, b.shared_const(pick, f"sdnpu_key_channel_pick_{heads}_{d}")], dtype=out.dtype,
+                shape=[bq, m, heads * d]).outputs[0]
 
 
 def _nan_guard(v: ir.Value | None) -> tuple[ir.Node, ir.Node, ir.Value] | None:

@@ -8,6 +8,7 @@ REGION_TAG = "sdnpu.region"  # the NPU region of a dispatch op (partition)
 REASON_TAG = "sdnpu.cpu_reason"  # why a node stays on the CPU (partition)
 DECLINED_TAG = "sdnpu.declined"  # "<rule>: <reason>" where a rule found its pattern but refused it
 ASSUMED_TAG = "sdnpu.assumed"  # comma-separated assumed capabilities a dispatch op relies on
+BF16_ONLY_TAG = "sdnpu.bf16_only"  # why a dispatch op keeps its bf16 kernel in bfp16 mode (its _bfp would be wrong)
 VIEWS_TAG = "sdnpu.views"  # "<input>:<shape>;..." the tensor shapes of inputs read through a view
 
 # On models (``model.metadata_props``).
