@@ -307,8 +307,8 @@ _MHA_LIMITS = (Limit("heads", "K divides into num_heads", "DD src/ops/sd/mha.cpp
                Limit("default scale", "1/sqrt(head dim)", "DD src/ops/sd/mha.cpp:139-171 (no scale attribute)",
                      _mha_scale),
                Limit("Q, K, V agree", "same batch and width", "DD src/ops/sd/mha.cpp:173-176", _mha_same_batch),
-               Limit("key mask channel", "a key-padding mask computed at run time (Lumina 2's caption mask) rides in "
-                     "Q and K as one more channel per head, the heads padded to 4x their width; the kernel's own "
+               Limit("key mask channel", "a key-padding row per batch (a constant one, or Lumina 2's caption mask, "
+                     "computed at run time) rides in Q and K as one more channel per head, the heads padded to 4x their width; the kernel's own "
                      "mask is a load-time constant", "DD src/ops/sd/mha.cpp:269-308 (initialize_const_params: "
                      "the mask; execute: Q, K, V)", _mha_key_channel, assumed=True))
 

@@ -285,14 +285,19 @@ _COMPUTED = "the scores' addend is computed, not a constant mask"
 SENTINEL = -1.0e4  # the score of the key a guarded attention gets for rows whose keys are all masked
 
 
-def _key_row(bias: ir.Value, b: int, n: int) -> bool:
-    """Whether a computed addend of the scores is one row over the N keys per batch ([B or 1, 1, 1, N], leading
-    axes of 1 maybe missing): a key-padding mask, the same for every head and query."""
+def _scores_shape(bias: ir.Value) -> tuple[int, ...] | None:
+    """A float addend of the scores as the [B, H, M, N] it broadcasts as (leading axes of 1 maybe missing)."""
     shape = static_shape(bias)
     if shape is None or len(shape) > 4 or not is_float(bias):
-        return False
-    full = (1,) * (4 - len(shape)) + tuple(shape)
-    return full[0] in (1, b) and full[1] == full[2] == 1 and full[3] == n
+        return None
+    return (1,) * (4 - len(shape)) + tuple(shape)
+
+
+def _key_row(bias: ir.Value, b: int, n: int) -> bool:
+    """Whether an addend of the scores is one row over the N keys per batch ([B or 1, 1, 1, N]): a key-padding
+    mask, the same for every head and query."""
+    full = _scores_shape(bias)
+    return full is not None and full[0] in (1, b) and full[1] == full[2] == 1 and full[3] == n
 
 
 def _signature(v: ir.Value | None, memo: dict[int, str], budget: list[int]) -> str | None:
@@ -361,17 +366,18 @@ def _key_channel_operands(b: Builder, p: MHAParams, q: ir.Value, k: ir.Value, v:
     dtype = q.dtype
     np_dtype = dtype.numpy()  # type: ignore[union-attr]
     assert p.bias is not None
-    sig = _signature(p.bias, {}, [32])
-    key = f"{sig}|{bq}|{n}|{h}" if sig is not None else None
-    row = made.get(key) if key is not None else None
-    fixed = const(p.bias)
+    fixed, key = const(p.bias), None
     if fixed is not None:  # a constant row per batch (a padding mask the export baked in): a constant channel
         rows = np.broadcast_to(fixed.reshape(-1, 1, 1, n).transpose(0, 3, 1, 2), (bq, n, h, 1))
         row = b.const(np.ascontiguousarray(rows, dtype=np_dtype), "key_mask")
-    elif row is None:
-        shape = static_shape(p.bias)
-        assert shape is not None
-        bb = ((1,) * (4 - len(shape)) + tuple(shape))[0]
+    else:
+        sig = _signature(p.bias, {}, [32])
+        key = f"{sig}|{bq}|{n}|{h}" if sig is not None else None
+        row = made.get(key) if key is not None else None
+    if row is None:
+        full = _scores_shape(p.bias)
+        assert full is not None
+        bb = full[0]
         row = _reshape(b, p.bias, [bb, n, 1, 1])
         if row.dtype != dtype:
             row = b.op("Cast", [row], {"to": int(dtype)}, dtype=dtype, shape=[bb, n, 1, 1]).outputs[0]
@@ -457,11 +463,8 @@ def _bias_fits(bias: ir.Value, b: int, h: int, m: int, n: int) -> bool:
     """Whether onnxruntime's MultiHeadAttention takes ``bias`` as its attention_bias: [B or 1, H or 1, M, N]
     (leading axes of 1 may be missing), or one row over the keys per batch ([B or 1, 1, 1, N]: a key-padding
     mask, broadcast over the queries first)."""
-    shape = static_shape(bias)
-    if shape is None or len(shape) > 4 or not is_float(bias):
-        return False
-    full = (1,) * (4 - len(shape)) + tuple(shape)
-    return full[0] in (1, b) and full[1] in (1, h) and full[2] in (1, m) and full[3] == n
+    full = _scores_shape(bias)
+    return full is not None and full[0] in (1, b) and full[1] in (1, h) and full[2] in (1, m) and full[3] == n
 
 
 def _cpu_attention(b: Builder, rule: str, p: MHAParams, q: ir.Value, k: ir.Value, v: ir.Value) -> ir.Value:
@@ -505,5 +508,4 @@ def _rank3(b: Builder, x: ir.Value) -> ir.Value:
     shape = static_shape(x)
     if shape is None or len(shape) == 3:
         return x
-    flat = (shape[0], shape[1], shape[2] * shape[3])
-    return b.op("Reshape", [x, b.const(np.asarray(flat, np.int64), "shape")], dtype=x.dtype, shape=flat).outputs[0]
+    return _reshape(b, x, [shape[0], shape[1], shape[2] * shape[3]])
