@@ -17,6 +17,7 @@ from typing import Any
 
 import numpy as np
 
+from sdnpu.convert.standard import compile_standard
 from sdnpu.convert.interface import (
     OUTPUT_CHOICES,
     keep_outputs,
@@ -66,6 +67,9 @@ def compile_into(source: Path, dd_dir: Path, info: dict[str, Any], options: Comp
     """Compile ``source`` into the folder ``dd_dir`` (which the caller stages). Returns the report.
     ``options.shapes`` fixes dynamic input axes (see ``static_shapes``); ``outputs``: the graph outputs the
     dispatch model keeps (None: all; see ``keep_outputs``); ``check`` None: no fidelity run."""
+    if options.target.kind == "standard":  # the vendor compiles: sdnpu rewrites, then hands the graph over
+        return compile_standard(source, dd_dir, info, options, outputs=outputs, check=check,
+                                drop_outputs=_drop_outputs)
     name = info.get("component", source.parent.name)
     shapes = options.input_shapes
     with step(log, f"[{name}] compiling for {options.target.name} ({', '.join(pass_names(options))})"):
@@ -278,8 +282,8 @@ def compile_file(source: Path, out: Path | None = None, options: CompileOptions 
     config = read_config(config_path) if config_path.is_file() else None
     options = _file_options(source, options, config)
     keep = keep_outputs(outputs, output_names(source), source.parent.name, config, pipeline_kind(source))
-    dd_dir = Path(out) if out is not None else source.parent / "dd"
+    dd_dir = Path(out) if out is not None else source.parent / options.target.out_dir
     _refuse_shared_dd(dd_dir)
     with staged_dir(dd_dir) as stage:
-        info = {"component": source.parent.name, "source": {"name": str(source), "kind": "onnx"}}
+        info = {"component": source.resolve().parent.name, "source": {"name": str(source), "kind": "onnx"}}
         return compile_into(source, stage, info, options, outputs=keep, check=FidelityCheck() if verify else None)

@@ -52,7 +52,7 @@ class ConvertOptions:
     run the exported graph against PyTorch and the dispatch model against the graph; ``compile``: write
     ``<component>/dd/``; ``outputs``: "pipeline" (the dispatch models keep what a diffusers pipeline reads)
     or "all"; ``target``: the NPU whose op contract the dispatch models are written in; ``precision``: bf16
-    or bfp16; ``loras``: LoRAs fused into the UNet and text encoders before export; ``batch``: the
+    or bfp16 (amd-xdna2), fp16 (qnn-htp; "" the target's first); ``htp_arch``: qnn-htp's HTP generation; ``loras``: LoRAs fused into the UNet and text encoders before export; ``batch``: the
     denoiser's batches (an int, "1,2" or a sequence; the first the primary's; None: the source's default,
     ``sdnpu.formats.generation``: 2 where its pipeline uses guidance, 1 where it is guidance-free)."""
 
@@ -63,7 +63,8 @@ class ConvertOptions:
     compile: bool = True
     outputs: str = "pipeline"
     target: str = DEFAULT_TARGET
-    precision: str = "bf16"
+    precision: str = ""  # "": the target's first (bf16 for amd-xdna2, fp16 for qnn-htp)
+    htp_arch: int | str | None = None  # qnn-htp: the HTP generation (None: v73)
     loras: tuple[LoraSpec, ...] = ()  # diffusers' fuse_lora, before export
     add: bool = False
     blockwise: bool = False  # T5 and Flux's transformer block by block even where they fit (they do where not)
@@ -81,7 +82,13 @@ class ConvertOptions:
                                      hint="RES is WxH in pixels (1152x896), or one number for a square (1024)")
         if self.batch is not None:
             object.__setattr__(self, "batch", parse_batches(self.batch))
-        self.compile_options  # noqa: B018 -- validates target and precision
+        compile_options = self.compile_options  # validates target, precision and the HTP generation
+        target = compile_options.target
+        object.__setattr__(self, "precision", compile_options.precision)  # "" -> the target's own
+        if target.kind == "standard" and self.compile and (
+                len(self.res or ()) > 1 or len(self.batch or ()) > 1 or self.add):  # type: ignore[arg-type]
+            raise SdnpuError(f"--target {target.name} converts one size and one batch per folder for now",
+                             hint="give one RES and one BATCH (and no --add); convert other sizes into other folders")
         object.__setattr__(self, "loras", tuple(LoraSpec.parse(x) if isinstance(x, str) else x for x in self.loras))
 
     @property
@@ -90,7 +97,7 @@ class ConvertOptions:
 
     @property
     def compile_options(self) -> CompileOptions:
-        return CompileOptions.named(self.target, self.precision)
+        return CompileOptions.named(self.target, self.precision, self.htp_arch)
 
     @property
     def export_with(self) -> Exporter:

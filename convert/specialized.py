@@ -14,7 +14,7 @@ from sdnpu.convert import shared
 from sdnpu.convert.compile import FidelityCheck, fidelity_run, validate_dispatch_model, write_report
 from sdnpu.formats import handoff, prologue, weights
 from sdnpu.onnxrun import prologue_output_shapes
-from sdnpu.ops.target import Target
+from sdnpu.ops.target import DispatchTarget
 from sdnpu.passes.pipeline import CompileOptions
 from sdnpu.passes.specialize import CannotSpecialize, specialize
 from sdnpu.progress import peak_rss_bytes
@@ -54,7 +54,7 @@ def _io_dims(model: Any, primary: Path, source: Path) -> dict[str, list[int]]:
     return dims
 
 
-def plan_specialization(primary: Path, source: Path, target: Target) -> Specialization:
+def plan_specialization(primary: Path, source: Path, target: DispatchTarget) -> Specialization:
     """The dispatch model ``primary`` (a compiled size of a component) re-derived for the input shapes of
     the exported graph ``source`` (another size of it), in memory; its outputs must have the shapes
     ``source``'s have. Raises CannotSpecialize with the reason."""

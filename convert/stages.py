@@ -71,8 +71,8 @@ def compile_stage(job: Job, stage: Path, feeds: dict[str, Any], actual: dict[str
     keep = keep_outputs(options.outputs, list(job.signature().outputs), job.component, spec.config, spec.family)
     check = FidelityCheck(feeds, reference=actual) if options.check else None
     compile_options = dataclasses.replace(options.compile_options, handoff=spec.handoff, prologue=spec.prologue)
-    return compile_into(stage / MODEL_FILE, stage / "dd", compile_info(job, lora), compile_options, outputs=keep,
-                        check=check)
+    return compile_into(stage / MODEL_FILE, stage / compile_options.target.out_dir, compile_info(job, lora),
+                        compile_options, outputs=keep, check=check)
 
 
 def check_outputs(comp: str, sig: Signature, reference: list[Any], actual: dict[str, Any]) -> dict[str, Any]:

@@ -24,8 +24,8 @@ from __future__ import annotations
 
 from typing import Any
 
-from sdnpu.ops.target import (FLOAT, INT, INTS, STRING, STRINGS, Attr, Input, Limit, OpSpec, Params, Target,
-                              prod, register)
+from sdnpu.ops.target import (FLOAT, INT, INTS, STRING, STRINGS, Attr, DispatchTarget, Input, Limit, OpSpec,
+                              Params, prod, register)
 
 NAME = "amd-xdna2"
 DOMAIN = "com.amd"
@@ -510,7 +510,7 @@ FAMILIES = {"conv": "SDConv", "gemm": "SDGemm", "matmul": "SDMatMul", "layer_nor
             "resize": "SDResize", "add": "SDAdd", "mul": "SDMul", "concat": "SDConcat", "slice": "SDSlice"}
 
 
-def build() -> Target:
+def build() -> DispatchTarget:
     ops = [_CONV, _GEMM, _MATMUL,
            _mha("SDMHA", "v2", "is_flash_mha", "The flash variant: M >= 256 and N >= 128.", bfp="SDMHA_bfp"),
            _mha("SDFlatMHA", "v1.1", "is_flat_mha_1_1", "Below M 256 or N 128 (cross-attention on 77 tokens).",
@@ -518,8 +518,9 @@ def build() -> Target:
            _mha("SDMHA_VAE", "v1.0", None, "The VAE's single-head attention over all pixels."),
            _LAYER_NORM, _RMS_NORM, _GROUP_NORM, _SILU, _GELU, _RESIZE, _ADD, _MUL, _CONCAT, _SLICE]
     table = {op.op_type: op for op in ops}
-    return Target(NAME, __doc__ or "", DOMAIN, 1, table, _CAST_AVX, SOURCES, _CPU_REASONS, mha_variant,
-                  mha_mask_length, FAMILIES)
+    return DispatchTarget(name=NAME, doc=__doc__ or "", precisions=("bf16", "bfp16"), domain=DOMAIN,
+                          domain_version=1, ops=table, boundary=_CAST_AVX, sources=SOURCES, cpu_reasons=_CPU_REASONS,
+                          mha_variant=mha_variant, mha_mask_length=mha_mask_length, families=FAMILIES)
 
 
 def mha_variant(m: int, n: int, heads: int) -> str:

@@ -20,7 +20,7 @@ from onnx import TensorProto as T
 from onnx import helper
 
 from sdnpu.ops import bfp
-from sdnpu.ops.target import FLOAT, INT, INTS, STRING, STRINGS, Input, OpSpec, Target
+from sdnpu.ops.target import FLOAT, INT, INTS, STRING, STRINGS, Input, OpSpec, DispatchTarget
 
 ONNX_OPSET = 20  # what the bodies are written against
 _ATTR_TYPES = {INT: A.INT, INTS: A.INTS, FLOAT: A.FLOAT, STRING: A.STRING, STRINGS: A.STRINGS}
@@ -185,7 +185,7 @@ def _bfp_round(b: Body, x: str, axis_last: bool = True) -> str:
     return b.op("Transpose", bfp.body(b, t), perm=[0, 2, 1])
 
 
-def function(target: Target, spec: OpSpec, bfp: bool = False) -> onnx.FunctionProto:
+def function(target: DispatchTarget, spec: OpSpec, bfp: bool = False) -> onnx.FunctionProto:
     """The reference function of ``spec`` (its ``_bfp`` variant with ``bfp``)."""
     b = Body()
     xs: list[str] = []
@@ -218,7 +218,7 @@ def function(target: Target, spec: OpSpec, bfp: bool = False) -> onnx.FunctionPr
     return fn
 
 
-def boundary_function(target: Target) -> onnx.FunctionProto:
+def boundary_function(target: DispatchTarget) -> onnx.FunctionProto:
     """CastAvx: Cast to ``to``. Runs on the CPU (AVX on AMD's platform)."""
     b = Body()
     b.op("Cast", "X", refs={"to": ("to", A.INT)})
@@ -228,7 +228,7 @@ def boundary_function(target: Target) -> onnx.FunctionProto:
                                 doc_string=target.boundary.doc)
 
 
-def functions_for(target: Target, op_types: set[str]) -> list[onnx.FunctionProto]:
+def functions_for(target: DispatchTarget, op_types: set[str]) -> list[onnx.FunctionProto]:
     """The reference functions a model using ``op_types`` (of the target's domain) must carry."""
     bfp_of = {spec.bfp: spec for spec in target.ops.values() if spec.bfp}
     out = []

@@ -147,18 +147,49 @@ def attention_mask(length: int, n: int) -> np.ndarray:
     return np.where(np.arange(length) < n, 0.0, -np.inf).astype(np.float32)
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class Target:
-    """One NPU's op contract: its dispatch ops, the CPU<->NPU boundary cast, and the sources cited."""
+    """What every target says, whatever its NPU takes (``--target`` names one; the report names it).
+
+    ``kind``: ``dispatch`` (the NPU runs custom ops from a table: ``DispatchTarget``, AMD's) or ``standard``
+    (it runs standard ONNX ops within limits its vendor's op builders state: ``StandardTarget``, Qualcomm's);
+    it chooses the pass list (``sdnpu.passes.pipeline``). ``precisions``: what ``--precision`` may say, the
+    first the default. ``out_dir``: the folder beside ``model.onnx`` that a compile writes (``dd``, ``qnn``).
+    ``backend``: the module (``sdnpu.backends.<name>``, named as a string so that ``ops/`` imports nothing
+    above it) holding the vendor's compile step, packaging, session options and its own offload count; ""
+    where the target has none (the dispatch model is the result). ``counted_by``: who counts the offload."""
 
     name: str
     doc: str
+    kind: str
+    precisions: tuple[str, ...]
+    out_dir: str = "dd"
+    backend: str = ""
+    counted_by: str = "sdnpu, from the target's table"
+    sources: Mapping[str, str] = field(default_factory=dict)  # citation prefix -> what and where
+    cpu_reasons: Mapping[str, str] = field(default_factory=dict)  # ONNX op type -> why it stays on the CPU
+
+    def is_dispatch(self, domain: str, op_type: str) -> bool:
+        """A node the NPU runs, by its type alone (the table's limits are the passes' to check)."""
+        raise NotImplementedError
+
+    def is_boundary(self, domain: str, op_type: str) -> bool:
+        """The CPU<->NPU boundary cast, where the target writes one."""
+        return False
+
+    def cpu_reason(self, op_type: str) -> str:
+        return self.cpu_reasons.get(op_type, f"{op_type}: not in the {self.name} table")
+
+
+@dataclass(frozen=True, kw_only=True)
+class DispatchTarget(Target):
+    """One NPU's custom-op contract: its dispatch ops, the CPU<->NPU boundary cast, and the sources cited."""
+
+    kind: str = "dispatch"
     domain: str
     domain_version: int
     ops: Mapping[str, OpSpec]
     boundary: OpSpec  # the CPU<->NPU cast: runs on the CPU, never counted as offloaded
-    sources: Mapping[str, str] = field(default_factory=dict)  # citation prefix -> what and where
-    cpu_reasons: Mapping[str, str] = field(default_factory=dict)  # ONNX op type -> why it stays on the CPU
     # Attention: which op takes Q length M, K/V length N and H heads, and its mask length for (B, M, K, N)
     mha_variant: Callable[[int, int, int], str] | None = None
     mha_mask_length: Callable[[int, int, int, int], int] | None = None
@@ -200,6 +231,78 @@ class Target:
         return self.cpu_reasons.get(op_type, f"{op_type}: not in the {self.name} registry")
 
 
+@dataclass(frozen=True)
+class NodeInfo:
+    """What a standard target's limits read of one node: its type, attributes, and each input's and output's
+    element type (ONNX's name: ``FLOAT``, ``INT64``, ...) and static shape (None where unknown); ``None`` for
+    an input left out. ``constant``: the indices of the inputs that are constants (initializers)."""
+
+    op_type: str
+    attrs: Mapping[str, Any]
+    inputs: tuple[tuple[str, tuple[int, ...] | None] | None, ...]
+    outputs: tuple[tuple[str, tuple[int, ...] | None], ...]
+    constant: frozenset[int] = frozenset()
+    values: Mapping[int, np.ndarray] = field(default_factory=dict)  # small constant inputs' values
+
+    def rank(self, i: int = 0) -> int | None:
+        x = self.inputs[i] if i < len(self.inputs) else None
+        return None if x is None or x[1] is None else len(x[1])
+
+
+NodeLimit = Callable[[NodeInfo], "str | None"]
+
+
+@dataclass(frozen=True)
+class OpSupport:
+    """One standard ONNX op a standard target takes, with the limits its vendor's op builder checks (each a
+    ``rule(info)`` returning why the node is refused, or None) and where that was read."""
+
+    op_type: str
+    source: str
+    limits: tuple[NodeLimit, ...] = ()
+    doc: str = ""
+
+
+@dataclass(frozen=True, kw_only=True)
+class StandardTarget(Target):
+    """An NPU that takes standard ONNX ops within limits (Qualcomm's HTP through onnxruntime-qnn): ``ops`` the
+    op types it takes and their limits; ``dtypes`` the element types it maps (others refused, with
+    ``dtype_reason``); ``max_rank`` the largest tensor rank, where one holds for every op. Its vendor's compiler
+    has the last word on each node (``counted_by``); this table is sdnpu's own count, and the reason it gives
+    for a refusal."""
+
+    kind: str = "standard"
+    ops: Mapping[str, OpSupport]
+    dtypes: frozenset[str]
+    max_rank: int | None = None  # None: no rank limit for every op (each op's own limits say theirs)
+    dtype_reason: str = ""
+
+    def is_dispatch(self, domain: str, op_type: str) -> bool:
+        return domain in ("", "ai.onnx") and op_type in self.ops
+
+    def check(self, domain: str, info: NodeInfo) -> str | None:
+        """Why the NPU refuses this node, or None where the table says it takes it."""
+        if domain not in ("", "ai.onnx"):
+            return f"{info.op_type} (domain {domain}): not a standard ONNX op"
+        spec = self.ops.get(info.op_type)
+        if spec is None:
+            return self.cpu_reason(info.op_type)
+        for kind, values in (("input", info.inputs), ("output", info.outputs)):
+            for v in values:
+                if v is None:
+                    continue
+                dtype, shape = v
+                if dtype not in self.dtypes:
+                    return f"{info.op_type}: {kind} of type {dtype.lower()}: {self.dtype_reason}"
+                if shape is not None and self.max_rank is not None and len(shape) > self.max_rank:
+                    return f"{info.op_type}: {kind} of rank {len(shape)} ({self.name} takes at most {self.max_rank})"
+        for limit in spec.limits:
+            why = limit(info)
+            if why is not None:
+                return f"{info.op_type}: {why}"
+        return None
+
+
 def prod(xs: Sequence[int]) -> int:
     return math.prod(int(x) for x in xs)
 
@@ -229,4 +332,5 @@ def get_target(name: str = DEFAULT_TARGET) -> Target:
 
 
 def _load_builtin() -> None:
-    from sdnpu.ops import amd_xdna2  # noqa: F401  (registers itself; here: it imports this module, a cycle)
+    # the built-in targets register themselves; imported here, not at the top: they import this module
+    from sdnpu.ops import amd_xdna2, qnn_htp  # noqa: F401

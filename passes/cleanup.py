@@ -10,7 +10,7 @@ import onnx_ir as ir
 
 from sdnpu.ops.bodies import functions_for
 from sdnpu.formats.keys import TARGET_KEY
-from sdnpu.ops.target import INT, INTS, STRING, STRINGS, Target
+from sdnpu.ops.target import INT, INTS, STRING, STRINGS, DispatchTarget
 from sdnpu.passes.irutil import attr, remove_dead_nodes, remove_unused_initializers
 from sdnpu.passes.manager import PassResult
 
@@ -18,7 +18,7 @@ _ATTR_TYPES = {INT: ir.AttributeType.INT, INTS: ir.AttributeType.INTS, STRING: i
                STRINGS: ir.AttributeType.STRINGS, "FLOAT": ir.AttributeType.FLOAT}
 
 
-def _cancel_casts(graph: ir.Graph, target: Target) -> int:
+def _cancel_casts(graph: ir.Graph, target: DispatchTarget) -> int:
     """CastAvx(CastAvx(x)) back to x's own dtype is x (bf16 -> fp32 -> bf16 is exact)."""
     done = 0
     for node in list(graph):
@@ -38,7 +38,7 @@ def _cancel_casts(graph: ir.Graph, target: Target) -> int:
     return done
 
 
-def contract_violations(target: Target, node: ir.Node) -> list[str]:
+def contract_violations(target: DispatchTarget, node: ir.Node) -> list[str]:
     """What in ``node`` breaks the target's table: a missing required attribute, or one of another type."""
     spec = target.base_spec(node.op_type)
     problems = []
@@ -54,7 +54,7 @@ def contract_violations(target: Target, node: ir.Node) -> list[str]:
     return problems
 
 
-def attach_functions(model: ir.Model, target: Target) -> int:
+def attach_functions(model: ir.Model, target: DispatchTarget) -> int:
     """Give ``model`` exactly the reference functions its dispatch ops need (those it has stay); returns how
     many were added or removed."""
     used = {n.op_type for n in model.graph if n.domain == target.domain}
@@ -76,7 +76,7 @@ def attach_functions(model: ir.Model, target: Target) -> int:
     return len(before ^ needed.keys())
 
 
-def cleanup(model: ir.Model, target: Target) -> PassResult:
+def cleanup(model: ir.Model, target: DispatchTarget) -> PassResult:
     graph = model.graph
     counts: Counter[str] = Counter()
     counts["cast pairs cancelled"] = _cancel_casts(graph, target)

@@ -31,7 +31,7 @@ from dataclasses import dataclass
 import numpy as np
 import onnx_ir as ir
 
-from sdnpu.ops.target import Target
+from sdnpu.ops.target import DispatchTarget
 from sdnpu.passes.irutil import Builder, remove_dead_nodes, reroute, static_shape
 from sdnpu.passes.manager import PassResult
 from sdnpu.passes.streams import cut_axis, cut_bounds, slice_span
@@ -113,7 +113,7 @@ def _follow(v: ir.Value, axis: int, lo: int, hi: int) -> tuple[ir.Value, int, in
     return v, axis, lo, hi, path
 
 
-def _read_as_view(v: ir.Value, target: Target) -> bool:
+def _read_as_view(v: ir.Value, target: DispatchTarget) -> bool:
     """Every reader of ``v`` is a dispatch op that reads it through a view attribute (so a Reshape in front
     of it is absorbed), and ``v`` is no graph output."""
     if v.is_graph_output() or not v.uses():
@@ -128,7 +128,7 @@ def _read_as_view(v: ir.Value, target: Target) -> bool:
     return True
 
 
-def _gather(graph: ir.Graph, target: Target, root: ir.Value, axis: int, parts: list[_Part]) -> bool:
+def _gather(graph: ir.Graph, target: DispatchTarget, root: ir.Value, axis: int, parts: list[_Part]) -> bool:
     shape = static_shape(root)
     assert shape is not None
     spans = sorted({(p.lo, p.hi) for p in parts})
@@ -161,7 +161,7 @@ def _gather(graph: ir.Graph, target: Target, root: ir.Value, axis: int, parts: l
     return True
 
 
-def gather_cuts(model: ir.Model, target: Target) -> PassResult:
+def gather_cuts(model: ir.Model, target: DispatchTarget) -> PassResult:
     """Every value's CPU cuts along one axis as one Split (module docstring)."""
     graph = model.graph
     counts: Counter[str] = Counter()

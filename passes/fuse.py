@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import onnx_ir as ir
 
-from sdnpu.ops.target import Target
+from sdnpu.ops.target import DispatchTarget
 from sdnpu.passes.manager import PassResult
 from sdnpu.passes.rules.activation import SDGeGLUFusion
 from sdnpu.passes.rules.attention import SDMHAFusion
@@ -37,7 +37,7 @@ FUSION_RULES: tuple[type[Rule], ...] = (
 )
 
 
-def fuse(model: ir.Model, target: Target, rules: tuple[type[Rule], ...] = FUSION_RULES) -> PassResult:
+def fuse(model: ir.Model, target: DispatchTarget, rules: tuple[type[Rule], ...] = FUSION_RULES) -> PassResult:
     stats = apply_rules(model.graph, [rule(target) for rule in rules], RuleStats())
     counts = dict(stats.fired) | {f"{name} declined": n for name, n in stats.declined.items()}
     return PassResult(modified=bool(stats.fired), counts=counts)

@@ -28,7 +28,7 @@ import numpy as np
 import onnx_ir as ir
 
 from sdnpu.formats.keys import DECLINED_TAG
-from sdnpu.ops.target import Target, prod
+from sdnpu.ops.target import DispatchTarget, prod
 from sdnpu.passes.irutil import Builder, bmk_view, const, is_float, producer, replace, scalar, static_shape, unview
 from sdnpu.passes.provenance import step
 from sdnpu.passes.manager import PassResult
@@ -42,7 +42,7 @@ def _onnx(node: ir.Node | None, op_type: str | None = None) -> bool:
 
 
 class _Glue:
-    def __init__(self, graph: ir.Graph, target: Target) -> None:
+    def __init__(self, graph: ir.Graph, target: DispatchTarget) -> None:
         self.graph = graph
         self.target = target
         self.counts: Counter[str] = Counter()
@@ -260,7 +260,7 @@ class _Glue:
         return unview(b, y, tuple(shape)) if shape != a_shape else y
 
 
-def lower_glue(model: ir.Model, target: Target) -> PassResult:
+def lower_glue(model: ir.Model, target: DispatchTarget) -> PassResult:
     graph = model.graph
     glue = _Glue(graph, target)
     families: list[tuple[str, Callable[..., object]]] = [("SiLU", glue.silu), ("GELU", glue.gelu),

@@ -20,7 +20,7 @@ from collections.abc import Iterable
 import onnx_ir as ir
 
 from sdnpu.formats import handoff
-from sdnpu.ops.target import Target
+from sdnpu.ops.target import DispatchTarget
 from sdnpu.passes.irutil import attr
 from sdnpu.passes.manager import PassResult
 
@@ -34,7 +34,7 @@ def _perm(node: ir.Node) -> list[int] | None:
     return [int(i) for i in p] if p is not None else None
 
 
-def _is(node: ir.Node | None, target: Target, kind: str) -> bool:
+def _is(node: ir.Node | None, target: DispatchTarget, kind: str) -> bool:
     if node is None:
         return False
     if kind == "cast":
@@ -42,7 +42,7 @@ def _is(node: ir.Node | None, target: Target, kind: str) -> bool:
     return node.op_type == "Transpose" and node.domain in ("", "ai.onnx") and _perm(node) is not None
 
 
-def _output_edge(value: ir.Value, target: Target) -> tuple[ir.Value, list[ir.Node], list[int]] | None:
+def _output_edge(value: ir.Value, target: DispatchTarget) -> tuple[ir.Value, list[ir.Node], list[int]] | None:
     """The bf16 value behind a graph output's CastAvx (and Transpose), the edge's nodes, and the permutation
     that turns the bf16 value's layout into the output's; None where the edge is something else."""
     nodes: list[ir.Node] = []
@@ -70,7 +70,7 @@ def _output_edge(value: ir.Value, target: Target) -> tuple[ir.Value, list[ir.Nod
     return v, nodes, perm if perm is not None else list(range(rank))
 
 
-def _input_edge(value: ir.Value, target: Target) -> tuple[ir.Value, list[ir.Node], list[int]] | None:
+def _input_edge(value: ir.Value, target: DispatchTarget) -> tuple[ir.Value, list[ir.Node], list[int]] | None:
     """The bf16 value a graph input's (Transpose and) CastAvx make, the edge's nodes, and the permutation
     that turns that value's layout back into the input's; None where the input is read otherwise."""
     nodes: list[ir.Node] = []
@@ -103,7 +103,7 @@ def _drop(graph: ir.Graph, nodes: Iterable[ir.Node]) -> None:
         graph.remove(node, safe=True)
 
 
-def handoff_pass(model: ir.Model, target: Target, names: frozenset[str]) -> PassResult:
+def handoff_pass(model: ir.Model, target: DispatchTarget, names: frozenset[str]) -> PassResult:
     graph = model.graph
     counts: Counter[str] = Counter()
     forms = handoff.decode(model.metadata_props.get(handoff.KEY))

@@ -10,7 +10,7 @@ import onnx_ir as ir
 
 from sdnpu.formats.keys import ASSUMED_TAG, RULE_TAG, VIEWS_TAG
 from sdnpu.ops.bodies import dummy
-from sdnpu.ops.target import Target
+from sdnpu.ops.target import DispatchTarget
 from sdnpu.passes import provenance
 from sdnpu.passes.provenance import Step
 
@@ -66,7 +66,7 @@ class Builder:
     """Creates nodes (stamped with the rule's name) and initializers in one graph; ``dispatch`` creates the
     target's ops with the attributes its table requires."""
 
-    def __init__(self, graph: ir.Graph, rule: str, target: Target | None = None) -> None:
+    def __init__(self, graph: ir.Graph, rule: str, target: DispatchTarget | None = None) -> None:
         self.graph = graph
         self.rule = rule
         self.target = target
@@ -266,7 +266,7 @@ def unview(b: Builder, y: ir.Value, shape: tuple[int, ...] | None) -> ir.Value:
                 shape=list(shape)).outputs[0]
 
 
-def record_views(node: ir.Node, target: Target) -> None:
+def record_views(node: ir.Node, target: DispatchTarget) -> None:
     """Write on a dispatch op which inputs it reads through a view (node metadata ``sdnpu.views``:
     ``input:tensor shape>view;...``): its attribute names a shape other than the tensor's, same element
     count. The report lists them; the tests hold each against the tensor."""

@@ -27,7 +27,7 @@ from collections import Counter, defaultdict
 import numpy as np
 import onnx_ir as ir
 
-from sdnpu.ops.target import Target
+from sdnpu.ops.target import DispatchTarget
 from sdnpu.passes.irutil import Builder, remove_dead_nodes, reroute, static_shape
 from sdnpu.passes.manager import PassResult
 from sdnpu.passes.provenance import step
@@ -38,7 +38,7 @@ UNARY = frozenset({"Tanh", "Relu", "Sigmoid", "Exp", "Erf", "Softplus", "Abs", "
                    "HardSigmoid", "HardSwish"})
 
 
-def _member(node: ir.Node, target: Target) -> tuple[object, ...] | None:
+def _member(node: ir.Node, target: DispatchTarget) -> tuple[object, ...] | None:
     """The group key of a layer that may join others, or None."""
     if node.op_type != target.op("gemm").op_type or node.domain != target.domain or "nonlinear" in node.attributes:
         return None
@@ -59,7 +59,7 @@ def _member(node: ir.Node, target: Target) -> tuple[object, ...] | None:
     return (id(x), tuple(node.attributes["input_shape"].value), act.op_type, attrs, w.dtype, bias.dtype)
 
 
-def _join(graph: ir.Graph, target: Target, layers: list[ir.Node]) -> None:
+def _join(graph: ir.Graph, target: DispatchTarget, layers: list[ir.Node]) -> None:
     first = layers[0]
     x = first.inputs[0]
     assert x is not None
@@ -89,7 +89,7 @@ def _join(graph: ir.Graph, target: Target, layers: list[ir.Node]) -> None:
         reroute(graph, old.outputs[0], out)
 
 
-def join_parallel(model: ir.Model, target: Target) -> PassResult:
+def join_parallel(model: ir.Model, target: DispatchTarget) -> PassResult:
     graph = model.graph
     groups: dict[tuple[object, ...], list[ir.Node]] = defaultdict(list)
     for node in graph:

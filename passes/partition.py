@@ -6,6 +6,9 @@ region. The proposal starts from the connected components of the dispatch ops (m
 would close a cycle through the CPU, its nodes are regrouped in topological order, each joining the region of
 one of its dispatch producers unless that would close a cycle (checked on the graph of regions), so regions
 stay as large as the cycles allow.
+
+What the NPU takes is the target's to say: for a dispatch target (AMD's), its registry's ops; for a standard
+target (Qualcomm's HTP), every node its table's limits accept (``sdnpu.passes.standard.refusals``).
 """
 
 from __future__ import annotations
@@ -16,8 +19,9 @@ import networkx as nx
 import onnx_ir as ir
 
 from sdnpu.formats.keys import DECLINED_TAG, REASON_TAG, REGION_TAG
-from sdnpu.ops.target import Target
+from sdnpu.ops.target import DispatchTarget, StandardTarget, Target
 from sdnpu.passes.manager import PassResult
+from sdnpu.passes.standard import refusals
 
 
 @dataclass
@@ -75,11 +79,21 @@ def _regroup(g: nx.DiGraph, members: list[ir.Node], owner: dict[ir.Node, int], n
     return next_id
 
 
-def propose_regions(graph: ir.Graph, target: Target) -> list[list[ir.Node]]:
-    """The regions, each a list of dispatch nodes in graph order; the graph is not changed."""
+def refused(graph: ir.Graph, target: Target) -> dict[ir.Node, str]:
+    """Every node the NPU does not take, with the reason."""
+    if isinstance(target, StandardTarget):
+        return refusals(graph, target)
+    assert isinstance(target, DispatchTarget)
+    return {n: _cpu_reason(n, target) for n in graph if not target.is_dispatch(n.domain, n.op_type)}
+
+
+def propose_regions(graph: ir.Graph, target: Target, cpu: dict[ir.Node, str] | None = None) -> list[list[ir.Node]]:
+    """The regions, each a list of NPU nodes in graph order (``cpu``: the nodes the NPU does not take, as
+    ``refused`` gives them); the graph is not changed."""
+    cpu = refused(graph, target) if cpu is None else cpu
     g = _node_graph(graph)
     order = {n: i for i, n in enumerate(graph)}
-    npu = [n for n in graph if target.is_dispatch(n.domain, n.op_type)]
+    npu = [n for n in graph if n not in cpu]
     sub = g.subgraph(npu).to_undirected(as_view=True)
     components = [sorted(c, key=order.__getitem__) for c in nx.connected_components(sub)]
     owner = {n: i for i, comp in enumerate(components) for n in comp}
@@ -100,7 +114,7 @@ def propose_regions(graph: ir.Graph, target: Target) -> list[list[ir.Node]]:
     return sorted(groups.values(), key=lambda grp: order[grp[0]])
 
 
-def _cpu_reason(node: ir.Node, target: Target) -> str:
+def _cpu_reason(node: ir.Node, target: DispatchTarget) -> str:
     if target.is_boundary(node.domain, node.op_type):
         return "CPU<->NPU boundary cast (CastAvx runs on the CPU)"
     declined = node.metadata_props.get(DECLINED_TAG)
@@ -114,12 +128,13 @@ def _cpu_reason(node: ir.Node, target: Target) -> str:
 _CHOSEN = ("GlueLowering:", "Reshape: read by the CPU")  # CPU by the compiler's choice, not the registry's lack
 
 
-def cpu_islands(graph: ir.Graph, target: Target) -> dict[str, int]:
+def cpu_islands(graph: ir.Graph, target: Target, reasons: dict[ir.Node, str] | None = None) -> dict[str, int]:
     """The CPU nodes' connected groups (through CPU-to-CPU edges), each classed by why it is there: at the
     graph's edges (it reads a graph input or writes an output), around an op the registry lacks (a node whose
     reason is not a boundary cast, an element-wise op kept on CPU values, or a Reshape the CPU reads), or
     neither: an island the data flow does not call for, between dispatch ops."""
-    cpu = [n for n in graph if not target.is_dispatch(n.domain, n.op_type)]
+    reasons = refused(graph, target) if reasons is None else reasons
+    cpu = [n for n in graph if n in reasons]
     g = nx.Graph()
     g.add_nodes_from(cpu)
     members = set(cpu)
@@ -133,7 +148,7 @@ def cpu_islands(graph: ir.Graph, target: Target) -> dict[str, int]:
         edge = any(v is not None and v.is_graph_input() for n in island for v in n.inputs) or any(
             o.is_graph_output() for n in island for o in n.outputs)
         lacks = any(not target.is_boundary(n.domain, n.op_type) and not (
-            n.metadata_props.get(REASON_TAG) or _cpu_reason(n, target)).startswith(_CHOSEN) for n in island)
+            n.metadata_props.get(REASON_TAG) or reasons[n]).startswith(_CHOSEN) for n in island)
         counts["at the edges" if edge else "around ops the registry lacks" if lacks else "avoidable"] += 1
     return counts
 
@@ -141,7 +156,8 @@ def cpu_islands(graph: ir.Graph, target: Target) -> dict[str, int]:
 def partition(model: ir.Model, target: Target) -> PassResult:
     graph = model.graph
     before = [(n.metadata_props.get(REGION_TAG), n.metadata_props.get(REASON_TAG)) for n in graph]
-    regions = propose_regions(graph, target)
+    reasons = refused(graph, target)
+    regions = propose_regions(graph, target, reasons)
     out: list[Region] = []
     for i, grp in enumerate(regions):
         members = set(grp)
@@ -159,13 +175,13 @@ def partition(model: ir.Model, target: Target) -> PassResult:
         out.append(region)
     cpu = 0
     for node in graph:
-        if not target.is_dispatch(node.domain, node.op_type):
-            node.metadata_props[REASON_TAG] = _cpu_reason(node, target)
+        if node in reasons:
+            node.metadata_props[REASON_TAG] = reasons[node]
             node.metadata_props.pop(REGION_TAG, None)
             cpu += 1
     transitions = sum(len(r.inputs) + len(r.outputs) for r in out)
     after = [(n.metadata_props.get(REGION_TAG), n.metadata_props.get(REASON_TAG)) for n in graph]
-    islands = cpu_islands(graph, target)
+    islands = cpu_islands(graph, target, reasons)
     counts = {"NPU regions": len(out), "CPU nodes": cpu, "transitions": transitions, "CPU islands": islands.pop(
         "CPU islands"), **{f"CPU islands {k}": v for k, v in islands.items()}}
     return PassResult(modified=after != before, counts=counts, details={"regions": out})

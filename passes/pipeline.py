@@ -25,6 +25,23 @@ one: the compile stage's log line and the report's pass records are read from it
     partition     NPU regions and the reason for every CPU node; last, it describes the final graph
 
 Every pass after joint reads the target (``CompileOptions.target``): its table says what a dispatch op is.
+
+A *standard* target (``qnn-htp``: Qualcomm's HTP, which takes standard ONNX ops) has a list of its own,
+``standard_pipeline``: its NPU compiles the graph itself, so the passes only bring the graph to the forms it
+takes and computes right, then say what it takes:
+
+    prepare       shapes and types inferred for every value, every node named (the table's limits read them)
+    htp_f32       float64 inside the graph -> float32 (QNN maps no float64; Flux.1's rotary tables)
+    htp_fp16      fp16's range guarded: attention masks' "minus infinity" -> -1e4, and values the fp32 check run
+                  found near 65504 scaled into the norms that read them (``CompileOptions.fp16_risks``)
+    htp_norms     a broadcast Add / Mul feeding a LayerNormalization in a form QNN's HTP compiles right (its
+                  fault on SD3's patch embedding: passes/htp/norms.py)
+    htp_recip     x * (1 / d) as x / d: QNN's fused RmsNorm fails on the exported RMS norm (T5, Flux's q/k norms)
+    htp_angles    Sin / Cos of x * W (the sinusoidal embeddings) with the angle reduced exactly: the HTP's fp16
+                  angle and its Sin / Cos drift past a few hundred radians
+    htp_rank6     DiT's rank-6 unpatchify as DepthToSpace (QNN has no rank-6 Reshape or Transpose)
+    partition     the NPU's regions and the reason for every node its table refuses (what QNN's own compiler
+                  then says is the backend's: ``sdnpu.backends``)
 ``sdnpu.passes.modelfile`` loads a model with its weights left on disk and saves the dispatch model;
 ``sdnpu.convert.compile`` drives a compile from file to report.
 """
@@ -38,23 +55,27 @@ import onnx_ir as ir
 import onnx_ir.passes.common as common
 
 from sdnpu.errors import SdnpuError
-from sdnpu.ops.target import DEFAULT_TARGET, Target, get_target
+from sdnpu.formats.keys import TARGET_KEY
+from sdnpu.ops import qnn_htp
+from sdnpu.ops.target import DEFAULT_TARGET, DispatchTarget, Target, get_target
 from sdnpu.passes.canonicalize import canonicalize
 from sdnpu.passes.cleanup import cleanup
 from sdnpu.passes.cuts import gather_cuts
 from sdnpu.passes.fuse import fuse
 from sdnpu.passes.glue import lower_glue
 from sdnpu.passes.handoff import handoff_pass
+from sdnpu.passes.htp import (broadcast_into_layernorm, exact_angles, float32_tables, fp16_headroom,
+                              pixel_shuffles, reciprocal_products)
 from sdnpu.passes.joint import joint_attention
 from sdnpu.passes.layout import layout
 from sdnpu.passes.parallel import join_parallel
 from sdnpu.passes.manager import PassFn, PassRecord, PassResult, run_passes
 from sdnpu.passes.partition import partition
-from sdnpu.passes.precision import PRECISIONS, precision
+from sdnpu.passes.precision import precision
 from sdnpu.passes.prologue import prologue_pass
 from sdnpu.passes.views import absorb_views
 
-__all__ = ["CompileOptions", "compile_model", "joint", "pass_names", "pipeline"]
+__all__ = ["CompileOptions", "compile_model", "joint", "pass_names", "pipeline", "standard_pipeline"]
 
 Shapes = tuple[tuple[str, tuple[int, ...]], ...]
 
@@ -68,21 +89,31 @@ class CompileOptions:
     with dynamic axes, by name (a mapping is taken too)."""
 
     target: Target = field(default_factory=get_target)
-    precision: str = "bf16"
+    precision: str = ""  # "": the target's first (bf16 for amd-xdna2, fp16 for qnn-htp)
     handoff: frozenset[str] = frozenset()
     prologue: frozenset[str] = frozenset()
     shapes: Shapes = ()
+    htp_arch: int | None = None  # qnn-htp: the HTP generation (69, 73, 75, 79, 81; None: 73, Snapdragon X Elite)
+    fp16_risks: tuple[tuple[str, float], ...] = ()  # values near fp16's limit in the fp32 run: (name, max |x|)
 
     def __post_init__(self) -> None:
-        if self.precision not in PRECISIONS:
-            raise SdnpuError(f"unknown precision {self.precision!r}", hint=f"choose one of: {', '.join(PRECISIONS)}")
+        if not self.precision:
+            object.__setattr__(self, "precision", self.target.precisions[0])
+        if self.precision not in self.target.precisions:
+            raise SdnpuError(f"target {self.target.name} has no precision {self.precision!r}",
+                             hint=f"choose one of: {', '.join(self.target.precisions)}")
+        if self.htp_arch is not None:
+            if self.target.name != qnn_htp.NAME:
+                raise SdnpuError(f"--htp-arch is for --target {qnn_htp.NAME}, not {self.target.name}")
+            object.__setattr__(self, "htp_arch", qnn_htp.arch(self.htp_arch).arch)
         if isinstance(self.shapes, Mapping):
             object.__setattr__(self, "shapes", tuple(sorted((k, tuple(int(d) for d in v))
                                                             for k, v in self.shapes.items())))
 
     @classmethod
-    def named(cls, target: str = DEFAULT_TARGET, precision: str = "bf16") -> CompileOptions:
-        return cls(get_target(target), precision)
+    def named(cls, target: str = DEFAULT_TARGET, precision: str | None = None, htp_arch: int | str | None = None
+              ) -> CompileOptions:
+        return cls(get_target(target), precision or "", htp_arch=htp_arch)  # type: ignore[arg-type]
 
     @property
     def input_shapes(self) -> dict[str, list[int]]:
@@ -98,8 +129,37 @@ def joint(model: ir.Model) -> PassResult:
     return PassResult(modified=bool(sum(counts.values())), counts=dict(counts))
 
 
+def prepare(model: ir.Model, target: Target) -> PassResult:
+    """Constant nodes as initializers (onnxruntime makes them so before QNN sees the graph), shapes and types for
+    every value, every node named (the standard target's limits read them), the target recorded."""
+    lifted = common.LiftConstantsToInitializersPass(lift_all_constants=True, size_limit=0)(model).modified
+    common.ShapeInferencePass(strict_mode=False)(model)
+    named = common.NameFixPass()(model).modified
+    model.metadata_props[TARGET_KEY] = target.name
+    return PassResult(modified=named or lifted, counts={"nodes and values named": int(named),
+                                                        "Constant nodes -> initializers": int(lifted)})
+
+
+def standard_pipeline(options: CompileOptions) -> list[tuple[str, PassFn]]:
+    """The pass list of a standard target (see the module's docstring)."""
+    t = options.target
+    return [
+        ("prepare", lambda m: prepare(m, t)),
+        ("htp_f32", float32_tables),
+        ("htp_fp16", lambda m: fp16_headroom(m, dict(options.fp16_risks))),
+        ("htp_norms", broadcast_into_layernorm),
+        ("htp_recip", reciprocal_products),
+        ("htp_angles", exact_angles),
+        ("htp_rank6", pixel_shuffles),
+        ("partition", lambda m: partition(m, t)),
+    ]
+
+
 def pipeline(options: CompileOptions) -> list[tuple[str, PassFn]]:
     t = options.target
+    if t.kind == "standard":
+        return standard_pipeline(options)
+    assert isinstance(t, DispatchTarget)
     return [
         ("canonicalize", canonicalize),
         ("joint", joint),

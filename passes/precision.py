@@ -23,7 +23,7 @@ import onnx_ir as ir
 
 from sdnpu.errors import SdnpuError
 from sdnpu.formats.keys import BF16_ONLY_TAG, RULE_TAG
-from sdnpu.ops.target import OpSpec, Target
+from sdnpu.ops.target import OpSpec, DispatchTarget
 from sdnpu.passes.irutil import Builder, static_shape
 from sdnpu.passes.manager import PassResult
 from sdnpu.passes.provenance import step
@@ -34,7 +34,7 @@ _FLOATS = (ir.DataType.FLOAT, ir.DataType.FLOAT16)
 PRECISIONS = ("bf16", "bfp16")
 
 
-def _cast_avx(b: Builder, target: Target, x: ir.Value, to: ir.DataType) -> ir.Value:
+def _cast_avx(b: Builder, target: DispatchTarget, x: ir.Value, to: ir.DataType) -> ir.Value:
     return b.op(target.boundary.op_type, [x], {"to": int(to)}, domain=target.domain, dtype=to,
                 shape=static_shape(x)).outputs[0]
 
@@ -68,7 +68,7 @@ def _movable(p: ir.Node | None) -> bool:
     return all(w is not None for w in data) and all(w.const_value is not None for w in params)  # type: ignore[union-attr]
 
 
-def _npu_bound(v: ir.Value, target: Target) -> bool:
+def _npu_bound(v: ir.Value, target: DispatchTarget) -> bool:
     """Every reader of ``v`` is a dispatch op, or a move whose outputs are (Chroma's modulation rows: a Slice, a
     Reshape and a Split between two dispatch ops); ``v`` is no graph output."""
     if v.is_graph_output():
@@ -82,7 +82,7 @@ def _npu_bound(v: ir.Value, target: Target) -> bool:
     return True
 
 
-def _runs_on_bf16(p: ir.Node | None, v: ir.Value, target: Target, entries: dict[int, ir.Value]) -> bool:
+def _runs_on_bf16(p: ir.Node | None, v: ir.Value, target: DispatchTarget, entries: dict[int, ir.Value]) -> bool:
     """Whether ``v`` (and every output of its producer ``p``) can be made by ``p`` on bf16 values: ``p`` moves bits
     (``_movable``), what it makes goes to the NPU (``_npu_bound``), and its data are bf16 already (dispatch
     outputs), or bf16 through moves themselves, or for a plain move, a float value whose one cast another
@@ -104,7 +104,7 @@ def _on_bf16(node: ir.Node) -> bool:
         o.dtype == BF16 for o in node.outputs)
 
 
-def _entry(graph: ir.Graph, target: Target, v: ir.Value, entries: dict[int, ir.Value], counts: Counter[str]
+def _entry(graph: ir.Graph, target: DispatchTarget, v: ir.Value, entries: dict[int, ir.Value], counts: Counter[str]
            ) -> ir.Value:
     """``v`` in bf16 for the dispatch ops that read it: one CastAvx, shared by all of them. Where ``v`` is made on
     the CPU by an op that only moves bits (a Slice, Reshape, Transpose, Gather, Concat) from bf16 values, that op
@@ -138,7 +138,7 @@ def _entry(graph: ir.Graph, target: Target, v: ir.Value, entries: dict[int, ir.V
     return entries[id(v)]
 
 
-def precision(model: ir.Model, target: Target, mode: str = "bf16") -> PassResult:
+def precision(model: ir.Model, target: DispatchTarget, mode: str = "bf16") -> PassResult:
     if mode not in PRECISIONS:
         raise SdnpuError(f"unknown precision {mode!r}", hint=f"choose one of: {', '.join(PRECISIONS)}")
     graph = model.graph

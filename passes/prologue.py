@@ -23,7 +23,7 @@ from collections import Counter
 import onnx_ir as ir
 
 from sdnpu.formats import prologue as spec
-from sdnpu.ops.target import Target
+from sdnpu.ops.target import DispatchTarget
 from sdnpu.passes.cleanup import attach_functions
 from sdnpu.passes.irutil import remove_unused_initializers
 from sdnpu.passes.manager import PassResult
@@ -32,7 +32,7 @@ from sdnpu.passes.partition import partition
 log = logging.getLogger(__name__)
 
 
-def _cut(graph: ir.Graph, target: Target, names: frozenset[str]) -> tuple[list[ir.Node], dict[ir.Value, list[str]]]:
+def _cut(graph: ir.Graph, target: DispatchTarget, names: frozenset[str]) -> tuple[list[ir.Node], dict[ir.Value, list[str]]]:
     """The nodes to move, in graph order, and for every value they or the named inputs give, the named inputs
     it comes from."""
     sources: dict[ir.Value, list[str]] = {v: [v.name or ""] for v in graph.inputs if v.name in names}
@@ -65,7 +65,7 @@ def _canonical_digest(model: ir.Model) -> str:
     return hashlib.sha256(proto.SerializeToString(deterministic=True)).hexdigest()[:16]
 
 
-def prologue_pass(model: ir.Model, target: Target, names: frozenset[str]) -> PassResult:
+def prologue_pass(model: ir.Model, target: DispatchTarget, names: frozenset[str]) -> PassResult:
     graph = model.graph
     moved, sources = _cut(graph, target, names)
     inside = set(moved)

@@ -34,7 +34,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from sdnpu.formats.keys import SIZED_CONSTANTS_KEY, VIEWS_TAG
-from sdnpu.ops.target import Target, attention_mask, prod
+from sdnpu.ops.target import DispatchTarget, attention_mask, prod
 
 __all__ = ["CannotSpecialize", "Specialized", "specialize"]
 
@@ -158,7 +158,7 @@ class _Walk:
     the primary's), ``attrs`` (node index -> its attributes that change), ``views`` (node index -> its
     ``sdnpu.views`` record), the masks to make and the mask inputs they replace."""
 
-    def __init__(self, model: Any, target: Target, inputs: Mapping[str, Shape],
+    def __init__(self, model: Any, target: DispatchTarget, inputs: Mapping[str, Shape],
                  read: Callable[[Any], bytes]) -> None:
         g = model.graph
         self.g, self.target, self.read = g, target, read
@@ -334,7 +334,7 @@ class _Walk:
             self.new[o] = _shape_of(vi)
 
 
-def specialize(model: Any, target: Target, inputs: Mapping[str, Sequence[int]],
+def specialize(model: Any, target: DispatchTarget, inputs: Mapping[str, Sequence[int]],
                read: Callable[[Any], bytes]) -> Specialized:
     """``model`` (a compiled dispatch model, an onnx ModelProto, loaded without its weights) re-derived for
     graph inputs of ``inputs`` (name -> shape); ``read(tensor)``: a small initializer's bytes (the masks are

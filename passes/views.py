@@ -15,18 +15,18 @@ from collections import Counter
 
 import onnx_ir as ir
 
-from sdnpu.ops.target import Target
+from sdnpu.ops.target import DispatchTarget
 from sdnpu.passes.irutil import record_views, remove_dead_nodes, static_shape
 from sdnpu.passes.manager import PassResult
 
 
-def _view_inputs(target: Target, node: ir.Node) -> dict[int, list[int]]:
+def _view_inputs(target: DispatchTarget, node: ir.Node) -> dict[int, list[int]]:
     spec = target.base_spec(node.op_type)
     attrs = {k: a.value for k, a in node.attributes.items()}
     return spec.input_views(attrs)
 
 
-def absorb_views(model: ir.Model, target: Target) -> PassResult:
+def absorb_views(model: ir.Model, target: DispatchTarget) -> PassResult:
     graph = model.graph
     counts: Counter[str] = Counter()
     for node in list(graph):

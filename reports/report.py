@@ -25,7 +25,7 @@ from sdnpu import __version__
 from sdnpu.fileio import atomic_write_text
 from sdnpu.formats import handoff, prologue
 from sdnpu.formats.keys import ASSUMED_TAG, REASON_TAG, REGION_TAG, RULE_TAG, TARGET_KEY, VIEWS_TAG
-from sdnpu.ops.target import Target, get_target
+from sdnpu.ops.target import DispatchTarget, Target, get_target
 
 SCHEMA_VERSION = 2
 
@@ -57,7 +57,7 @@ def _attrs(node: onnx.NodeProto) -> dict[str, Any]:
 
 def macs(node: onnx.NodeProto, shapes: dict[str, list[int]], target: Target) -> int | None:
     """Multiply-accumulates of ``node``: 0 for ops without any, None where they cannot be counted."""
-    if target.is_dispatch(node.domain, node.op_type):
+    if isinstance(target, DispatchTarget) and target.is_dispatch(node.domain, node.op_type):
         spec = target.base_spec(node.op_type)
         return spec.macs(_attrs(node)) if spec.macs is not None else 0
     if node.domain not in ("", "ai.onnx", "com.microsoft"):
@@ -109,7 +109,7 @@ def build(replaced: Path, source_model: Path | None, passes: list[dict[str, Any]
     assumed_ops = 0
     for node in model.graph.node:
         meta_n = _meta(node)
-        if RULE_TAG in meta_n and node.domain == target.domain and not target.is_boundary(node.domain, node.op_type):
+        if RULE_TAG in meta_n and target.is_dispatch(node.domain, node.op_type):
             rules[meta_n[RULE_TAG]] += 1
         m = macs(node, shapes, target)
         if m is None:
@@ -271,7 +271,8 @@ def render_text(r: dict[str, Any]) -> str:
         lines += textwrap.wrap(", ".join(dropped), 79, initial_indent=" " * 12, subsequent_indent=" " * 12)
     lines += ["", "Summary", "-" * 79,
               f"total nodes            {s['total_nodes']}",
-              f"offloaded (dd fusion)  {s['offloaded_nodes']}",
+              (f"offloaded (dd fusion)  {s['offloaded_nodes']}" if "qnn" not in r else
+               f"on the NPU (table)     {s['offloaded_nodes']}   (sdnpu's count by the target's table)"),
               f"CPU nodes              {s['cpu_nodes']}",
               (f"offload rate           {100 * s['offload_rate']:.2f}%  "
                f"({s['offloaded_nodes']} / ({s['offloaded_nodes']} + {s['cpu_nodes']}))"),
@@ -287,6 +288,8 @@ def render_text(r: dict[str, Any]) -> str:
               f"weights                {_gb(s['weight_bytes_before'])} -> {_gb(s['weight_bytes_after'])}",
               ""]
     lines += _lora_lines(r)
+    lines += _vendor_lines(r)
+    lines += _headroom_lines(r)
     lines += ["Offloaded ops by type", "-" * 79]
     lines += [f"  {op:<24}{n:>6}" for op, n in r["offloaded_by_type"].items()]
     lines += ["", "Rules that fired", "-" * 79]
@@ -345,6 +348,53 @@ def render_text(r: dict[str, Any]) -> str:
         counts = ", ".join(f"{k} {v}" for k, v in p["counts"].items() if v)
         lines.append(f"  {p['name']:<13}{p['seconds']:>6.1f} s  {counts[:55]}".rstrip())
     return "\n".join(lines) + "\n"
+
+
+def _vendor_lines(r: dict[str, Any]) -> list[str]:
+    """What the vendor's compiler made of the graph (qnn-htp: QNN's own count from its op trace), beside
+    sdnpu's count above."""
+    q = r.get("qnn")
+    if not q:
+        return []
+    t = q.get("trace") or {}
+    v = q.get("versions", {})
+    total, taken = t.get("total_onnx_nodes", 0), t.get("supported_nodes", 0)
+    lines = ["Qualcomm's compiler (QNN's own count, from its op trace)", "-" * 79,
+             f"QNN                    {v.get('qnn', '?')} (onnxruntime-qnn {v.get('onnxruntime_qnn', '?')}), HTP "
+             f"{q.get('arch')} (soc_model {q.get('soc_model')}){', emulated on x86-64' if q.get('emulated') else ''}",
+             f"taken whole            {'yes: CPU fallback disabled, every node on the HTP' if q.get('whole') else 'no'}",
+             f"QNN takes              {taken} of {total} nodes ({100 * taken / total if total else 0:.2f}%), "
+             f"{t.get('unsupported_nodes', 0)} refused",
+             f"QNN partitions, ops    {t.get('qnn_subgraphs', 0)}, {t.get('total_qnn_ops', 0)} QNN ops",
+             f"context                {q.get('context')} + {', '.join(q.get('binaries', []))} "
+             f"({_gb(q.get('context_bytes'))}), compiled in {q.get('compile_seconds', 0):.1f} s"]
+    if q.get("failure"):
+        lines += textwrap.wrap(f"with fallback disabled QNN said: {q['failure']}", 77, initial_indent="  ",
+                               subsequent_indent="    ")
+    for n in t.get("refused", []):
+        lines.append(f"  {n['op_type']:<13} {n['name']}"[:79])
+        lines += textwrap.wrap(n["reason"], 79, initial_indent=" " * 16, subsequent_indent=" " * 16) or [""]
+    return lines + [""]
+
+
+def _headroom_lines(r: dict[str, Any]) -> list[str]:
+    """The tensors within 4x of fp16's largest value in the fp32 run, for a target that computes in fp16."""
+    if "fp16_headroom" not in r:
+        return []
+    near = r["fp16_headroom"]
+    lines = ["fp16 headroom (tensors within 4x of 65504 in the fp32 run)", "-" * 79]
+    if near is None:
+        return lines + ["  not measured (no fidelity run)", ""]
+    if not near:
+        return lines + ["  none: every tensor stays below 16376 on the check's inputs", ""]
+    for e in near:
+        lines.append(f"  {e['tensor'][:48]:<48} max |x| {e['max_abs']:.4g} ({e['of_fp16_max']:.3g} of it)")
+        after = e.get("after")
+        guard = (f"guard: {e['guard']}" if e.get("guard") else "no guard: QNN computes it in fp16 as it is")
+        if after is not None:
+            guard += f"; after the rewrite max |x| {after:.4g}"
+        lines += textwrap.wrap(guard, 77, initial_indent="    ", subsequent_indent="      ")
+    return lines + [""]
 
 
 def _prologue_summary(r: dict[str, Any]) -> list[str]:

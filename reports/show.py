@@ -60,7 +60,7 @@ def _named(found: list[tuple[str, dict[str, Any], Path]]) -> list[tuple[str, dic
     for name, r, m in found:
         label = str(r.get("component") or name)
         size = r.get("size")
-        several = m.name != "replaced.onnx" or len((r.get("sizes") or {}).get("sizes", [])) > 1
+        several = m.name not in ("replaced.onnx", "model.onnx") or len((r.get("sizes") or {}).get("sizes", [])) > 1
         if several and size:  # a component converted at several sizes: each line names its size
             label += f" {size['width']}x{size['height']}"
         out.append((label, r, m))
@@ -84,21 +84,43 @@ def _find(path: Path) -> list[tuple[str, dict[str, Any], Path]]:
             beside = path.with_name(path.name.replace("replaced", "report", 1).removesuffix(".onnx") + ".json")
             return [(path.parent.parent.name, _read(beside) if beside.exists() else _from_onnx(path), path)]
         raise SdnpuError(f"{path} is neither a report.json nor an .onnx file")
-    for candidate in (path / "report.json", path / "dd" / "report.json"):
-        if candidate.is_file():
-            name = path.name if candidate.parent != path else path.parent.name
-            comp_dir = candidate.parent.parent
-            return [(name, _read(candidate), candidate.with_name("replaced.onnx")), *_other_sizes(comp_dir, name)]
-    found = sorted((p.parent.parent.name, p) for p in path.glob("*/dd/report.json"))
+    if (path / "report.json").is_file():
+        return [(path.parent.name, _read(path / "report.json"), _model_of(path / "report.json"))]
+    here = [path / d / "report.json" for d in OUT_DIRS if (path / d / "report.json").is_file()]
+    if here:
+        out = []
+        for candidate in here:
+            name = _labelled(path.name, candidate, len(here))
+            out += [(name, _read(candidate), _model_of(candidate)),
+                    *(_other_sizes(path, name) if candidate.parent.name == "dd" else [])]
+        return out
+    found = sorted((p.parent.parent.name, p) for d in OUT_DIRS for p in path.glob(f"*/{d}/report.json"))
     if not found:
         raise SdnpuError(f"no offload report under {path}",
-                         hint="reports are written by `sdnpu convert` (OUT/<component>/dd/report.json)")
-    found.sort(key=lambda item: order_key(item[0]))
+                         hint="reports are written by `sdnpu convert` (OUT/<component>/dd/report.json, or "
+                         "qnn/report.json for --target qnn-htp)")
+    found.sort(key=lambda item: (order_key(item[0]), item[1].parent.name))
     out = []
     for name, p in found:  # each component's primary size, then its other sizes (sizes.json)
-        out.append((name, _read(p), p.with_name("replaced.onnx")))
-        out += _other_sizes(p.parent.parent, name)
+        both = sum(1 for d in OUT_DIRS if (p.parent.parent / d / "report.json").is_file())
+        label = _labelled(name, p, both)
+        out.append((label, _read(p), _model_of(p)))
+        out += _other_sizes(p.parent.parent, label) if p.parent.name == "dd" else []
     return out
+
+
+# the folders a compile writes beside model.onnx, by target kind: AMD's dispatch model, Qualcomm's QNN model
+OUT_DIRS = ("dd", "qnn")
+
+
+def _model_of(report: Path) -> Path:
+    """The model a report describes: the dispatch model (dd/), or the graph QNN compiled (qnn/)."""
+    return report.with_name("model.onnx" if report.parent.name == "qnn" else "replaced.onnx")
+
+
+def _labelled(name: str, report: Path, compiles: int) -> str:
+    """A component compiled for two targets names the second's: ``unet [qnn]``."""
+    return f"{name} [{report.parent.name}]" if compiles > 1 and report.parent.name != "dd" else name
 
 
 def _other_sizes(comp_dir: Path, name: str) -> list[tuple[str, dict[str, Any], Path]]:
@@ -117,8 +139,11 @@ def summary_lines(reports: list[tuple[str, dict[str, Any]]]) -> str:
         cos = f"{fid['min_cosine']:.6f}" if fid else "-"
         share = s.get("macs_offloaded_share")
         macs = f"{100 * share:>12.2f}%" if share is not None else f"{'unknown':>13}"
+        q = (r.get("qnn") or {}).get("trace")
+        vendor = (f"  QNN takes {q.get('supported_nodes', 0)}/{q.get('total_onnx_nodes', 0)}"
+                  f"{', whole' if r['qnn'].get('whole') else ''}" if q else "")
         lines.append(f"{name:<{width}}{100 * s['offload_rate']:>8.2f}%{s['offloaded_nodes']:>10}{s['cpu_nodes']:>6}"
-                     f"{s['npu_regions']:>9}{macs}{cos:>12}")
+                     f"{s['npu_regions']:>9}{macs}{cos:>12}{vendor}")
         tot_npu += s["offloaded_nodes"]
         tot_cpu += s["cpu_nodes"]
     shared: dict[str, tuple[int, list[str]]] = {}  # a step prologue (sdnpu.formats.prologue) counts once

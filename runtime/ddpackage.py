@@ -43,7 +43,7 @@ import numpy as np
 
 from sdnpu.errors import SdnpuError
 from sdnpu.formats.keys import REGION_TAG, TARGET_KEY
-from sdnpu.ops.target import Target, get_target
+from sdnpu.ops.target import DispatchTarget, get_target
 
 log = logging.getLogger(__name__)
 
@@ -150,7 +150,7 @@ def _valid_filename(name: str) -> str:
     return re.sub(r"[^A-Za-z0-9_.-]", "_", name).strip(".") or "region"
 
 
-def regions_of(model: Any, target: Target) -> list[list[Any]]:
+def regions_of(model: Any, target: DispatchTarget) -> list[list[Any]]:
     """The dispatch nodes grouped by the region the partition gave them (``sdnpu.region``), each in graph order."""
     groups: dict[str, list[Any]] = {}
     for node in model.graph.node:

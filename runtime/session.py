@@ -37,6 +37,7 @@ log = logging.getLogger(__name__)
 
 CPU = "CPUExecutionProvider"
 DISPATCH_MODEL = Path("dd") / "replaced.onnx"
+QNN_MODEL = Path("qnn") / "ctx.onnx"  # a folder converted for Qualcomm's HTP: QNN's compiled EPContext model
 REFERENCE_MODEL = Path("model.onnx")
 CUSTOM_OPS_ENV = "SDNPU_CUSTOM_OPS"  # the custom-op library's path, where --custom-ops is not given
 DD_CACHE_NAMES = ("cache", ".cache")
@@ -209,10 +210,30 @@ def component_path(folder: Path, component: str, reference: bool = False, size: 
             raise SdnpuError(f"{comp_dir} is not converted at {at} (converted: {listed})",
                              hint=f"add it: {add_command(Path(folder), component, size, batch)}")
         path = comp_dir / (match.model if reference else match.dispatch)
+    if not reference and not path.is_file() and (comp_dir / QNN_MODEL).is_file() and (
+            path.name == DISPATCH_MODEL.name and _is_primary(comp_dir, size, batch)):
+        path = comp_dir / QNN_MODEL  # converted for Qualcomm's HTP (--target qnn-htp): its EPContext model
     if not path.is_file():
         raise SdnpuError(f"{path} not found",
                          hint=f"convert it first: make convert MODEL={component} (OUT={Path(folder)})")
     return path
+
+
+def is_qnn_folder(folder: Path) -> bool:
+    """A folder converted for Qualcomm's HTP (``--target qnn-htp``): its components have QNN's compiled models
+    and no dispatch models."""
+    comps = [d for d in Path(folder).iterdir() if d.is_dir()] if Path(folder).is_dir() else []
+    return any((d / QNN_MODEL).is_file() for d in comps) and not any((d / DISPATCH_MODEL).is_file() for d in comps)
+
+
+def _is_primary(comp_dir: Path, size: Any, batch: int | None) -> bool:
+    """Whether ``size`` / ``batch`` (None: the primary's) are the component's primary graph's, the one a QNN
+    folder has."""
+    have = sizes_of(comp_dir)
+    if not have or (size is None and batch is None):
+        return True
+    first = have[0]
+    return (size is None or Size.of(size) == first.size) and (batch is None or first.batch in (None, batch))
 
 
 def batches_at(folder: Path, component: str, size: Any = None) -> list[int]:
@@ -340,6 +361,8 @@ def open_component_path(path: Path, component: str, reference: bool = False,
     import onnxruntime as ort
 
     options = options or RuntimeOptions(optimize=False)
+    if not reference and path.name == QNN_MODEL.name and path.parent.name == QNN_MODEL.parent.name:
+        return _open_qnn(path, component, options)
     npu = options.custom_ops is not None and not reference and (
         component not in TEXT_ENCODERS or options.npu_text_encoders)
     library = options.custom_ops if npu else None
@@ -392,6 +415,35 @@ def open_component_path(path: Path, component: str, reference: bool = False,
     log.info("%s: %s (%s)", component, path, how)
     return Component(component, path, session, opts, library, loras, arrays,
                      onnxrun.open_prologue(spec.path(path)) if spec is not None else None)
+
+
+def _open_qnn(path: Path, component: str, options: RuntimeOptions) -> Component:
+    """A session over QNN's EPContext model (``--target qnn-htp``) on Qualcomm's HTP: the NPU on a Snapdragon
+    machine, the emulator elsewhere (slow: seconds to minutes a call at test size, and nothing of the NPU's
+    speed). It was compiled for one HTP generation, which the report beside it names."""
+    import json
+
+    from sdnpu.backends import qnn_htp
+
+    if options.loras:
+        raise SdnpuError(f"{component}: LoRAs do not reach a QNN model (its weights are in QNN's context binary)",
+                         hint="fuse the LoRA at conversion: sdnpu convert --target qnn-htp --lora FILE")
+    if options.custom_ops is not None:
+        raise SdnpuError(f"{component}: {path} is compiled for Qualcomm's HTP; --custom-ops is AMD's library",
+                         hint="drop --custom-ops for a folder converted with --target qnn-htp")
+    report = path.with_name("report.json")
+    arch = json.loads(report.read_text()).get("qnn", {}).get("arch") if report.is_file() else None
+    htp = qnn_htp.HtpOptions(qnn_htp.parse_arch(arch), fallback=True, threads=options.threads)
+    try:
+        session = qnn_htp.session(path, htp)
+    except SdnpuError:
+        raise
+    except Exception as e:  # onnxruntime's or QNN's own errors: a context for another HTP, a missing binary
+        raise SdnpuError(f"onnxruntime-qnn cannot open {path}: {' '.join(str(e).split())[:300]}",
+                         hint="convert it again with --target qnn-htp (and the --htp-arch of this machine)") from None
+    where = "the HTP emulator (x86-64: slow, not the NPU's speed)" if qnn_htp.is_emulated() else "the NPU"
+    log.info("%s: %s (Qualcomm's HTP %s, on %s)", component, path, htp.arch.arch, where)
+    return Component(component, path, session, None, None, None, None, None)
 
 
 def _overlay_beside(path: Path, comp_dir: Path, component: str, reference: bool, specs: tuple[Any, ...]

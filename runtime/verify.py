@@ -30,7 +30,7 @@ from sdnpu.memory import check_fits, estimate
 from sdnpu.progress import step
 from sdnpu.reports import report as reports
 from sdnpu.reports.fidelity import RANGE_RUNS, fidelity, pessimistic_model, range_inputs, timestep_scale, worst
-from sdnpu.runtime.session import RuntimeOptions, component_path, open_component, open_component_path
+from sdnpu.runtime.session import QNN_MODEL, RuntimeOptions, component_path, open_component, open_component_path
 from sdnpu.runtime.text2image import GenerateOptions, Pipeline
 from sdnpu.worker import run_in_worker
 
@@ -63,16 +63,22 @@ def _component(folder: Path, name: str, runs: tuple[tuple[int, float], ...], siz
 
     with step(log, f"[{name}] fp32 graph, {len(runs)} inputs"):
         references = each("fp32", f"running {name}'s fp32 graph")
-    with step(log, f"[{name}] dispatch model (rounding once per op: optimistic)"):
+    qnn = dispatch.parent.name == QNN_MODEL.parent.name  # QNN's compiled model: fp16 on the HTP, no bf16 bodies
+    what = ("QNN's compiled model (fp16" + (", on the HTP emulator: slow)" if qnn and _emulated() else ")") if qnn
+            else "dispatch model (rounding once per op: optimistic)")
+    with step(log, f"[{name}] {what}"):
         actual = each("dispatch", f"running {name}'s dispatch model")
         optimistic = worst([fidelity(r, a) for r, a in zip(references, actual, strict=True)])
+    described = ", ".join(f"seed {seed}" + (f" at timestep {t:g}" if "timestep" in feeds[0] else "")
+                          for seed, t in runs)
+    if qnn:
+        return {"optimistic": {**optimistic, "inputs": f"worst of {described} (sdnpu verify; QNN's model on the "
+                               f"{'HTP emulator' if _emulated() else 'HTP'})"}, "pessimistic": None}
     with step(log, f"[{name}] dispatch model with every body intermediate in bf16 (pessimistic)"), \
             tempfile.TemporaryDirectory(prefix="sdnpu-pessimistic-") as tmp:
         path = run_in_worker(pessimistic_model, dispatch, Path(tmp), what=f"writing {name}'s pessimistic model")
         actual = each("pessimistic", f"running {name}'s dispatch model with bf16 intermediates", path)
         pessimistic = worst([fidelity(r, a) for r, a in zip(references, actual, strict=True)])
-    described = ", ".join(f"seed {seed}" + (f" at timestep {t:g}" if "timestep" in feeds[0] else "")
-                          for seed, t in runs)
     return {"optimistic": {**optimistic, "inputs": f"worst of {described} (sdnpu verify)"},
             "pessimistic": {**pessimistic, "inputs": f"worst of {described}; every body intermediate in bf16"}}
 
@@ -125,6 +131,17 @@ def _seeded_picture_and_mask(tmp: Path, seed: int) -> dict[str, Path]:
     return {"image": tmp / "picture.png", "mask": tmp / "mask.png"}
 
 
+def _compiled(folder: Path, name: str) -> bool:
+    """Whether ``folder/<name>`` has a compiled model with its report: AMD's dispatch model or QNN's."""
+    return any((folder / name / d / "report.json").is_file() for d in ("dd", QNN_MODEL.parent.name))
+
+
+def _emulated() -> bool:
+    from sdnpu.backends import qnn_htp
+
+    return qnn_htp.is_emulated()
+
+
 def _files(folder: Path, name: str, size: Any) -> SizeFiles:
     """``name``'s files at ``size`` (None, or a component that does not depend on it: the primary's)."""
     if size is not None and name in SIZED:
@@ -141,8 +158,7 @@ def verify(folder: str | Path, steps: int = 3, seed: int = 0, prompt: str = "a p
     VAEs) are verified at it and the pipeline runs at it; their reports of that size get the results."""
     folder = Path(folder)
     size = Size.of(size) if size is not None else None
-    present = [c for c in COMPONENTS if (folder / c / "dd" / "report.json").is_file()
-               and (folder / c / "model.onnx").is_file()]
+    present = [c for c in COMPONENTS if _compiled(folder, c) and (folder / c / "model.onnx").is_file()]
     if not present:
         raise SdnpuError(f"no converted component with a dispatch model under {folder}",
                          hint="make convert MODEL=all (OUT=...) first")
@@ -168,7 +184,7 @@ def verify(folder: str | Path, steps: int = 3, seed: int = 0, prompt: str = "a p
     results: dict[str, Any] = {"components": {}, "pipeline": None, "lora": lora}
     for name in present:
         results["components"][name] = _component(folder, name, runs, size)
-    pipeline = {denoiser, "vae_decoder"} <= set(present) and (folder / "text_encoder" / "dd" / "report.json").is_file()
+    pipeline = {denoiser, "vae_decoder"} <= set(present) and _compiled(folder, "text_encoder")
     if (folder / "model_index.json").is_file() and pipeline:
         # the folder's own guidance (a Turbo folder's 0, on its batch-1 UNet); an inpainting UNet draws over a
         # seeded picture and mask
@@ -195,6 +211,12 @@ def verify(folder: str | Path, steps: int = 3, seed: int = 0, prompt: str = "a p
     for name, fid in results["components"].items():
         dd = folder / name / "dd"
         files = _files(folder, name, size)
+        if not (folder / name / files.report).is_file() and (folder / name / "qnn" / "report.json").is_file():
+            qnn = folder / name / "qnn"  # a QNN folder: its one report
+            report = json.loads((qnn / "report.json").read_text())
+            report["fidelity"] = {**fid["optimistic"], "pipeline": results["pipeline"]}
+            reports.write(qnn, report)
+            continue
         report = json.loads((folder / name / files.report).read_text())
         if lora.get(name):  # measured with the applied LoRAs: kept with them (lora remove drops it)
             report["lora"]["fidelity"] = {**fid["optimistic"], "pipeline": results["pipeline"]}

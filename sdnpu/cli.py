@@ -33,6 +33,7 @@ from sdnpu.reports.report import render_text
 from sdnpu.runtime import GenerateOptions, Pipeline, RuntimeOptions, save_png, verify
 from sdnpu.runtime.controlnet import ControlSpec
 from sdnpu.runtime.pack import PACKED_DIR, amd_packer, pack
+from sdnpu.runtime.session import is_qnn_folder
 
 log = logging.getLogger("sdnpu")
 
@@ -49,7 +50,8 @@ def _human_bytes(n: float) -> str:
 def _cmd_convert(args: argparse.Namespace) -> int:
     options = ConvertOptions(res=args.res, exporter=args.exporter, opset=args.opset, check=not args.no_check,
                              compile=not args.no_compile, outputs=args.outputs, target=args.target,
-                             precision=args.precision, loras=tuple(args.lora or ()), add=args.add,
+                             precision=args.precision or "", htp_arch=args.htp_arch, loras=tuple(args.lora or ()),
+                             add=args.add,
                              blockwise=args.blockwise, batch=args.batch)
     if args.pack:
         amd_packer()  # a prerequisite: checked before any work
@@ -67,8 +69,11 @@ def _cmd_convert(args: argparse.Namespace) -> int:
         err = (f"{c.check['max_abs_error']:.2e} / {c.check['max_rel_error']:.2e}" if c.check else "not checked")
         rate = f"{100 * c.report['offload_rate']:.2f}%" if c.report else "-"
         cpu = str(c.report["cpu_nodes"]) if c.report else "-"
+        vendor = (f"  QNN takes {c.report['vendor_taken']}/{c.report['vendor_nodes']}"
+                  f"{', whole' if c.report['vendor_whole'] else ''}" if c.report and "vendor_nodes" in c.report else "")
         print(f"{c.component:<16}{c.size:>10}{c.batch or '':>6}{c.nodes:>7}{c.parameters:>15,}"
-              f"{c.seconds.get('export', 0):>9.1f}{_human_bytes(c.peak_rss_bytes):>10}  {err:<20}{rate:>8}{cpu:>5}")
+              f"{c.seconds.get('export', 0):>9.1f}{_human_bytes(c.peak_rss_bytes):>10}  {err:<20}{rate:>8}{cpu:>5}"
+              f"{vendor}")
     print("peak mem: the process's peak resident memory up to that component (a worker's, where larger)")
     if options.loras:
         print(f"LoRA fused before export (diffusers' fuse_lora): {', '.join(str(s) for s in options.loras)}")
@@ -88,7 +93,7 @@ def _cmd_compile(args: argparse.Namespace) -> int:
             shapes[name] = [int(d) for d in dims.split(",") if d] if dims else []
         except ValueError as e:
             raise SdnpuError(f"cannot read --shape {item!r}", hint="write NAME=D,D,... e.g. sample=2,4,128,128") from e
-    options = dataclasses.replace(CompileOptions.named(args.target, args.precision), shapes=shapes)
+    options = dataclasses.replace(CompileOptions.named(args.target, args.precision, args.htp_arch), shapes=shapes)
     report = compile_file(Path(args.model), Path(args.out) if args.out else None, options, verify=not args.no_verify,
                           res=args.res, outputs=args.outputs)
     print(render_text(report), end="")
@@ -151,6 +156,14 @@ def _control_specs(args: argparse.Namespace) -> tuple[Any, ...]:
                                                                           strict=True))
 
 
+def _qnn_how() -> str:
+    from sdnpu.backends import qnn_htp
+
+    return ("QNN models (--target qnn-htp) on Qualcomm's HTP emulator: this machine is not a Snapdragon, so the "
+            "NPU's program ran on the CPU, slowly; its time is not the NPU's" if qnn_htp.is_emulated() else
+            "QNN models (--target qnn-htp) on Qualcomm's HTP")
+
+
 def _cmd_generate(args: argparse.Namespace) -> int:
     from tqdm import tqdm
 
@@ -183,6 +196,7 @@ def _cmd_generate(args: argparse.Namespace) -> int:
     image = images[0]
     how = "fp32 graphs" if args.reference else (
         f"dispatch models, custom ops {runtime.custom_ops}" if runtime.custom_ops else
+        _qnn_how() if is_qnn_folder(Path(args.models)) else
         "dispatch models through their reference bodies on the CPU")
     if runtime.loras:
         how += f"; LoRA {', '.join(str(s) for s in runtime.loras)} applied at session open"
@@ -295,6 +309,10 @@ def _cmd_verify(args: argparse.Namespace) -> int:
     print(f"{'':<16}{'optimistic':>12}{'pessimistic':>12}{'optimistic':>12}{'pessimistic':>12}")
     for name, fid in results["components"].items():
         o, p = fid["optimistic"], fid["pessimistic"]
+        if p is None:  # QNN's compiled model (qnn-htp): one measure, the HTP's own fp16
+            psnr = [f"{a['psnr_db']:.1f} dB" for a in o["outputs"].values() if "psnr_db" in a]
+            print(f"{name:<16}{o['min_cosine']:>12.6f}{'(QNN)':>12}{o['max_abs']:>12.3e}{'':>12}  {' '.join(psnr)}")
+            continue
         psnr = [f"{a['psnr_db']:.1f} / {b['psnr_db']:.1f} dB" for a, b in zip(o["outputs"].values(),
                                                                           p["outputs"].values(), strict=True)
                 if "psnr_db" in a]
@@ -305,8 +323,22 @@ def _cmd_verify(args: argparse.Namespace) -> int:
         print(f"pipeline ({pipe['steps']} steps, seed {pipe['seed']}): image PSNR {pipe['psnr_db']:.1f} dB, "
               "dispatch models against the fp32 graphs")
     where = f"report.{size}.json" if results.get("size") else "report.json"
-    print(f"written into each dd/{where} and {args.models}/verify{'.' + str(size) if results.get('size') else ''}.json")
+    print(f"written into each dd/{where} (qnn/report.json) and {args.models}/verify{'.' + str(size) if results.get('size') else ''}.json")
     return 0
+
+
+def _target_arguments(parser: argparse.ArgumentParser, what: str) -> None:
+    """--target, --precision and --htp-arch, as convert and compile take them."""
+    parser.add_argument("--target", default=DEFAULT_TARGET, choices=target_names(),
+                        help=f"the NPU the {what} are compiled for: {DEFAULT_TARGET} (default; AMD's dispatch ops, "
+                        "dd/) or qnn-htp (Qualcomm's Hexagon NPU through onnxruntime-qnn: standard ops compiled by "
+                        "QNN into an EPContext model, qnn/)")
+    parser.add_argument("--precision", choices=("bf16", "bfp16", "fp16"), default=None,
+                        help="amd-xdna2: bf16 (default) or bfp16, AMD's numerics (weights as its packer writes them, "
+                        "`_bfp` ops); qnn-htp: fp16 (the HTP computes the float32 graph in fp16)")
+    parser.add_argument("--htp-arch", default=None, metavar="V",
+                        help="qnn-htp: the HTP generation, v69, v73 (default: Snapdragon X Elite / X Plus), v75, v79 "
+                        "or v81 (Snapdragon X2 Elite)")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -346,10 +378,7 @@ def build_parser() -> argparse.ArgumentParser:
                       help="then pack the folder's dispatch models in AMD's loading format (sdnpu pack: "
                       "DynamicDispatch nodes, their DD cache, AMD's packed weights; needs AMD's "
                       "ryzenai_dynamic_dispatch packer, checked first)")
-    conv.add_argument("--target", default=DEFAULT_TARGET, choices=target_names(),
-                      help=f"the NPU whose op contract the dispatch models are written in (default {DEFAULT_TARGET})")
-    conv.add_argument("--precision", choices=("bf16", "bfp16"), default="bf16",
-                      help="bf16 (default), or bfp16: AMD's numerics (weights as its packer writes them, `_bfp` ops)")
+    _target_arguments(conv, "models")
     conv.add_argument("--outputs", choices=("pipeline", "all"), default="pipeline",
                       help="outputs the dispatch models keep: what the diffusers pipeline reads (default; the "
                       "text encoders' other hidden states go) or all; model.onnx always keeps all")
@@ -367,10 +396,7 @@ def build_parser() -> argparse.ArgumentParser:
                       help="static shape for a dynamic input (repeatable); an SD component folder with its "
                       "config.json (as optimum writes it) gets sdnpu's shapes by default")
     comp.add_argument("--res", default=None, metavar="WxH|N", help="image size for those default shapes")
-    comp.add_argument("--target", default=DEFAULT_TARGET, choices=target_names(),
-                      help=f"the NPU whose op contract the dispatch model is written in (default {DEFAULT_TARGET})")
-    comp.add_argument("--precision", choices=("bf16", "bfp16"), default="bf16",
-                      help="bf16 (default), or bfp16: AMD's numerics (weights as its packer writes them, `_bfp` ops)")
+    _target_arguments(comp, "model")
     comp.add_argument("--outputs", default="pipeline", metavar="pipeline|all|NAME,...",
                       help="outputs the dispatch model keeps: what the diffusers pipeline reads (default; needs "
                       "the pipeline's model_index.json above a text_encoder), all, or a list of names")

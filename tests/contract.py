@@ -12,7 +12,7 @@ from pathlib import Path
 import onnx
 from onnx import helper
 from sdnpu.formats.keys import VIEWS_TAG
-from sdnpu.ops.target import Target, get_target
+from sdnpu.ops.target import DispatchTarget, get_target
 from sdnpu.passes.cleanup import contract_violations
 
 _STORAGE = {"bfloat16": onnx.TensorProto.BFLOAT16, "float": onnx.TensorProto.FLOAT,
@@ -40,7 +40,7 @@ def ir_node(node: onnx.NodeProto):
     return ir.from_proto(node)
 
 
-def problems(path: Path, target: Target | None = None) -> tuple[int, list[str]]:
+def problems(path: Path, target: DispatchTarget | None = None) -> tuple[int, list[str]]:
     """(dispatch ops checked, what breaks the contract) for the model at ``path``."""
     target = target or get_target()
     m = onnx.shape_inference.infer_shapes(onnx.load(str(path), load_external_data=False))  # shapes, not weights

@@ -20,7 +20,7 @@ from typing import Any
 import onnx_ir as ir
 
 from sdnpu.formats.keys import DECLINED_TAG
-from sdnpu.ops.target import Target
+from sdnpu.ops.target import DispatchTarget
 from sdnpu.passes.irutil import Builder, replace
 
 log = logging.getLogger(__name__)
@@ -48,7 +48,7 @@ class Rule(abc.ABC):
     name: str = ""
     anchors: tuple[str, ...] = ()
 
-    def __init__(self, target: Target) -> None:
+    def __init__(self, target: DispatchTarget) -> None:
         self.target = target
 
     @abc.abstractmethod

@@ -17,6 +17,7 @@ HANDOFF_KEY = "sdnpu.handoff"  # its handoff values and their forms (sdnpu.forma
 PROLOGUE_KEY = "sdnpu.prologue"  # its step prologue (sdnpu.formats.prologue)
 SIZED_CONSTANTS_KEY = "sdnpu.sized_constants"  # constants cut for one image size (canonicalize; the specializer)
 PACKED_KEY = "sdnpu.packed"  # the packer a deployable copy's weights went through (sdnpu pack)
+FP16_GUARDS_KEY = "sdnpu.fp16_guards"  # JSON {value name: the rewrite that keeps it in fp16's range} (passes.htp)
 
 # On values while the passes run (``Value.meta``; never serialized).
 PROVENANCE_KEY = "sdnpu.provenance"  # a constant's weight-record expression (sdnpu.formats.weights)

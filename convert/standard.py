@@ -1,0 +1,144 @@
+"""The compile stage of a standard target (``qnn-htp``): an fp32 ONNX graph -> ``<out_dir>/`` holding
+
+    model.onnx (+ .data)   the graph in the forms the NPU takes (``sdnpu.passes.pipeline.standard_pipeline``),
+                           float32 at its edges, the fp32 graph's inputs and outputs
+    ctx.onnx, ctx_*.bin    the vendor's compile of it (QNN's EPContext model and its context binary)
+    qnn_op_trace.json      the vendor's own account of what it took
+    report.json, onnx_report.txt   sdnpu's count beside the vendor's, fp16 headroom, fidelity
+
+The fidelity run executes the vendor's compiled model (on Qualcomm's HTP emulator on x86-64: slow, and it says
+so) against the fp32 graph on onnxruntime's CPU provider, on the same inputs. fp16 headroom is measured on the
+fp32 graph's run (``sdnpu.reports.headroom``).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from sdnpu.backends import backend_of
+from sdnpu.errors import SdnpuError
+from sdnpu.memory import check_fits
+from sdnpu.onnxrun import run_onnx
+from sdnpu.passes.canonicalize import bind_input_shapes
+from sdnpu.passes.htp import guards_of
+from sdnpu.passes.manager import records_json
+from sdnpu.passes.modelfile import load, save
+from sdnpu.passes.pipeline import CompileOptions, compile_model, pass_names
+from sdnpu.progress import peak_rss_bytes, release_memory, step
+from sdnpu.reports import headroom
+from sdnpu.reports import report as reports
+from sdnpu.reports.fidelity import CannotFeed, fidelity, generic_inputs
+
+log = logging.getLogger(__name__)
+
+MODEL = "model.onnx"
+
+
+def compile_standard(source: Path, out_dir: Path, info: dict[str, Any], options: CompileOptions, *,
+                     outputs: list[str] | None, check: Any, drop_outputs: Any) -> dict[str, Any]:
+    """Compile ``source`` for ``options.target`` (a standard target) into ``out_dir`` (which the caller stages).
+    ``check`` (a ``FidelityCheck`` or None) runs the vendor's model against the fp32 graph; ``drop_outputs``
+    removes the outputs not kept. Returns the report."""
+    target = options.target
+    name = info.get("component", source.parent.name)
+    shapes = options.input_shapes
+    backend = backend_of(target)
+    assert backend is not None, f"target {target.name} names no backend"
+    arch = backend.parse_arch(options.htp_arch)
+    feeds, reference, before, skipped = None, None, None, None
+    if check is not None:  # the fp32 run first: its magnitudes say which values need a guard against fp16
+        try:
+            feeds = check.feeds if check.feeds is not None else generic_inputs(source, shapes=shapes or None)
+        except CannotFeed as e:
+            log.warning("[%s] no fidelity check: %s", name, e)
+            skipped = str(e)
+    if feeds is not None:
+        check_fits(source, f"[{name}] the fp32 run for the fidelity check and fp16 headroom",
+                   "--no-verify skips the fidelity run, or convert at a smaller RES")
+        reference = check.reference
+        if reference is None:
+            with step(log, f"[{name}] running the fp32 graph (onnxruntime CPU) for the fidelity check"):
+                reference = run_onnx(source, feeds, optimize=True)
+        with step(log, f"[{name}] fp16 headroom: every tensor's largest magnitude in the fp32 run"):
+            before = headroom.magnitudes(source, feeds)
+        risks = tuple((e["tensor"], e["max_abs"]) for e in headroom.near_limit(before))
+        options = dataclasses.replace(options, fp16_risks=risks)
+    with step(log, f"[{name}] rewriting for {target.name} ({', '.join(pass_names(options))})"):
+        model = load(source)
+        if shapes:
+            bind_input_shapes(model, shapes)
+        dropped = drop_outputs(model, outputs, name) if outputs is not None else []
+        records = compile_model(model, options)
+        guards = guards_of(dict(model.metadata_props))
+    out_dir.mkdir(parents=True, exist_ok=True)
+    out = out_dir / MODEL
+    with step(log, f"[{name}] writing {target.out_dir}/{MODEL} (float32, the forms {target.name} takes)"):
+        save(model, out)
+    del model
+    release_memory()
+    _validate(out, name)
+    emulated = " on the HTP emulator (x86-64)" if backend.is_emulated() else ""
+    with step(log, f"[{name}] QNN's compiler: HTP v{arch.arch} (soc_model {arch.soc_model}), CPU fallback off"):
+        compiled = backend.compile_context(out, out_dir, arch)
+    qnn = {**compiled.to_json(), "arch": f"v{arch.arch}", "soc_model": arch.soc_model, "chips": arch.chips,
+           "versions": backend.versions(), "emulated": bool(emulated)}
+    if not compiled.whole:
+        log.warning("[%s] QNN refused %d of %d nodes (the report names them); they run on the CPU", name,
+                    qnn["trace"].get("unsupported_nodes", 0), qnn["trace"].get("total_onnx_nodes", 0))
+    fid, room = None, None
+    if feeds is not None and reference is not None and before is not None:
+        after = headroom.magnitudes(out, feeds)
+        room = headroom.near_limit(before)
+        for e in room:
+            e["guard"] = guards.get(e["tensor"]) or ""
+            e["after"] = after.get(e["tensor"])
+        unguarded = [e["tensor"] for e in room if not e["guard"]]
+        if unguarded:
+            log.warning("[%s] %d values come within 4x of fp16's largest (65504) with no guard: %s", name,
+                        len(unguarded), ", ".join(unguarded[:5]))
+        with step(log, f"[{name}] running the compiled model{emulated} for the fidelity check"
+                  + (" (slow: the emulator runs the NPU's program on this CPU)" if emulated else "")) as t:
+            sess = backend.session(compiled.context, backend.HtpOptions(arch, fallback=not compiled.whole))
+            wanted = [o.name for o in sess.get_outputs()]
+            inputs = {i.name for i in sess.get_inputs()}
+            actual = dict(zip(wanted, sess.run(wanted, {k: v for k, v in feeds.items() if k in inputs}),
+                              strict=True))
+            del sess
+        fid = fidelity({k: np.asarray(v) for k, v in reference.items() if k in actual}, actual)
+        fid["inputs"] = (f"seeded; the compiled model ran{emulated or ' on the NPU'} in {t.seconds:.1f} s"
+                         + (" (emulation time, not the NPU's)" if emulated else ""))
+        log.info("[%s] QNN (fp16) vs fp32: min cosine %.6f, max abs error %.3g", name, fid["min_cosine"],
+                 fid["max_abs"])
+    extra: dict[str, Any] = {"target": target.name, "precision": options.precision, "peak_rss_bytes": peak_rss_bytes(),
+                             "qnn": qnn, "fp16_headroom": room}
+    if skipped:
+        extra["fidelity_skipped"] = skipped
+    if dropped:
+        extra["dropped_outputs"] = dropped
+    report = reports.build(out, source, records_json(records), {**info, **extra}, fid, target)
+    trace = qnn["trace"]
+    report["summary"].update(vendor_nodes=trace.get("total_onnx_nodes", 0), vendor_taken=trace.get("supported_nodes", 0),
+                             vendor_whole=compiled.whole)
+    reports.write(out_dir, report)
+    s = report["summary"]
+    log.info("[%s] sdnpu's count: %d of %d nodes on %s; QNN's: %d of %d (%d QNN partitions)%s", name,
+             s["offloaded_nodes"], s["total_nodes"], target.name, qnn["trace"].get("supported_nodes", 0),
+             qnn["trace"].get("total_onnx_nodes", 0), qnn["trace"].get("qnn_subgraphs", 0),
+             "" if compiled.whole else "; NOT taken whole")
+    return report
+
+
+def _validate(path: Path, name: str) -> None:
+    import onnx
+
+    with step(log, f"[{name}] validating {path.name} (onnx.checker, full check)"):
+        try:
+            onnx.checker.check_model(str(path), full_check=True)
+        except (onnx.checker.ValidationError, onnx.shape_inference.InferenceError) as e:
+            raise SdnpuError(f"the rewritten graph {path} is not valid ONNX: {str(e)[:600]}",
+                             hint="this is a compiler bug worth reporting with the model") from e

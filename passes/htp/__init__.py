@@ -1,0 +1,36 @@
+"""HTP's forms: rewrites that bring a float32 graph of standard ops to what Qualcomm's HTP takes and computes
+right (target ``qnn-htp``). Each is exact in float32 or says what it changes; none touches the graph's inputs
+and outputs, so a runtime can swap the QNN model for the fp32 graph.
+
+- **float32 tables.** QNN maps no float64 tensor ("Type not supported", then ``Failed to compose Qnn graph``,
+  error 7004, on diffusers' Flux.1 transformer, whose rotary tables are computed in float64 from the position
+  ids). Every float64 value inside the graph becomes float32: Casts to float64 cast to float32, float64
+  constants are stored float32, and so are the value attributes of ``Constant`` / ``ConstantOfShape``. The
+  difference is float32's rounding of what float64 computed (the rotary angles: |a| < 2^10 rad, so < 1e-4
+  rad). A graph input or output in float64 is the graph's interface and keeps its type: a Cast at the edge
+  turns it to or from float32, and the partition names that Cast.
+- **A broadcast into LayerNormalization.** QNN 2.51's HTP compiles an ``Add`` or ``Mul`` whose operand is
+  broadcast along an axis other than the last, feeding a ``LayerNormalization`` directly, into something that
+  drops the operand for every batch row but the first (SD3's patch embedding: ``h[B, N, D] + pos[1, N, D]``
+  then the first block's norm; cosine 0.75-0.93 on the five-node repro, 0.866 on tiny-sd3's transformer, with
+  no error). The values themselves are right (the Add's output, read elsewhere, is exact); only the pair is
+  wrong, and a ``Sub`` of the same broadcast is exact. So ``Add(x, k)`` becomes ``Sub(x, -k)`` (the constant
+  negated offline, a computed one through ``Neg``: exact), and under a ``Mul`` the norm is written out
+  (ReduceMean, Sub, Mul, ReduceMean, Add, Sqrt, Div, then its scale and bias): the same to fp16's rounding.
+  Measured on the HTP emulator (``tests/test_htp.py`` keeps the repro): broadcast sizes 2-7 fail, 8 and more
+  pass; the rule takes every operand that varies along one leading axis and is broadcast along another, as the
+  fault's bounds are this compiler's and not documented.
+- **A product with a reciprocal** (``reciprocal_products``): the RMS norm as exported, which QNN fuses into an
+  RmsNorm that fails to compile or computes wrong, is written with a division.
+- **Rank-6 pixel shuffles** (``pixel_shuffles``): DiT's unpatchify, in rank 4.
+- **fp16's range** (``fp16_headroom``): masks' minus infinity, and values near 65504 scaled into their norms.
+"""
+
+from sdnpu.passes.htp.angles import exact_angles
+from sdnpu.passes.htp.dtypes import float32_tables
+from sdnpu.passes.htp.headroom import MASK_FLOOR, clamp_masks, fp16_headroom, guards_of, scale_into_norms
+from sdnpu.passes.htp.movement import pixel_shuffles
+from sdnpu.passes.htp.norms import broadcast_into_layernorm, reciprocal_products
+
+__all__ = ["MASK_FLOOR", "broadcast_into_layernorm", "clamp_masks", "exact_angles", "float32_tables", "fp16_headroom",
+           "guards_of", "pixel_shuffles", "reciprocal_products", "scale_into_norms"]

@@ -1,0 +1,54 @@
+"""What HTP's forms share: new names, nodes and constants, each node stamped with the rule."""
+
+from __future__ import annotations
+
+import numpy as np
+import onnx_ir as ir
+
+from sdnpu.formats.keys import RULE_TAG
+
+RULE = "HtpForms"
+F32 = ir.DataType.FLOAT
+
+
+def reduce_mean(graph: ir.Graph, anchor: ir.Node, x: ir.Value, axes: list[int], opset: int, name: str
+                ) -> ir.Value:
+    if opset >= 18:
+        ax = ir.Value(name=f"{name}_axes", const_value=ir.tensor(np.asarray(axes, np.int64), name=f"{name}_axes"))
+        ax.shape, ax.dtype = ir.Shape([len(axes)]), ir.DataType.INT64
+        graph.register_initializer(ax)
+        node = ir.node("ReduceMean", [x, ax], attributes={"keepdims": 1}, name=name)
+    else:
+        node = ir.node("ReduceMean", [x], attributes={"axes": axes, "keepdims": 1}, name=name)
+    graph.insert_before(anchor, node)
+    node.outputs[0].name = name
+    node.outputs[0].dtype = x.dtype
+    return node.outputs[0]
+
+
+def new_op(graph: ir.Graph, anchor: ir.Node, op: str, inputs: list[ir.Value], name: str,
+           like: ir.Value | None = None) -> ir.Value:
+    node = ir.node(op, inputs, name=name)
+    node.metadata_props[RULE_TAG] = RULE
+    graph.insert_before(anchor, node)
+    out = node.outputs[0]
+    out.name = name
+    if like is not None:
+        out.dtype, out.shape = like.dtype, like.shape
+    return out
+
+
+def scalar_const(graph: ir.Graph, value: float, dtype: ir.DataType, name: str) -> ir.Value:
+    arr = np.asarray(value, dtype=np.float16 if dtype == ir.DataType.FLOAT16 else np.float32)
+    v = ir.Value(name=name, const_value=ir.tensor(arr, name=name))
+    v.shape, v.dtype = ir.Shape([]), dtype
+    graph.register_initializer(v)
+    return v
+
+
+def unique_name(graph: ir.Graph, hint: str) -> str:
+    taken = set(graph.initializers) | {o.name for n in graph for o in n.outputs} | {v.name for v in graph.inputs}
+    name, i = hint, 1
+    while name in taken:
+        name, i = f"{hint}_{i}", i + 1
+    return name

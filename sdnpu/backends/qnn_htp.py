@@ -1,0 +1,207 @@
+"""The ``qnn-htp`` target's backend: Qualcomm's own compiler and runtime for the Hexagon NPU, reached through
+onnxruntime's QNN execution provider (the ``onnxruntime-qnn`` package, a plugin EP for onnxruntime >= 1.24).
+
+- **Sessions** (``session``): the EP library registered once per process, the QNN device taken from
+  onnxruntime's EP devices, the HTP backend (``libQnnHtp.so`` in the wheel) with fp16 precision on the chosen
+  HTP generation (``htp_arch`` + ``soc_model``: the emulator needs both). On a Snapdragon machine that is the
+  NPU; on x86-64 the same backend compiles with Qualcomm's compiler and runs on an *emulator* of the HTP,
+  200-400x slower than onnxruntime's CPU provider, whose timings say nothing of the NPU's.
+- **The compile** (``compile_context``): QNN's compiler builds the graph into a context binary, written as an
+  EPContext model (``ctx.onnx``) with the binary beside it (an attribute holds at most 2 GB), first with CPU
+  fallback disabled (the session fails unless QNN takes every node); where it refuses one, again with fallback,
+  so that its op trace names what it refused and why.
+- **QNN's own count** (``read_trace``): the EP's framework op trace (``qnn_op_trace.json``): ONNX nodes
+  supported and not (with QNN's reasons), QNN subgraphs, QNN ops.
+
+Facts measured here (onnxruntime 1.32, onnxruntime-qnn 2.7.0 / QNN 2.51): FACTS.md, 2026-12-05.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import shutil
+import tempfile
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from sdnpu.errors import SdnpuError
+from sdnpu.ops.qnn_htp import Arch, arch as parse_arch
+
+log = logging.getLogger(__name__)
+
+EP = "QNNExecutionProvider"
+CONTEXT = "ctx.onnx"  # the EPContext model, beside the graph it was compiled from
+TRACE = "qnn_op_trace.json"
+INSTALL = "pip install onnxruntime-qnn==2.7.0 (make venv installs it)"
+_registered = False
+
+
+def require() -> Any:
+    """The ``onnxruntime_qnn`` module; missing, one line that names the install."""
+    try:
+        import onnxruntime_qnn
+    except ImportError:
+        raise SdnpuError("the qnn-htp target needs onnxruntime-qnn (Qualcomm's execution provider), which is not "
+                         "installed", hint=INSTALL) from None
+    return onnxruntime_qnn
+
+
+def versions() -> dict[str, str]:
+    """onnxruntime-qnn's and QNN's versions (the report records them)."""
+    q = require()
+    import onnxruntime as ort
+
+    info = getattr(q, "build_and_package_info", None)
+    return {"onnxruntime": ort.__version__, "onnxruntime_qnn": getattr(info, "__version__", "?"),
+            "qnn": getattr(info, "qnn_version", "?")}
+
+
+def _device() -> Any:
+    global _registered
+    q = require()
+    import onnxruntime as ort
+
+    if not _registered:
+        # QNN's refusals are the report's to name, with their reasons: not onnxruntime's log lines on stderr
+        ort.set_default_logger_severity(3)
+        try:
+            ort.register_execution_provider_library(EP, q.get_library_path())
+        except Exception as e:  # registered already by someone else in this process
+            if "already registered" not in str(e).lower():
+                raise SdnpuError(f"onnxruntime cannot load Qualcomm's execution provider: {' '.join(str(e).split())[:300]}",
+                                 hint=f"onnxruntime-qnn 2.7.0 needs onnxruntime >= 1.24 ({INSTALL})") from None
+        _registered = True
+    devices = [d for d in ort.get_ep_devices() if d.ep_name == EP]
+    if not devices:
+        raise SdnpuError("onnxruntime lists no QNN device", hint=INSTALL)
+    return devices[0]
+
+
+def is_emulated() -> bool:
+    """True where the HTP backend runs on the emulator (any machine that is not ARM64): slow, and its timings are
+    not the NPU's."""
+    import platform
+
+    return platform.machine().lower() not in ("arm64", "aarch64")
+
+
+@dataclass(frozen=True)
+class HtpOptions:
+    """How a QNN session is made: the HTP generation, CPU fallback, the op trace, and an EPContext to write."""
+
+    arch: Arch = field(default_factory=lambda: parse_arch(None))
+    fallback: bool = False
+    trace_dir: Path | None = None
+    context: Path | None = None  # write the compiled EPContext model here (binary beside it)
+    threads: int | None = None
+
+    def provider_options(self) -> dict[str, str]:
+        q = require()
+        out = {"backend_path": q.get_qnn_htp_path(), "enable_htp_fp16_precision": "1",
+               "htp_arch": str(self.arch.arch), "soc_model": str(self.arch.soc_model)}
+        if self.trace_dir is not None:
+            out.update(enable_framework_op_trace="1", framework_op_trace_dir=str(self.trace_dir))
+        return out
+
+
+def session(path: Path, options: HtpOptions = HtpOptions()) -> Any:
+    """An onnxruntime session of ``path`` on Qualcomm's HTP (its EPContext model, or any graph QNN compiles on
+    load). Without ``options.fallback`` it fails unless QNN takes every node."""
+    import onnxruntime as ort
+
+    dev = _device()
+    so = ort.SessionOptions()
+    so.log_severity_level = 3
+    if options.threads:
+        so.intra_op_num_threads = options.threads
+    if not options.fallback:
+        so.add_session_config_entry("session.disable_cpu_ep_fallback", "1")
+    if options.context is not None:
+        so.add_session_config_entry("ep.context_enable", "1")
+        so.add_session_config_entry("ep.context_file_path", str(options.context))
+        so.add_session_config_entry("ep.context_embed_mode", "0")
+    so.add_provider_for_devices([dev], options.provider_options())
+    return ort.InferenceSession(str(path), so)
+
+
+def read_trace(path: Path) -> dict[str, Any]:
+    """QNN's own count from its op trace: the summary, and each node it did not take with QNN's reason."""
+    data = json.loads(Path(path).read_text())
+    s = data.get("summary", {})
+    refused = [{"name": n.get("name") or n.get("node_name", "?"), "op_type": n.get("op_type", "?"),
+                "reason": n.get("reason") or n.get("unsupported_reason") or "refused by QNN"}
+               for n in data.get("unsupported_nodes", [])]
+    return {"total_onnx_nodes": int(s.get("total_onnx_nodes", 0)), "supported_nodes": int(s.get("supported_nodes", 0)),
+            "unsupported_nodes": int(s.get("unsupported_nodes", 0)), "qnn_subgraphs": int(s.get("qnn_subgraphs", 0)),
+            "total_qnn_ops": int(s.get("total_qnn_ops", 0)), "fusion_count": dict(s.get("fusion_count", {})),
+            "refused": refused}
+
+
+@dataclass
+class Compiled:
+    """What QNN's compiler made of one graph."""
+
+    whole: bool  # taken whole, with CPU fallback disabled
+    context: Path  # the EPContext model
+    binaries: list[Path]
+    trace: dict[str, Any]
+    seconds: float
+    failure: str = ""  # what QNN said when it would not take the graph whole
+
+    def to_json(self) -> dict[str, Any]:
+        return {"whole": self.whole, "context": self.context.name, "binaries": [b.name for b in self.binaries],
+                "context_bytes": sum(b.stat().st_size for b in self.binaries) + self.context.stat().st_size,
+                "compile_seconds": round(self.seconds, 2), "arch": None, **({"failure": self.failure} if
+                                                                             self.failure else {}),
+                "trace": self.trace}
+
+
+def compile_context(model: Path, out_dir: Path, arch: Arch) -> Compiled:
+    """QNN's compiler on ``model``: ``out_dir/ctx.onnx`` and its context binary, with the op trace. CPU fallback
+    disabled first; where QNN refuses a node, compiled again with fallback (the EPContext model then holds the
+    refused nodes for the CPU), and the trace names them."""
+    out_dir.mkdir(parents=True, exist_ok=True)
+    ctx = out_dir / CONTEXT
+    (out_dir / TRACE).unlink(missing_ok=True)
+    failure = ""
+    start = time.perf_counter()
+    with tempfile.TemporaryDirectory(prefix="qnn-trace-") as tmp:
+        for fallback in (False, True):
+            for stale in [ctx, *out_dir.glob(f"{ctx.stem}*.bin")]:  # a refused first try may have written them
+                stale.unlink(missing_ok=True)
+            try:
+                session(model, HtpOptions(arch, fallback=fallback, trace_dir=Path(tmp), context=ctx))
+                break
+            except SdnpuError:
+                raise
+            except Exception as e:
+                if fallback:
+                    raise SdnpuError(f"QNN's compiler cannot build {model.name}, even with CPU fallback: "
+                                     f"{_message(e)}", hint="this graph holds something QNN's HTP backend cannot "
+                                     "compile; `sdnpu compile --target amd-xdna2` or the fp32 graph on the CPU "
+                                     "still run it") from None
+                failure = _message(e)
+                log.warning("QNN does not take %s whole (%s); compiling it with CPU fallback to name what it "
+                            "refuses", model.name, failure[:200])
+        seconds = time.perf_counter() - start
+        trace_file = Path(tmp) / TRACE
+        trace = read_trace(trace_file) if trace_file.is_file() else {}
+        if trace_file.is_file():
+            shutil.copyfile(trace_file, out_dir / TRACE)
+    if not ctx.is_file():
+        raise SdnpuError(f"QNN compiled {model.name} but wrote no EPContext model",
+                         hint="onnxruntime-qnn's EPContext support (ep.context_enable) may be missing in this "
+                         "build; " + INSTALL)
+    binaries = sorted(p for p in out_dir.glob("*.bin") if p.name.startswith(ctx.stem))
+    return Compiled(whole=not failure, context=ctx, binaries=binaries, trace=trace, seconds=seconds,
+                    failure=failure)
+
+
+def _message(e: Exception) -> str:
+    import re
+
+    text = " ".join(str(e).split())
+    return re.sub(r"^\[ONNXRuntimeError\] : \d+ : \w+ : ", "", text)[:500]

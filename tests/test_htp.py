@@ -1,0 +1,352 @@
+"""HTP's forms (``sdnpu.passes.htp``): each rewrite on small graphs, as op counts, onnx's full check and
+onnxruntime's numbers before and after (fp32: every rewrite is exact or changes float32's last bits); then the
+faults they avoid, reproduced on Qualcomm's compiler and its HTP emulator (onnxruntime-qnn): each graph small,
+each QNN session made once."""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import onnx
+import pytest
+from onnx import TensorProto as T
+from onnx import helper
+
+from sdnpu.formats.keys import FP16_GUARDS_KEY
+from sdnpu.passes import htp
+from sdnpu.passes.pipeline import CompileOptions, compile_model
+
+from .graphs import feeds_for, model, ops, run, to_ir, to_proto
+
+FP32 = dict(rtol=1e-5, atol=1e-5)  # float32's rounding: the rewrites reorder or negate, nothing more
+
+
+def _cosine(a: np.ndarray, b: np.ndarray) -> float:
+    a, b = a.ravel().astype(np.float64), b.ravel().astype(np.float64)
+    return float(a @ b / (np.linalg.norm(a) * np.linalg.norm(b)))
+
+
+def _same(before: onnx.ModelProto, after, tol=FP32) -> None:
+    proto = to_proto(after) if not isinstance(after, onnx.ModelProto) else after
+    onnx.checker.check_model(proto, full_check=True)
+    feeds = feeds_for(before)
+    for a, b in zip(run(before, feeds), run(proto, feeds), strict=True):
+        np.testing.assert_allclose(b, a, **tol)
+
+
+# --- the SD3 patch-embedding fault ---------------------------------------------------------------------------
+
+def patch_embed(batch: int = 2, c: int = 4, side: int = 16, d: int = 32) -> onnx.ModelProto:
+    """SD3's patch embedding, the five nodes that reproduce QNN's fault: Conv(k2, s2) -> Reshape -> Transpose ->
+    Add(pos[1, N, D]) -> LayerNormalization (no affine, eps 1e-6)."""
+    rng = np.random.default_rng(0)
+    n = (side // 2) ** 2
+    nodes = [helper.make_node("Conv", ["x", "w", "b"], ["p"], kernel_shape=[2, 2], strides=[2, 2], name="conv"),
+             helper.make_node("Reshape", ["p", "shape"], ["r"], name="flatten"),
+             helper.make_node("Transpose", ["r"], ["t"], perm=[0, 2, 1], name="tokens"),
+             helper.make_node("Add", ["t", "pos"], ["h"], name="pos_add"),
+             helper.make_node("LayerNormalization", ["h", "one", "zero"], ["y"], axis=-1, epsilon=1e-6,
+                              name="norm1")]
+    pos = np.sin(np.arange(n * d, dtype=np.float32).reshape(1, n, d) * 0.37)
+    inits = {"w": (rng.standard_normal((d, c, 2, 2)) * 0.1).astype(np.float32),
+             "b": (rng.standard_normal(d) * 0.1).astype(np.float32),
+             "shape": np.asarray([batch, d, n], np.int64), "pos": pos.astype(np.float32),
+             "one": np.ones(d, np.float32), "zero": np.zeros(d, np.float32)}
+    return model(nodes, {"x": [batch, c, side, side]}, {"y": None}, inits)
+
+
+def test_a_broadcast_add_before_a_layer_norm_becomes_a_sub_of_its_negation():
+    m = patch_embed()
+    after = to_ir(m)
+    result = htp.broadcast_into_layernorm(after)
+    assert result.counts["broadcast Add -> Sub before LayerNorm"] == 1
+    assert ops(after)["Add"] == 0 and ops(after)["Sub"] == 1 and ops(after)["LayerNormalization"] == 1
+    _same(m, after)
+
+
+def test_a_broadcast_mul_before_a_layer_norm_writes_the_norm_out():
+    nodes = [helper.make_node("Mul", ["x", "k"], ["h"]),
+             helper.make_node("LayerNormalization", ["h", "g", "b"], ["y"], axis=-1, epsilon=1e-5)]
+    rng = np.random.default_rng(1)
+    m = model(nodes, {"x": [2, 8, 16]}, {"y": None}, {"k": rng.standard_normal((1, 8, 16)).astype(np.float32),
+                                                     "g": rng.standard_normal(16).astype(np.float32),
+                                                     "b": rng.standard_normal(16).astype(np.float32)})
+    after = to_ir(m)
+    assert htp.broadcast_into_layernorm(after).counts["LayerNorm after a broadcast Mul written out"] == 1
+    assert ops(after)["LayerNormalization"] == 0 and ops(after)["ReduceMean"] == 2
+    _same(m, after)
+
+
+@pytest.mark.parametrize("addend", [[1, 1, 16], [16], [2, 8, 16]], ids=["channel row", "vector", "full shape"])
+def test_an_add_broadcast_only_along_the_last_axis_is_left_alone(addend):
+    """The fault needs a broadcast along an axis other than the last (measured: a [1, 1, D] or [D] addend, or a
+    full-shape one, is exact): those keep QNN's one LayerNorm."""
+    nodes = [helper.make_node("Add", ["x", "k"], ["h"]),
+             helper.make_node("LayerNormalization", ["h", "g"], ["y"], axis=-1)]
+    m = model(nodes, {"x": [2, 8, 16]}, {"y": None}, {"k": np.ones(addend, np.float32), "g": np.ones(16, np.float32)})
+    after = to_ir(m)
+    assert not htp.broadcast_into_layernorm(after).modified
+    assert ops(after)["Add"] == 1
+
+
+# --- float64 ---------------------------------------------------------------------------------------------------
+
+def rotary_in_float64() -> onnx.ModelProto:
+    """Flux.1's rotary angles as diffusers exports them: ids cast to float64, times float64 frequencies, broadcast
+    over the batch (an Expand), Cos, cast back."""
+    freqs = (1.0 / 10000 ** (np.arange(0, 8, 2) / 8)).astype(np.float64)
+    nodes = [helper.make_node("Cast", ["ids"], ["ids64"], to=T.DOUBLE),
+             helper.make_node("Unsqueeze", ["ids64", "axis"], ["col"]),
+             helper.make_node("Mul", ["col", "freqs"], ["angles"]),
+             helper.make_node("Expand", ["angles", "batch"], ["batched"]),
+             helper.make_node("Cos", ["batched"], ["cos"]),
+             helper.make_node("Cast", ["cos"], ["y"], to=T.FLOAT)]
+    g = helper.make_graph(nodes, "rope", [helper.make_tensor_value_info("ids", T.FLOAT, [64])],
+                          [helper.make_tensor_value_info("y", T.FLOAT, [2, 64, 4])],
+                          [onnx.numpy_helper.from_array(freqs, "freqs"),
+                           onnx.numpy_helper.from_array(np.asarray([1], np.int64), "axis"),
+                           onnx.numpy_helper.from_array(np.asarray([2, 64, 4], np.int64), "batch")])
+    m = helper.make_model(g, opset_imports=[helper.make_opsetid("", 20)])
+    return onnx.shape_inference.infer_shapes(m, strict_mode=True)
+
+
+def test_float64_inside_the_graph_becomes_float32():
+    m = rotary_in_float64()
+    after = to_ir(m)
+    counts = htp.float32_tables(after).counts
+    assert counts["casts to float64 -> float32"] == 1 and counts["float64 constants -> float32"] == 1
+    proto = to_proto(after)
+    onnx.checker.check_model(proto, full_check=True)
+    assert not any(t.data_type == T.DOUBLE for t in proto.graph.initializer)
+    ids = np.arange(64, dtype=np.float32)
+    np.testing.assert_allclose(run(proto, {"ids": ids})[0], run(m, {"ids": ids})[0], atol=1e-5)
+
+
+def test_a_float64_graph_input_and_output_keep_their_type():
+    nodes = [helper.make_node("Mul", ["x", "k"], ["y"])]
+    g = helper.make_graph(nodes, "f64", [helper.make_tensor_value_info("x", T.DOUBLE, [4])],
+                          [helper.make_tensor_value_info("y", T.DOUBLE, [4])],
+                          [onnx.numpy_helper.from_array(np.full(4, 3.0), "k")])
+    m = onnx.shape_inference.infer_shapes(helper.make_model(g, opset_imports=[helper.make_opsetid("", 20)]))
+    after = to_ir(m)
+    htp.float32_tables(after)
+    proto = to_proto(after)
+    onnx.checker.check_model(proto, full_check=True)
+    assert proto.graph.input[0].type.tensor_type.elem_type == T.DOUBLE
+    assert proto.graph.output[0].type.tensor_type.elem_type == T.DOUBLE
+    assert [n.op_type for n in proto.graph.node] == ["Cast", "Mul", "Cast"]
+    x = np.arange(4, dtype=np.float64)
+    np.testing.assert_allclose(run(proto, {"x": x})[0], 3 * x)
+
+
+# --- fp16 headroom --------------------------------------------------------------------------------------------
+
+def causal_attention() -> onnx.ModelProto:
+    """CLIP's self-attention as exported: scores plus a constant causal mask of float32's lowest value."""
+    n = 8
+    mask = np.triu(np.full((n, n), np.finfo(np.float32).min, np.float32), 1)[None, None]
+    nodes = [helper.make_node("MatMul", ["q", "kt"], ["s"]),
+             helper.make_node("Add", ["s", "mask"], ["masked"]),
+             helper.make_node("Softmax", ["masked"], ["p"], axis=-1),
+             helper.make_node("MatMul", ["p", "v"], ["y"])]
+    return model(nodes, {"q": [1, 2, n, 4], "kt": [1, 2, 4, n], "v": [1, 2, n, 4]}, {"y": None}, {"mask": mask})
+
+
+def test_an_attention_mask_below_fp16s_range_is_raised_to_minus_1e4():
+    m = causal_attention()
+    after = to_ir(m)
+    assert htp.clamp_masks(after).counts["attention masks -> -1e4"] == 1
+    mask = after.graph.initializers["mask"].const_value.numpy()
+    assert mask.min() == htp.MASK_FLOOR and (mask[0, 0, 0, 1:] == htp.MASK_FLOOR).all() and mask[0, 0, 1, 0] == 0
+    _same(m, after)  # the softmax weights do not change
+    assert "masked" in json.loads(after.metadata_props[FP16_GUARDS_KEY])
+
+
+def test_a_constant_read_outside_the_mask_is_left_alone():
+    m = causal_attention()
+    m.graph.node.append(helper.make_node("ReduceMin", ["mask"], ["low"], keepdims=0))
+    m.graph.output.append(helper.make_tensor_value_info("low", T.FLOAT, []))
+    after = to_ir(m)
+    assert not htp.clamp_masks(after).modified
+
+
+def overflowing_conv(scale: float = 30000.0) -> onnx.ModelProto:
+    """A Conv whose outputs pass fp16's largest value (65504), read only by a norm: the norm's output is small,
+    the value between is not."""
+    rng = np.random.default_rng(0)
+    c = 8
+    nodes = [helper.make_node("Conv", ["x", "w", "b"], ["big"], pads=[1, 1, 1, 1], name="conv"),
+             helper.make_node("InstanceNormalization", ["big", "s", "t"], ["y"], epsilon=1e-5, name="norm")]
+    return model(nodes, {"x": [1, c, 16, 16]}, {"y": None},
+                 {"w": (rng.standard_normal((c, c, 3, 3)) * scale).astype(np.float32),
+                  "b": (rng.standard_normal(c) * 100).astype(np.float32), "s": np.ones(c, np.float32),
+                  "t": np.zeros(c, np.float32)})
+
+
+def test_a_value_near_fp16s_limit_is_scaled_into_the_norm_that_reads_it():
+    m = overflowing_conv()
+    big = float(np.abs(run(onnx.utils.Extractor(m).extract_model(["x"], ["big"]), feeds_for(m))[0]).max())
+    assert big > 65504
+    after = to_ir(m)
+    assert htp.scale_into_norms(after, {"big": big}).counts["linear -> norm scaled into fp16"] == 1
+    _same(m, after, tol=dict(rtol=1e-4, atol=1e-4))  # eps / s**2 and the weights / s: float32's rounding
+    assert "big" in json.loads(after.metadata_props[FP16_GUARDS_KEY])
+
+
+def test_a_large_value_read_by_anything_but_a_norm_is_not_scaled():
+    m = overflowing_conv()
+    m.graph.output.append(helper.make_tensor_value_info("big", T.FLOAT, [1, 8, 16, 16]))
+    after = to_ir(m)
+    assert not htp.scale_into_norms(after, {"big": 1e6}).modified
+
+
+# --- rank-6 unpatchify -----------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("spelling", ["einsum", "transpose"])
+def test_a_rank6_unpatchify_becomes_depth_to_space(spelling):
+    n, h, w, p, c = 2, 4, 4, 2, 3
+    perm = [0, 5, 1, 3, 2, 4]
+    move = (helper.make_node("Einsum", ["x6"], ["y6"], equation="nhwpqc->nchpwq") if spelling == "einsum" else
+            helper.make_node("Transpose", ["x6"], ["y6"], perm=perm))
+    nodes = [helper.make_node("Reshape", ["x", "s6"], ["x6"]), move,
+             helper.make_node("Reshape", ["y6", "s4"], ["y"])]
+    m = model(nodes, {"x": [n, h * w, p * p * c]}, {"y": None},
+              {"s6": np.asarray([n, h, w, p, p, c], np.int64), "s4": np.asarray([n, c, h * p, w * p], np.int64)})
+    after = to_ir(m)
+    assert htp.pixel_shuffles(after).counts["rank-6 pixel shuffles -> DepthToSpace"] == 1
+    assert ops(after) == {"Reshape": 1, "Transpose": 1, "DepthToSpace": 1}
+    _same(m, after, tol=dict(rtol=0, atol=0))  # data movement: the same values exactly
+
+
+def test_the_standard_pipeline_keeps_the_graphs_signature():
+    m = patch_embed()
+    after = to_ir(m)
+    compile_model(after, CompileOptions.named("qnn-htp"))
+    proto = to_proto(after)
+    assert [(i.name, i.type) for i in proto.graph.input] == [(i.name, i.type) for i in m.graph.input]
+    assert [o.name for o in proto.graph.output] == [o.name for o in m.graph.output]
+    _same(m, proto)
+
+
+# --- the faults, on Qualcomm's compiler and its emulator --------------------------------------------------------
+
+qnn = pytest.importorskip("sdnpu.backends.qnn_htp")
+
+
+def _on_htp(m: onnx.ModelProto, path, feeds):
+    onnx.save(m, str(path))
+    sess = qnn.session(path)
+    return sess.run(None, feeds)[0]
+
+
+def test_qnn_computes_the_patch_embedding_wrong_and_its_rewrite_right(tmp_path):
+    """The repro: QNN takes the five nodes whole and gives batch row 1 without the addend (measured cosine
+    0.93 at this size); the rewritten graph agrees with fp32."""
+    m = patch_embed()
+    feeds = feeds_for(m)
+    ref = run(m, feeds)[0]
+    assert _cosine(_on_htp(m, tmp_path / "raw.onnx", feeds), ref) < 0.99
+    after = to_ir(m)
+    htp.broadcast_into_layernorm(after)
+    assert _cosine(_on_htp(to_proto(after), tmp_path / "fixed.onnx", feeds), ref) > 0.9999
+
+
+def test_qnn_loses_an_overflowing_value_and_its_guard_keeps_it(tmp_path):
+    """fp16 overflow, proved on a constructed graph: untreated, QNN's output is far off (cosine 0.33 measured);
+    with the value scaled into its norm, right."""
+    m = overflowing_conv()
+    feeds = feeds_for(m)
+    ref = run(m, feeds)[0]
+    assert _cosine(_on_htp(m, tmp_path / "raw.onnx", feeds), ref) < 0.9
+    big = float(np.abs(run(onnx.utils.Extractor(m).extract_model(["x"], ["big"]), feeds)[0]).max())
+    after = to_ir(m)
+    htp.scale_into_norms(after, {"big": big})
+    assert _cosine(_on_htp(to_proto(after), tmp_path / "fixed.onnx", feeds), ref) > 0.9999
+
+
+def test_qnn_refuses_float64_and_takes_the_float32_tables(tmp_path):
+    """QNN refuses the float64 Expand, then fails composing the graph (error 7004): no session at all."""
+    m = rotary_in_float64()
+    onnx.save(m, str(tmp_path / "raw.onnx"))
+    with pytest.raises(Exception):
+        qnn.session(tmp_path / "raw.onnx")
+    after = to_ir(m)
+    htp.float32_tables(after)
+    ids = np.arange(64, dtype=np.float32)
+    got = _on_htp(to_proto(after), tmp_path / "fixed.onnx", {"ids": ids})
+    # the bound: the HTP computes in fp16, whose rounding of an angle up to 63 rad is up to 63 * 2**-11 = 0.031
+    # rad, and cos moves by at most that much (measured: 0.027)
+    np.testing.assert_allclose(got, run(m, {"ids": ids})[0], atol=63 * 2.0 ** -11)
+
+
+# --- the RMS norm and the sinusoids ------------------------------------------------------------------------------
+
+def rms_norm(d: int = 16) -> onnx.ModelProto:
+    """T5's RMS norm as exported: Pow, ReduceMean, Add(eps), Sqrt, Reciprocal, Mul, then its weight times that
+    (the weight first: the order that fails QNN's compile)."""
+    nodes = [helper.make_node("Pow", ["x", "two"], ["sq"]),
+             helper.make_node("ReduceMean", ["sq", "axes"], ["ms"], keepdims=1),
+             helper.make_node("Add", ["ms", "eps"], ["mse"]),
+             helper.make_node("Sqrt", ["mse"], ["rms"]),
+             helper.make_node("Reciprocal", ["rms"], ["inv"]),
+             helper.make_node("Mul", ["x", "inv"], ["normed"]),
+             helper.make_node("Mul", ["gamma", "normed"], ["y"])]
+    rng = np.random.default_rng(3)
+    return model(nodes, {"x": [1, 8, d]}, {"y": None},
+                 {"two": np.float32(2.0), "axes": np.asarray([-1], np.int64), "eps": np.float32(1e-6),
+                  "gamma": rng.standard_normal(d).astype(np.float32)})
+
+
+def test_a_product_with_a_reciprocal_becomes_a_division():
+    m = rms_norm()
+    after = to_ir(m)
+    assert htp.reciprocal_products(after).counts["x * (1 / d) -> x / d"] == 1
+    assert ops(after)["Reciprocal"] == 0 and ops(after)["Div"] == 1
+    _same(m, after)
+
+
+def timestep_embedding(t: float) -> tuple[onnx.ModelProto, dict[str, np.ndarray]]:
+    """diffusers' get_timestep_embedding as exported, with Flux's scale: t * 1000, a column, times 8 frequencies
+    (10000^(-i/8)), then Cos and Sin concatenated."""
+    freqs = np.exp(-np.log(10000.0) * np.arange(8) / 8).astype(np.float32)
+    nodes = [helper.make_node("Mul", ["t", "thousand"], ["scaled"]),
+             helper.make_node("Unsqueeze", ["scaled", "last"], ["col"]),
+             helper.make_node("Mul", ["col", "freqs"], ["angles"]),
+             helper.make_node("Cos", ["angles"], ["c"]), helper.make_node("Sin", ["angles"], ["s"]),
+             helper.make_node("Concat", ["c", "s"], ["y"], axis=-1)]
+    m = model(nodes, {"t": [2]}, {"y": None}, {"thousand": np.float32(1000.0), "last": np.asarray([1], np.int64),
+                                               "freqs": freqs})
+    return m, {"t": np.asarray([t, 0.25], np.float32)}
+
+
+def test_sinusoids_are_reduced_exactly_in_float32():
+    m, feeds = timestep_embedding(0.987)
+    after = to_ir(m)
+    assert htp.exact_angles(after).counts["sin/cos of x * W reduced exactly"] == 1
+    proto = to_proto(after)
+    onnx.checker.check_model(proto, full_check=True)
+    assert ops(proto)["Sin"] == 1 and ops(proto)["Cos"] == 1 and ops(proto)["Gather"] == 6
+    # float32 reference: angles up to 987 rad, each float32-rounded (a few 1e-5 rad); the rewrite reads them from
+    # float64 tables, so it is the closer of the two to the exact values
+    exact = np.concatenate([np.cos(np.float64(feeds["t"])[:, None] * 1000 * np.exp(-np.log(10000.0) * np.arange(8) / 8)),
+                            np.sin(np.float64(feeds["t"])[:, None] * 1000 * np.exp(-np.log(10000.0) * np.arange(8) / 8))],
+                           axis=-1)
+    ours, theirs = run(proto, feeds)[0], run(m, feeds)[0]
+    assert np.abs(ours - exact).max() <= np.abs(theirs - exact).max() + 1e-6
+    assert np.abs(ours - exact).max() < 1e-4
+
+
+def test_qnn_computes_large_angles_wrong_and_their_reduction_right(tmp_path):
+    """Flux.1's timestep embedding at t = 0.987 (987 rad): the HTP's fp16 product and its Sin drift; reduced
+    exactly, the error is fp16's rounding of the values. The NPU reads the input in fp16 (0.987 arrives as
+    0.98682: 0.18 rad at this scale, which no rewrite inside the graph can undo), so the reference is the fp32
+    graph on the input as the NPU reads it."""
+    m, feeds = timestep_embedding(0.987)
+    ref = run(m, {k: v.astype(np.float16).astype(np.float32) for k, v in feeds.items()})[0]
+    raw = _on_htp(m, tmp_path / "raw.onnx", feeds)
+    after = to_ir(m)
+    htp.exact_angles(after)
+    fixed = _on_htp(to_proto(after), tmp_path / "fixed.onnx", feeds)
+    assert np.abs(raw - ref).max() > 0.05
+    assert np.abs(fixed - ref).max() < 0.01
