@@ -52,7 +52,8 @@ class ConvertOptions:
     run the exported graph against PyTorch and the dispatch model against the graph; ``compile``: write
     ``<component>/dd/``; ``outputs``: "pipeline" (the dispatch models keep what a diffusers pipeline reads)
     or "all"; ``target``: the NPU whose op contract the dispatch models are written in; ``precision``: bf16
-    or bfp16 (amd-xdna2), fp16 (qnn-htp; "" the target's first); ``htp_arch``: qnn-htp's HTP generation; ``loras``: LoRAs fused into the UNet and text encoders before export; ``batch``: the
+    or bfp16 (amd-xdna2), fp16 (qnn-htp; "" the target's first); ``htp_arch``: qnn-htp's HTP generation;
+    ``loras``: LoRAs fused into the UNet and text encoders before export; ``batch``: the
     denoiser's batches (an int, "1,2" or a sequence; the first the primary's; None: the source's default,
     ``sdnpu.formats.generation``: 2 where its pipeline uses guidance, 1 where it is guidance-free)."""
 

@@ -122,7 +122,8 @@ def compile_standard(source: Path, out_dir: Path, info: dict[str, Any], options:
         extra["dropped_outputs"] = dropped
     report = reports.build(out, source, records_json(records), {**info, **extra}, fid, target)
     trace = qnn["trace"]
-    report["summary"].update(vendor_nodes=trace.get("total_onnx_nodes", 0), vendor_taken=trace.get("supported_nodes", 0),
+    report["summary"].update(vendor_nodes=trace.get("total_onnx_nodes", 0),
+                             vendor_taken=trace.get("supported_nodes", 0),
                              vendor_whole=compiled.whole)
     reports.write(out_dir, report)
     s = report["summary"]

@@ -362,7 +362,8 @@ def _vendor_lines(r: dict[str, Any]) -> list[str]:
     lines = ["Qualcomm's compiler (QNN's own count, from its op trace)", "-" * 79,
              f"QNN                    {v.get('qnn', '?')} (onnxruntime-qnn {v.get('onnxruntime_qnn', '?')}), HTP "
              f"{q.get('arch')} (soc_model {q.get('soc_model')}){', emulated on x86-64' if q.get('emulated') else ''}",
-             f"taken whole            {'yes: CPU fallback disabled, every node on the HTP' if q.get('whole') else 'no'}",
+             "taken whole            " + ("yes: CPU fallback disabled, every node on the HTP" if q.get("whole")
+                                             else "no"),
              f"QNN takes              {taken} of {total} nodes ({100 * taken / total if total else 0:.2f}%), "
              f"{t.get('unsupported_nodes', 0)} refused",
              f"QNN partitions, ops    {t.get('qnn_subgraphs', 0)}, {t.get('total_qnn_ops', 0)} QNN ops",

@@ -323,7 +323,8 @@ def _cmd_verify(args: argparse.Namespace) -> int:
         print(f"pipeline ({pipe['steps']} steps, seed {pipe['seed']}): image PSNR {pipe['psnr_db']:.1f} dB, "
               "dispatch models against the fp32 graphs")
     where = f"report.{size}.json" if results.get("size") else "report.json"
-    print(f"written into each dd/{where} (qnn/report.json) and {args.models}/verify{'.' + str(size) if results.get('size') else ''}.json")
+    tag = "." + str(size) if results.get("size") else ""
+    print(f"written into each dd/{where} (qnn/report.json) and {args.models}/verify{tag}.json")
     return 0
 
 

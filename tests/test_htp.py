@@ -329,9 +329,8 @@ def test_sinusoids_are_reduced_exactly_in_float32():
     assert ops(proto)["Sin"] == 1 and ops(proto)["Cos"] == 1 and ops(proto)["Gather"] == 6
     # float32 reference: angles up to 987 rad, each float32-rounded (a few 1e-5 rad); the rewrite reads them from
     # float64 tables, so it is the closer of the two to the exact values
-    exact = np.concatenate([np.cos(np.float64(feeds["t"])[:, None] * 1000 * np.exp(-np.log(10000.0) * np.arange(8) / 8)),
-                            np.sin(np.float64(feeds["t"])[:, None] * 1000 * np.exp(-np.log(10000.0) * np.arange(8) / 8))],
-                           axis=-1)
+    angles = np.float64(feeds["t"])[:, None] * 1000 * np.exp(-np.log(10000.0) * np.arange(8) / 8)
+    exact = np.concatenate([np.cos(angles), np.sin(angles)], axis=-1)
     ours, theirs = run(proto, feeds)[0], run(m, feeds)[0]
     assert np.abs(ours - exact).max() <= np.abs(theirs - exact).max() + 1e-6
     assert np.abs(ours - exact).max() < 1e-4

@@ -124,7 +124,8 @@ def reciprocal_products(model: ir.Model) -> PassResult:
             continue
         muls = {id(u.node): (u.node, u.idx) for u in r.uses()}  # a node reading it twice counts once
         for mul, idx in muls.values():
-            if mul.op_type != "Mul" or mul.domain not in ("", "ai.onnx") or len(mul.inputs) != 2 or mul.graph is not graph:
+            if (mul.op_type != "Mul" or mul.domain not in ("", "ai.onnx") or len(mul.inputs) != 2
+                    or mul.graph is not graph):
                 continue  # (a reader inside a Loop's or If's body is left alone)
             x = mul.inputs[1 - idx]
             if x is None or x is r:

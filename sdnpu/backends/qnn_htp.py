@@ -71,7 +71,8 @@ def _device() -> Any:
             ort.register_execution_provider_library(EP, q.get_library_path())
         except Exception as e:  # registered already by someone else in this process
             if "already registered" not in str(e).lower():
-                raise SdnpuError(f"onnxruntime cannot load Qualcomm's execution provider: {' '.join(str(e).split())[:300]}",
+                why = " ".join(str(e).split())[:300]
+                raise SdnpuError(f"onnxruntime cannot load Qualcomm's execution provider: {why}",
                                  hint=f"onnxruntime-qnn 2.7.0 needs onnxruntime >= 1.24 ({INSTALL})") from None
         _registered = True
     devices = [d for d in ort.get_ep_devices() if d.ep_name == EP]
