@@ -1,6 +1,6 @@
 """qnn-htp on every model sdnpu knows: the tiny presets converted whole (``sdnpu convert --target qnn-htp``) and
-every zoo member (``tests/zoo.py``) compiled (``sdnpu compile --target qnn-htp``), each on Qualcomm's compiler
-and, where it is x86-64, its HTP emulator. One row a graph: sdnpu's count by its table, QNN's own count,
+every zoo member (``tests/zoo.py``) compiled (``sdnpu compile --target qnn-htp``, the member's example inputs
+for the fidelity run), each on Qualcomm's compiler and, where it is x86-64, its HTP emulator. One row a graph: sdnpu's count by its table, QNN's own count,
 whether QNN took it whole with CPU fallback disabled, and the emulated fp16 outputs against the fp32 graph on
 onnxruntime's CPU (min cosine, max abs, any NaN or Inf), the fp16 headroom list's length and unguarded values.
 
@@ -55,6 +55,19 @@ def presets(names: list[str], out: Path) -> list[dict[str, Any]]:
     return rows
 
 
+def _example_inputs(path: Path, feeds: dict[str, Any]) -> None:
+    """The member's example inputs as an ONNX backend test's ``test_data_set_0`` beside its graph (the compile's
+    fidelity run takes them: a timestep the model is called with, not a seeded draw of any size)."""
+    import onnx
+    from onnx import numpy_helper
+
+    names = [i.name for i in onnx.load(str(path), load_external_data=False).graph.input]
+    folder = path.parent / "test_data_set_0"
+    folder.mkdir(exist_ok=True)
+    for i, name in enumerate(names):
+        (folder / f"input_{i}.pb").write_bytes(numpy_helper.from_array(feeds[name], name).SerializeToString())
+
+
 def zoo(names: list[str], out: Path) -> list[dict[str, Any]]:
     from sdnpu.convert.compile import compile_file
     from sdnpu.passes.pipeline import CompileOptions
@@ -69,6 +82,7 @@ def zoo(names: list[str], out: Path) -> list[dict[str, Any]]:
                 if not z.agrees_with_pytorch(path, feeds, reference):
                     rows.append({"graph": label, "error": "the export is not its module (onnxruntime vs PyTorch)"})
                     continue
+                _example_inputs(path, feeds)  # the fidelity run reads the member's own inputs, not generic ones
                 report = compile_file(path, path.parent / "qnn", CompileOptions.named("qnn-htp"))
                 rows.append(_row(label, report))
             except Exception as e:

@@ -95,8 +95,10 @@ def compile_standard(source: Path, out_dir: Path, info: dict[str, Any], options:
         after = headroom.magnitudes(out, feeds)
         room = headroom.near_limit(before)
         for e in room:
-            e["guard"] = guards.get(e["tensor"]) or ""
             e["after"] = after.get(e["tensor"])
+            e["guard"] = guards.get(e["tensor"]) or (
+                "" if e["after"] is not None else "the rewritten graph no longer computes it (a pass replaced the "
+                "nodes that wrote it)")
         unguarded = [e["tensor"] for e in room if not e["guard"]]
         if unguarded:
             log.warning("[%s] %d values come within 4x of fp16's largest (65504) with no guard: %s", name,

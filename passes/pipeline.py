@@ -39,7 +39,8 @@ takes and computes right, then say what it takes:
     htp_recip     x * (1 / d) as x / d: QNN's fused RmsNorm fails on the exported RMS norm (T5, Flux's q/k norms)
     htp_angles    Sin / Cos of x * W (the sinusoidal embeddings) with the angle reduced exactly: the HTP's fp16
                   angle and its Sin / Cos drift past a few hundred radians
-    htp_rank6     DiT's rank-6 unpatchify as DepthToSpace (QNN has no rank-6 Reshape or Transpose)
+    htp_rank6     DiT's rank-6 unpatchify as DepthToSpace, any other rank-6 permutation as rank-4 steps (QNN has
+                  no rank-6 Reshape or Transpose)
     partition     the NPU's regions and the reason for every node its table refuses (what QNN's own compiler
                   then says is the backend's: ``sdnpu.backends``)
 ``sdnpu.passes.modelfile`` loads a model with its weights left on disk and saves the dispatch model;
@@ -48,10 +49,13 @@ takes and computes right, then say what it takes:
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 
+import numpy as np
 import onnx_ir as ir
+import onnxscript.optimizer
 import onnx_ir.passes.common as common
 
 from sdnpu.errors import SdnpuError
@@ -65,7 +69,7 @@ from sdnpu.passes.fuse import fuse
 from sdnpu.passes.glue import lower_glue
 from sdnpu.passes.handoff import handoff_pass
 from sdnpu.passes.htp import (broadcast_into_layernorm, exact_angles, float32_tables, fp16_headroom,
-                              pixel_shuffles, reciprocal_products)
+                              pixel_shuffles, rank6_movements, reciprocal_products)
 from sdnpu.passes.joint import joint_attention
 from sdnpu.passes.layout import layout
 from sdnpu.passes.parallel import join_parallel
@@ -74,6 +78,8 @@ from sdnpu.passes.partition import partition
 from sdnpu.passes.precision import precision
 from sdnpu.passes.prologue import prologue_pass
 from sdnpu.passes.views import absorb_views
+
+log = logging.getLogger(__name__)
 
 __all__ = ["CompileOptions", "compile_model", "joint", "pass_names", "pipeline", "standard_pipeline"]
 
@@ -134,10 +140,24 @@ def prepare(model: ir.Model, target: Target) -> PassResult:
     every value, every node named (the standard target's limits read them), the target recorded."""
     lifted = common.LiftConstantsToInitializersPass(lift_all_constants=True, size_limit=0)(model).modified
     common.ShapeInferencePass(strict_mode=False)(model)
+    folded = False
+    with np.errstate(all="ignore"):
+        try:  # shape arithmetic folded (TorchScript's Slice bounds), as onnxruntime folds it before QNN sees it
+            folded = onnxscript.optimizer.fold_constants(model).modified
+        except Exception as e:  # an op its folder cannot evaluate: the graph goes on unfolded
+            log.warning("onnxscript's constant folder stopped (%s: %s)", type(e).__name__, str(e)[:200])
+    if folded:
+        common.LiftConstantsToInitializersPass(lift_all_constants=True, size_limit=0)(model)
+        common.ShapeInferencePass(strict_mode=False)(model)
     named = common.NameFixPass()(model).modified
     model.metadata_props[TARGET_KEY] = target.name
-    return PassResult(modified=named or lifted, counts={"nodes and values named": int(named),
-                                                        "Constant nodes -> initializers": int(lifted)})
+    return PassResult(modified=named or lifted or folded, counts={
+        "nodes and values named": int(named), "Constant nodes -> initializers": int(lifted),
+        "constant subgraphs folded": int(folded)})
+
+
+def _both(a: PassResult, b: PassResult) -> PassResult:
+    return PassResult(modified=a.modified or b.modified, counts={**a.counts, **b.counts})
 
 
 def standard_pipeline(options: CompileOptions) -> list[tuple[str, PassFn]]:
@@ -150,7 +170,7 @@ def standard_pipeline(options: CompileOptions) -> list[tuple[str, PassFn]]:
         ("htp_norms", broadcast_into_layernorm),
         ("htp_recip", reciprocal_products),
         ("htp_angles", exact_angles),
-        ("htp_rank6", pixel_shuffles),
+        ("htp_rank6", lambda m: _both(pixel_shuffles(m), rank6_movements(m))),
         ("partition", lambda m: partition(m, t)),
     ]
 

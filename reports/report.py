@@ -280,8 +280,9 @@ def render_text(r: dict[str, Any]) -> str:
               (f"MACs offloaded         {100 * s['macs_offloaded_share']:.2f}% of {s['macs_total']:,}"
                if s.get("macs_offloaded_share") is not None else
                f"MACs offloaded         unknown ({s.get('macs_uncounted_nodes', 0)} nodes without shapes)"),
-              f"views absorbed         {s.get('absorbed_views', 0)} (Reshapes read as the op's own shape)",
-              f"assumed capabilities   {s.get('ops_on_assumed_capabilities', 0)} ops rely on one",
+              *([] if "qnn" in r else [
+                  f"views absorbed         {s.get('absorbed_views', 0)} (Reshapes read as the op's own shape)",
+                  f"assumed capabilities   {s.get('ops_on_assumed_capabilities', 0)} ops rely on one"]),
               f"NPU regions            {s['npu_regions']}",
               f"CPU<->NPU transitions  {s['transitions']}",
               *_islands_line(s),

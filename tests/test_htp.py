@@ -349,3 +349,34 @@ def test_qnn_computes_large_angles_wrong_and_their_reduction_right(tmp_path):
     fixed = _on_htp(to_proto(after), tmp_path / "fixed.onnx", feeds)
     assert np.abs(raw - ref).max() > 0.05
     assert np.abs(fixed - ref).max() < 0.01
+
+
+def test_a_cast_to_the_same_type_between_the_add_and_the_norm_is_looked_through():
+    """TorchScript's SD3 export writes Add -> Cast(float) -> LayerNormalization: the same fault (measured cosine
+    0.856 on the zoo's SD3 transformer before this)."""
+    m = patch_embed()
+    nodes = list(m.graph.node)
+    add = next(n for n in nodes if n.op_type == "Add")
+    norm = next(n for n in nodes if n.op_type == "LayerNormalization")
+    cast = helper.make_node("Cast", ["h"], ["h_float"], to=T.FLOAT, name="noop_cast")
+    norm.input[0] = "h_float"
+    m.graph.node.insert(list(m.graph.node).index(add) + 1, cast)
+    after = to_ir(m)
+    assert htp.broadcast_into_layernorm(after).counts["broadcast Add -> Sub before LayerNorm"] == 1
+    _same(m, after)
+
+
+@pytest.mark.parametrize("perm", [[0, 2, 4, 1, 3, 5], [0, 2, 4, 3, 5, 1], [0, 3, 5, 1, 2, 4]],
+                         ids=["patchify cpq", "patchify pqc", "other"])
+def test_any_rank6_permutation_between_reshapes_becomes_rank4_steps(perm):
+    n, c, h, p = 2, 3, 4, 2
+    nodes = [helper.make_node("Reshape", ["x", "s6"], ["x6"]), helper.make_node("Transpose", ["x6"], ["y6"], perm=perm),
+             helper.make_node("Reshape", ["y6", "s3"], ["y"])]
+    m = model(nodes, {"x": [n, c, h * p, h * p]}, {"y": None},
+              {"s6": np.asarray([n, c, h, p, h, p], np.int64), "s3": np.asarray([n, h * h, c * p * p], np.int64)})
+    after = to_ir(m)
+    assert htp.rank6_movements(after).counts["rank-6 permutations -> rank-4 steps"] == 1
+    proto = to_proto(after)
+    ranks = [len(v.type.tensor_type.shape.dim) for v in onnx.shape_inference.infer_shapes(proto).graph.value_info]
+    assert max(ranks) <= 4
+    _same(m, proto, tol=dict(rtol=0, atol=0))

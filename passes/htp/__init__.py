@@ -29,8 +29,8 @@ and outputs, so a runtime can swap the QNN model for the fp32 graph.
 from sdnpu.passes.htp.angles import exact_angles
 from sdnpu.passes.htp.dtypes import float32_tables
 from sdnpu.passes.htp.headroom import MASK_FLOOR, clamp_masks, fp16_headroom, guards_of, scale_into_norms
-from sdnpu.passes.htp.movement import pixel_shuffles
+from sdnpu.passes.htp.movement import pixel_shuffles, rank6_movements
 from sdnpu.passes.htp.norms import broadcast_into_layernorm, reciprocal_products
 
 __all__ = ["MASK_FLOOR", "broadcast_into_layernorm", "clamp_masks", "exact_angles", "float32_tables", "fp16_headroom",
-           "guards_of", "pixel_shuffles", "reciprocal_products", "scale_into_norms"]
+           "guards_of", "pixel_shuffles", "rank6_movements", "reciprocal_products", "scale_into_norms"]

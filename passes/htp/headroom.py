@@ -151,6 +151,8 @@ def scale_into_norms(model: ir.Model, risky: dict[str, float]) -> PassResult:
     if not risky:
         return PassResult(modified=False, counts={"linear -> norm scaled into fp16": 0})
     for value in [o for n in graph for o in n.outputs if o.name in risky]:
+        if not np.isfinite(risky[value.name]):
+            continue  # already infinite in float32: no scale brings it back
         # a power of two (exact), taking the value to at most 1/16 of fp16's largest
         s = 2.0 ** max(1, int(np.ceil(np.log2(max(risky[value.name], 1.0) * 16 / 65504))))
         norms = _norm_readers(value)

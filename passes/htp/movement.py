@@ -78,3 +78,56 @@ def pixel_shuffles(model: ir.Model) -> PassResult:
         d2s.outputs[0].name = name
         done += 1
     return PassResult(modified=bool(done), counts={"rank-6 pixel shuffles -> DepthToSpace": done})
+
+
+def rank6_movements(model: ir.Model) -> PassResult:
+    """Any other rank-6 permutation between two Reshapes (patchify ``[n, c, h, p, w, q] -> [n, h, w, c, p, q]``,
+    AuraFlow's, CogView4's, Lumina 2's and Z-Image's) as a few rank-4 ones: each step moves one axis to its
+    place, the axes before it, between, and after merged into one each (``[A, B, x, D] -> [A, x, B, D]``), so no
+    tensor of rank 6 is made; at most five steps, usually two. The same values, moved the same way."""
+    graph = model.graph
+    done = 0
+    for node in [n for n in graph if n.op_type in ("Transpose", "Einsum") and n.domain in ("", "ai.onnx")]:
+        perm = _permutation(node)
+        x, y = node.inputs[0], node.outputs[0]
+        if perm is None or len(perm) < 6 or x is None or x.shape is None or not x.shape.is_static():
+            continue
+        src = x.producer()
+        readers = [u.node for u in y.uses()]
+        if (src is None or src.op_type != "Reshape" or len(x.uses()) != 1 or y.is_graph_output() or not readers
+                or any(r.op_type != "Reshape" for r in readers)):
+            continue
+        s_in = src.inputs[0]
+        if s_in is None or s_in.shape is None or len(s_in.shape) > 5:
+            continue
+        dims = [int(d) for d in x.shape]
+        value, cur = s_in, list(range(len(dims)))
+        made: list[ir.Node] = []
+        for k, want in enumerate(perm):
+            i = cur.index(want)
+            if i == k:
+                continue
+            groups = [cur[:k], cur[k:i], [cur[i]], cur[i + 1:]]
+            view = [int(np.prod([dims[a] for a in g])) if g else 1 for g in groups]
+            shape = ir.Value(name=unique_name(graph, f"{node.name}_view{len(made)}"),
+                             const_value=ir.tensor(np.asarray(view, np.int64)))
+            shape.shape, shape.dtype = ir.Shape([4]), ir.DataType.INT64
+            shape.const_value.name = shape.name  # type: ignore[union-attr]
+            graph.register_initializer(shape)
+            reshape = ir.node("Reshape", [value, shape], name=unique_name(graph, f"{node.name}_view{len(made)}"))
+            move = ir.node("Transpose", [reshape.outputs[0]], attributes={"perm": [0, 2, 1, 3]},
+                           name=unique_name(graph, f"{node.name}_move{len(made)}"))
+            for new, out in ((reshape, view), (move, [view[0], view[2], view[1], view[3]])):
+                new.metadata_props[RULE_TAG] = RULE
+                new.outputs[0].name, new.outputs[0].dtype, new.outputs[0].shape = new.name, y.dtype, ir.Shape(out)
+            made += [reshape, move]
+            value = move.outputs[0]
+            cur = groups[0] + groups[2] + groups[1] + groups[3]
+        if not made:
+            continue
+        graph.insert_before(node, made)
+        for reader in readers:  # each reads the moved values, reshaped as it asks
+            reader.replace_input_with(0, value)
+        graph.remove([node, src], safe=True)
+        done += 1
+    return PassResult(modified=bool(done), counts={"rank-6 permutations -> rank-4 steps": done})

@@ -84,6 +84,17 @@ def _written_out_norm(graph: ir.Graph, norm: ir.Node, opset: int) -> None:
     y.name = name
 
 
+def _through_noops(x: ir.Value | None) -> ir.Node | None:
+    """The node that computes ``x``'s values, past the ops that only pass them on (an Identity, a Cast to the type
+    it has: TorchScript writes one between SD3's position Add and its first norm), which QNN drops."""
+    node = x.producer() if x is not None else None
+    while node is not None and node.domain in ("", "ai.onnx") and (
+            node.op_type == "Identity" or node.op_type == "Cast" and node.inputs[0] is not None
+            and node.attributes.get("to") is not None and node.attributes["to"].value == node.inputs[0].dtype):
+        node = node.inputs[0].producer() if node.inputs[0] is not None else None
+    return node
+
+
 def broadcast_into_layernorm(model: ir.Model) -> PassResult:
     """The HTP's fault on a broadcast Add or Mul feeding a LayerNormalization avoided (see the module's
     docstring)."""
@@ -92,7 +103,7 @@ def broadcast_into_layernorm(model: ir.Model) -> PassResult:
     counts = {"broadcast Add -> Sub before LayerNorm": 0, "LayerNorm after a broadcast Mul written out": 0}
     for norm in [n for n in graph if n.op_type == "LayerNormalization" and n.domain in ("", "ai.onnx")]:
         x = norm.inputs[0]
-        src = x.producer() if x is not None else None
+        src = _through_noops(x)
         if src is None or src.domain not in ("", "ai.onnx") or src.op_type not in ("Add", "Mul"):
             continue
         k = _broadcast_operand(src)
