@@ -97,6 +97,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--zoo", default="all")
     p.add_argument("--out", default=None)
     p.add_argument("--json", default=None)
+    p.add_argument("--markdown", default=None, help="also write the table as markdown to this file")
     args = p.parse_args(argv)
     from tests import zoo as z
 
@@ -119,7 +120,25 @@ def main(argv: list[str] | None = None) -> int:
             print(f"{'':<6}refused: {why}")
     if args.json:
         Path(args.json).write_text(json.dumps(rows, indent=1))
+    if args.markdown:
+        Path(args.markdown).write_text(markdown(rows))
     return 0
+
+
+def markdown(rows: list[dict[str, Any]]) -> str:
+    """The rows as the table bench/results.md holds."""
+    out = ["| graph | sdnpu's table | QNN takes | taken whole | QNN partitions | min cosine | max abs | near 65504 "
+           "(unguarded) |", "|---|---|---|---|---|---|---|---|"]
+    for r in rows:
+        if "error" in r:
+            out.append(f"| {r['graph']} | {r['error'][:100]} | | | | | | |")
+            continue
+        cos = f"{r['min_cosine']:.6f}" if r["min_cosine"] is not None else "-"
+        mab = f"{r['max_abs']:.3g}" if r["max_abs"] is not None else "-"
+        out.append(f"| {r['graph']} | {r['table']} | {r['qnn']} | {'yes' if r['whole'] else 'no'} | {r['partitions']} "
+                   f"| {cos}{'' if r['finite'] else ' (not finite)'} | {mab} | {r['near_fp16_max']} "
+                   f"({r['unguarded']}) |")
+    return "\n".join(out) + "\n"
 
 
 if __name__ == "__main__":

@@ -208,6 +208,8 @@ TABLE: tuple[OpSupport, ...] = (
       for op in ("Max", "Min", "Sum")),
     OpSupport("Pow", _EW + _HERE, (_float_operands,)),
     OpSupport("Identity", "QNN-EP op_builder_factory.cc (Identity)"),
+    OpSupport("Constant", "HERE (no computation): onnxruntime makes it an initializer before QNN sees the graph "
+              "(sdnpu lifts them too, but for a graph output written by one)"),
     OpSupport("Shape", "QNN-EP 2.7.0 (Shape: input rank >= 1)"),
     OpSupport("Attention", "QNN-EP 2.7.0 (ONNX Attention, opset 23: decomposed on the HTP)", (_attention,)),
     OpSupport("RMSNormalization", "QNN-EP opbuilder/rmsnormalization_op_builder.cc:40-72", (_ranks(0, 4),)),
@@ -287,7 +289,6 @@ TABLE: tuple[OpSupport, ...] = (
 _CPU_REASONS = {
     "Not": "Not: refused on the HTP (measured here: ONNX's test_not_2d/3d/4d)",
     "Asin": "Asin: refused on the HTP (measured here: ONNX's test_asin)",
-    "Constant": "Constant: a constant, not a computation (onnxruntime makes it an initializer before QNN sees it)",
     "Erf": "Erf: no QNN op builder outside the GELU pattern (Div, Erf, Add, Mul, Mul 0.5), which QNN fuses",
     "ReduceProd": "ReduceProd: refused on the HTP backend (reduce_op_builder.cc:167-168)",
     "IsInf": "IsInf: refused on the HTP backend (graph finalize fails, QNN_COMMON_ERROR_MEM_ALLOC)",

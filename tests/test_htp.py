@@ -380,3 +380,18 @@ def test_any_rank6_permutation_between_reshapes_becomes_rank4_steps(perm):
     ranks = [len(v.type.tensor_type.shape.dim) for v in onnx.shape_inference.infer_shapes(proto).graph.value_info]
     assert max(ranks) <= 4
     _same(m, proto, tol=dict(rtol=0, atol=0))
+
+
+def test_a_scale_after_the_frequencies_is_folded_too():
+    """diffusers' get_timestep_embedding(scale=1000) (AuraFlow) scales the product, not the timestep."""
+    freqs = np.exp(-np.log(10000.0) * np.arange(8) / 8).astype(np.float32)
+    nodes = [helper.make_node("Unsqueeze", ["t", "last"], ["col"]),
+             helper.make_node("Mul", ["col", "freqs"], ["product"]),
+             helper.make_node("Mul", ["product", "thousand"], ["angles"]),
+             helper.make_node("Sin", ["angles"], ["y"])]
+    m = model(nodes, {"t": [2]}, {"y": None}, {"thousand": np.float32(1000.0), "last": np.asarray([1], np.int64),
+                                               "freqs": freqs})
+    after = to_ir(m)
+    assert htp.exact_angles(after).counts["sin/cos of x * W reduced exactly"] == 1
+    feeds = {"t": np.asarray([0.987, 0.25], np.float32)}
+    np.testing.assert_allclose(run(to_proto(after), feeds)[0], run(m, feeds)[0], atol=1e-4)

@@ -47,6 +47,11 @@ def _site(angle: ir.Value) -> _Site | None:
     if found is None:
         return None
     x, w = found
+    inner_mul = x.producer()
+    if w.size == 1 and inner_mul is not None and inner_mul.op_type == "Mul" and inner_mul.domain in ("", "ai.onnx"):
+        inner = _const_operand(inner_mul)  # (x * W) * scale: diffusers' get_timestep_embedding(scale=1000), AuraFlow's
+        if inner is not None:
+            x, w = inner[0], inner[1] * float(w.reshape(()))
     shape, out = x.shape, angle.shape
     if shape is None or out is None or not shape.is_static() or not out.is_static() or len(shape) < 1:
         return None
