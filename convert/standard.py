@@ -13,8 +13,11 @@ fp32 graph's run (``sdnpu.reports.headroom``).
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import logging
+import re
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -61,11 +64,14 @@ def compile_standard(source: Path, out_dir: Path, info: dict[str, Any], options:
         check_fits(source, f"[{name}] the fp32 run for the fidelity check and fp16 headroom",
                    "--no-verify skips the fidelity run, or convert at a smaller RES")
         reference = check.reference
-        if reference is None:
-            with step(log, f"[{name}] running the fp32 graph (onnxruntime CPU) for the fidelity check"):
-                reference = run_onnx(source, feeds, optimize=True)
-        with step(log, f"[{name}] fp16 headroom: every tensor's largest magnitude in the fp32 run"):
-            before = headroom.magnitudes(source, feeds)
+        with _onnxruntime_says(f"onnxruntime cannot run {source} for the fidelity check",
+                               "the graph itself is what onnxruntime refuses (often an exporter bug: try the other "
+                               "exporter); `--no-verify` compiles it without the check"):
+            if reference is None:
+                with step(log, f"[{name}] running the fp32 graph (onnxruntime CPU) for the fidelity check"):
+                    reference = run_onnx(source, feeds, optimize=True)
+            with step(log, f"[{name}] fp16 headroom: every tensor's largest magnitude in the fp32 run"):
+                before = headroom.magnitudes(source, feeds)
         risks = tuple((e["tensor"], e["max_abs"]) for e in headroom.near_limit(before))
         options = dataclasses.replace(options, fp16_risks=risks)
     with step(log, f"[{name}] rewriting for {target.name} ({', '.join(pass_names(options))})"):
@@ -105,14 +111,18 @@ def compile_standard(source: Path, out_dir: Path, info: dict[str, Any], options:
                         len(unguarded), ", ".join(unguarded[:5]))
         with step(log, f"[{name}] running the compiled model{emulated} for the fidelity check"
                   + (" (slow: the emulator runs the NPU's program on this CPU)" if emulated else "")) as t:
-            sess = backend.session(compiled.context, backend.HtpOptions(arch, fallback=not compiled.whole))
-            wanted = [o.name for o in sess.get_outputs()]
-            inputs = {i.name for i in sess.get_inputs()}
-            actual = dict(zip(wanted, sess.run(wanted, {k: v for k, v in feeds.items() if k in inputs}),
-                              strict=True))
-            del sess
+            with _onnxruntime_says(f"onnxruntime-qnn cannot run QNN's compile of {source.name}",
+                                   "this is worth reporting with the model; `--no-verify` writes the context "
+                                   "without running it"):
+                sess = backend.session(compiled.context, backend.HtpOptions(arch, fallback=not compiled.whole))
+                wanted = [o.name for o in sess.get_outputs()]
+                inputs = {i.name for i in sess.get_inputs()}
+                actual = dict(zip(wanted, sess.run(wanted, {k: v for k, v in feeds.items() if k in inputs}),
+                                  strict=True))
+                del sess
         fid = fidelity({k: np.asarray(v) for k, v in reference.items() if k in actual}, actual)
-        fid["inputs"] = (f"seeded; the compiled model ran{emulated or ' on the NPU'} in {t.seconds:.1f} s"
+        given = "the conversion's inputs" if check.feeds is not None else "seeded inputs"
+        fid["inputs"] = (f"{given}; the compiled model ran{emulated or ' on the NPU'} in {t.seconds:.1f} s"
                          + (" (emulation time, not the NPU's)" if emulated else ""))
         log.info("[%s] QNN (fp16) vs fp32: min cosine %.6f, max abs error %.3g", name, fid["min_cosine"],
                  fid["max_abs"])
@@ -134,6 +144,20 @@ def compile_standard(source: Path, out_dir: Path, info: dict[str, Any], options:
              qnn["trace"].get("total_onnx_nodes", 0), qnn["trace"].get("qnn_subgraphs", 0),
              "" if compiled.whole else "; NOT taken whole")
     return report
+
+
+@contextlib.contextmanager
+def _onnxruntime_says(what: str, hint: str) -> Iterator[None]:
+    """onnxruntime's (or QNN's) own errors inside as one line: ``what``, then its words."""
+    try:
+        yield
+    except SdnpuError:
+        raise
+    except Exception as e:
+        if not type(e).__module__.startswith("onnxruntime") and not isinstance(e, RuntimeError):
+            raise
+        text = re.sub(r"^\[ONNXRuntimeError\] : \d+ : \w+ : ", "", " ".join(str(e).split()))[:400]
+        raise SdnpuError(f"{what}: {text}", hint=hint) from None
 
 
 def _validate(path: Path, name: str) -> None:

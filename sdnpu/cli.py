@@ -53,6 +53,9 @@ def _cmd_convert(args: argparse.Namespace) -> int:
                              precision=args.precision or "", htp_arch=args.htp_arch, loras=tuple(args.lora or ()),
                              add=args.add,
                              blockwise=args.blockwise, batch=args.batch)
+    if args.pack and options.compile_options.target.kind != "dispatch":
+        raise SdnpuError(f"--pack writes AMD's loading format; --target {args.target} has its own (QNN's context "
+                         "binaries are written by the convert itself)", hint="drop --pack")
     if args.pack:
         amd_packer()  # a prerequisite: checked before any work
     result = convert(args.source, components=args.model, out=args.out, options=options)

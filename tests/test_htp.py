@@ -395,3 +395,21 @@ def test_a_scale_after_the_frequencies_is_folded_too():
     assert htp.exact_angles(after).counts["sin/cos of x * W reduced exactly"] == 1
     feeds = {"t": np.asarray([0.987, 0.25], np.float32)}
     np.testing.assert_allclose(run(to_proto(after), feeds)[0], run(m, feeds)[0], atol=1e-4)
+
+
+def test_a_mask_every_layer_shares_is_raised_once_for_all():
+    """CLIP's causal mask is one constant read by every layer's attention: its readers count together."""
+    n = 8
+    mask = np.triu(np.full((n, n), np.finfo(np.float32).min, np.float32), 1)[None, None]
+    nodes = []
+    for i in range(2):
+        nodes += [helper.make_node("MatMul", ["q", "kt"], [f"s{i}"]),
+                  helper.make_node("Add", [f"s{i}", "mask"], [f"masked{i}"]),
+                  helper.make_node("Softmax", [f"masked{i}"], [f"p{i}"], axis=-1)]
+    nodes.append(helper.make_node("Add", ["p0", "p1"], ["y"]))
+    m = model(nodes, {"q": [1, 2, n, 4], "kt": [1, 2, 4, n]}, {"y": None}, {"mask": mask})
+    after = to_ir(m)
+    assert htp.clamp_masks(after).counts["attention masks -> -1e4"] == 1
+    guarded = json.loads(after.metadata_props[FP16_GUARDS_KEY])
+    assert {"masked0", "masked1"} <= set(guarded)
+    _same(m, after)

@@ -41,8 +41,8 @@ class _Site:
 
 def _site(angle: ir.Value) -> _Site | None:
     mul = angle.producer()
-    if mul is None or mul.op_type != "Mul" or mul.domain not in ("", "ai.onnx"):
-        return None
+    if mul is None or mul.op_type != "Mul" or mul.domain not in ("", "ai.onnx") or angle.dtype != F32:
+        return None  # (a float16 graph's angles are fp16 to begin with: its tables would be another type)
     found = _const_operand(mul)
     if found is None:
         return None

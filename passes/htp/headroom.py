@@ -53,25 +53,26 @@ def clamp_masks(model: ir.Model) -> PassResult:
     graph = model.graph
     guards: dict[str, str] = {}
     done = 0
+    paths: dict[ir.Value, set[ir.Node]] = {}  # each constant -> the mask nodes between it and every Softmax it reaches
     for node in graph:
         if node.op_type != "Softmax" or node.domain not in ("", "ai.onnx"):
             continue
         found = _mask_sources(node)
-        if found is None:
-            continue
-        consts, nodes = found
-        for c in consts:
-            if not all(u.node in nodes for u in c.uses()) or c.is_graph_output():
-                continue  # read elsewhere too: not only a mask
-            values = c.const_value.numpy()  # type: ignore[union-attr]
-            low = float(values.min())
-            c.const_value = ir.tensor(np.where(values < -65504, MASK_FLOOR, values).astype(values.dtype), name=c.name)
-            done += 1
-            text = f"a mask's {low:.3g} raised to {MASK_FLOOR:g} (htp_fp16: softmax weights unchanged)"
-            for n in nodes:
-                for o in n.outputs:
-                    if o.name:
-                        guards.setdefault(o.name, text)
+        if found is not None:
+            for c in found[0]:
+                paths.setdefault(c, set()).update(found[1])
+    for c, nodes in paths.items():  # one mask is often shared by every layer: all of its readers count together
+        if not all(u.node in nodes for u in c.uses()) or c.is_graph_output():
+            continue  # read elsewhere too: not only a mask
+        values = c.const_value.numpy()  # type: ignore[union-attr]
+        low = float(values.min())
+        c.const_value = ir.tensor(np.where(values < -65504, MASK_FLOOR, values).astype(values.dtype), name=c.name)
+        done += 1
+        text = f"a mask's {low:.3g} raised to {MASK_FLOOR:g} (htp_fp16: softmax weights unchanged)"
+        for n in nodes:
+            for o in n.outputs:
+                if o.name:
+                    guards.setdefault(o.name, text)
     _record_guards(model, guards)
     return PassResult(modified=bool(done), counts={"attention masks -> -1e4": done})
 
