@@ -1,8 +1,9 @@
 """qnn-htp on every model sdnpu knows: the tiny presets converted whole (``sdnpu convert --target qnn-htp``) and
 every zoo member (``tests/zoo.py``) compiled (``sdnpu compile --target qnn-htp``, the member's example inputs
-for the fidelity run), each on Qualcomm's compiler and, where it is x86-64, its HTP emulator. One row a graph: sdnpu's count by its table, QNN's own count,
-whether QNN took it whole with CPU fallback disabled, and the emulated fp16 outputs against the fp32 graph on
-onnxruntime's CPU (min cosine, max abs, any NaN or Inf), the fp16 headroom list's length and unguarded values.
+for the fidelity run), each on Qualcomm's compiler and, where it is x86-64, its HTP emulator. One row a graph:
+sdnpu's count by its table, QNN's own count, whether QNN took it whole with CPU fallback disabled, and the
+emulated fp16 outputs against the fp32 graph on onnxruntime's CPU (min cosine, max abs, any NaN or Inf), the
+fp16 headroom list's length and unguarded values.
 
     python bench/bench_qnn.py [--presets tiny-sdxl,...] [--zoo all|none|NAME,...] [--out DIR] [--json FILE]
 

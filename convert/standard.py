@@ -36,6 +36,7 @@ from sdnpu.progress import peak_rss_bytes, release_memory, step
 from sdnpu.reports import headroom
 from sdnpu.reports import report as reports
 from sdnpu.reports.fidelity import CannotFeed, fidelity, generic_inputs
+from sdnpu.worker import run_in_worker
 
 log = logging.getLogger(__name__)
 
@@ -90,7 +91,17 @@ def compile_standard(source: Path, out_dir: Path, info: dict[str, Any], options:
     _validate(out, name)
     emulated = " on the HTP emulator (x86-64)" if backend.is_emulated() else ""
     with step(log, f"[{name}] QNN's compiler: HTP v{arch.arch} (soc_model {arch.soc_model}), CPU fallback off"):
-        compiled = backend.compile_context(out, out_dir, arch)
+        # in a process of its own: QNN's compiler takes gigabytes it keeps (8.9 GB peak on sd-turbo's UNet), and a
+        # graph it cannot handle may crash it (ONNX's STFT node test: SIGSEGV), which must not take sdnpu along
+        try:
+            compiled = run_in_worker(backend.compile_context, out, out_dir, arch,
+                                     what=f"compiling {name} with QNN's compiler")
+        except SdnpuError as e:
+            if "died (exit code -11)" not in e.message:
+                raise
+            raise SdnpuError(f"QNN's compiler crashed on {name} (a segmentation fault in QNN's compile; nothing was "
+                             "written)", hint="the graph holds something QNN cannot compile: its fp32 graph still "
+                             "runs on the CPU, and `--target amd-xdna2` compiles it for AMD's NPU") from None
     qnn = {**compiled.to_json(), "arch": f"v{arch.arch}", "soc_model": arch.soc_model, "chips": arch.chips,
            "versions": backend.versions(), "emulated": bool(emulated)}
     if not compiled.whole:
@@ -111,15 +122,8 @@ def compile_standard(source: Path, out_dir: Path, info: dict[str, Any], options:
                         len(unguarded), ", ".join(unguarded[:5]))
         with step(log, f"[{name}] running the compiled model{emulated} for the fidelity check"
                   + (" (slow: the emulator runs the NPU's program on this CPU)" if emulated else "")) as t:
-            with _onnxruntime_says(f"onnxruntime-qnn cannot run QNN's compile of {source.name}",
-                                   "this is worth reporting with the model; `--no-verify` writes the context "
-                                   "without running it"):
-                sess = backend.session(compiled.context, backend.HtpOptions(arch, fallback=not compiled.whole))
-                wanted = [o.name for o in sess.get_outputs()]
-                inputs = {i.name for i in sess.get_inputs()}
-                actual = dict(zip(wanted, sess.run(wanted, {k: v for k, v in feeds.items() if k in inputs}),
-                                  strict=True))
-                del sess
+            actual = run_in_worker(run_compiled, compiled.context, arch, not compiled.whole, feeds,
+                                   what=f"running QNN's compile of {name}")
         fid = fidelity({k: np.asarray(v) for k, v in reference.items() if k in actual}, actual)
         given = "the conversion's inputs" if check.feeds is not None else "seeded inputs"
         fid["inputs"] = (f"{given}; the compiled model ran{emulated or ' on the NPU'} in {t.seconds:.1f} s"
@@ -144,6 +148,19 @@ def compile_standard(source: Path, out_dir: Path, info: dict[str, Any], options:
              qnn["trace"].get("total_onnx_nodes", 0), qnn["trace"].get("qnn_subgraphs", 0),
              "" if compiled.whole else "; NOT taken whole")
     return report
+
+
+def run_compiled(context: Path, arch: Any, fallback: bool, feeds: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+    """(In a worker.) The compiled EPContext model on ``feeds`` (those it takes), its outputs by name."""
+    from sdnpu.backends import qnn_htp
+
+    with _onnxruntime_says(f"onnxruntime-qnn cannot run QNN's compile {context}",
+                           "this is worth reporting with the model; `--no-verify` writes the context without "
+                           "running it"):
+        sess = qnn_htp.session(context, qnn_htp.HtpOptions(arch, fallback=fallback))
+        wanted = [o.name for o in sess.get_outputs()]
+        inputs = {i.name for i in sess.get_inputs()}
+        return dict(zip(wanted, sess.run(wanted, {k: v for k, v in feeds.items() if k in inputs}), strict=True))
 
 
 @contextlib.contextmanager

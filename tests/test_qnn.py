@@ -147,3 +147,13 @@ def test_the_cli_takes_the_target_and_the_htp_arch(tmp_path, qnn_text_encoder):
     bad = subprocess.run([sys.executable, "-m", "sdnpu", "compile", str(out / "text_encoder" / "model.onnx"),
                           "--target", "qnn-htp", "--htp-arch", "v99"], capture_output=True, text=True)
     assert bad.returncode == 2 and "unknown HTP architecture 'v99'" in bad.stderr and "Traceback" not in bad.stderr
+
+
+def test_a_graph_that_crashes_qnns_compiler_is_one_line_and_writes_nothing(tmp_path):
+    """ONNX's STFT node test crashes QNN 2.51's compile (SIGSEGV, measured): it runs in a process of its own."""
+    from .node_tests import cases, write_case
+
+    path = write_case(next(cases("^test_stft$")), tmp_path / "stft")
+    with pytest.raises(SdnpuError, match="QNN's compiler crashed on stft"):
+        compile_file(path, tmp_path / "out", CompileOptions.named("qnn-htp"))
+    assert not (tmp_path / "out").exists()
