@@ -9,7 +9,7 @@ import numpy as np
 import onnx_ir as ir
 
 from sdnpu.formats.keys import RULE_TAG
-from sdnpu.passes.htp.common import F32, RULE, unique_name
+from sdnpu.passes.htp.common import F32, RULE, constant, unique_name
 from sdnpu.passes.irutil import remove_dead_nodes
 from sdnpu.passes.manager import PassResult
 
@@ -112,12 +112,7 @@ def _rewrite_angles(graph: ir.Graph, site: _Site, users: list[ir.Node]) -> None:
     names = iter(range(1 << 30))
 
     def const(value: np.ndarray | float, what: str, dt: Any = np.float32) -> ir.Value:
-        name = unique_name(graph, f"{base}_{what}")
-        arr = np.asarray(value, dt)
-        v = ir.Value(name=name, const_value=ir.tensor(arr, name=name))
-        v.shape, v.dtype = ir.Shape(list(arr.shape)), ir.DataType.from_numpy(arr.dtype)
-        graph.register_initializer(v)
-        return v
+        return constant(graph, np.asarray(value, dt), f"{base}_{what}")
 
     def op(kind: str, inputs: list[ir.Value], shape: list[int], out_type: ir.DataType = dtype, **attrs: Any
            ) -> ir.Value:

@@ -11,12 +11,19 @@ RULE = "HtpForms"
 F32 = ir.DataType.FLOAT
 
 
+def constant(graph: ir.Graph, value: np.ndarray, hint: str) -> ir.Value:
+    """A new initializer holding ``value``, under a name made from ``hint`` that the graph does not use yet."""
+    name = unique_name(graph, hint)
+    v = ir.Value(name=name, const_value=ir.tensor(value, name=name))
+    v.shape, v.dtype = ir.Shape(list(value.shape)), ir.DataType.from_numpy(value.dtype)
+    graph.register_initializer(v)
+    return v
+
+
 def reduce_mean(graph: ir.Graph, anchor: ir.Node, x: ir.Value, axes: list[int], opset: int, name: str
                 ) -> ir.Value:
     if opset >= 18:
-        ax = ir.Value(name=f"{name}_axes", const_value=ir.tensor(np.asarray(axes, np.int64), name=f"{name}_axes"))
-        ax.shape, ax.dtype = ir.Shape([len(axes)]), ir.DataType.INT64
-        graph.register_initializer(ax)
+        ax = constant(graph, np.asarray(axes, np.int64), f"{name}_axes")
         node = ir.node("ReduceMean", [x, ax], attributes={"keepdims": 1}, name=name)
     else:
         node = ir.node("ReduceMean", [x], attributes={"axes": axes, "keepdims": 1}, name=name)
@@ -39,11 +46,7 @@ def new_op(graph: ir.Graph, anchor: ir.Node, op: str, inputs: list[ir.Value], na
 
 
 def scalar_const(graph: ir.Graph, value: float, dtype: ir.DataType, name: str) -> ir.Value:
-    arr = np.asarray(value, dtype=np.float16 if dtype == ir.DataType.FLOAT16 else np.float32)
-    v = ir.Value(name=name, const_value=ir.tensor(arr, name=name))
-    v.shape, v.dtype = ir.Shape([]), dtype
-    graph.register_initializer(v)
-    return v
+    return constant(graph, np.asarray(value, dtype=np.float16 if dtype == ir.DataType.FLOAT16 else np.float32), name)
 
 
 def unique_name(graph: ir.Graph, hint: str) -> str:

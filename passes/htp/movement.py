@@ -7,7 +7,7 @@ import numpy as np
 import onnx_ir as ir
 
 from sdnpu.formats.keys import RULE_TAG
-from sdnpu.passes.htp.common import RULE, unique_name
+from sdnpu.passes.htp.common import RULE, constant, unique_name
 from sdnpu.passes.manager import PassResult
 
 
@@ -56,11 +56,7 @@ def pixel_shuffles(model: ir.Model) -> PassResult:
             continue
         s_in = src.inputs[0]
         assert s_in is not None
-        shape = ir.Value(name=unique_name(graph, f"{node.name}_nhwc"),
-                         const_value=ir.tensor(np.asarray([n, h, w, block * block * c], np.int64)))
-        shape.shape, shape.dtype = ir.Shape([4]), ir.DataType.INT64
-        shape.const_value.name = shape.name  # type: ignore[union-attr]
-        graph.register_initializer(shape)
+        shape = constant(graph, np.asarray([n, h, w, block * block * c], np.int64), f"{node.name}_nhwc")
         nhwc = ir.node("Reshape", [s_in, shape], name=unique_name(graph, f"{node.name}_nhwc_view"))
         nchw = ir.node("Transpose", [nhwc.outputs[0]], attributes={"perm": [0, 3, 1, 2]},
                        name=unique_name(graph, f"{node.name}_nchw"))
@@ -109,11 +105,7 @@ def rank6_movements(model: ir.Model) -> PassResult:
                 continue
             groups = [cur[:k], cur[k:i], [cur[i]], cur[i + 1:]]
             view = [int(np.prod([dims[a] for a in g])) if g else 1 for g in groups]
-            shape = ir.Value(name=unique_name(graph, f"{node.name}_view{len(made)}"),
-                             const_value=ir.tensor(np.asarray(view, np.int64)))
-            shape.shape, shape.dtype = ir.Shape([4]), ir.DataType.INT64
-            shape.const_value.name = shape.name  # type: ignore[union-attr]
-            graph.register_initializer(shape)
+            shape = constant(graph, np.asarray(view, np.int64), f"{node.name}_view{len(made)}")
             reshape = ir.node("Reshape", [value, shape], name=unique_name(graph, f"{node.name}_view{len(made)}"))
             move = ir.node("Transpose", [reshape.outputs[0]], attributes={"perm": [0, 2, 1, 3]},
                            name=unique_name(graph, f"{node.name}_move{len(made)}"))

@@ -7,7 +7,7 @@ import numpy as np
 import onnx_ir as ir
 
 from sdnpu.formats.keys import RULE_TAG
-from sdnpu.passes.htp.common import F32, RULE, new_op, reduce_mean, scalar_const, unique_name
+from sdnpu.passes.htp.common import F32, RULE, constant, new_op, reduce_mean, scalar_const, unique_name
 from sdnpu.passes.manager import PassResult
 
 
@@ -36,10 +36,7 @@ def _add_to_sub(graph: ir.Graph, add: ir.Node, k: int) -> None:
     other = add.inputs[1 - k]
     assert operand is not None and other is not None
     if operand.const_value is not None:
-        name = unique_name(graph, f"{operand.name}_negated")
-        neg = ir.Value(name=name, const_value=ir.tensor(-operand.const_value.numpy(), name=name))
-        neg.shape, neg.dtype = operand.shape, operand.dtype
-        graph.register_initializer(neg)
+        neg = constant(graph, -operand.const_value.numpy(), f"{operand.name}_negated")
     else:
         neg = new_op(graph, add, "Neg", [operand], unique_name(graph, f"{operand.name}_negated"), like=operand)
     sub = ir.node("Sub", [other, neg], name=unique_name(graph, f"{add.name}_as_sub"))
