@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-import re
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -32,7 +31,7 @@ from sdnpu.formats import prologue, weights
 from sdnpu.formats.sizes import sizes_of
 from sdnpu.imagesize import Size
 from sdnpu.memory import check_fits
-from sdnpu.onnxrun import run_onnx
+from sdnpu.onnxrun import is_ort_error, ort_message, run_onnx
 from sdnpu.ops.target import get_target
 from sdnpu.passes import provenance
 from sdnpu.passes.canonicalize import bind_input_shapes
@@ -163,19 +162,19 @@ def fidelity_run(name: str, source: Path, out: Path, check: FidelityCheck,
             try:
                 reference = run_onnx(source, feeds, optimize=True)
             except Exception as e:  # onnxruntime's Fail, InvalidGraph, InvalidArgument, RuntimeException
-                if not _is_ort_error(e):
+                if not is_ort_error(e):
                     raise
-                raise SdnpuError(f"onnxruntime cannot run {source} for the fidelity check: {_ort_message(e)}",
+                raise SdnpuError(f"onnxruntime cannot run {source} for the fidelity check: {ort_message(e)}",
                                  hint="the graph itself is what onnxruntime refuses (often an exporter bug: try "
                                  "the other exporter); `--no-verify` compiles it without the check") from None
     with step(log, f"[{name}] running {out.name} (reference bodies) for the fidelity check"):
         try:
             actual = run_onnx(out, feeds)
         except Exception as e:
-            if not _is_ort_error(e):
+            if not is_ort_error(e):
                 raise
             raise SdnpuError(f"onnxruntime cannot run the dispatch model compiled from {source}, though it runs "
-                             f"the graph itself: {_ort_message(e)}",
+                             f"the graph itself: {ort_message(e)}",
                              hint="this is a compiler bug worth reporting with the model; meanwhile "
                              "`--no-compile` keeps the exported graph") from None
     fid = fidelity(reference, actual)
@@ -209,24 +208,6 @@ def _check_runnable(*paths: Path) -> None:
                 what = onnx.TensorProto.DataType.Name(elem) if elem else (kind or "untyped").replace("_type", "")
                 raise CannotFeed(f"{vi.name!r} is a {what} value, which onnxruntime's Python API does not hand "
                                  "over")
-
-
-def _is_ort_error(e: Exception) -> bool:
-    """An exception onnxruntime raised (its own types, or a RuntimeError from inside its session)."""
-    if type(e).__module__.startswith("onnxruntime"):
-        return True
-    tb = e.__traceback__
-    while tb is not None and tb.tb_next is not None:
-        tb = tb.tb_next
-    return isinstance(e, RuntimeError) and tb is not None and "onnxruntime" in tb.tb_frame.f_code.co_filename
-
-
-def _ort_message(e: Exception) -> str:
-    """onnxruntime's message in one line, without its status prefix and the temporary file's path."""
-    text = " ".join(str(e).split())
-    text = re.sub(r"^\[ONNXRuntimeError\] : \d+ : \w+ : ", "", text)
-    text = re.sub(r"Load model from \S+ failed:", "loading failed: ", text)
-    return text[:400]
 
 
 def _drop_outputs(model: Any, keep: list[str], name: str) -> list[str]:

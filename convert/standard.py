@@ -16,7 +16,6 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import logging
-import re
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -26,7 +25,7 @@ import numpy as np
 from sdnpu.backends import backend_of
 from sdnpu.errors import SdnpuError
 from sdnpu.memory import check_fits
-from sdnpu.onnxrun import run_onnx
+from sdnpu.onnxrun import is_ort_error, ort_message, run_onnx
 from sdnpu.passes.canonicalize import bind_input_shapes
 from sdnpu.passes.htp import guards_of
 from sdnpu.passes.manager import records_json
@@ -54,7 +53,7 @@ def compile_standard(source: Path, out_dir: Path, info: dict[str, Any], options:
     backend = backend_of(target)
     assert backend is not None, f"target {target.name} names no backend"
     arch = backend.parse_arch(options.htp_arch)
-    feeds, reference, before, skipped = None, None, None, None
+    feeds, reference, room, skipped = None, None, None, None
     if check is not None:  # the fp32 run first: its magnitudes say which values need a guard against fp16
         try:
             feeds = check.feeds if check.feeds is not None else generic_inputs(source, shapes=shapes or None)
@@ -73,7 +72,8 @@ def compile_standard(source: Path, out_dir: Path, info: dict[str, Any], options:
                     reference = run_onnx(source, feeds, optimize=True)
             with step(log, f"[{name}] fp16 headroom: every tensor's largest magnitude in the fp32 run"):
                 before = headroom.magnitudes(source, feeds)
-        risks = tuple((e["tensor"], e["max_abs"]) for e in headroom.near_limit(before))
+        room = headroom.near_limit(before)
+        risks = tuple((e["tensor"], e["max_abs"]) for e in room)
         options = dataclasses.replace(options, fp16_risks=risks)
     with step(log, f"[{name}] rewriting for {target.name} ({', '.join(pass_names(options))})"):
         model = load(source)
@@ -107,10 +107,9 @@ def compile_standard(source: Path, out_dir: Path, info: dict[str, Any], options:
     if not compiled.whole:
         log.warning("[%s] QNN refused %d of %d nodes (the report names them); they run on the CPU", name,
                     qnn["trace"].get("unsupported_nodes", 0), qnn["trace"].get("total_onnx_nodes", 0))
-    fid, room = None, None
-    if feeds is not None and reference is not None and before is not None:
+    fid = None
+    if feeds is not None and reference is not None and room is not None:
         after = headroom.magnitudes(out, feeds)
-        room = headroom.near_limit(before)
         for e in room:
             e["after"] = after.get(e["tensor"])
             e["guard"] = guards.get(e["tensor"]) or (
@@ -171,10 +170,9 @@ def _onnxruntime_says(what: str, hint: str) -> Iterator[None]:
     except SdnpuError:
         raise
     except Exception as e:
-        if not type(e).__module__.startswith("onnxruntime") and not isinstance(e, RuntimeError):
+        if not is_ort_error(e):
             raise
-        text = re.sub(r"^\[ONNXRuntimeError\] : \d+ : \w+ : ", "", " ".join(str(e).split()))[:400]
-        raise SdnpuError(f"{what}: {text}", hint=hint) from None
+        raise SdnpuError(f"{what}: {ort_message(e)}", hint=hint) from None
 
 
 def _validate(path: Path, name: str) -> None:

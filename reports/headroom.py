@@ -35,21 +35,18 @@ def magnitudes(path: Path, feeds: dict[str, np.ndarray]) -> dict[str, float]:
         inferred = onnx.shape_inference.infer_shapes(model, strict_mode=False)
         infos = {vi.name: vi for vi in [*inferred.graph.value_info, *inferred.graph.output]}
     floats = (TensorProto.FLOAT, TensorProto.FLOAT16)
-    opset = next((o.version for o in model.opset_import if o.domain in ("", "ai.onnx")), 17)
     names: dict[str, str] = {}
     nodes = []
     for node in list(graph.node):
         for out in node.output:
             vi = infos.get(out)
-            if not out or vi is None or vi.type.tensor_type.elem_type not in floats or out in names.values():
+            if not out or vi is None or vi.type.tensor_type.elem_type not in floats:
                 continue
             key = f"{_PREFIX}{len(names)}"
             names[key] = out
             for op in ("ReduceMax", "ReduceMin"):
-                kw: dict[str, Any] = {"keepdims": 0}
-                nodes.append(helper.make_node(op, [out], [f"{key}_{op}"], name=f"{key}_{op}", **kw))
+                nodes.append(helper.make_node(op, [out], [f"{key}_{op}"], name=f"{key}_{op}", keepdims=0))
                 graph.output.append(helper.make_tensor_value_info(f"{key}_{op}", vi.type.tensor_type.elem_type, []))
-    del opset
     graph.node.extend(nodes)
     import onnxruntime as ort
 

@@ -10,6 +10,7 @@ formats stay free of it until a model runs.
 from __future__ import annotations
 
 import ctypes
+import re
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
@@ -19,7 +20,7 @@ import numpy as np
 from sdnpu.errors import SdnpuError
 from sdnpu.formats import handoff, prologue
 
-__all__ = ["open_prologue", "prologue_output_shapes", "run", "run_onnx", "run_prologue", "run_with_prologue"]
+__all__ = ["is_ort_error", "open_prologue", "ort_message", "prologue_output_shapes", "run", "run_onnx", "run_prologue", "run_with_prologue"]
 
 
 def run(session: Any, names: Sequence[str], feeds: Mapping[str, np.ndarray], native: bool = False
@@ -156,3 +157,21 @@ def run_onnx(path: Path, feeds: dict[str, np.ndarray], optimize: bool = False) -
     names = [o.name for o in sess.get_outputs()]
     feeds = run_with_prologue(path, sess, feeds)  # a dispatch model's step prologue first, where it has one
     return dict(zip(names, run(sess, names, feeds), strict=True))
+
+
+def is_ort_error(e: Exception) -> bool:
+    """An exception onnxruntime raised (its own types, or a RuntimeError from inside its session)."""
+    if type(e).__module__.startswith("onnxruntime"):
+        return True
+    tb = e.__traceback__
+    while tb is not None and tb.tb_next is not None:
+        tb = tb.tb_next
+    return isinstance(e, RuntimeError) and tb is not None and "onnxruntime" in tb.tb_frame.f_code.co_filename
+
+
+def ort_message(e: Exception) -> str:
+    """onnxruntime's message in one line, without its status prefix and the temporary file's path."""
+    text = " ".join(str(e).split())
+    text = re.sub(r"^\[ONNXRuntimeError\] : \d+ : \w+ : ", "", text)
+    text = re.sub(r"Load model from \S+ failed:", "loading failed: ", text)
+    return text[:400]

@@ -155,8 +155,7 @@ class Compiled:
     def to_json(self) -> dict[str, Any]:
         return {"whole": self.whole, "context": self.context.name, "binaries": [b.name for b in self.binaries],
                 "context_bytes": sum(b.stat().st_size for b in self.binaries) + self.context.stat().st_size,
-                "compile_seconds": round(self.seconds, 2), "arch": None, **({"failure": self.failure} if
-                                                                             self.failure else {}),
+                "compile_seconds": round(self.seconds, 2), **({"failure": self.failure} if self.failure else {}),
                 "trace": self.trace}
 
 
