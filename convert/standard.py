@@ -23,6 +23,7 @@ from typing import Any
 import numpy as np
 
 from sdnpu.backends import backend_of
+from sdnpu.convert import split
 from sdnpu.errors import SdnpuError
 from sdnpu.memory import check_fits
 from sdnpu.onnxrun import is_ort_error, ort_message, run_onnx
@@ -90,19 +91,10 @@ def compile_standard(source: Path, out_dir: Path, info: dict[str, Any], options:
     release_memory()
     _validate(out, name)
     emulated = " on the HTP emulator (x86-64)" if backend.is_emulated() else ""
-    with step(log, f"[{name}] QNN's compiler: HTP v{arch.arch} (soc_model {arch.soc_model}), CPU fallback off"):
-        # in a process of its own: QNN's compiler takes gigabytes it keeps (8.9 GB peak on sd-turbo's UNet), and a
-        # graph it cannot handle may crash it (ONNX's STFT node test: SIGSEGV), which must not take sdnpu along
-        try:
-            compiled = run_in_worker(backend.compile_context, out, out_dir, arch,
-                                     what=f"compiling {name} with QNN's compiler")
-        except SdnpuError as e:
-            if "died (exit code -11)" not in e.message:
-                raise
-            raise SdnpuError(f"QNN's compiler crashed on {name} (a segmentation fault in QNN's compile; nothing was "
-                             "written)", hint="the graph holds something QNN cannot compile: its fp32 graph still "
-                             "runs on the CPU, and `--target amd-xdna2` compiles it for AMD's NPU") from None
+    gb = options.unit_gb or getattr(target, "unit_gb", None)
+    compiled = _compile(out, out_dir, name, backend, arch, gb)
     qnn = {**compiled.to_json(), "arch": f"v{arch.arch}", "soc_model": arch.soc_model, "chips": arch.chips,
+           "context_gb": gb,
            "versions": backend.versions(), "emulated": bool(emulated)}
     if not compiled.whole:
         log.warning("[%s] QNN refused %d of %d nodes (the report names them); they run on the CPU", name,
@@ -147,6 +139,49 @@ def compile_standard(source: Path, out_dir: Path, info: dict[str, Any], options:
              qnn["trace"].get("total_onnx_nodes", 0), qnn["trace"].get("qnn_subgraphs", 0),
              "" if compiled.whole else "; NOT taken whole")
     return report
+
+
+def _compile(model: Path, out_dir: Path, name: str, backend: Any, arch: Any, gb: float | None) -> Any:
+    """The vendor's compile of ``model`` (written in ``out_dir``): one unit, or where its weights pass ``gb``
+    (what one unit holds), one per piece (``sdnpu.convert.split``), chained in one model."""
+    import onnx
+
+    structure = onnx.load(str(model), load_external_data=False)
+    pieces = split.plan(structure, int(gb * 1e9)) if gb else []
+    if len(pieces) <= 1:
+        return _compile_unit(backend, model, out_dir, arch, "ctx", f"{name}")
+    structure = onnx.shape_inference.infer_shapes(structure)  # the types of the values handed across a cut
+    log.info("[%s] %.2f GB of fp16 weights: more than one QNN context holds (%.1f GB), so %d contexts, chained "
+             "in one model", name, sum(p.weight_bytes for p in pieces) / 1e9, gb, len(pieces))
+    parts = []
+    for p in pieces:
+        path = out_dir / f"piece{p.index + 1}.onnx"
+        try:
+            split.write_piece(structure, p, path)
+            parts.append(_compile_unit(backend, path, out_dir, arch, f"ctx{p.index + 1}",
+                                       f"{name} piece {p.index + 1} of {len(pieces)} ({p.end - p.start} nodes, "
+                                       f"{p.weight_bytes / 1e9:.2f} GB)"))
+        finally:
+            path.unlink(missing_ok=True)
+    compiled = backend.chain(parts, structure.graph, out_dir)
+    for row, p in zip(compiled.pieces, pieces, strict=True):
+        row.update(p.to_json())
+    return compiled
+
+
+def _compile_unit(backend: Any, model: Path, out_dir: Path, arch: Any, stem: str, what: str) -> Any:
+    with step(log, f"[{what}] QNN's compiler: HTP v{arch.arch} (soc_model {arch.soc_model}), CPU fallback off"):
+        # in a process of its own: QNN's compiler takes gigabytes it keeps (8.9 GB peak on sd-turbo's UNet), and a
+        # graph it cannot handle may crash it (ONNX's STFT node test: SIGSEGV), which must not take sdnpu along
+        try:
+            return run_in_worker(backend.compile_context, model, out_dir, arch, stem,
+                                 what=f"compiling {what} with QNN's compiler")
+        except SdnpuError as e:
+            if "died (exit code -11)" not in e.message:
+                raise
+            raise SdnpuError(f"QNN's compiler crashed on {what} (a segmentation fault in QNN's compile; nothing was "
+                             "written)", hint="the graph holds something QNN cannot compile: its fp32 graph still "
+                             "runs on the CPU, and `--target amd-xdna2` compiles it for AMD's NPU") from None
 
 
 def run_compiled(context: Path, arch: Any, fallback: bool, feeds: dict[str, np.ndarray]) -> dict[str, np.ndarray]:

@@ -302,11 +302,20 @@ DTYPES = frozenset({"FLOAT", "FLOAT16", "INT8", "UINT8", "INT16", "UINT16", "INT
                     "BOOL"})
 
 
+# One QNN context binary lives in the HTP's 32-bit address space: about 3.5 GB with its working memory (Qualcomm's
+# docs and issues; FACTS.md). A compiled context measured 1.0x its fp16 weights here (sd-turbo's UNet: 1.74 GB), so
+# 3 GB of fp16 weights per context leaves half a gigabyte for activations and spill-fill buffers.
+CONTEXT_GB = 3.0
+CONTEXT_WHY = ("one QNN context lives in the HTP's 32-bit address space (about 3.5 GB with its working memory); "
+               "a context measured 1.0x its fp16 weights here")
+
+
 def build() -> StandardTarget:
     return StandardTarget(
         name=NAME, doc=__doc__ or "", precisions=("fp16",), out_dir="qnn", backend="sdnpu.backends.qnn_htp",
         counted_by="QNN's own op trace (the EP's enable_framework_op_trace), beside sdnpu's count by this table",
         sources=SOURCES, cpu_reasons=_CPU_REASONS, ops={s.op_type: s for s in TABLE}, dtypes=DTYPES,
+        unit_gb=CONTEXT_GB, unit_why=CONTEXT_WHY,
         dtype_reason="QNN does not map it (bfloat16: \"Failed to map Onnx data type to Qnn data type\"; float64: "
                      "refused by some ops, e.g. Expand, and a float64 value between QNN partitions fails the graph, "
                      "error 7004, so sdnpu computes float64 in float32)")

@@ -269,13 +269,16 @@ class StandardTarget(Target):
     op types it takes and their limits; ``dtypes`` the element types it maps (others refused, with
     ``dtype_reason``); ``max_rank`` the largest tensor rank, where one holds for every op. Its vendor's compiler
     has the last word on each node (``counted_by``); this table is sdnpu's own count, and the reason it gives
-    for a refusal."""
+    for a refusal. ``unit_gb``: a graph with more weight than one compiled unit holds is cut into several
+    (``sdnpu.convert.split``), chained in one model."""
 
     kind: str = "standard"
     ops: Mapping[str, OpSupport]
     dtypes: frozenset[str]
     max_rank: int | None = None  # None: no rank limit for every op (each op's own limits say theirs)
     dtype_reason: str = ""
+    unit_gb: float | None = None  # the most weight one compiled unit holds (GB, compiled precision); None: no limit
+    unit_why: str = ""  # where that limit comes from
 
     def is_dispatch(self, domain: str, op_type: str) -> bool:
         return domain in ("", "ai.onnx") and op_type in self.ops

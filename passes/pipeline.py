@@ -101,6 +101,7 @@ class CompileOptions:
     shapes: Shapes = ()
     htp_arch: int | None = None  # qnn-htp: the HTP generation (69, 73, 75, 79, 81; None: 73, Snapdragon X Elite)
     fp16_risks: tuple[tuple[str, float], ...] = ()  # values near fp16's limit in the fp32 run: (name, max |x|)
+    unit_gb: float | None = None  # a standard target's weights per compiled unit (GB); None: the target's own
 
     def __post_init__(self) -> None:
         if not self.precision:
@@ -112,14 +113,20 @@ class CompileOptions:
             if self.target.name != qnn_htp.NAME:
                 raise SdnpuError(f"--htp-arch is for --target {qnn_htp.NAME}, not {self.target.name}")
             object.__setattr__(self, "htp_arch", qnn_htp.arch(self.htp_arch).arch)
+        if self.unit_gb is not None:
+            if getattr(self.target, "unit_gb", None) is None:
+                raise SdnpuError(f"--context-gb is for --target {qnn_htp.NAME}, not {self.target.name}")
+            if not self.unit_gb > 0:
+                raise SdnpuError(f"--context-gb must be more than 0, not {self.unit_gb}")
         if isinstance(self.shapes, Mapping):
             object.__setattr__(self, "shapes", tuple(sorted((k, tuple(int(d) for d in v))
                                                             for k, v in self.shapes.items())))
 
     @classmethod
-    def named(cls, target: str = DEFAULT_TARGET, precision: str | None = None, htp_arch: int | str | None = None
-              ) -> CompileOptions:
-        return cls(get_target(target), precision or "", htp_arch=htp_arch)  # type: ignore[arg-type]
+    def named(cls, target: str = DEFAULT_TARGET, precision: str | None = None, htp_arch: int | str | None = None,
+              unit_gb: float | None = None) -> CompileOptions:
+        return cls(get_target(target), precision or "", htp_arch=htp_arch,  # type: ignore[arg-type]
+                   unit_gb=unit_gb)
 
     @property
     def input_shapes(self) -> dict[str, list[int]]:

@@ -370,6 +370,15 @@ def _vendor_lines(r: dict[str, Any]) -> list[str]:
              f"QNN partitions, ops    {t.get('qnn_subgraphs', 0)}, {t.get('total_qnn_ops', 0)} QNN ops",
              f"context                {q.get('context')} + {', '.join(q.get('binaries', []))} "
              f"({_gb(q.get('context_bytes'))}), compiled in {q.get('compile_seconds', 0):.1f} s"]
+    pieces = q.get("pieces") or []
+    if pieces:
+        lines += textwrap.wrap(f"{len(pieces)} contexts, chained: one holds at most {q.get('context_gb')} GB of fp16 "
+                               "weights (the HTP's 32-bit address space; --context-gb)", 79,
+                               initial_indent="contexts               ", subsequent_indent=" " * 23)
+        for i, p in enumerate(pieces, 1):
+            lines.append(f"  {i}: {p.get('nodes', '?')} nodes, {_gb(p.get('weight_bytes'))} of weights -> "
+                         f"{', '.join(p['binaries'])} ({_gb(p['context_bytes'])}, {p['compile_seconds']:.1f} s)"
+                         + ("" if p.get("whole", True) else ", not whole"))
     if q.get("failure"):
         lines += textwrap.wrap(f"with fallback disabled QNN said: {q['failure']}", 77, initial_indent="  ",
                                subsequent_indent="    ")

@@ -50,7 +50,8 @@ def _human_bytes(n: float) -> str:
 def _cmd_convert(args: argparse.Namespace) -> int:
     options = ConvertOptions(res=args.res, exporter=args.exporter, opset=args.opset, check=not args.no_check,
                              compile=not args.no_compile, outputs=args.outputs, target=args.target,
-                             precision=args.precision or "", htp_arch=args.htp_arch, loras=tuple(args.lora or ()),
+                             precision=args.precision or "", htp_arch=args.htp_arch, context_gb=args.context_gb,
+                             loras=tuple(args.lora or ()),
                              add=args.add,
                              blockwise=args.blockwise, batch=args.batch)
     if args.pack and options.compile_options.target.kind != "dispatch":
@@ -96,7 +97,8 @@ def _cmd_compile(args: argparse.Namespace) -> int:
             shapes[name] = [int(d) for d in dims.split(",") if d] if dims else []
         except ValueError as e:
             raise SdnpuError(f"cannot read --shape {item!r}", hint="write NAME=D,D,... e.g. sample=2,4,128,128") from e
-    options = dataclasses.replace(CompileOptions.named(args.target, args.precision, args.htp_arch), shapes=shapes)
+    options = dataclasses.replace(CompileOptions.named(args.target, args.precision, args.htp_arch,
+                                                                 args.context_gb), shapes=shapes)
     report = compile_file(Path(args.model), Path(args.out) if args.out else None, options, verify=not args.no_verify,
                           res=args.res, outputs=args.outputs)
     print(render_text(report), end="")
@@ -343,6 +345,10 @@ def _target_arguments(parser: argparse.ArgumentParser, what: str) -> None:
     parser.add_argument("--htp-arch", default=None, metavar="V",
                         help="qnn-htp: the HTP generation, v69, v73 (default: Snapdragon X Elite / X Plus), v75, v79 "
                         "or v81 (Snapdragon X2 Elite)")
+    parser.add_argument("--context-gb", type=float, default=None, metavar="GB",
+                        help="qnn-htp: the most fp16 weight one QNN context holds (default 3.0: a context lives in "
+                        "the HTP's 32-bit address space); a larger graph is cut into several contexts, chained in "
+                        "one ctx.onnx")
 
 
 def build_parser() -> argparse.ArgumentParser:

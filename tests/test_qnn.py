@@ -88,10 +88,16 @@ def test_a_node_qnn_refuses_is_named_with_qnns_reason(tmp_path):
     assert "erf" in (tmp_path / "out" / "onnx_report.txt").read_text()
 
 
+# tiny-sdxl's text encoder holds 3.24 MB of fp16 weights, 3.16 MB of them its token table: at 3.2 MB a context it
+# is cut in two (as the SDXL UNet's 5.1 GB is at the default 3 GB), the contexts chained in one ctx.onnx
+TEXT_ENCODER_CONTEXT_GB = 0.0032
+
+
 @pytest.fixture(scope="module")
 def qnn_text_encoder(tmp_path_factory):
     out = tmp_path_factory.mktemp("qnn-convert")
-    result = convert("tiny-sdxl", "text_encoder", out=out, options=ConvertOptions(target="qnn-htp"))
+    result = convert("tiny-sdxl", "text_encoder", out=out,
+                     options=ConvertOptions(target="qnn-htp", context_gb=TEXT_ENCODER_CONTEXT_GB))
     return out, result
 
 
@@ -108,6 +114,22 @@ def test_convert_writes_the_qnn_folder(qnn_text_encoder):
     assert room and all(e["guard"].startswith("a mask's") and e["after"] * 4 < 65504 for e in room)
     assert report["fidelity"]["min_cosine"] >= MIN_COSINE
     assert "QNN takes" in show.summary_lines(show.find(out))
+
+
+def test_a_graph_over_one_contexts_limit_is_several_contexts_chained_in_one_model(qnn_text_encoder):
+    """Each piece compiled by QNN with fallback disabled into its own binary; one EPContext node each, in one
+    model with the fp32 graph's inputs and outputs; the fidelity above ran through the chain."""
+    out, _ = qnn_text_encoder
+    q = json.loads((out / "text_encoder" / "qnn" / "report.json").read_text())["qnn"]
+    assert len(q["pieces"]) == 2 and all(p["whole"] and p["weight_bytes"] <= 3.2e6 for p in q["pieces"])
+    assert q["binaries"] == ["ctx1_qnn.bin", "ctx2_qnn.bin"] and q["context_gb"] == TEXT_ENCODER_CONTEXT_GB
+    assert q["trace"]["qnn_subgraphs"] == 2 and q["trace"]["unsupported_nodes"] == 0
+    qdir = out / "text_encoder" / "qnn"
+    ctx = onnx.load(str(qdir / "ctx.onnx"), load_external_data=False).graph
+    assert [n.op_type for n in ctx.node] == ["EPContext", "EPContext"]
+    assert _signature(qdir / "ctx.onnx") == _signature(qdir / "model.onnx")
+    assert not list(qdir.glob("piece*.onnx")) and not list(qdir.glob("ctx?.onnx"))  # the pieces' files went
+    assert "2 contexts, chained" in (qdir / "onnx_report.txt").read_text()
 
 
 def test_the_runtime_runs_a_qnn_component_against_its_fp32_graph(qnn_text_encoder):

@@ -151,26 +151,77 @@ class Compiled:
     trace: dict[str, Any]
     seconds: float
     failure: str = ""  # what QNN said when it would not take the graph whole
+    pieces: list[dict[str, Any]] = field(default_factory=list)  # one per context, where the graph was cut
 
     def to_json(self) -> dict[str, Any]:
         return {"whole": self.whole, "context": self.context.name, "binaries": [b.name for b in self.binaries],
                 "context_bytes": sum(b.stat().st_size for b in self.binaries) + self.context.stat().st_size,
                 "compile_seconds": round(self.seconds, 2), **({"failure": self.failure} if self.failure else {}),
-                "trace": self.trace}
+                **({"pieces": self.pieces} if self.pieces else {}), "trace": self.trace}
 
 
-def compile_context(model: Path, out_dir: Path, arch: Arch) -> Compiled:
-    """QNN's compiler on ``model``: ``out_dir/ctx.onnx`` and its context binary, with the op trace. CPU fallback
-    disabled first; where QNN refuses a node, compiled again with fallback (the EPContext model then holds the
-    refused nodes for the CPU), and the trace names them."""
-    out_dir.mkdir(parents=True, exist_ok=True)
+_SUMMED = ("total_onnx_nodes", "supported_nodes", "unsupported_nodes", "qnn_subgraphs", "total_qnn_ops")
+
+
+def chain(parts: list[Compiled], graph: Any, out_dir: Path) -> Compiled:
+    """Contexts QNN compiled from consecutive pieces of one graph as one EPContext model, ``out_dir/ctx.onnx``:
+    their nodes in order (each EPContext node reads its own binary), the inputs and outputs of ``graph`` (an
+    ``onnx.GraphProto``: the graph that was cut). The pieces' own EPContext models go; their binaries and traces
+    stay. QNN's count is the pieces' counts summed."""
+    import onnx
+
+    nodes: list[Any] = []
+    inits: dict[str, Any] = {}
+    opsets: dict[str, int] = {}
+    ends = {o.name for o in graph.output}
+    between: dict[str, Any] = {}  # the values one piece hands the next: an EPContext node's types are not inferred
+    for part in parts:
+        m = onnx.load(str(part.context), load_external_data=False)
+        nodes += m.graph.node
+        between.update((v.name, v) for v in m.graph.output if v.name not in ends)
+        for t in m.graph.initializer:  # a piece QNN did not take whole keeps CPU nodes and their weights
+            inits.setdefault(t.name, t)
+        for o in m.opset_import:
+            opsets[o.domain] = max(opsets.get(o.domain, 0), o.version)
+    names = [a.s for n in nodes if n.op_type == "EPContext" for a in n.attribute if a.name == "partition_name"]
+    if len(set(names)) != len(names):
+        raise SdnpuError("QNN named two compiled pieces alike; they cannot share one model",
+                         hint="this is worth reporting with the model")
+    out = onnx.helper.make_model(
+        onnx.helper.make_graph(nodes, graph.name or "main_graph", list(graph.input), list(graph.output),
+                               initializer=list(inits.values()), value_info=list(between.values())),
+        opset_imports=[onnx.helper.make_opsetid(d, v) for d, v in sorted(opsets.items())])
     ctx = out_dir / CONTEXT
-    (out_dir / TRACE).unlink(missing_ok=True)
+    ctx.write_bytes(out.SerializeToString())
+    for part in parts:
+        part.context.unlink()
+    trace: dict[str, Any] = {k: sum(p.trace.get(k, 0) for p in parts) for k in _SUMMED}
+    trace["fusion_count"] = {}
+    for p in parts:
+        for k, v in p.trace.get("fusion_count", {}).items():
+            trace["fusion_count"][k] = trace["fusion_count"].get(k, 0) + v
+    trace["refused"] = [r for p in parts for r in p.trace.get("refused", [])]
+    pieces = [{"binaries": [b.name for b in p.binaries], "context_bytes": sum(b.stat().st_size for b in p.binaries),
+               "compile_seconds": round(p.seconds, 2), "whole": p.whole} for p in parts]
+    return Compiled(whole=all(p.whole for p in parts), context=ctx, binaries=[b for p in parts for b in p.binaries],
+                    trace=trace, seconds=sum(p.seconds for p in parts),
+                    failure="; ".join(p.failure for p in parts if p.failure), pieces=pieces)
+
+
+def compile_context(model: Path, out_dir: Path, arch: Arch, stem: str = "ctx") -> Compiled:
+    """QNN's compiler on ``model``: ``out_dir/<stem>.onnx`` and its context binary (``<stem>_qnn.bin``), with the
+    op trace (``qnn_op_trace.json``, ``<stem>_qnn_op_trace.json`` for a piece). CPU fallback disabled first; where
+    QNN refuses a node, compiled again with fallback (the EPContext model then holds the refused nodes for the
+    CPU), and the trace names them."""
+    out_dir.mkdir(parents=True, exist_ok=True)
+    ctx = out_dir / f"{stem}.onnx"
+    trace_out = out_dir / (TRACE if ctx.name == CONTEXT else f"{stem}_{TRACE}")
+    trace_out.unlink(missing_ok=True)
     failure = ""
     start = time.perf_counter()
     with tempfile.TemporaryDirectory(prefix="qnn-trace-") as tmp:
         for fallback in (False, True):
-            for stale in [ctx, *out_dir.glob(f"{ctx.stem}*.bin")]:  # a refused first try may have written them
+            for stale in [ctx, *out_dir.glob(f"{stem}_*.bin")]:  # a refused first try may have written them
                 stale.unlink(missing_ok=True)
             try:
                 session(model, HtpOptions(arch, fallback=fallback, trace_dir=Path(tmp), context=ctx))
@@ -190,12 +241,12 @@ def compile_context(model: Path, out_dir: Path, arch: Arch) -> Compiled:
         trace_file = Path(tmp) / TRACE
         trace = read_trace(trace_file) if trace_file.is_file() else {}
         if trace_file.is_file():
-            shutil.copyfile(trace_file, out_dir / TRACE)
+            shutil.copyfile(trace_file, trace_out)
     if not ctx.is_file():
         raise SdnpuError(f"QNN compiled {model.name} but wrote no EPContext model",
                          hint="onnxruntime-qnn's EPContext support (ep.context_enable) may be missing in this "
                          "build; " + INSTALL)
-    binaries = sorted(p for p in out_dir.glob("*.bin") if p.name.startswith(ctx.stem))
+    binaries = sorted(out_dir.glob(f"{stem}_*.bin"))
     return Compiled(whole=not failure, context=ctx, binaries=binaries, trace=trace, seconds=seconds,
                     failure=failure)
 

@@ -1,0 +1,124 @@
+"""Cutting a graph into pieces by weight (``sdnpu.convert.split``), for a vendor compiler that limits what one
+compiled unit holds (QNN: one context). On onnxruntime's CPU provider: the pieces, run one after another, compute
+what the whole graph computes, bit for bit. QNN's compile of the pieces, chained in one model, is in test_qnn.py."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import onnx
+import onnxruntime as ort
+import pytest
+from onnx import TensorProto as T
+from onnx import helper
+
+from sdnpu.convert import split
+from sdnpu.errors import SdnpuError
+
+
+def _session(path: Path) -> ort.InferenceSession:
+    so = ort.SessionOptions()
+    so.graph_optimization_level = ort.GraphOptimizationLevel.ORT_DISABLE_ALL  # the same kernels, whole or cut
+    return ort.InferenceSession(str(path), so, providers=["CPUExecutionProvider"])
+
+
+def _feeds(sess: ort.InferenceSession) -> dict[str, np.ndarray]:
+    rng = np.random.default_rng(0)
+    out = {}
+    for i in sess.get_inputs():
+        shape = [d if isinstance(d, int) else 1 for d in i.shape]
+        out[i.name] = (rng.integers(0, 100, shape).astype(np.int64) if "int64" in i.type
+                       else rng.standard_normal(shape).astype(np.float32))
+    return out
+
+
+def _weights(model: onnx.ModelProto) -> int:
+    return sum(split.weight_bytes(t, 2) for t in model.graph.initializer)
+
+
+@pytest.mark.parametrize(("component", "share"), [("unet", 0.3), ("unet", 0.55), ("vae_decoder", 0.3),
+                                                   ("text_encoder_2", 0.98)])
+def test_the_pieces_run_one_after_another_compute_the_graph(tiny_conversion, tmp_path, component, share):
+    """A real export, cut at several limits: the UNet's skip connections cross its cuts, the text encoder's token
+    table outweighs the rest of it (the even cut has no room; the pieces fill up instead)."""
+    source = tiny_conversion.out / component / "model.onnx"
+    model = onnx.shape_inference.infer_shapes(onnx.load(str(source), load_external_data=False))
+    limit = int(_weights(model) * share)
+    pieces = split.plan(model, limit)
+    assert len(pieces) >= 2 and all(p.weight_bytes <= limit for p in pieces)
+    assert [(p.start, p.end) for p in pieces] == list(zip([0, *(p.end for p in pieces[:-1])],
+                                                          [p.end for p in pieces]))
+    assert pieces[-1].end == len(model.graph.node)
+    whole = _session(source)
+    feeds = _feeds(whole)
+    expected = dict(zip([o.name for o in whole.get_outputs()], whole.run(None, feeds), strict=True))
+    values = dict(feeds)
+    for p in pieces:
+        path = source.parent / f"piece-test{p.index}.onnx"  # beside the graph: its weights stay where they are
+        try:
+            split.write_piece(model, p, path)
+            onnx.checker.check_model(str(path), full_check=True)
+            sess = _session(path)
+            assert [i.name for i in sess.get_inputs()] == list(p.inputs)
+            values.update(zip(p.outputs, sess.run(list(p.outputs), {k: values[k] for k in p.inputs}), strict=True))
+        finally:
+            path.unlink(missing_ok=True)
+    for name, want in expected.items():
+        np.testing.assert_array_equal(values[name], want, err_msg=name)
+
+
+def test_a_graph_within_the_limit_is_one_piece(tiny_conversion):
+    model = onnx.load(str(tiny_conversion.out / "vae_decoder" / "model.onnx"), load_external_data=False)
+    (piece,) = split.plan(model, _weights(model))
+    assert (piece.start, piece.end) == (0, len(model.graph.node))
+
+
+def _chain(widths: list[int], skip: bool = False) -> onnx.ModelProto:
+    """x [1, 64] through MatMuls of the given output widths, each followed by a Relu; with ``skip``, the first
+    Relu's output is added back after the last MatMul (a skip connection every cut before it carries)."""
+    rng = np.random.default_rng(0)
+    nodes, inits, prev, width = [], [], "x", 64
+    for i, w in enumerate(widths):
+        inits.append(onnx.numpy_helper.from_array(rng.standard_normal((width, w)).astype(np.float32), f"w{i}"))
+        nodes += [helper.make_node("MatMul", [prev, f"w{i}"], [f"m{i}"]),
+                  helper.make_node("Relu", [f"m{i}"], [f"r{i}"])]
+        prev, width = f"r{i}", w
+    if skip:
+        nodes.append(helper.make_node("Add", [prev, "r0"], ["y"]))
+        prev = "y"
+    g = helper.make_graph(nodes, "chain", [helper.make_tensor_value_info("x", T.FLOAT, [1, 64])],
+                          [helper.make_tensor_value_info(prev, T.FLOAT, [1, width])], initializer=inits)
+    return onnx.shape_inference.infer_shapes(helper.make_model(g, opset_imports=[helper.make_opsetid("", 17)]))
+
+
+def test_a_cut_goes_where_the_fewest_bytes_cross():
+    """Four equal MatMuls cut in two: between the second and the third, after the Relu or before it (the same
+    bytes), and the skip connection is carried across as a second value."""
+    model = _chain([64, 64, 64, 64], skip=True)
+    first, second = split.plan(model, int(_weights(model) * 0.6))
+    assert first.end in (3, 4)  # MatMul, Relu, MatMul | (Relu |) MatMul, Relu, ...
+    assert set(first.outputs) == {"r0", model.graph.node[first.end - 1].output[0]}
+    assert set(second.inputs) == set(first.outputs)
+
+
+def test_one_node_heavier_than_the_limit_is_a_clear_error():
+    model = _chain([64, 4096])
+    with pytest.raises(SdnpuError, match=r"node .* \(MatMul\) alone holds 0.52 MB of weights, more than one"):
+        split.plan(model, int(_weights(model) * 0.9))
+
+
+def test_a_constant_is_copied_into_the_piece_that_reads_it_not_carried(tmp_path):
+    model = _chain([64, 64, 64, 64])
+    g = model.graph
+    g.node.insert(0, helper.make_node("Constant", [], ["c"], value=onnx.numpy_helper.from_array(
+        np.full((1, 64), 0.5, np.float32))))
+    last = g.node[-1]
+    g.node[-1].CopyFrom(helper.make_node("Relu", [last.input[0]], ["pre"]))
+    g.node.append(helper.make_node("Add", ["pre", "c"], [g.output[0].name]))
+    model = onnx.shape_inference.infer_shapes(model)
+    pieces = split.plan(model, int(_weights(model) * 0.6))
+    assert len(pieces) == 2 and all("c" not in p.inputs and "c" not in p.outputs for p in pieces)
+    path = tmp_path / "last.onnx"
+    split.write_piece(model, pieces[-1], path)
+    assert "Constant" in {n.op_type for n in onnx.load(str(path)).graph.node}
