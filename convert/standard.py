@@ -99,8 +99,7 @@ def compile_standard(source: Path, out_dir: Path, info: dict[str, Any], options:
     if not compiled.whole:
         log.warning("[%s] QNN refused %d of %d nodes (the report names them); they run on the CPU", name,
                     qnn["trace"].get("unsupported_nodes", 0), qnn["trace"].get("total_onnx_nodes", 0))
-    fid = None
-    if feeds is not None and reference is not None and room is not None:
+    if feeds is not None and room is not None:
         after = headroom.magnitudes(out, feeds)
         for e in room:
             e["after"] = after.get(e["tensor"])
@@ -111,23 +110,33 @@ def compile_standard(source: Path, out_dir: Path, info: dict[str, Any], options:
         if unguarded:
             log.warning("[%s] %d values come within 4x of fp16's largest (65504) with no guard: %s", name,
                         len(unguarded), ", ".join(unguarded[:5]))
-        with step(log, f"[{name}] running the compiled model{emulated} for the fidelity check"
-                  + (" (slow: the emulator runs the NPU's program on this CPU)" if emulated else "")) as t:
-            actual = run_in_worker(run_compiled, compiled.context, arch, not compiled.whole, feeds,
-                                   what=f"running QNN's compile of {name}")
-        fid = fidelity({k: np.asarray(v) for k, v in reference.items() if k in actual}, actual)
-        given = "the conversion's inputs" if check.feeds is not None else "seeded inputs"
-        fid["inputs"] = (f"{given}; the compiled model ran{emulated or ' on the NPU'} in {t.seconds:.1f} s"
-                         + (" (emulation time, not the NPU's)" if emulated else ""))
-        log.info("[%s] QNN (fp16) vs fp32: min cosine %.6f, max abs error %.3g", name, fid["min_cosine"],
-                 fid["max_abs"])
-    extra: dict[str, Any] = {"target": target.name, "precision": options.precision, "peak_rss_bytes": peak_rss_bytes(),
-                             "qnn": qnn, "fp16_headroom": room}
-    if skipped:
-        extra["fidelity_skipped"] = skipped
+    extra: dict[str, Any] = {"target": target.name, "precision": options.precision, "qnn": qnn,
+                             "fp16_headroom": room}
     if dropped:
         extra["dropped_outputs"] = dropped
-    report = reports.build(out, source, records_json(records), {**info, **extra}, fid, target)
+    report = reports.build(out, source, records_json(records), {**info, **extra}, None, target)
+    if feeds is not None and reference is not None:
+        macs = report["summary"].get("macs_total") or 0
+        slow = backend.too_slow_to_emulate(macs) if emulated else ""
+        if slow:
+            log.warning("[%s] no fidelity run: %s", name, slow)
+            skipped = slow
+        else:
+            with step(log, f"[{name}] running the compiled model{emulated} for the fidelity check"
+                      + (" (slow: the emulator runs the NPU's program on this CPU)" if emulated else "")) as t:
+                actual = run_in_worker(run_compiled, compiled.context, arch, not compiled.whole, feeds,
+                                       what=f"running QNN's compile of {name}")
+            fid = fidelity({k: np.asarray(v) for k, v in reference.items() if k in actual}, actual)
+            given = "the conversion's inputs" if check.feeds is not None else "seeded inputs"
+            fid["inputs"] = (f"{given}; the compiled model ran{emulated or ' on the NPU'} in {t.seconds:.1f} s"
+                             + (f" (emulation time, not the NPU's: {macs / 1e9 / t.seconds:.3g} GMAC/s)"
+                                if emulated else ""))
+            report["fidelity"] = fid
+            log.info("[%s] QNN (fp16) vs fp32: min cosine %.6f, max abs error %.3g", name, fid["min_cosine"],
+                     fid["max_abs"])
+    if skipped:
+        report["fidelity_skipped"] = skipped
+    report["peak_rss_bytes"] = peak_rss_bytes()
     trace = qnn["trace"]
     report["summary"].update(vendor_nodes=trace.get("total_onnx_nodes", 0),
                              vendor_taken=trace.get("supported_nodes", 0),

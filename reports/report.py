@@ -326,7 +326,8 @@ def render_text(r: dict[str, Any]) -> str:
     lines += ["", "Fidelity against the fp32 graph", "-" * 79]
     fid = r.get("fidelity")
     if not fid:
-        lines.append("  not measured")
+        lines += textwrap.wrap("not measured" + (f": {r['fidelity_skipped']}" if r.get("fidelity_skipped") else ""),
+                               77, initial_indent="  ", subsequent_indent="    ")
     else:
         for name, e in fid["outputs"].items():
             psnr = f"  PSNR {e['psnr_db']:.1f} dB" if "psnr_db" in e else ""

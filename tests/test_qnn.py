@@ -93,6 +93,28 @@ def test_a_node_qnn_refuses_is_named_with_qnns_reason(tmp_path):
 TEXT_ENCODER_CONTEXT_GB = 0.0032
 
 
+def test_a_model_too_slow_for_the_emulator_is_compiled_and_says_why_it_is_not_run(tmp_path, monkeypatch):
+    """At full size the emulator would take hours (sd-turbo's UNet, 402 GMAC): the compile still runs the fp32
+    graph (fp16 headroom) and writes the context; the report says why the compiled model did not run."""
+    from onnx import TensorProto as T
+    from onnx import helper
+
+    w = onnx.numpy_helper.from_array(np.eye(8, dtype=np.float32), "w")
+    g = helper.make_graph([helper.make_node("MatMul", ["x", "w"], ["y"])], "g",
+                          [helper.make_tensor_value_info("x", T.FLOAT, [4, 8])],
+                          [helper.make_tensor_value_info("y", T.FLOAT, [4, 8])], initializer=[w])
+    (tmp_path / "m").mkdir()
+    onnx.save(helper.make_model(g, opset_imports=[helper.make_opsetid("", 20)]), str(tmp_path / "m" / "model.onnx"))
+    monkeypatch.setenv(qnn.EMULATOR_MINUTES_ENV, "0")  # 256 MACs is over no time at all
+    report = compile_file(tmp_path / "m" / "model.onnx", tmp_path / "out", CompileOptions.named("qnn-htp"))
+    assert report["qnn"]["whole"] and report["fidelity"] is None and report["fp16_headroom"] == []
+    assert "the HTP emulator would take about" in report["fidelity_skipped"]
+    assert "not measured: the HTP emulator would take" in (tmp_path / "out" / "onnx_report.txt").read_text()
+    monkeypatch.setenv(qnn.EMULATOR_MINUTES_ENV, "soon")
+    with pytest.raises(SdnpuError, match="is not a number of minutes"):
+        qnn.too_slow_to_emulate(1)
+
+
 @pytest.fixture(scope="module")
 def qnn_text_encoder(tmp_path_factory):
     out = tmp_path_factory.mktemp("qnn-convert")

@@ -59,6 +59,33 @@ def versions() -> dict[str, str]:
             "qnn": getattr(info, "qnn_version", "?")}
 
 
+# The HTP emulator's pace on this machine's 2 cores, from the runs measured here: the fidelity run is skipped where
+# it would take longer than SDNPU_EMULATOR_MINUTES (default 30), and the report says so and why.
+EMULATOR_GMACS_PER_S = 0.07  # tiny-sdxl's UNet: 1.29 GMAC in 18 s (2026-12-05)
+EMULATOR_MINUTES_ENV = "SDNPU_EMULATOR_MINUTES"
+EMULATOR_MINUTES = 30.0
+
+
+def too_slow_to_emulate(macs: int) -> str:
+    """Why a model of ``macs`` multiply-accumulates is not run on the emulator ("" where it is run): it would
+    take longer than ``SDNPU_EMULATOR_MINUTES``."""
+    import os
+
+    raw = os.environ.get(EMULATOR_MINUTES_ENV, "")
+    try:
+        minutes = float(raw) if raw else EMULATOR_MINUTES
+    except ValueError:
+        raise SdnpuError(f"{EMULATOR_MINUTES_ENV}={raw!r} is not a number of minutes",
+                         hint=f"e.g. {EMULATOR_MINUTES_ENV}=120, or unset it for {EMULATOR_MINUTES:g}") from None
+    seconds = macs / 1e9 / EMULATOR_GMACS_PER_S
+    if seconds <= minutes * 60:
+        return ""
+    took = f"{seconds / 3600:.1f} h" if seconds >= 5400 else f"{seconds / 60:.0f} min"
+    return (f"the HTP emulator would take about {took} ({macs / 1e9:,.0f} GMAC at the {EMULATOR_GMACS_PER_S} GMAC/s "
+            f"it runs here), more than {EMULATOR_MINUTES_ENV}={minutes:g} minutes allows; the fp32 run and the fp16 "
+            "headroom ran, and on a Snapdragon machine `sdnpu verify` runs the compiled model on the NPU")
+
+
 def _device() -> Any:
     global _registered
     q = require()
