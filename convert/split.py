@@ -170,6 +170,15 @@ def _greedy(cum: np.ndarray, crossing: np.ndarray, limit: int) -> list[int] | No
     return cuts
 
 
+def piece_of(model: onnx.ModelProto, start: int, end: int, float_bytes: int = 2) -> Piece:
+    """Nodes ``start`` to ``end`` of ``model``'s graph as a piece (a block to compile and run alone)."""
+    g = model.graph
+    nodes = list(g.node)
+    reads = [_reads(n) for n in nodes]
+    inits = {t.name: weight_bytes(t, float_bytes) for t in g.initializer}
+    return _weigh(_piece(g, nodes, reads, 0, start, end, 0), nodes, reads, inits)
+
+
 def _weigh(p: Piece, nodes: list[onnx.NodeProto], reads: list[list[str]], inits: dict[str, int]) -> Piece:
     names = {x for k in range(p.start, p.end) for x in reads[k] if x in inits}
     return Piece(p.index, p.start, p.end, p.inputs, p.outputs, sum(inits[x] for x in names))

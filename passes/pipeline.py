@@ -147,20 +147,30 @@ def prepare(model: ir.Model, target: Target) -> PassResult:
     every value, every node named (the standard target's limits read them), the target recorded."""
     lifted = common.LiftConstantsToInitializersPass(lift_all_constants=True, size_limit=0)(model).modified
     common.ShapeInferencePass(strict_mode=False)(model)
-    folded = False
-    with np.errstate(all="ignore"):
-        try:  # shape arithmetic folded (TorchScript's Slice bounds), as onnxruntime folds it before QNN sees it
-            folded = onnxscript.optimizer.fold_constants(model).modified
-        except Exception as e:  # an op its folder cannot evaluate: the graph goes on unfolded
-            log.warning("onnxscript's constant folder stopped (%s: %s)", type(e).__name__, str(e)[:200])
-    if folded:
+    rounds = 0
+    # shape arithmetic folded (TorchScript's Slice bounds, a Shape of a Reshape's output), as onnxruntime folds it
+    # before QNN sees it; again after shape inference, which a fold's constants let see further (CogView4's
+    # TorchScript unpatchify: a Reshape to a folded shape, then a Shape of its Transpose, then a Reshape to that)
+    while rounds < _FOLD_ROUNDS:
+        with np.errstate(all="ignore"):
+            try:
+                folded = onnxscript.optimizer.fold_constants(model).modified
+            except Exception as e:  # an op its folder cannot evaluate: the graph goes on as it is
+                log.warning("onnxscript's constant folder stopped (%s: %s)", type(e).__name__, str(e)[:200])
+                folded = False
+        if not folded:
+            break
+        rounds += 1
         common.LiftConstantsToInitializersPass(lift_all_constants=True, size_limit=0)(model)
         common.ShapeInferencePass(strict_mode=False)(model)
     named = common.NameFixPass()(model).modified
     model.metadata_props[TARGET_KEY] = target.name
-    return PassResult(modified=named or lifted or folded, counts={
+    return PassResult(modified=named or lifted or bool(rounds), counts={
         "nodes and values named": int(named), "Constant nodes -> initializers": int(lifted),
-        "constant subgraphs folded": int(folded)})
+        "constant folding rounds": rounds})
+
+
+_FOLD_ROUNDS = 4  # each round a fold, then shape inference; graphs seen need two
 
 
 def _both(a: PassResult, b: PassResult) -> PassResult:

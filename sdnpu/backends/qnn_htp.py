@@ -61,7 +61,7 @@ def versions() -> dict[str, str]:
 
 # The HTP emulator's pace on this machine's 2 cores, from the runs measured here: the fidelity run is skipped where
 # it would take longer than SDNPU_EMULATOR_MINUTES (default 30), and the report says so and why.
-EMULATOR_GMACS_PER_S = 0.07  # tiny-sdxl's UNet: 1.29 GMAC in 18 s (2026-12-05)
+EMULATOR_GMACS_PER_S = 0.45  # sd-turbo's UNet at 512 px: 402 GMAC in 876 s (2026-12-05; tiny graphs run slower a MAC)
 EMULATOR_MINUTES_ENV = "SDNPU_EMULATOR_MINUTES"
 EMULATOR_MINUTES = 30.0
 
