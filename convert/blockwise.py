@@ -41,6 +41,7 @@ from typing import Any
 
 import numpy as np
 
+from sdnpu.convert import blockwise_qnn
 from sdnpu.convert.compile import REPLACED, compile_into, log_offload, validate_dispatch_model, write_report
 from sdnpu.convert.export import CHECK_RTOL, export_module
 from sdnpu.convert.job import MODEL_FILE, Job, compile_info, write_records
@@ -314,6 +315,7 @@ class _Run:
     n_params: int = 0
     chain: Chain | None = None
     partition: dict[str, Any] | None = None  # the stitched dispatch model's partition record
+    qnn: Any = None  # a standard target's contexts (``sdnpu.convert.blockwise_qnn.QnnChain``), None for AMD's
 
     def timed(self, what: str, started: float) -> None:
         self.seconds[what] += time.perf_counter() - started
@@ -323,6 +325,10 @@ def convert_blockwise(src: Source, job: Job, stage: Path) -> ComponentResult:
     """Convert ``job`` (T5, Flux.1's transformer) into ``stage`` block by block: ``model.onnx`` (+ data)
     stitched from the pieces' fp32 graphs, ``dd/`` from their dispatch models. Returns the ComponentResult."""
     run = _Run(job, stage / ".pieces", job.sample_inputs(), tuple(job.signature().outputs))
+    target = job.options.compile_options.target
+    if job.options.compile and target.kind == "standard":
+        run.qnn = blockwise_qnn.start(stage / target.out_dir, job.options.compile_options, run.feeds, run.out_names,
+                                      emulate=job.options.check)
     shutil.rmtree(run.work, ignore_errors=True)
     run.work.mkdir()
     started = time.perf_counter()
@@ -382,7 +388,10 @@ def _piece(run: _Run, piece: Piece) -> None:
     release_memory()
     names = (piece.inputs, piece.outputs)
     _check_piece(run, i, path, {k: before[k] for k in piece.inputs}, dict(zip(piece.outputs, t_out, strict=True)))
-    dispatch = _compile_piece(run, i, path, names) if options.compile else None
+    dispatch = _compile_piece(run, i, path, names) if options.compile and run.qnn is None else None
+    if run.qnn is not None:
+        blockwise_qnn.compile_piece(run.qnn, i, piece.n, path, piece.inputs, piece.outputs,
+                                    {k: before[k] for k in piece.inputs} if options.check else None, job.component)
     previous = run.chain
     run.chain = Chain(link_values(before, piece.outputs, t_out),
                       None if dispatch is None else link_values(
@@ -478,7 +487,7 @@ def _stitch(run: _Run, stage: Path) -> tuple[StitchStats, dict[str, Any] | None]
     with step(log, f"[{comp}] stitching {len(run.fp32_parts)} pieces into {MODEL_FILE}"):
         s32 = stitch(run.fp32_parts, stage / MODEL_FILE, CHAIN_INPUT, consume=True)
     sdd = None
-    if options.compile:
+    if options.compile and run.qnn is None:
         (stage / "dd").mkdir(exist_ok=True)
         target = options.compile_options.target
         with step(log, f"[{comp}] stitching {len(run.dd_parts)} dispatch models into dd/{REPLACED}"):
@@ -493,6 +502,12 @@ def _stitch(run: _Run, stage: Path) -> tuple[StitchStats, dict[str, Any] | None]
     with step(log, f"[{comp}] validating the stitched graph (onnx.checker, full check)") as t:
         onnx.checker.check_model(str(stage / MODEL_FILE), full_check=True)
     run.seconds["onnx_check"] = t.seconds
+    if run.qnn is not None:
+        info = {**compile_info(run.job, None), "peak_rss_bytes": peak_rss_bytes()}
+        reference = run.chain.torch if run.chain is not None and options.check else None
+        report = blockwise_qnn.finish(run.qnn, comp, stage / MODEL_FILE, info, reference)
+        log_offload(comp, report)
+        return s32, report["summary"]
     return s32, (_report(run, stage, sdd) if sdd is not None else None)
 
 

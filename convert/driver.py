@@ -106,11 +106,6 @@ def _prepare(source: str | Path, components: str | Sequence[str], out: str | Pat
                          "SD 1.x) and Flux.1's transformer and CLIP-L only", hint="convert it without --lora")
     src.check_pipeline_files()
     plan = budget.plan(src, comps, options)
-    by_block = [c for c in comps if module_of(c) in plan.by_block]
-    if by_block and options.compile and options.compile_options.target.kind == "standard":
-        raise SdnpuError(f"{', '.join(by_block)} would convert block by block (the weights do not fit in memory "
-                         f"whole, or --blockwise), which --target {options.target} does not do yet",
-                         hint="convert them with --no-compile on this machine, or whole on a larger one")
     blocked = [c for c in comps if module_of(c) in plan.by_block and c in lora_components(config.family)]
     if options.loras and blocked:
         raise SdnpuError(f"--lora: {', '.join(blocked)} converts block by block, where sdnpu does not fuse LoRAs "

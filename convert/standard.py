@@ -117,7 +117,7 @@ def compile_standard(source: Path, out_dir: Path, info: dict[str, Any], options:
     report = reports.build(out, source, records_json(records), {**info, **extra}, None, target)
     if feeds is not None and reference is not None:
         macs = report["summary"].get("macs_total") or 0
-        slow = backend.too_slow_to_emulate(macs) if emulated else ""
+        slow = too_slow(backend, macs)
         if slow:
             log.warning("[%s] no fidelity run: %s", name, slow)
             skipped = slow
@@ -158,7 +158,7 @@ def _compile(model: Path, out_dir: Path, name: str, backend: Any, arch: Any, gb:
     structure = onnx.load(str(model), load_external_data=False)
     pieces = split.plan(structure, int(gb * 1e9)) if gb else []
     if len(pieces) <= 1:
-        return _compile_unit(backend, model, out_dir, arch, "ctx", f"{name}")
+        return compile_unit(backend, model, out_dir, arch, "ctx", f"{name}")
     structure = onnx.shape_inference.infer_shapes(structure)  # the types of the values handed across a cut
     log.info("[%s] %.2f GB of fp16 weights: more than one QNN context holds (%.1f GB), so %d contexts, chained "
              "in one model", name, sum(p.weight_bytes for p in pieces) / 1e9, gb, len(pieces))
@@ -167,7 +167,7 @@ def _compile(model: Path, out_dir: Path, name: str, backend: Any, arch: Any, gb:
         path = out_dir / f"piece{p.index + 1}.onnx"
         try:
             split.write_piece(structure, p, path)
-            parts.append(_compile_unit(backend, path, out_dir, arch, f"ctx{p.index + 1}",
+            parts.append(compile_unit(backend, path, out_dir, arch, f"ctx{p.index + 1}",
                                        f"{name} piece {p.index + 1} of {len(pieces)} ({p.end - p.start} nodes, "
                                        f"{p.weight_bytes / 1e9:.2f} GB)"))
         finally:
@@ -178,7 +178,8 @@ def _compile(model: Path, out_dir: Path, name: str, backend: Any, arch: Any, gb:
     return compiled
 
 
-def _compile_unit(backend: Any, model: Path, out_dir: Path, arch: Any, stem: str, what: str) -> Any:
+def compile_unit(backend: Any, model: Path, out_dir: Path, arch: Any, stem: str, what: str) -> Any:
+    """The vendor's compile of ``model`` into ``out_dir/<stem>.onnx`` and its binary, in a worker process."""
     with step(log, f"[{what}] QNN's compiler: HTP v{arch.arch} (soc_model {arch.soc_model}), CPU fallback off"):
         # in a process of its own: QNN's compiler takes gigabytes it keeps (8.9 GB peak on sd-turbo's UNet), and a
         # graph it cannot handle may crash it (ONNX's STFT node test: SIGSEGV), which must not take sdnpu along
@@ -191,6 +192,12 @@ def _compile_unit(backend: Any, model: Path, out_dir: Path, arch: Any, stem: str
             raise SdnpuError(f"QNN's compiler crashed on {what} (a segmentation fault in QNN's compile; nothing was "
                              "written)", hint="the graph holds something QNN cannot compile: its fp32 graph still "
                              "runs on the CPU, and `--target amd-xdna2` compiles it for AMD's NPU") from None
+
+
+def too_slow(backend: Any, macs: int) -> str:
+    """Why the compiled model is not run for the fidelity check ("" where it is): on an emulator, the time it
+    would take (``backend.too_slow_to_emulate``); on the NPU itself, never."""
+    return backend.too_slow_to_emulate(macs) if backend.is_emulated() else ""
 
 
 def run_compiled(context: Path, arch: Any, fallback: bool, feeds: dict[str, np.ndarray]) -> dict[str, np.ndarray]:

@@ -38,6 +38,7 @@ def magnitudes(path: Path, feeds: dict[str, np.ndarray]) -> dict[str, float]:
     names: dict[str, str] = {}
     nodes = []
     for node in list(graph.node):
+        nodes.append(node)
         for out in node.output:
             vi = infos.get(out)
             if not out or vi is None or vi.type.tensor_type.elem_type not in floats:
@@ -47,6 +48,10 @@ def magnitudes(path: Path, feeds: dict[str, np.ndarray]) -> dict[str, float]:
             for op in ("ReduceMax", "ReduceMin"):
                 nodes.append(helper.make_node(op, [out], [f"{key}_{op}"], name=f"{key}_{op}", keepdims=0))
                 graph.output.append(helper.make_tensor_value_info(f"{key}_{op}", vi.type.tensor_type.elem_type, []))
+    # each reduction right after the node that writes its tensor, and onnxruntime told to keep this order: in its
+    # default order the reductions ran late and kept the activations alive until then (sd-turbo's UNet at 512 px:
+    # 11.8 GB against 4.3 GB for its plain fp32 run, 4.4 GB so; SDXL's at 1024 px was killed at 24 GB)
+    del graph.node[:]
     graph.node.extend(nodes)
     import onnxruntime as ort
 
@@ -55,6 +60,7 @@ def magnitudes(path: Path, feeds: dict[str, np.ndarray]) -> dict[str, float]:
         so = ort.SessionOptions()
         so.graph_optimization_level = ort.GraphOptimizationLevel.ORT_DISABLE_ALL
         so.log_severity_level = 3
+        so.execution_order = ort.ExecutionOrder.PRIORITY_BASED  # the nodes' order, reductions next to their tensors
         sess = ort.InferenceSession(tmp.name, so, providers=["CPUExecutionProvider"])
         wanted = [f"{k}_{op}" for k in names for op in ("ReduceMax", "ReduceMin")]
         inputs = {i.name for i in sess.get_inputs()}

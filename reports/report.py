@@ -93,6 +93,12 @@ def macs(node: onnx.NodeProto, shapes: dict[str, list[int]], target: Target) -> 
     return 0
 
 
+def macs_of(model: onnx.ModelProto, target: Target) -> int:
+    """The multiply-accumulates of ``model``'s graph (nodes whose count is not known count 0)."""
+    shapes = _shapes(model)
+    return sum(macs(node, shapes, target) or 0 for node in model.graph.node)
+
+
 def build(replaced: Path, source_model: Path | None, passes: list[dict[str, Any]],
           info: dict[str, Any] | None = None, fidelity: dict[str, Any] | None = None,
           target: Target | None = None) -> dict[str, Any]:
@@ -373,8 +379,9 @@ def _vendor_lines(r: dict[str, Any]) -> list[str]:
              f"({_gb(q.get('context_bytes'))}), compiled in {q.get('compile_seconds', 0):.1f} s"]
     pieces = q.get("pieces") or []
     if pieces:
-        lines += textwrap.wrap(f"{len(pieces)} contexts, chained: one holds at most {q.get('context_gb')} GB of fp16 "
-                               "weights (the HTP's 32-bit address space; --context-gb)", 79,
+        why = (f"one holds at most {q['context_gb']} GB of fp16 weights (the HTP's 32-bit address space; "
+               "--context-gb)" if q.get("context_gb") else "one per piece of the block-by-block conversion")
+        lines += textwrap.wrap(f"{len(pieces)} contexts, chained: {why}", 79,
                                initial_indent="contexts               ", subsequent_indent=" " * 23)
         for i, p in enumerate(pieces, 1):
             lines.append(f"  {i}: {p.get('nodes', '?')} nodes, {_gb(p.get('weight_bytes'))} of weights -> "

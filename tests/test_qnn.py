@@ -169,6 +169,27 @@ def test_the_runtime_runs_a_qnn_component_against_its_fp32_graph(qnn_text_encode
     assert cos >= MIN_COSINE
 
 
+@pytest.mark.parametrize(("source", "component"), [("tiny-flux", "transformer"), ("tiny-sd3", "text_encoder_3")])
+def test_block_by_block_each_piece_is_a_context_and_the_chain_computes_the_module(tmp_path, source, component):
+    """Flux.1's transformer (pieces handing on two streams and the tables the first piece computes) and T5 (one
+    chain value): each piece rewritten and compiled by QNN with fallback disabled into its own context, the
+    contexts chained in one ctx.onnx with the fp32 graph's inputs and outputs, run on the emulator one after
+    another against PyTorch's pieces chained."""
+    convert(source, component, out=tmp_path, options=ConvertOptions(target="qnn-htp", blockwise=True))
+    comp = tmp_path / component
+    report = json.loads((comp / "qnn" / "report.json").read_text())
+    q = report["qnn"]
+    n = report["blockwise"]["pieces"]
+    assert q["whole"] and len(q["pieces"]) == n >= 2 and q["trace"]["unsupported_nodes"] == 0
+    assert q["binaries"] == [f"ctx{i}_qnn.bin" for i in range(1, n + 1)]
+    assert report["fidelity"]["min_cosine"] >= MIN_COSINE and "chained" in report["fidelity"]["inputs"]
+    assert _signature(comp / "qnn" / "ctx.onnx") == _signature(comp / "model.onnx")
+    assert report["summary"]["total_nodes"] == sum(p["nodes"] for p in q["pieces"])
+    assert not (comp / ".pieces").exists() and not (comp / "qnn" / "model.onnx").exists()
+    text = " ".join((comp / "qnn" / "onnx_report.txt").read_text().split())
+    assert f"{n} contexts, chained: one per piece of the block-by-block conversion" in text
+
+
 def test_the_qnn_options_are_checked_before_any_work():
     with pytest.raises(SdnpuError, match="has no precision 'bf16'"):
         ConvertOptions(target="qnn-htp", precision="bf16")

@@ -1,0 +1,251 @@
+"""Block by block for a standard target (``qnn-htp``): each piece of ``sdnpu.convert.blockwise`` (T5's blocks,
+Flux.1's) brought to the forms the NPU takes and compiled by the vendor into a context of its own, the contexts
+chained in one ``qnn/ctx.onnx``. The module's fp32 graph is stitched from the pieces as for any target; the
+rewritten pieces are compiled and deleted, so no rewritten graph of the whole is written (the disk holds the fp32
+graph and the contexts: Flux.1 dev, 47.6 GB and 23.8 GB).
+
+Per piece: its fp32 graph's run on PyTorch's inputs of the piece measures every tensor's magnitude (fp16
+headroom, as ``sdnpu.convert.standard`` does for a whole graph, and the risks its guard pass reads); the standard
+passes; the piece's inputs and outputs renamed to the chain's names (an output of piece ``i`` is ``b<i>/<name>``
+but the module's own outputs, an input the latest earlier output of its link name: ``sdnpu.convert.stitch``); QNN's
+compile with CPU fallback disabled into ``ctx<i+1>_qnn.bin``. Where the job checks and the emulator's time allows,
+the contexts run one after another on the module's inputs, and the last one's outputs are measured against
+PyTorch's pieces chained (each piece's fp32 graph within the export check of PyTorch).
+
+The report counts the rewritten pieces together: their graphs, read without their weights, joined in one
+(``_joined``: the names are the chain's, so the pieces meet) and reported as one graph.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import onnx
+
+from sdnpu.backends import backend_of
+from sdnpu.convert.stitch import link_name
+from sdnpu.errors import SdnpuError
+from sdnpu.passes.htp import guards_of
+from sdnpu.passes.manager import records_json
+from sdnpu.passes.modelfile import load, save
+from sdnpu.convert.standard import compile_unit, run_compiled, too_slow
+from sdnpu.passes.pipeline import CompileOptions, compile_model
+from sdnpu.progress import release_memory, step
+from sdnpu.reports import headroom
+from sdnpu.reports.report import macs_of
+from sdnpu.worker import run_in_worker
+
+log = logging.getLogger(__name__)
+
+CHAIN_INPUT = "hidden_states"  # as sdnpu.convert.blockwise: what a piece with one output feeds in the next
+
+
+@dataclass
+class QnnChain:
+    """The contexts so far: the chain's names, the compiled pieces, their rewritten graphs' structure, the
+    emulated chain's values (None where it does not run), the pass counts and the fp16 headroom."""
+
+    out_dir: Path
+    options: CompileOptions
+    module_outputs: tuple[str, ...]
+    names: dict[str, str]  # a link name -> the chain's value that feeds it
+    values: dict[str, np.ndarray] | None
+    parts: list[Any] = field(default_factory=list)
+    graphs: list[onnx.ModelProto] = field(default_factory=list)
+    records: dict[str, dict[str, Any]] = field(default_factory=dict)
+    room: list[dict[str, Any]] = field(default_factory=list)
+    emulator_seconds: float = 0.0
+    skipped: str = ""
+
+
+def start(out_dir: Path, options: CompileOptions, feeds: dict[str, np.ndarray], outputs: tuple[str, ...],
+          emulate: bool) -> QnnChain:
+    out_dir.mkdir(parents=True, exist_ok=True)
+    return QnnChain(out_dir, options, outputs, {k: k for k in feeds}, dict(feeds) if emulate else None)
+
+
+def compile_piece(chain: QnnChain, i: int, n: int, path: Path, inputs: tuple[str, ...], outputs: tuple[str, ...],
+                  feeds: dict[str, np.ndarray] | None, component: str) -> None:
+    """Piece ``i`` of ``n`` (its fp32 graph at ``path``; ``feeds``: PyTorch's inputs of the piece, None where the
+    job does not check) rewritten, compiled into its context and, where the chain runs, run on the emulator."""
+    options, backend = chain.options, backend_of(chain.options.target)
+    name = f"{component} piece {i + 1} of {n}"
+    if feeds is not None:
+        with step(log, f"[{name}] fp16 headroom: every tensor's largest magnitude in the fp32 run"):
+            near = headroom.near_limit(headroom.magnitudes(path, feeds))
+        options = dataclasses.replace(options, fp16_risks=tuple((e["tensor"], e["max_abs"]) for e in near))
+    else:
+        near = []
+    model = load(path)
+    records = compile_model(model, options)
+    guards = guards_of(dict(model.metadata_props))
+    for e in near:
+        e["tensor"], e["guard"] = f"b{i}/{e['tensor']}", guards.get(e["tensor"], "")
+    chain.room += near
+    for rec in records_json(records):
+        bucket = chain.records.setdefault(rec["name"], {})
+        for k, v in rec.get("counts", {}).items():
+            if isinstance(v, (int, float)):
+                bucket[k] = bucket.get(k, 0) + v
+    qnn_path = path.parent / "qnn" / "model.onnx"
+    qnn_path.parent.mkdir(exist_ok=True)
+    save(model, qnn_path)
+    del model
+    release_memory()
+    _rename(qnn_path, i, i == n - 1, inputs, outputs, chain)
+    arch = backend.parse_arch(options.htp_arch)
+    part = compile_unit(backend, qnn_path, chain.out_dir, arch, f"ctx{i + 1}", name)
+    chain.parts.append(part)
+    structure = onnx.load(str(qnn_path), load_external_data=False)
+    chain.graphs.append(structure)
+    if chain.values is not None and i == 0:  # the first piece's MACs, n times: the chain's time on the emulator
+        slow = too_slow(backend, macs_of(structure, options.target) * n)
+        if slow:
+            log.warning("[%s] the compiled pieces do not run: %s", component, slow)
+            chain.skipped, chain.values = slow, None
+    if chain.values is not None:
+        wanted = {v.name for v in structure.graph.input}
+        t0 = time.perf_counter()
+        got = run_in_worker(run_compiled, part.context, arch, not part.whole,
+                            {k: v for k, v in chain.values.items() if k in wanted},
+                            what=f"running QNN's compile of {name}")
+        chain.emulator_seconds += time.perf_counter() - t0
+        chain.values.update(got)
+    for f in [qnn_path, *qnn_path.parent.glob(qnn_path.name + ".data")]:
+        f.unlink(missing_ok=True)
+
+
+def _rename(path: Path, i: int, last: bool, inputs: tuple[str, ...], outputs: tuple[str, ...], chain: QnnChain
+            ) -> None:
+    """The piece's inputs and outputs under the chain's names (in place; the weights are not read)."""
+    m = onnx.load(str(path), load_external_data=False)
+    new: dict[str, str] = {}
+    for x in inputs:
+        if x not in chain.names:
+            raise SdnpuError(f"piece {i} takes {x}, which no earlier piece gives")
+        new[x] = chain.names[x]
+    for o in outputs:
+        new[o] = o if last and o in chain.module_outputs else f"b{i}/{o}"
+    for v in [*m.graph.input, *m.graph.output, *m.graph.value_info]:
+        v.name = new.get(v.name, v.name)
+    for node in m.graph.node:
+        node.input[:] = [new.get(x, x) for x in node.input]
+        node.output[:] = [new.get(x, x) for x in node.output]
+    onnx.save(m, str(path))  # the weights stay where they are: external data keeps its location
+    for o in outputs:
+        chain.names[link_name(o)] = new[o]
+    if len(outputs) == 1:
+        chain.names[CHAIN_INPUT] = new[outputs[0]]
+
+
+def finish(chain: QnnChain, component: str, source: Path, info: dict[str, Any],
+           reference: dict[str, np.ndarray] | None) -> dict[str, Any]:
+    """The contexts chained in ``qnn/ctx.onnx``, the report written (the pieces' graphs counted as one; the
+    emulated chain against ``reference``, PyTorch's chain, where it ran). Returns the report."""
+    from sdnpu.reports import report as reports
+    from sdnpu.reports.fidelity import fidelity
+
+    backend = backend_of(chain.options.target)
+    joined = _joined(chain)
+    fp32 = onnx.load(str(source), load_external_data=False).graph  # the inputs and outputs, as the fp32 graph's
+    del joined.graph.input[:], joined.graph.output[:]
+    joined.graph.input.extend(fp32.input)
+    joined.graph.output.extend(fp32.output)
+    compiled = backend.chain(chain.parts, joined.graph, chain.out_dir)
+    for row, g in zip(compiled.pieces, chain.graphs, strict=True):
+        row.update(nodes=len(g.graph.node), weight_bytes=_fp16_bytes(g))
+    arch = backend.parse_arch(chain.options.htp_arch)
+    qnn = {**compiled.to_json(), "arch": f"v{arch.arch}", "soc_model": arch.soc_model, "chips": arch.chips,
+           "context_gb": None, "versions": backend.versions(), "emulated": backend.is_emulated()}
+    fid = None
+    if chain.values is not None and reference is not None:
+        fid = fidelity({k: reference[k] for k in chain.module_outputs},
+                       {k: chain.values[k] for k in chain.module_outputs})
+        fid["inputs"] = (f"the module's seeded inputs, {len(chain.parts)} pieces: QNN's contexts chained"
+                         f"{' on the HTP emulator' if qnn['emulated'] else ''} ({chain.emulator_seconds:.1f} s"
+                         f"{', emulation time, not the NPU' + chr(39) + 's' if qnn['emulated'] else ''}), against "
+                         "PyTorch's fp32 pieces chained")
+        log.info("[%s] QNN (fp16) vs PyTorch fp32 (chained): min cosine %.6f, max abs error %.3g", component,
+                 fid["min_cosine"], fid["max_abs"])
+    structure = chain.out_dir / ".pieces.onnx"  # the joined graph without weights, read by the report only
+    onnx.save(joined, str(structure))
+    try:
+        passes = [{"name": k, "seconds": 0.0, "counts": v} for k, v in chain.records.items()
+                  if k != "partition"]  # the pieces' regions, each counted from 0: the report counts the whole's
+        extra = {**info, "target": chain.options.target.name, "precision": chain.options.precision, "qnn": qnn,
+                 "fp16_headroom": chain.room, "blockwise": {"pieces": len(chain.parts)}}
+        if chain.skipped:
+            extra["fidelity_skipped"] = chain.skipped
+        report = reports.build(structure, source, passes, extra, fid, chain.options.target)
+    finally:
+        structure.unlink(missing_ok=True)
+    report["summary"].update(vendor_nodes=qnn["trace"].get("total_onnx_nodes", 0),
+                             vendor_taken=qnn["trace"].get("supported_nodes", 0), vendor_whole=compiled.whole)
+    reports.write(chain.out_dir, report)
+    return report
+
+
+def _fp16_bytes(m: onnx.ModelProto) -> int:
+    from sdnpu.convert.split import weight_bytes
+
+    return sum(weight_bytes(t, 2) for t in m.graph.initializer)
+
+
+def _joined(chain: QnnChain) -> onnx.ModelProto:
+    """The rewritten pieces as one graph, without weights: their nodes in order (each piece's own values
+    prefixed with its block, as the stitch does), the first piece's inputs and the module's outputs."""
+    nodes, inits, infos = [], [], []
+    inputs: dict[str, onnx.ValueInfoProto] = {}
+    outputs: dict[str, onnx.ValueInfoProto] = {}
+    written: set[str] = set()
+    for i, g in enumerate(chain.graphs):
+        ios = {v.name for v in [*g.graph.input, *g.graph.output]}
+        own = {x for n in g.graph.node for x in n.output if x not in ios} | {t.name for t in g.graph.initializer}
+
+        def r(x: str, own: set[str] = own, i: int = i) -> str:
+            return f"b{i}/{x}" if x in own else x
+
+        for n in g.graph.node:
+            c = onnx.NodeProto()
+            c.CopyFrom(n)
+            c.name = f"b{i}/{n.name}"
+            c.input[:] = [r(x) if x else x for x in n.input]
+            c.output[:] = [r(x) for x in n.output]
+            nodes.append(c)
+        for t in g.graph.initializer:
+            c = onnx.TensorProto()
+            c.CopyFrom(t)
+            c.name = r(t.name)
+            inits.append(c)
+        for v in g.graph.value_info:
+            c = onnx.ValueInfoProto()
+            c.CopyFrom(v)
+            c.name = r(v.name)
+            infos.append(c)
+        for v in g.graph.input:
+            if v.name not in written:  # the module's own input (an earlier piece's output is a value between)
+                inputs.setdefault(v.name, v)
+        written.update(v.name for v in g.graph.output)
+        for v in g.graph.output:
+            if v.name in chain.module_outputs:
+                outputs[v.name] = v
+            else:
+                infos.append(v)
+    graph = onnx.helper.make_graph(nodes, "blocks", list(inputs.values()),
+                                   [outputs[k] for k in chain.module_outputs if k in outputs],
+                                   initializer=inits, value_info=infos)
+    opsets = {}
+    for g in chain.graphs:
+        for o in g.opset_import:
+            opsets[o.domain] = max(opsets.get(o.domain, 0), o.version)
+    out = onnx.helper.make_model(graph, opset_imports=[onnx.helper.make_opsetid(d, v) for d, v in opsets.items()])
+    out.ir_version = chain.graphs[0].ir_version
+    for p in chain.graphs[0].metadata_props:
+        out.metadata_props.add(key=p.key, value=p.value)
+    return out
