@@ -38,6 +38,9 @@ BLOCKWISE_SHARE = 0.5
 # What a component's folder takes on disk, as a share of its module's fp32 weight bytes: the fp32 graph (1x) and
 # the bf16 dispatch model (0.5x); sdxl-turbo's five components took 20 GB for 13.8 GB of fp32 weights (du).
 DISK_SHARE = 1.5
+# A standard target's (qnn-htp): the fp32 graph (1x), the rewritten fp32 graph (1x) and the fp16 context (0.5x;
+# sd-turbo's UNet: 3.46 + 3.46 + 1.74 GB); block by block, the rewritten pieces are deleted once compiled.
+STANDARD_DISK_SHARE = 2.5
 
 
 def human(n: int) -> str:
@@ -85,6 +88,11 @@ class Budget:
 
     weights: dict[str, int]
     by_block: set[str] = field(default_factory=set)
+    standard: bool = False  # compiled for a standard target (its vendor's context beside a rewritten graph)
+
+    def disk_share(self, key: str) -> float:
+        """What module ``key``'s folder takes on disk, as a share of its fp32 weight bytes."""
+        return STANDARD_DISK_SHARE if self.standard and key not in self.by_block else DISK_SHARE
 
     def isolate(self, key: str) -> bool:
         """Whether module ``key``'s torch stage runs in a worker process (``ISOLATE_BYTES``)."""
@@ -93,7 +101,8 @@ class Budget:
 
 def plan(src: Source, comps: list[str], options: ConvertOptions) -> Budget:
     """The budget of converting ``comps`` of ``src``; a module that cannot fit is refused now."""
-    budget = Budget({key: module_bytes(src, key) for key in dict.fromkeys(module_of(c) for c in comps)})
+    budget = Budget({key: module_bytes(src, key) for key in dict.fromkeys(module_of(c) for c in comps)},
+                    standard=options.compile and options.compile_options.target.kind == "standard")
     for key, need in budget.weights.items():  # one that cannot fit: before anything is written
         if blockwise.supports(src, key) and (options.blockwise or not fits(need, BLOCKWISE_SHARE)):
             budget.by_block.add(key)
@@ -108,8 +117,8 @@ def plan(src: Source, comps: list[str], options: ConvertOptions) -> Budget:
 
 def check_disk(budget: Budget, comps: list[str], out_dir: Path) -> None:
     """Refuse now, before any export, a conversion whose folders would not fit on ``out_dir``'s disk
-    (``DISK_SHARE`` of each component's module weights)."""
-    need = int(sum(DISK_SHARE * budget.weights[module_of(c)] for c in comps))
+    (``Budget.disk_share`` of each component's module weights)."""
+    need = int(sum(budget.disk_share(module_of(c)) * budget.weights[module_of(c)] for c in comps))
     where = out_dir
     while not where.exists() and where != where.parent:
         where = where.parent

@@ -68,6 +68,7 @@ from sdnpu.passes.cuts import gather_cuts
 from sdnpu.passes.fuse import fuse
 from sdnpu.passes.glue import lower_glue
 from sdnpu.passes.handoff import handoff_pass
+from sdnpu.passes.htp import common as htp_common
 from sdnpu.passes.htp import (broadcast_into_layernorm, exact_angles, float32_tables, fp16_headroom,
                               pixel_shuffles, rank6_movements, reciprocal_products)
 from sdnpu.passes.joint import joint_attention
@@ -147,6 +148,7 @@ def prepare(model: ir.Model, target: Target) -> PassResult:
     every value, every node named (the standard target's limits read them), the target recorded."""
     lifted = common.LiftConstantsToInitializersPass(lift_all_constants=True, size_limit=0)(model).modified
     common.ShapeInferencePass(strict_mode=False)(model)
+    filled = _filled_constants(model)
     rounds = 0
     # shape arithmetic folded (TorchScript's Slice bounds, a Shape of a Reshape's output), as onnxruntime folds it
     # before QNN sees it; again after shape inference, which a fold's constants let see further (CogView4's
@@ -165,12 +167,39 @@ def prepare(model: ir.Model, target: Target) -> PassResult:
         common.ShapeInferencePass(strict_mode=False)(model)
     named = common.NameFixPass()(model).modified
     model.metadata_props[TARGET_KEY] = target.name
-    return PassResult(modified=named or lifted or bool(rounds), counts={
+    filled += _filled_constants(model)  # shapes the folds made constant
+    return PassResult(modified=named or lifted or bool(rounds) or bool(filled), counts={
         "nodes and values named": int(named), "Constant nodes -> initializers": int(lifted),
-        "constant folding rounds": rounds})
+        "constant folding rounds": rounds, "ConstantOfShape of a constant shape -> initializer": filled})
 
 
 _FOLD_ROUNDS = 4  # each round a fold, then shape inference; graphs seen need two
+_FILL_LIMIT = 1 << 24  # bytes: a ConstantOfShape up to this size becomes the initializer it makes
+
+
+def _filled_constants(model: ir.Model) -> int:
+    """``ConstantOfShape`` of a constant shape as the initializer it makes, up to ``_FILL_LIMIT``: onnxruntime
+    folds it before QNN sees the graph, onnxscript's folder leaves it (it does not materialize fills; the
+    expanded LayerNorm of ONNX's function bodies counts its reduced axes so). Returns how many."""
+    graph, done = model.graph, 0
+    for node in list(graph):
+        if node.op_type != "ConstantOfShape" or node.domain not in ("", "ai.onnx") or not node.inputs:
+            continue
+        shape = node.inputs[0].const_value if node.inputs[0] is not None else None
+        if shape is None or node.outputs[0].is_graph_output():  # the graph's own output keeps its node
+            continue
+        dims = [int(d) for d in np.asarray(shape.numpy()).reshape(-1)]
+        attr = node.attributes.get("value")
+        fill = np.asarray(attr.as_tensor().numpy()).reshape(-1) if attr is not None else np.zeros(1, np.float32)
+        if min(dims, default=1) < 0 or int(np.prod(dims, dtype=np.int64)) * fill.itemsize > _FILL_LIMIT:
+            continue
+        value = np.full(dims, fill[0], dtype=fill.dtype)
+        out = node.outputs[0]
+        const = htp_common.constant(graph, value, out.name or "filled")
+        out.replace_all_uses_with(const)
+        graph.remove(node, safe=True)
+        done += 1
+    return done
 
 
 def _both(a: PassResult, b: PassResult) -> PassResult:
