@@ -67,7 +67,7 @@ class ConvertOptions:
     target: str = DEFAULT_TARGET
     precision: str = ""  # "": the target's first (bf16 for amd-xdna2, fp16 for qnn-htp)
     htp_arch: int | str | None = None  # qnn-htp: the HTP generation (None: v73)
-    context_gb: float | None = None  # qnn-htp: fp16 weights per QNN context (None: the target's, 3 GB)
+    context_gb: float | None = None  # qnn-htp: fp16 weights per QNN context (None: the target's, 2 GB)
     loras: tuple[LoraSpec, ...] = ()  # diffusers' fuse_lora, before export
     add: bool = False
     blockwise: bool = False  # T5 and Flux's transformer block by block even where they fit (they do where not)

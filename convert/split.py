@@ -92,24 +92,26 @@ def _value_bytes(info: dict[str, onnx.ValueInfoProto], name: str) -> int:
     return max(1, _elements(dims) * size)
 
 
-def plan(model: onnx.ModelProto, limit: int, float_bytes: int = 2) -> list[Piece]:
-    """The pieces of ``model``'s graph, each with at most ``limit`` bytes of weights (one piece where the whole
-    fits). A single node whose weights pass the limit alone cannot be cut: that is an error naming it."""
+@dataclass
+class _Layout:
+    """What the cuts are chosen by: the nodes in order, what each reads, each weight's bytes, each node's own
+    weights (first use), and the activation bytes that cross a cut after each node."""
+
+    nodes: list[onnx.NodeProto]
+    reads: list[list[str]]
+    inits: dict[str, int]
+    own: np.ndarray
+    crossing: np.ndarray
+
+
+def _layout(model: onnx.ModelProto, float_bytes: int) -> _Layout:
     g = model.graph
     nodes = list(g.node)
     inits = {t.name: weight_bytes(t, float_bytes) for t in g.initializer}
-    consts = {o: i for i, n in enumerate(nodes) if n.op_type == "Constant" for o in n.output}
-    free = set(inits) | {i.name for i in g.input} | set(consts)  # every piece reads these where they lie
+    consts = {o for n in nodes if n.op_type == "Constant" for o in n.output}
+    free = set(inits) | {i.name for i in g.input} | consts  # every piece reads these where they lie
     reads = [_reads(n) for n in nodes]
-    own = [sum(inits[x] for x in dict.fromkeys(r) if x in inits) for r in reads]  # a node's weights
-    total = sum(inits.values())
-    if total <= limit:
-        return [_piece(g, nodes, reads, 0, 0, len(nodes), total)]
-    for i, w in enumerate(own):
-        if w > limit:
-            raise SdnpuError(f"node {nodes[i].name or i} ({nodes[i].op_type}) alone holds {_size(w)} of weights, "
-                             f"more than one compiled unit holds ({_size(limit)})",
-                             hint="a larger --context-gb, if the NPU allows it")
+    own = np.asarray([sum(inits[x] for x in dict.fromkeys(r) if x in inits) for r in reads], dtype=np.int64)
     # crossing[k]: activation bytes that cross a cut after node k (written at or before k, read after it)
     info = {v.name: v for v in [*g.value_info, *g.output]}
     last: dict[str, int] = {}
@@ -125,10 +127,26 @@ def plan(model: onnx.ModelProto, limit: int, float_bytes: int = 2) -> list[Piece
             if o in last and o not in consts and last[o] > k:
                 delta[k] += _value_bytes(info, o)
                 delta[last[o]] -= _value_bytes(info, o)
-    crossing = np.cumsum(delta)
+    return _Layout(nodes, reads, inits, own, np.cumsum(delta))
+
+
+def plan(model: onnx.ModelProto, limit: int, float_bytes: int = 2) -> list[Piece]:
+    """The pieces of ``model``'s graph, each with at most ``limit`` bytes of weights (one piece where the whole
+    fits). A single node whose weights pass the limit alone cannot be cut: that is an error naming it."""
+    g = model.graph
+    lay = _layout(model, float_bytes)
+    nodes, reads, inits, own = lay.nodes, lay.reads, lay.inits, lay.own
+    total = sum(inits.values())
+    if total <= limit:
+        return [_piece(g, nodes, reads, 0, 0, len(nodes), total)]
+    for i, w in enumerate(own):
+        if w > limit:
+            raise SdnpuError(f"node {nodes[i].name or i} ({nodes[i].op_type}) alone holds {_size(w)} of weights, "
+                             f"more than one compiled unit holds ({_size(limit)})",
+                             hint="a larger --context-gb, if the NPU allows it")
     cum = np.cumsum(own)  # first-use weight sums (a weight two pieces read is counted once here)
-    for cuts in [*(_even(cum, crossing, total, n) for n in range(math.ceil(total / limit), len(nodes) + 1)
-                   if n <= math.ceil(total / limit) + 3), _greedy(cum, crossing, limit)]:
+    for cuts in [*(_even(cum, lay.crossing, total, n) for n in range(math.ceil(total / limit), len(nodes) + 1)
+                   if n <= math.ceil(total / limit) + 3), _greedy(cum, lay.crossing, limit)]:
         if cuts is None:
             continue
         bounds = [0, *(c + 1 for c in cuts), len(nodes)]
@@ -138,6 +156,28 @@ def plan(model: onnx.ModelProto, limit: int, float_bytes: int = 2) -> list[Piece
             return pieces
     raise SdnpuError(f"cannot cut {g.name or 'the graph'} into pieces of at most {_size(limit)} of weights",
                      hint="a larger --context-gb, if the NPU allows it")
+
+
+def halve(model: onnx.ModelProto, piece: Piece, float_bytes: int = 2) -> list[Piece]:
+    """``piece`` cut in two near the middle of its weight (of its nodes, where it has none), where the fewest
+    bytes cross: for a compiler that could not fit it (QNN: the HTP's memory holds the activations too)."""
+    a, b = piece.start, piece.end
+    if b - a < 2:
+        raise SdnpuError(f"one node ({model.graph.node[a].op_type}) is more than one compiled unit holds",
+                         hint="this graph cannot be compiled for this NPU as it is")
+    lay = _layout(model, float_bytes)
+    cum = np.cumsum(lay.own[a:b])
+    if cum[-1] > 0:
+        half = cum[-1] / 2
+        lo = int(np.searchsorted(cum, half * (1 - 2 * _WINDOW)))
+        hi = int(np.searchsorted(cum, half * (1 + 2 * _WINDOW), side="right"))
+    else:
+        lo, hi = (b - a) // 4, 3 * (b - a) // 4
+    lo, hi = min(lo, b - a - 2), min(max(hi, lo + 1), b - a - 1)
+    k = a + lo + int(np.argmin(lay.crossing[a + lo:a + hi]))
+    g = model.graph
+    return [_weigh(_piece(g, lay.nodes, lay.reads, piece.index, a, k + 1, 0), lay.nodes, lay.reads, lay.inits),
+            _weigh(_piece(g, lay.nodes, lay.reads, piece.index + 1, k + 1, b, 0), lay.nodes, lay.reads, lay.inits)]
 
 
 def _even(cum: np.ndarray, crossing: np.ndarray, total: int, count: int) -> list[int] | None:

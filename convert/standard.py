@@ -158,24 +158,45 @@ def _compile(model: Path, out_dir: Path, name: str, backend: Any, arch: Any, gb:
     structure = onnx.load(str(model), load_external_data=False)
     pieces = split.plan(structure, int(gb * 1e9)) if gb else []
     if len(pieces) <= 1:
-        return compile_unit(backend, model, out_dir, arch, "ctx", f"{name}")
-    structure = onnx.shape_inference.infer_shapes(structure)  # the types of the values handed across a cut
-    log.info("[%s] %.2f GB of fp16 weights: more than one QNN context holds (%.1f GB), so %d contexts, chained "
-             "in one model", name, sum(p.weight_bytes for p in pieces) / 1e9, gb, len(pieces))
-    parts = []
-    for p in pieces:
-        path = out_dir / f"piece{p.index + 1}.onnx"
+        try:
+            return compile_unit(backend, model, out_dir, arch, "ctx", f"{name}")
+        except SdnpuError as e:
+            if not _out_of_memory(backend, e):
+                raise
+            log.warning("[%s] QNN ran out of the HTP's memory on the whole graph: cutting it in two", name)
+            structure = onnx.shape_inference.infer_shapes(structure)
+            pieces = split.halve(structure, split.piece_of(structure, 0, len(structure.graph.node)))
+    else:
+        structure = onnx.shape_inference.infer_shapes(structure)  # the types of the values handed across a cut
+        log.info("[%s] %.2f GB of fp16 weights: more than one QNN context holds (%.1f GB), so %d contexts, "
+                 "chained in one model", name, sum(p.weight_bytes for p in pieces) / 1e9, gb, len(pieces))
+    parts, done, queue = [], [], list(pieces)
+    while queue:
+        p = queue.pop(0)
+        k = len(parts) + 1
+        path = out_dir / f"piece{k}.onnx"
         try:
             split.write_piece(structure, p, path)
-            parts.append(compile_unit(backend, path, out_dir, arch, f"ctx{p.index + 1}",
-                                       f"{name} piece {p.index + 1} of {len(pieces)} ({p.end - p.start} nodes, "
-                                       f"{p.weight_bytes / 1e9:.2f} GB)"))
+            parts.append(compile_unit(backend, path, out_dir, arch, f"ctx{k}",
+                                      f"{name} piece {k} of {len(parts) + len(queue) + 1} ({p.end - p.start} "
+                                      f"nodes, {p.weight_bytes / 1e9:.2f} GB)"))
+            done.append(p)
+        except SdnpuError as e:
+            if not _out_of_memory(backend, e):
+                raise
+            log.warning("[%s] QNN ran out of the HTP's memory on piece %d (%.2f GB of weights and its activations):"
+                        " cutting it in two", name, k, p.weight_bytes / 1e9)
+            queue[:0] = split.halve(structure, p)
         finally:
             path.unlink(missing_ok=True)
     compiled = backend.chain(parts, structure.graph, out_dir)
-    for row, p in zip(compiled.pieces, pieces, strict=True):
+    for row, p in zip(compiled.pieces, done, strict=True):
         row.update(p.to_json())
     return compiled
+
+
+def _out_of_memory(backend: Any, e: SdnpuError) -> bool:
+    return getattr(backend, "OUT_OF_MEMORY", None) is not None and backend.OUT_OF_MEMORY in e.message
 
 
 def compile_unit(backend: Any, model: Path, out_dir: Path, arch: Any, stem: str, what: str) -> Any:

@@ -303,11 +303,13 @@ DTYPES = frozenset({"FLOAT", "FLOAT16", "INT8", "UINT8", "INT16", "UINT16", "INT
 
 
 # One QNN context binary lives in the HTP's 32-bit address space: about 3.5 GB with its working memory (Qualcomm's
-# docs and issues; FACTS.md). A compiled context measured 1.0x its fp16 weights here (sd-turbo's UNet: 1.74 GB), so
-# 3 GB of fp16 weights per context leaves half a gigabyte for activations and spill-fill buffers.
-CONTEXT_GB = 3.0
-CONTEXT_WHY = ("one QNN context lives in the HTP's 32-bit address space (about 3.5 GB with its working memory); "
-               "a context measured 1.0x its fp16 weights here")
+# docs and issues; FACTS.md). A compiled context measured 1.0x its fp16 weights here (sd-turbo's UNet: 1.74 GB, at
+# 512 px), and the first half of the SDXL UNet at 1024 px and batch 2 (2.59 GB of fp16 weights, its attention
+# scores 0.67 GB a layer) failed to compile for the HTP's memory (QNN_COMMON_ERROR_MEM_ALLOC): 2 GB of weights a
+# context leaves room for the activations; a piece QNN still cannot fit is cut in two (sdnpu.convert.standard).
+CONTEXT_GB = 2.0
+CONTEXT_WHY = ("one QNN context lives in the HTP's 32-bit address space (about 3.5 GB with its weights and "
+               "activations); a context measured 1.0x its fp16 weights here")
 
 
 def build() -> StandardTarget:

@@ -346,7 +346,7 @@ def _target_arguments(parser: argparse.ArgumentParser, what: str) -> None:
                         help="qnn-htp: the HTP generation, v69, v73 (default: Snapdragon X Elite / X Plus), v75, v79 "
                         "or v81 (Snapdragon X2 Elite)")
     parser.add_argument("--context-gb", type=float, default=None, metavar="GB",
-                        help="qnn-htp: the most fp16 weight one QNN context holds (default 3.0: a context lives in "
+                        help="qnn-htp: the most fp16 weight one QNN context holds (default 2.0: a context lives in "
                         "the HTP's 32-bit address space); a larger graph is cut into several contexts, chained in "
                         "one ctx.onnx")
 

@@ -89,7 +89,7 @@ def test_a_node_qnn_refuses_is_named_with_qnns_reason(tmp_path):
 
 
 # tiny-sdxl's text encoder holds 3.24 MB of fp16 weights, 3.16 MB of them its token table: at 3.2 MB a context it
-# is cut in two (as the SDXL UNet's 5.1 GB is at the default 3 GB), the contexts chained in one ctx.onnx
+# is cut in two (as the SDXL UNet's 5.1 GB is at the default 2 GB a context), the contexts chained in one ctx.onnx
 TEXT_ENCODER_CONTEXT_GB = 0.0032
 
 

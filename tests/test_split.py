@@ -68,6 +68,29 @@ def test_the_pieces_run_one_after_another_compute_the_graph(tiny_conversion, tmp
         np.testing.assert_array_equal(values[name], want, err_msg=name)
 
 
+def test_a_piece_halved_still_computes_the_graph(tiny_conversion):
+    """What the compile does with a piece QNN cannot fit in the HTP's memory: cut in two near its weight's middle,
+    where the fewest bytes cross; the three pieces chained compute the UNet."""
+    source = tiny_conversion.out / "unet" / "model.onnx"
+    model = onnx.shape_inference.infer_shapes(onnx.load(str(source), load_external_data=False))
+    first, second = split.plan(model, int(_weights(model) * 0.55))
+    a, b = split.halve(model, first)
+    assert (a.start, a.end, b.start, b.end) == (first.start, a.end, a.end, first.end) and a.start < a.end < b.end
+    assert abs(a.weight_bytes - b.weight_bytes) < 0.5 * first.weight_bytes
+    whole = _session(source)
+    feeds = _feeds(whole)
+    values = dict(feeds)
+    for i, p in enumerate([a, b, second]):
+        path = source.parent / f"piece-half{i}.onnx"
+        try:
+            split.write_piece(model, p, path)
+            sess = _session(path)
+            values.update(zip(p.outputs, sess.run(list(p.outputs), {k: values[k] for k in p.inputs}), strict=True))
+        finally:
+            path.unlink(missing_ok=True)
+    np.testing.assert_array_equal(values["out_sample"], whole.run(["out_sample"], feeds)[0])
+
+
 def test_a_graph_within_the_limit_is_one_piece(tiny_conversion):
     model = onnx.load(str(tiny_conversion.out / "vae_decoder" / "model.onnx"), load_external_data=False)
     (piece,) = split.plan(model, _weights(model))

@@ -36,6 +36,9 @@ EP = "QNNExecutionProvider"
 CONTEXT = "ctx.onnx"  # the EPContext model, beside the graph it was compiled from
 TRACE = "qnn_op_trace.json"
 INSTALL = "pip install onnxruntime-qnn==2.7.0 (make venv installs it)"
+# QNN's word for a graph whose weights and activations do not fit the HTP's memory (the first half of the SDXL UNet
+# at 1024 px, 2.59 GB of fp16 weights, at graph finalize): a smaller piece fits
+OUT_OF_MEMORY = "QNN_COMMON_ERROR_MEM_ALLOC"
 _registered = False
 
 
@@ -262,6 +265,9 @@ def compile_context(model: Path, out_dir: Path, arch: Arch, stem: str = "ctx") -
                                      "compile; `sdnpu compile --target amd-xdna2` or the fp32 graph on the CPU "
                                      "still run it") from None
                 failure = _message(e)
+                if OUT_OF_MEMORY in failure:  # not a node QNN refuses: fallback would fail the same way
+                    raise SdnpuError(f"QNN's compiler ran out of the HTP's memory on {model.name}: {failure}",
+                                     hint="a smaller --context-gb cuts the graph into smaller contexts") from None
                 log.warning("QNN does not take %s whole (%s); compiling it with CPU fallback to name what it "
                             "refuses", model.name, failure[:200])
         seconds = time.perf_counter() - start
