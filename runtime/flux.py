@@ -23,22 +23,17 @@ from typing import Any
 
 import numpy as np
 
+from sdnpu import families
 from sdnpu.errors import SdnpuError
 from sdnpu.formats import generation
 from sdnpu.imagesize import Size
 from sdnpu.runtime.session import Component, RuntimeOptions, add_command, batches_at, component_path
 from sdnpu.runtime.stages import Stages, check_generate, load_scheduler, plan_calls, read_index
 from sdnpu.signatures import flux_image_ids, vae_scale_factor
-from sdnpu.specs import FLUX, pipeline_family
 
 log = logging.getLogger(__name__)
 
-ENCODERS = ("text_encoder", "text_encoder_2")  # CLIP-L (pooled), T5
-
-
-def is_flux(index: dict[str, Any]) -> bool:
-    """Whether a ``model_index.json`` describes a Flux.1 pipeline."""
-    return pipeline_family(index) == FLUX
+ENCODERS = families.FLUX.text_encoders  # CLIP-L (pooled), T5
 
 
 def pack(latents: np.ndarray) -> np.ndarray:
@@ -76,7 +71,7 @@ class FluxPipeline(Stages):
                           load_external_data=False)
         specs = {i.name: [d.dim_value for d in i.type.tensor_type.shape.dim] for i in graph.graph.input}
         self.batches = batches_at(self.folder, "transformer", self.size) or [specs["hidden_states"][0]]
-        self.generation = generation.read(self.folder, FLUX)
+        self.generation = generation.read(self.folder, families.FLUX.name)
         self.text_len = specs["encoder_hidden_states"][1]
         self.guided = "guidance" in specs
         channels = int(self.vae_config.get("latent_channels", 16))
@@ -190,12 +185,13 @@ class FluxPipeline(Stages):
         schedulers = [self.scheduler(opts.scheduler, opts.steps) for _ in seeds]
         latents = [torch.from_numpy(pack(self.noise(seed))) for seed in seeds]
         timesteps = schedulers[0].timesteps
+        divisor = np.float32(families.FLUX.timestep_divisor)  # the transformer takes diffusers' timestep / 1000
         with self._using("transformer", batch=batch) as parts:
             # its prologue (the rotary tables from the position ids, the same every step): computed once here
             feeds = {**feeds, **parts["transformer"].prepare(feeds)}
             for i, t in enumerate(timesteps):
                 step_feeds = {**feeds, "hidden_states": torch.cat(latents).numpy().astype(np.float32),
-                              "timestep": np.full((batch,), np.float32(float(t)) / np.float32(1000), np.float32)}
+                              "timestep": np.full((batch,), np.float32(float(t)) / divisor, np.float32)}
                 pred = torch.from_numpy(parts["transformer"].run(step_feeds, ["out_sample"])["out_sample"])
                 latents = [s.step(pred[j : j + 1], t, latents[j], return_dict=False)[0]
                            for j, s in enumerate(schedulers)]

@@ -23,6 +23,7 @@ from typing import Any
 
 import numpy as np
 
+from sdnpu import families
 from sdnpu.components import CLIP_ENCODERS
 from sdnpu.errors import SdnpuError
 from sdnpu.imagesize import Size
@@ -30,17 +31,10 @@ from sdnpu.formats import generation
 from sdnpu.runtime.session import Component, RuntimeOptions, add_command, batches_at, component_path
 from sdnpu.runtime.stages import Stages, check_generate, halves, load_scheduler, plan_calls, read_index
 from sdnpu.signatures import vae_scale_factor
-from sdnpu.specs import SD3, pipeline_outputs
+from sdnpu.specs import pipeline_outputs
 
 log = logging.getLogger(__name__)
 
-
-
-def is_sd3(index: dict[str, Any]) -> bool:
-    """Whether a ``model_index.json`` describes an SD3-family pipeline (an MMDiT ``transformer``)."""
-    entry = index.get("transformer")
-    return str(index.get("_class_name", "")).startswith("StableDiffusion3") or (
-        isinstance(entry, list) and len(entry) == 2 and entry[1] == "SD3Transformer2DModel")
 
 
 class SD3Pipeline(Stages):
@@ -102,7 +96,7 @@ class SD3Pipeline(Stages):
         for name in CLIP_ENCODERS:
             enc = parts[name]
             config = json.loads((self.folder / name / "config.json").read_text())
-            wanted = pipeline_outputs(name, config, SD3)
+            wanted = pipeline_outputs(name, config, families.SD3.name)
             if wanted is None or not set(wanted) <= set(enc.outputs):
                 raise SdnpuError(f"{enc.path} lacks the outputs SD3 reads ({', '.join(wanted or [])})",
                                  hint="compile it again with --outputs pipeline (the default) or --outputs all")

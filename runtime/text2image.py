@@ -26,6 +26,7 @@ from typing import Any
 
 import numpy as np
 
+from sdnpu import families
 from sdnpu.components import CLIP_ENCODERS
 from sdnpu.errors import SdnpuError
 from sdnpu.fileio import atomic_write_bytes
@@ -41,8 +42,6 @@ from sdnpu.runtime.controlnet import (
     keep,
     residual_inputs,
 )
-from sdnpu.runtime.flux import FluxPipeline, is_flux
-from sdnpu.runtime.sd3 import SD3Pipeline, is_sd3
 from sdnpu.runtime.session import (
     Component,
     RuntimeOptions,
@@ -54,7 +53,7 @@ from sdnpu.runtime.session import (
 )
 from sdnpu.runtime.stages import Stages, check_generate, halves, load_scheduler, plan_calls, read_index
 from sdnpu.signatures import vae_scale_factor
-from sdnpu.specs import SDXL, pipeline_outputs
+from sdnpu.specs import pipeline_outputs
 
 log = logging.getLogger(__name__)
 
@@ -79,7 +78,8 @@ class GenerateOptions:
 
 
 class Pipeline(Stages):
-    """A converted folder and the loop that runs its components (an SD3 folder gets ``SD3Pipeline``, a Flux.1
+    """A converted folder and the loop that runs its components (SDXL's and SD 1.x's; another family's folder
+    gets its family's loop, named by its row in ``sdnpu.families``: an SD3 folder ``SD3Pipeline``, a Flux.1
     folder ``FluxPipeline``, with the same interface).
 
     By default each stage opens its sessions and drops them when done (text encoders, then the UNet, then
@@ -90,11 +90,11 @@ class Pipeline(Stages):
     ``sdnpu.runtime.session.RuntimeOptions``)."""
 
     def __new__(cls, folder: str | Path, *args: Any, **kwargs: Any) -> Any:
-        index = read_index(Path(folder))
-        if is_sd3(index):
-            return SD3Pipeline(folder, *args, **kwargs)
-        if is_flux(index):
-            return FluxPipeline(folder, *args, **kwargs)
+        # the family's loop, imported by the name its row gives (the transformer families' modules import
+        # nothing of this one, and this one none of theirs)
+        loop = families.load(families.detect(read_index(Path(folder))).runtime)
+        if loop is not Pipeline:
+            return loop(folder, *args, **kwargs)
         return super().__new__(cls)
 
     def __init__(self, folder: str | Path, reference: bool = False, keep_sessions: bool | frozenset[str] = False,
@@ -104,7 +104,8 @@ class Pipeline(Stages):
         self.folder = Path(folder)
         self.reference, self.keep, self.runtime = reference, keep_sessions, runtime or RuntimeOptions()
         self.index = read_index(self.folder)
-        self.sdxl = "text_encoder_2" in self.index and self.index["text_encoder_2"][1] is not None
+        self.family = families.detect(self.index)
+        self.sdxl = self.family.text_encoders == CLIP_ENCODERS  # SDXL's prompt: both CLIP encoders'
         # the UNet, or where the folder holds only the one that takes a ControlNet's residuals, that one
         denoiser = "unet_controlnet" if not (self.folder / "unet").is_dir() and (
             self.folder / "unet_controlnet").is_dir() else "unet"
@@ -151,7 +152,7 @@ class Pipeline(Stages):
             return self._encode(parts, text)
 
     def _encoders(self) -> tuple[str, ...]:
-        return CLIP_ENCODERS if self.sdxl else CLIP_ENCODERS[:1]
+        return self.family.text_encoders
 
     @property
     def encoders(self) -> tuple[str, ...]:
@@ -435,7 +436,7 @@ def _penultimate(component: Component, config_path: Path) -> str:
     the encoder's num_hidden_layers; a dispatch model keeps only that one, the fp32 graph has them all)."""
     try:
         config = json.loads(config_path.read_text())
-        name = pipeline_outputs(component.name, config, SDXL)[-1]  # type: ignore[index]
+        name = pipeline_outputs(component.name, config, families.SDXL.name)[-1]  # type: ignore[index]
     except (OSError, ValueError, KeyError) as e:
         raise SdnpuError(f"cannot read num_hidden_layers from {config_path}: {e}",
                          hint="the converted folder keeps each encoder's config.json: convert it again") from e

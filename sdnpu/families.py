@@ -3,24 +3,26 @@
 A *family* is the kind of pipeline a converted folder is (the diffusers pipeline that reads it): it decides the
 denoiser's class and wrapper, which outputs of the text encoders the pipeline reads, the generation defaults,
 the timestep the denoiser takes, which components a LoRA reaches, how the denoiser converts block by block and
-which runtime loop draws with it. The rows are in the display order (SDXL first, the house's first family):
+which runtime loop draws with it. The rows are in the order a pipeline is told by (``detect``): the most
+specific first, SD 1.x/2.x, what nothing else says, last.
 
-====== ====== ====================== ============== ============== ==================== ==========
-name   title  denoiser               said by        text encoders  LoRAs reach          runtime
-====== ====== ====================== ============== ============== ==================== ==========
-sdxl   SDXL   UNet2DConditionModel   text_encoder_2 CLIP-L, CLIP-G UNets, CLIP encoders text2image
-sd     SD 1.x UNet2DConditionModel   nothing else   CLIP-L         UNets, CLIP encoders text2image
-sd3    SD3    SD3Transformer2DModel  its classes    CLIP-L, -G, T5 none yet             sd3
-flux   Flux.1 FluxTransformer2DModel its classes    CLIP-L, T5     transformer, CLIP-L  flux
-====== ====== ====================== ============== ============== ==================== ==========
+====== ====== ====================== ================ ============== ==================== ==========
+name   title  denoiser               said by          text encoders  LoRAs reach          runtime
+====== ====== ====================== ================ ============== ==================== ==========
+flux   Flux.1 FluxTransformer2DModel its class, Flux* CLIP-L, T5     transformer, CLIP-L  flux
+sd3    SD3    SD3Transformer2DModel  its class, SD3*  CLIP-L, -G, T5 none yet             sd3
+sdxl   SDXL   UNet2DConditionModel   text_encoder_2   CLIP-L, CLIP-G UNets, CLIP encoders text2image
+sd     SD 1.x UNet2DConditionModel   nothing else     CLIP-L         UNets, CLIP encoders text2image
+====== ====== ====================== ================ ============== ==================== ==========
 
 Flux.1 also has its own transformer wrapper (packed latents and position ids), generation defaults
 (``FluxPipeline``'s 28 steps at guidance 3.5, embedded), timestep (diffusers' / 1000) and block-by-block pieces.
 
-*Detection* (``detect``, from a ``model_index.json``): a family whose denoiser class is its own (no other row's)
-is said by that class under its denoiser's key, or by the pipeline's ``_class_name`` prefix; else a family is
-said by a module only it has (SDXL's ``text_encoder_2``: SD3 and Flux.1 have one too, but their classes spoke
-first); else it is SD 1.x/2.x (``DEFAULT``), the family of a folder nothing else says.
+*Detection* (``detect``, from a ``model_index.json``): the first row that the index says, where a row is said by
+its denoiser's class under its denoiser's key (a class no other row has), by the pipeline's ``_class_name``
+prefix (``FluxPipeline``, ``StableDiffusion3Pipeline``: "Flux*", "SD3*" above), or by a module it alone has
+among the rows left (SDXL's ``text_encoder_2``: SD3 and Flux.1 have one too, but their rows come first); else
+SD 1.x/2.x (``DEFAULT``).
 
 The modules a family has of its own are named as strings (``blockwise``, ``runtime``) and imported where they
 are used (``load``), so that this module stays on the ground floor: it imports no torch and no stage, and every
@@ -77,13 +79,35 @@ class Family:
         return f"{self.article} {self.title} pipeline"
 
     def detects(self, index: Mapping[str, Any]) -> bool:
-        """Whether ``index`` (a ``model_index.json``) says this family by a class: its denoiser's, where no other
-        row shares it, or the pipeline's (``pipeline_prefix``)."""
+        """Whether ``index`` (a ``model_index.json``) says this family: by its denoiser's class, where no other
+        row shares it, by the pipeline's class (``pipeline_prefix``) or by its ``marker`` module."""
         if self.denoiser_class in _OWN_CLASSES and module_class(index, self.denoiser) == self.denoiser_class:
             return True
-        return self.pipeline_prefix is not None and str(index.get("_class_name", "")).startswith(self.pipeline_prefix)
+        if self.pipeline_prefix is not None and str(index.get("_class_name", "")).startswith(self.pipeline_prefix):
+            return True
+        return self.marker is not None and module_class(index, self.marker) is not None
 
 
+FLUX = Family(
+    "flux", "Flux.1", "a", "FluxPipeline", "transformer", "FluxTransformer2DModel",
+    text_encoders=("text_encoder", "text_encoder_2"),  # CLIP-L (pooled), T5
+    lora=("text_encoder", "transformer"),  # its T5 takes none, as in diffusers
+    runtime="sdnpu.runtime.flux:FluxPipeline",
+    pipeline_prefix="Flux",
+    wrappers=MappingProxyType({"Transformer": "FluxTransformer"}),  # packed latents, position ids
+    clip_pooled_only=True,
+    clip_last_hidden=True,
+    generation=MappingProxyType({"steps": 28, "guidance": 3.5, "embedded_guidance": True}),  # FluxPipeline's
+    timestep_divisor=1000,
+    blockwise="sdnpu.convert.blockwise_flux",
+)
+SD3 = Family(
+    "sd3", "SD3", "an", "StableDiffusion3Pipeline", "transformer", "SD3Transformer2DModel",
+    text_encoders=("text_encoder", "text_encoder_2", "text_encoder_3"),  # T5 optional, as in diffusers
+    lora=(),  # not supported yet
+    runtime="sdnpu.runtime.sd3:SD3Pipeline",
+    pipeline_prefix="StableDiffusion3",
+)
 SDXL = Family(
     "sdxl", "SDXL", "an", "StableDiffusionXLPipeline", "unet", "UNet2DConditionModel",
     text_encoders=("text_encoder", "text_encoder_2"),
@@ -98,36 +122,16 @@ SD = Family(
     runtime="sdnpu.runtime.text2image:Pipeline",
     clip_last_hidden=True,
 )
-SD3 = Family(
-    "sd3", "SD3", "an", "StableDiffusion3Pipeline", "transformer", "SD3Transformer2DModel",
-    text_encoders=("text_encoder", "text_encoder_2", "text_encoder_3"),  # T5 optional, as in diffusers
-    lora=(),  # not supported yet
-    runtime="sdnpu.runtime.sd3:SD3Pipeline",
-    pipeline_prefix="StableDiffusion3",
-)
-FLUX = Family(
-    "flux", "Flux.1", "a", "FluxPipeline", "transformer", "FluxTransformer2DModel",
-    text_encoders=("text_encoder", "text_encoder_2"),  # CLIP-L (pooled), T5
-    lora=("text_encoder", "transformer"),  # its T5 takes none, as in diffusers
-    runtime="sdnpu.runtime.flux:FluxPipeline",
-    pipeline_prefix="Flux",
-    wrappers=MappingProxyType({"Transformer": "FluxTransformer"}),  # packed latents, position ids
-    clip_pooled_only=True,
-    clip_last_hidden=True,
-    generation=MappingProxyType({"steps": 28, "guidance": 3.5, "embedded_guidance": True}),  # FluxPipeline's
-    timestep_divisor=1000,
-    blockwise="sdnpu.convert.blockwise_flux",
-)
 
-TABLE: tuple[Family, ...] = (SDXL, SD, SD3, FLUX)
+TABLE: tuple[Family, ...] = (FLUX, SD3, SDXL, SD)  # the order ``detect`` asks them in
 DEFAULT = SD  # the family of a folder nothing else says (and of an unknown one: ``named(None)``)
 _ROWS = {f.name: f for f in TABLE}
 NAMES: tuple[str, ...] = tuple(_ROWS)
 # denoiser classes one row alone has: they say the family (UNet2DConditionModel is SDXL's and SD 1.x's)
 _OWN_CLASSES = frozenset(c for c, n in Counter(f.denoiser_class for f in TABLE).items() if n == 1)
-# the denoisers' modules, each once, in the table's order: the first present sets a pipeline's resolution
-# (``sdnpu.specs``), and diffusers loads a LoRA into them with ``load_lora_adapter`` (``sdnpu.lora``)
-DENOISER_MODULES: tuple[str, ...] = tuple(dict.fromkeys(f.denoiser for f in TABLE))
+# the denoisers' modules, each once, the oldest family's first (a pipeline has one): the one present sets a
+# pipeline's resolution (``sdnpu.specs``), and diffusers loads a LoRA into them with ``load_lora_adapter``
+DENOISER_MODULES: tuple[str, ...] = tuple(dict.fromkeys(f.denoiser for f in reversed(TABLE)))
 
 
 def named(name: str | None) -> Family:
@@ -147,18 +151,17 @@ def module_class(index: Mapping[str, Any], key: str) -> str | None:
     return str(entry[1]) if isinstance(entry, list) and len(entry) == 2 and entry[1] else None
 
 
+def detect(index: Mapping[str, Any]) -> Family:
+    """The family of the pipeline a ``model_index.json`` describes: the first row it says (``Family.detects``:
+    Flux.1's or SD3's transformer or pipeline class, SDXL's second CLIP encoder), else SD 1.x/2.x."""
+    return next((f for f in TABLE if f.detects(index)), DEFAULT)
+
+
 def marked_by(modules: Iterable[str]) -> Family | None:
-    """The family that ``modules`` (module keys) say by a module only it has among those no class says
-    (SDXL's ``text_encoder_2``), or None."""
+    """The family that module keys alone say, without their classes (a folder of one module, named for what it
+    is: ``text_encoder_2``, SDXL's), or None."""
     present = set(modules)
     return next((f for f in TABLE if f.marker is not None and f.marker in present), None)
-
-
-def detect(index: Mapping[str, Any]) -> Family:
-    """The family of the pipeline a ``model_index.json`` describes: by a class (``Family.detects``: Flux.1's or
-    SD3's transformer, or their pipeline's name), else by a module (SDXL's second CLIP encoder), else SD 1.x/2.x."""
-    said = next((f for f in TABLE if f.detects(index)), None)
-    return said or marked_by(k for k in index if module_class(index, k) is not None) or DEFAULT
 
 
 def of_class(cls_name: str | None) -> Family | None:
@@ -166,11 +169,6 @@ def of_class(cls_name: str | None) -> Family | None:
     Rows that share a class agree on what is asked of one (``wrappers``, ``timestep_divisor``, whether LoRAs
     reach it): the tests hold them to it."""
     return next((f for f in TABLE if f.denoiser_class == cls_name), None)
-
-
-def denoiser_classes() -> tuple[str, ...]:
-    """Every family's denoiser class, each once, in the table's order."""
-    return tuple(dict.fromkeys(f.denoiser_class for f in TABLE))
 
 
 def load(path: str) -> Any:
