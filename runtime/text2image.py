@@ -32,7 +32,6 @@ from sdnpu.errors import SdnpuError
 from sdnpu.fileio import atomic_write_bytes
 from sdnpu.formats import generation, handoff, prologue
 from sdnpu.formats.handoff import handover
-from sdnpu.imagesize import Size
 from sdnpu.runtime.controlnet import (
     ControlSpec,
     check_compatible,
@@ -101,19 +100,15 @@ class Pipeline(Stages):
                  runtime: RuntimeOptions | None = None, size: Any = None) -> None:
         import onnx
 
-        self.folder = Path(folder)
-        self.reference, self.keep, self.runtime = reference, keep_sessions, runtime or RuntimeOptions()
-        self.index = read_index(self.folder)
+        self._open(folder, reference, keep_sessions, runtime, size)
         self.family = families.detect(self.index)
         self.sdxl = self.family.text_encoders == CLIP_ENCODERS  # SDXL's prompt: both CLIP encoders'
         # the UNet, or where the folder holds only the one that takes a ControlNet's residuals, that one
         denoiser = "unet_controlnet" if not (self.folder / "unet").is_dir() and (
             self.folder / "unet_controlnet").is_dir() else "unet"
         needed = ["text_encoder", denoiser, "vae_decoder"] + (["text_encoder_2"] if self.sdxl else [])
-        self.size = Size.of(size) if size is not None else None  # None: the folder's primary size
         self.denoiser = denoiser
         paths = {name: component_path(self.folder, name, reference, self.size) for name in needed}
-        self.parts: dict[tuple[str, int | None], Component] = {}
         self.vae_config = json.loads((self.folder / "vae_decoder" / "config.json").read_text())
         unet = onnx.load(str(paths[denoiser]), load_external_data=False)
         if prologue.of_proto(unet) is not None:  # its step prologue takes the inputs: the fp32 graph's are they
