@@ -70,10 +70,11 @@ def measure(source: str, models: Path, component: str, res: int | None, loras: t
         return _compare(component, models, runs, refs, bfs, seconds, sig.outputs)
     module = src.load_module(module_of(component))
     if loras:
+        from sdnpu import families
         from sdnpu.lora.adapters import fuse_into, read_lora
 
         unet_config = src.module_config("unet") if "unet" in src.modules else None
-        family = src.pipeline_config().family or "sd"
+        family = families.named(src.pipeline_config().family).name
         files = [read_lora(spec, family, unet_config) for spec in loras]
         fuse_into(module, component, files, family)
     wrapper = build_wrapper(component, module, config)

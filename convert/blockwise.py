@@ -41,6 +41,7 @@ from typing import Any
 
 import numpy as np
 
+from sdnpu import families
 from sdnpu.convert import blockwise_qnn
 from sdnpu.convert.compile import REPLACED, compile_into, log_offload, validate_dispatch_model, write_report
 from sdnpu.convert.export import CHECK_RTOL, export_module
@@ -61,7 +62,9 @@ from sdnpu.signatures import Signature
 
 log = logging.getLogger(__name__)
 
-CLASSES = ("T5EncoderModel", "FluxTransformer2DModel")  # module classes that convert block by block
+# module classes that convert block by block: T5 (its pieces here) and the denoisers of families whose row names
+# a module of pieces (``sdnpu.families``: Flux.1's transformer)
+CLASSES = ("T5EncoderModel", *(f.denoiser_class for f in families.TABLE if f.blockwise))
 
 
 def supports(src: Source, key: str) -> bool:
@@ -209,13 +212,20 @@ def _piece_class() -> Any:
     return T5Piece
 
 
+def _family_pieces(src: Source, key: str) -> Any:
+    """The module of the family's own pieces for ``key``'s class (its row's ``blockwise``: Flux.1's
+    ``sdnpu.convert.blockwise_flux``), or None (T5: its pieces are here). Imported when asked for, not at the
+    top: it builds on this module (``Piece``, the weights), and the row names it as a string."""
+    family = families.of_class(src.classes.get(key))
+    return families.load(family.blockwise) if family is not None and family.blockwise else None
+
+
 def pieces(src: Source, key: str, sig: Signature) -> Iterator[Piece]:
     """The module's pieces in order for its graph's signature ``sig``, each built when asked for (the caller
     drops it)."""
-    if src.classes.get(key) == "FluxTransformer2DModel":
-        from sdnpu.convert import blockwise_flux
-
-        yield from blockwise_flux.pieces(src, key, sig, _Weights(src, key))
+    own = _family_pieces(src, key)
+    if own is not None:
+        yield from own.pieces(src, key, sig, _Weights(src, key))
         return
     yield from _t5_pieces(src, key, int(sig.inputs[0].shape[1]), sig.inputs[0].name, sig.outputs[0])
 
@@ -253,10 +263,9 @@ def _t5_pieces(src: Source, key: str, seq_len: int, in_name: str, out_name: str)
 
 def whole_module(src: Source, key: str) -> Any:
     """The module whose weights the pieces hold (small modules only: tests compare against it)."""
-    if src.classes.get(key) == "FluxTransformer2DModel":
-        from sdnpu.convert import blockwise_flux
-
-        return blockwise_flux.whole_module(src, key, _Weights(src, key))
+    own = _family_pieces(src, key)
+    if own is not None:
+        return own.whole_module(src, key, _Weights(src, key))
     import torch
     from transformers import T5EncoderModel
 

@@ -19,7 +19,8 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
-from sdnpu.components import COMPONENTS, SIZED, lora_components, module_of
+from sdnpu import families
+from sdnpu.components import COMPONENTS, SIZED, module_of
 from sdnpu.convert import blockwise, budget, sized
 from sdnpu.convert.job import MODEL_FILE, Job, Origin
 from sdnpu.convert.options import ComponentResult, ConvertOptions, ConvertResult
@@ -29,7 +30,6 @@ from sdnpu.convert.torch_stage import load, read_loras, run_torch_stage, run_tor
 from sdnpu.errors import SdnpuError
 from sdnpu.fileio import recover_staging, staged_dir
 from sdnpu.formats.sizes import Variant, sizes_of
-from sdnpu.specs import SD3
 from sdnpu.imagesize import Size
 from sdnpu.signatures import batched
 from sdnpu.progress import release_memory
@@ -101,12 +101,13 @@ def _prepare(source: str | Path, components: str | Sequence[str], out: str | Pat
         config.check_resolution(size, comps)
     out_dir = Path(out) if out is not None else Path("models") / src.name
     batches = list(options.batches or _folder_batches(out_dir, comps, options.add) or [src.generation().batch])
-    if options.loras and config.family == SD3:
-        raise SdnpuError(f"{src.name} is an SD3 pipeline: sdnpu fuses LoRAs into UNets and CLIP encoders (SDXL, "
+    family = families.named(config.family)
+    if options.loras and not family.lora:
+        raise SdnpuError(f"{src.name} is {family.a_pipeline}: sdnpu fuses LoRAs into UNets and CLIP encoders (SDXL, "
                          "SD 1.x) and Flux.1's transformer and CLIP-L only", hint="convert it without --lora")
     src.check_pipeline_files()
     plan = budget.plan(src, comps, options)
-    blocked = [c for c in comps if module_of(c) in plan.by_block and c in lora_components(config.family)]
+    blocked = [c for c in comps if module_of(c) in plan.by_block and c in family.lora]
     if options.loras and blocked:
         raise SdnpuError(f"--lora: {', '.join(blocked)} converts block by block, where sdnpu does not fuse LoRAs "
                          "before export", hint="convert without --lora, then apply them to the converted folder: "

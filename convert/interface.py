@@ -9,12 +9,13 @@ import logging
 from pathlib import Path
 from typing import Any
 
+from sdnpu import families
 from sdnpu.components import COMPONENTS
 from sdnpu.errors import SdnpuError
 from sdnpu.imagesize import Size
 from sdnpu.passes.modelfile import unreadable
 from sdnpu.signatures import signature, vae_scale_factor
-from sdnpu.specs import SDXL, DENOISER_MODULES, default_resolution, pipeline_family, pipeline_outputs
+from sdnpu.specs import default_resolution, pipeline_outputs
 
 log = logging.getLogger(__name__)
 
@@ -26,7 +27,7 @@ OUTPUT_CHOICES = ("pipeline", "all")
 def keep_outputs(spec: str, available: list[str], component: str, config: dict[str, Any] | None,
                  family: str | None) -> list[str] | None:
     """``--outputs`` -> the output names to keep (None: all). ``family``: the pipeline's
-    (``sdnpu.specs.pipeline_family``), None where it is unknown."""
+    (``sdnpu.families``' name), None where it is unknown."""
     if spec == "all":
         return None
     if spec == "pipeline":
@@ -83,7 +84,8 @@ def static_shapes(path: Path, overrides: dict[str, list[int]] | None = None, res
     if dynamic and component in COMPONENTS and config_path.is_file():
         config = read_config(config_path)
         vae = _sibling_vae_config(path.parent) or (config if component.startswith("vae") else None)
-        denoiser = config if component in DENOISER_MODULES else None  # a component of that name: the module itself
+        # a component of a denoiser's name: the module itself
+        denoiser = config if component in families.DENOISER_MODULES else None
         size = Size.of(default_resolution(denoiser, vae) if res is None else res)
         sig = signature(component, config, size, vae_scale_factor(vae))
         shapes = {spec.name: list(spec.shape) for spec in sig.inputs if spec.name in dynamic}
@@ -115,14 +117,15 @@ def _sibling_vae_config(folder: Path) -> dict[str, Any] | None:
 
 
 def pipeline_kind(source: Path) -> str | None:
-    """The family (``sdnpu.specs.pipeline_family``) of the pipeline ``source`` (``<pipeline>/<component>/
-    model.onnx``) belongs to, from the pipeline's model_index.json; None where there is none (a
-    ``text_encoder_2`` folder alone: SDXL's)."""
+    """The family (``sdnpu.families``' name) of the pipeline ``source`` (``<pipeline>/<component>/model.onnx``)
+    belongs to, from the pipeline's model_index.json; where there is none, the family its folder's name says
+    alone (a ``text_encoder_2`` folder: SDXL's), else None."""
     try:
         index = json.loads((source.parent.parent / "model_index.json").read_text())
     except (OSError, ValueError):
-        return SDXL if source.parent.name == "text_encoder_2" else None
-    return pipeline_family(index) if isinstance(index, dict) else None
+        marked = families.marked_by([source.parent.name])
+        return marked.name if marked is not None else None
+    return families.detect(index).name if isinstance(index, dict) else None
 
 
 def output_names(path: Path) -> list[str]:

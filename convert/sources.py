@@ -20,12 +20,13 @@ from functools import cached_property
 from pathlib import Path
 from typing import Any, Literal
 
+from sdnpu import families
 from sdnpu.components import COMPONENTS, MODULES, module_of
 from sdnpu.convert.tokenizer import clip_vocab_and_merges, t5_tokenizer_files, tokenizer_files
 from sdnpu.errors import SdnpuError
 from sdnpu.fileio import atomic_write_bytes, atomic_write_json, staged_dir
 from sdnpu.formats import generation
-from sdnpu.specs import SD, SDXL, PipelineConfig, pipeline_family
+from sdnpu.specs import PipelineConfig
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")  # no model hub is reachable; never try one
 
@@ -35,15 +36,14 @@ PRESETS_DIR = Path(__file__).parent / "presets"
 PRESET_SEED = 0
 
 # Module classes we know how to export, by the name that model_index.json / config.json gives: the library that
-# has the class, and the pipeline module a folder holding one alone stands for.
+# has the class, and the pipeline module a folder holding one alone stands for. The denoisers are the families'
+# (``sdnpu.families``), all diffusers classes.
 _CLASSES: dict[str, tuple[str, str]] = {
-    "UNet2DConditionModel": ("diffusers", "unet"),
+    **{f.denoiser_class: ("diffusers", f.denoiser) for f in families.TABLE},
     "AutoencoderKL": ("diffusers", "vae"),
     "CLIPTextModel": ("transformers", "text_encoder"),
     "CLIPTextModelWithProjection": ("transformers", "text_encoder_2"),
     "ControlNetModel": ("diffusers", "controlnet"),
-    "SD3Transformer2DModel": ("diffusers", "transformer"),
-    "FluxTransformer2DModel": ("diffusers", "transformer"),
     "T5EncoderModel": ("transformers", "text_encoder_3"),
 }
 _WEIGHT_SUFFIXES = (".safetensors", ".bin")
@@ -133,15 +133,16 @@ class Source:
 
     @property
     def family(self) -> str | None:
-        """Its pipeline's family (``sdnpu.specs.pipeline_family``); None for one module's folder."""
+        """Its pipeline's family (``sdnpu.families.detect``'s name); None for one module's folder."""
         if self.kind == "component" or not (self.root / "model_index.json").is_file():
             return None
-        return pipeline_family(_read_json(self.root / "model_index.json"))
+        return families.detect(_read_json(self.root / "model_index.json")).name
 
     def pipeline_config(self) -> PipelineConfig:
         """The source's module configs (each read once, when first asked for), its family and T5's tokens
         (``sdnpu.specs``: every component's spec comes from it)."""
-        family = self.family or (SDXL if "text_encoder_2" in self.modules else SD)  # one module: as it was named
+        # one module: as it was named (``text_encoder_2``: SDXL's), by its key alone, not its class
+        family = self.family or (families.marked_by(self.modules) or families.DEFAULT).name
         return PipelineConfig(self._configs, family=family, text_len=self.generation().max_sequence_length)
 
     def generation(self) -> generation.Generation:

@@ -12,7 +12,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from sdnpu.components import lora_components
+from sdnpu import families
 from sdnpu.convert.export import export_module, torch_outputs
 from sdnpu.convert.job import Job
 from sdnpu.convert.parameters import map_parameters
@@ -20,7 +20,6 @@ from sdnpu.convert.sources import Source, resolve_source
 from sdnpu.errors import SdnpuError, storage_error
 from sdnpu.lora.adapters import LoraFile, LoraSpec, fuse_into, read_lora
 from sdnpu.progress import peak_rss_bytes, step
-from sdnpu.specs import SD
 from sdnpu.worker import run_in_worker
 
 log = logging.getLogger(__name__)
@@ -48,16 +47,16 @@ def load(src: Source, comp: str, key: str) -> tuple[Any, float]:
 
 def read_loras(src: Source, specs: Sequence[LoraSpec]) -> list[LoraFile]:
     unet_config = src.module_config("unet") if "unet" in src.modules else None
-    return [read_lora(spec, src.pipeline_config().family or SD, unet_config) for spec in specs]
+    return [read_lora(spec, families.named(src.pipeline_config().family).name, unet_config) for spec in specs]
 
 
 def _fuse_loras(src: Source, job: Job, module: Any) -> dict[str, Any] | None:
     """``sdnpu convert --lora``: the LoRAs fused into ``module`` by diffusers; what export.json records."""
-    if not job.options.loras or job.component not in lora_components(job.spec.family):
+    if not job.options.loras or job.component not in families.named(job.spec.family).lora:
         return None
     loras = read_loras(src, job.options.loras)
     with step(log, f"[{job.component}] fusing {len(loras)} LoRA(s) into the module (diffusers' fuse_lora)"):
-        modules = fuse_into(module, job.component, loras, job.spec.family or SD)
+        modules = fuse_into(module, job.component, loras, families.named(job.spec.family).name)
     return {"fused": [lora.describe() for lora in loras], "modules": modules}
 
 

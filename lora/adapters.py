@@ -25,9 +25,9 @@ from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
 
-from sdnpu.components import LORA_MODULES, lora_components, module_of
+from sdnpu import families
+from sdnpu.components import LORA_MODULES, module_of
 from sdnpu.errors import SdnpuError
-from sdnpu.specs import FLUX, SD, SDXL
 
 log = logging.getLogger(__name__)
 
@@ -81,28 +81,28 @@ class LoraFile:
                 "format": self.format, "sha256": self.sha256}
 
 
-Family = str | bool  # a pipeline family (``sdnpu.specs``: sd, sdxl, flux); True / False: sdxl / sd
-DENOISERS = ("unet", "transformer")  # the modules diffusers loads a LoRA into with ``load_lora_adapter``
+FamilyName = str | bool  # a pipeline family's name (``sdnpu.families``); True / False: SDXL's / SD 1.x's
 
 
-def family_of(family: Family) -> str:
-    """``family`` as a pipeline family name (a bool says whether it is SDXL's)."""
+def family_of(family: FamilyName) -> families.Family:
+    """The row of ``family`` (a bool says whether it is SDXL's), one that takes LoRAs."""
     if isinstance(family, bool):
-        return SDXL if family else SD
-    if family not in (SD, SDXL, FLUX):
+        return families.SDXL if family else families.SD
+    row = families.named(family) if family in families.NAMES else None
+    if row is None or not row.lora:
         raise SdnpuError(f"a {family} pipeline takes no LoRAs in sdnpu",
                          hint="LoRAs apply to SDXL, SD 1.x/2.x and Flux.1 folders")
-    return family
+    return row
 
 
-def _pipeline_class(family: Family) -> Any:
-    name = {SD: "StableDiffusionPipeline", SDXL: "StableDiffusionXLPipeline", FLUX: "FluxPipeline"}[family_of(family)]
+def _pipeline_class(family: FamilyName) -> Any:
+    name = family_of(family).pipeline
     import diffusers
 
     return getattr(diffusers, name)
 
 
-def read_lora(spec: LoraSpec, family: Family, unet_config: dict[str, Any] | None) -> LoraFile:
+def read_lora(spec: LoraSpec, family: FamilyName, unet_config: dict[str, Any] | None) -> LoraFile:
     """``spec``'s file read by diffusers for a pipeline of ``family`` (SDXL, SD 1.x, Flux.1) whose UNet has
     ``unet_config`` (it maps kohya's SDXL block names), or one line saying why it cannot be."""
     from safetensors import safe_open
@@ -124,7 +124,8 @@ def read_lora(spec: LoraSpec, family: Family, unet_config: dict[str, Any] | None
                          f"(first key {keys[0]!r})", hint="give a diffusers/PEFT or kohya LoRA file")
     cls = _pipeline_class(family)
     try:
-        if family_of(family) == FLUX:
+        if family_of(family).denoiser != "unet":  # a transformer's reader gives the alphas; a UNet's maps
+            # kohya's SDXL block names by the UNet's config
             state_dict, alphas, metadata = cls.lora_state_dict(str(path.parent), weight_name=path.name,
                                                                return_alphas=True, return_lora_metadata=True)
         else:
@@ -145,7 +146,7 @@ def read_lora(spec: LoraSpec, family: Family, unet_config: dict[str, Any] | None
     if stray:
         raise SdnpuError(f"{path}: {len(stray)} keys belong to no component sdnpu applies LoRAs to (first "
                          f"{stray[0]!r})", hint=f"LoRAs change {', '.join(LORA_MODULES)}")
-    able = {module_of(c) for c in lora_components(family_of(family))}
+    able = {module_of(c) for c in family_of(family).lora}
     foreign = sorted(set(lora.components) - able)
     if foreign:
         raise SdnpuError(f"{path} changes {', '.join(foreign)}, which a {cls.__name__} has not: a LoRA made for "
@@ -169,12 +170,13 @@ def _skeleton(folder: Path, component: str) -> Any:
     config = json.loads((folder / component / "config.json").read_text())
     with init_empty_weights(), warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        if module_of(component) in DENOISERS:
+        if module_of(component) in families.DENOISER_MODULES:
             import diffusers
 
-            cls_name = config.get("_class_name") or "UNet2DConditionModel"
+            cls_name = config.get("_class_name") or families.SD.denoiser_class  # a UNet's config may not say
             cls = getattr(diffusers, cls_name, None)
-            if cls is None or cls_name not in ("UNet2DConditionModel", "FluxTransformer2DModel"):
+            family = families.of_class(cls_name)
+            if cls is None or family is None or family.denoiser not in family.lora:
                 raise SdnpuError(f"{folder / component} is a {cls_name}: sdnpu applies LoRAs to SDXL and SD 1.x "
                                  "UNets and Flux.1 transformers")
             return cls.from_config(config)
@@ -196,14 +198,15 @@ def _peft_state_dict(state_dict: dict[str, Any], component: str) -> dict[str, An
     sd = {k.removeprefix(f"{component}."): v for k, v in state_dict.items() if k.startswith(f"{component}.")}
     if not sd:
         return sd
-    if component in DENOISERS:
+    if component in families.DENOISER_MODULES:
         return sd if "lora_A" in next(iter(sd)) else convert_unet_state_dict_to_peft(sd)
     return convert_state_dict_to_peft(convert_state_dict_to_diffusers(sd))
 
 
-def _load_adapter(module: Any, lora: LoraFile, component: str, adapter: str, family: Family) -> None:
-    """``lora``'s part for ``component`` into ``module`` as adapter ``adapter``, by diffusers' loaders."""
-    if component in DENOISERS:
+def _load_adapter(module: Any, lora: LoraFile, component: str, adapter: str, family: FamilyName) -> None:
+    """``lora``'s part for ``component`` into ``module`` as adapter ``adapter``, by diffusers' loaders (the
+    denoisers' own ``load_lora_adapter``, the family's pipeline's for a text encoder)."""
+    if component in families.DENOISER_MODULES:
         module.load_lora_adapter(lora.state_dict, prefix=component, network_alphas=lora.alphas,
                                  adapter_name=adapter, metadata=lora.metadata)
     else:
@@ -223,7 +226,7 @@ class Adapters:
     """The LoRAs of one component over its skeleton: which modules they change and, on demand, each
     module's weight change per LoRA (PEFT's ``get_delta_weight``, scaled as ``set_adapters`` scales)."""
 
-    def __init__(self, folder: Path, component: str, loras: Sequence[LoraFile], family: Family) -> None:
+    def __init__(self, folder: Path, component: str, loras: Sequence[LoraFile], family: FamilyName) -> None:
         import warnings
 
         import torch
@@ -345,7 +348,7 @@ def _check_targets(sd: dict[str, Any], skeleton: Any, lora: LoraFile, component:
                              f"{takes}", hint="a LoRA made for another base model (SD 1.5 on SDXL?)")
 
 
-def fuse_into(module: Any, component: str, loras: Sequence[LoraFile], family: Family) -> int:
+def fuse_into(module: Any, component: str, loras: Sequence[LoraFile], family: FamilyName) -> int:
     """Fuse ``loras`` into the loaded PyTorch ``module`` with diffusers (load each as an adapter, set the
     scales, ``fuse_lora``, unload the LoRA layers), as ``sdnpu convert --lora`` does before exporting.
     Returns how many modules changed."""
@@ -367,7 +370,7 @@ def fuse_into(module: Any, component: str, loras: Sequence[LoraFile], family: Fa
         return 0
     changed = sum(1 for _ in _lora_layers(module))
     set_weights_and_activate_adapters(module, names, scales)
-    if part in DENOISERS:
+    if part in families.DENOISER_MODULES:
         module.fuse_lora(adapter_names=names)
         module.unload_lora()
     else:  # as the pipeline's fuse_lora and unload_lora_weights do for a text encoder

@@ -37,14 +37,14 @@ import numpy as np
 import onnx
 import onnx_ir as ir
 
-from sdnpu.components import LORA_COMPONENTS, lora_components, module_of
+from sdnpu import families
+from sdnpu.components import LORA_COMPONENTS, module_of
 from sdnpu.errors import SdnpuError
 from sdnpu.fileio import atomic_write_json, recover_staging, staged_dir
 from sdnpu.formats import parameters, weights
 from sdnpu.formats.overlay import ALIGN, DATA, FORMAT, MANIFEST, OVERLAY_DIR, VERSION, base_digest, read_manifest
 from sdnpu.lora.adapters import Adapters, LoraFile, LoraSpec, read_lora, sha256
 from sdnpu.reports.report import write as write_report
-from sdnpu.specs import SD3, pipeline_family
 
 log = logging.getLogger(__name__)
 
@@ -57,11 +57,11 @@ def pipeline_folder(path: str | Path) -> tuple[Path, list[str]]:
     one of its component folders; one line where ``path`` is neither."""
     path = Path(path)
     root = path if (path / "model_index.json").is_file() else path.parent
-    fam = family(root) if (root / "model_index.json").is_file() else None
-    if fam == SD3:
-        raise SdnpuError(f"{root} is an SD3 pipeline: sdnpu applies LoRAs to SDXL, SD 1.x and Flux.1 folders only",
-                         hint="LoRAs for SD3's transformer are not supported yet")
-    able = lora_components(fam)
+    fam = families.named(family(root) if (root / "model_index.json").is_file() else None)
+    if not fam.lora:
+        raise SdnpuError(f"{root} is {fam.a_pipeline}: sdnpu applies LoRAs to SDXL, SD 1.x and Flux.1 folders "
+                         "only", hint=f"LoRAs for {fam.title}'s {fam.denoiser} are not supported yet")
+    able = fam.lora
     if (path / "model_index.json").is_file():
         comps = [c for c in able if (path / c / "dd" / "replaced.onnx").is_file()]
         if not comps:
@@ -76,8 +76,8 @@ def pipeline_folder(path: str | Path) -> tuple[Path, list[str]]:
 
 
 def family(folder: Path) -> str:
-    """The converted pipeline's family (``sdnpu.specs.pipeline_family``), from its model_index.json."""
-    return pipeline_family(json.loads((folder / "model_index.json").read_text()))
+    """The converted pipeline's family (``sdnpu.families``' name), from its model_index.json."""
+    return families.detect(json.loads((folder / "model_index.json").read_text())).name
 
 
 def read_loras(folder: Path, specs: Sequence[LoraSpec]) -> list[LoraFile]:

@@ -22,10 +22,10 @@ import re
 from pathlib import Path
 from typing import Any
 
-from sdnpu.components import LORA_MODULES, lora_components
+from sdnpu import families
+from sdnpu.components import LORA_MODULES
 from sdnpu.errors import SdnpuError
 from sdnpu.lora.adapters import _skeleton
-from sdnpu.specs import pipeline_family
 
 # The modules in the order their seeds are drawn (each module's seeds depend on its place here): the UNet first,
 # as the seeded LoRAs of bench/results.md were drawn.
@@ -92,9 +92,9 @@ def write_seeded_lora(folder: str | Path, out: str | Path, rank: int = 32, namin
         raise SdnpuError(f"unknown LoRA naming {naming!r}", hint="diffusers or kohya")
     unet_config = json.loads((folder / "unet" / "config.json").read_text()) if (folder / "unet").is_dir() else {}
     index = folder / "model_index.json"
-    family = pipeline_family(json.loads(index.read_text())) if index.is_file() else None
+    family = families.detect(json.loads(index.read_text())) if index.is_file() else None
     sdxl = (folder / "text_encoder_2" / "config.json").is_file()  # kohya's lora_te1_ / lora_te2_ (Flux's CLIP too)
-    able = lora_components(family) if family else SEED_ORDER
+    able = family.lora if family else SEED_ORDER
     tensors: dict[str, Any] = {}
     counts: dict[str, int] = {}
     for comp in components or [m for m in SEED_ORDER if m in able]:

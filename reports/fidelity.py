@@ -9,6 +9,7 @@ from typing import Any
 
 import numpy as np
 
+from sdnpu import families
 from sdnpu.formats import prologue
 
 
@@ -157,8 +158,10 @@ RANGE_RUNS = ((0, 999.0), (1, 500.0), (2, 1.0))
 
 
 def timestep_scale(config: dict[str, Any] | None) -> float:
-    """What a denoiser of module ``config`` takes of diffusers' timestep: Flux.1's transformer a thousandth."""
-    return 1e-3 if (config or {}).get("_class_name") == "FluxTransformer2DModel" else 1.0
+    """What a denoiser of module ``config`` takes of diffusers' timestep: its family's share
+    (``sdnpu.families``: Flux.1's transformer a thousandth)."""
+    family = families.of_class((config or {}).get("_class_name"))
+    return 1.0 / family.timestep_divisor if family is not None else 1.0
 
 
 def range_inputs(path: Path, seed: int, timestep: float | None, scale: float = 1.0) -> dict[str, np.ndarray]:

@@ -41,6 +41,7 @@ from typing import Any
 
 import numpy as np
 
+from sdnpu import families
 from sdnpu.errors import SdnpuError
 from sdnpu.formats.keys import REGION_TAG, TARGET_KEY
 from sdnpu.ops.target import DispatchTarget, get_target
@@ -82,21 +83,27 @@ _SD3_VAE = Kernels("SD30_VAE", "/xclbin/stx/SD3_VAE_2x4x4.xclbin", "DD tests/cpp
 _SD3_VAE_1K = Kernels("SD30_VAE", "/xclbin/stx/SD3_1K_VAE_2x4x4.xclbin", "DD tests/cpp/include/test_common.hpp:314")
 
 
+# AMD's kernels by pipeline family (``sdnpu.families``' names; AMD's knowledge, so kept with AMD's format, not
+# in the family table): (the denoiser's, the VAE's below 1024 px, the VAE's at 1024 px and above)
+_KERNELS: dict[str, tuple[Kernels, Kernels, Kernels]] = {
+    families.SD.name: (_SD15_UNET, _SD15_VAE, _SD15_VAE),
+    families.SDXL.name: (_SDXL_UNET, _SDXL_VAE, _SDXL_VAE),
+    families.SD3.name: (_SD3_MMDIT, _SD3_VAE, _SD3_VAE_1K),
+}
+
+
 def kernels_for(family: str, component: str, height: int) -> Kernels | str:
     """The AMD model class a component of a ``family`` pipeline is packaged as, or the reason there is none
     (AMD prepared kernels for SD 1.5, SDXL and SD 3 only; it runs the text encoders on the CPU)."""
-    denoiser = component in ("unet", "transformer") or component.startswith("controlnet")
+    denoiser = component in families.DENOISER_MODULES or component.startswith("controlnet")
     vae = component in ("vae_decoder", "vae_encoder")
     if not (denoiser or vae):
         return f"{component}: AMD runs the text encoders on the CPU (its ModelType has no class for them)"
-    if family == "sd":
-        return _SD15_UNET if denoiser else _SD15_VAE
-    if family == "sdxl":
-        return _SDXL_UNET if denoiser else _SDXL_VAE
-    if family == "sd3":
-        return _SD3_MMDIT if denoiser else (_SD3_VAE_1K if height >= 1024 else _SD3_VAE)
-    return (f"{component}: AMD prepared NPU kernels for SD 1.5, SDXL and SD 3 only (its ModelType list), none "
-            f"for a {family} pipeline")
+    if family not in _KERNELS:
+        return (f"{component}: AMD prepared NPU kernels for SD 1.5, SDXL and SD 3 only (its ModelType list), none "
+                f"for a {family} pipeline")
+    net, small_vae, large_vae = _KERNELS[family]
+    return net if denoiser else (large_vae if height >= 1024 else small_vae)
 
 
 @dataclass

@@ -14,31 +14,22 @@ at session open. Image-to-image, inpainting and ControlNets are refused with the
 
 from __future__ import annotations
 
-import json
 import logging
 from collections.abc import Callable
 from functools import cached_property
-from pathlib import Path
 from typing import Any
 
 import numpy as np
 
+from sdnpu import families
 from sdnpu.errors import SdnpuError
-from sdnpu.formats import generation
-from sdnpu.imagesize import Size
-from sdnpu.runtime.session import Component, RuntimeOptions, add_command, batches_at, component_path
-from sdnpu.runtime.stages import Stages, check_generate, load_scheduler, plan_calls, read_index
+from sdnpu.runtime.session import Component, add_command, component_path
+from sdnpu.runtime.stages import TransformerStages, check_generate, graph_inputs, load_scheduler, plan_calls
 from sdnpu.signatures import flux_image_ids, vae_scale_factor
-from sdnpu.specs import FLUX, pipeline_family
 
 log = logging.getLogger(__name__)
 
-ENCODERS = ("text_encoder", "text_encoder_2")  # CLIP-L (pooled), T5
-
-
-def is_flux(index: dict[str, Any]) -> bool:
-    """Whether a ``model_index.json`` describes a Flux.1 pipeline."""
-    return pipeline_family(index) == FLUX
+ENCODERS = families.FLUX.text_encoders  # CLIP-L (pooled), T5
 
 
 def pack(latents: np.ndarray) -> np.ndarray:
@@ -55,35 +46,21 @@ def unpack(tokens: np.ndarray, h: int, w: int) -> np.ndarray:
     return np.ascontiguousarray(x.reshape(b, d // 4, h, w))
 
 
-class FluxPipeline(Stages):
+class FluxPipeline(TransformerStages):
     """A converted Flux.1 folder and the loop that runs it; the same interface as ``Pipeline`` (which gives
     this class for a Flux folder). Sessions are opened per stage and dropped after it unless ``keep_sessions``."""
 
-    def __init__(self, folder: str | Path, reference: bool = False, keep_sessions: bool | frozenset[str] = False,
-                 runtime: RuntimeOptions | None = None, size: Any = None) -> None:
-        import onnx
+    family = families.FLUX
+    required = ENCODERS
 
-        self.folder = Path(folder)
-        self.reference, self.keep, self.runtime = reference, keep_sessions, runtime or RuntimeOptions()
-        self.index = read_index(self.folder)
-        self.size = Size.of(size) if size is not None else None
-        for name in (*ENCODERS, "transformer", "vae_decoder"):
-            component_path(self.folder, name, reference, self.size)  # refused, with the fix, if absent
-        self.parts: dict[tuple[str, int | None], Component] = {}
-        self.vae_config = json.loads((self.folder / "vae_decoder" / "config.json").read_text())
-        self.transformer_config = json.loads((self.folder / "transformer" / "config.json").read_text())
-        graph = onnx.load(str(component_path(self.folder, "transformer", reference, self.size)),
-                          load_external_data=False)
-        specs = {i.name: [d.dim_value for d in i.type.tensor_type.shape.dim] for i in graph.graph.input}
-        self.batches = batches_at(self.folder, "transformer", self.size) or [specs["hidden_states"][0]]
-        self.generation = generation.read(self.folder, FLUX)
-        self.text_len = specs["encoder_hidden_states"][1]
-        self.guided = "guidance" in specs
+    def _set_up(self) -> None:
+        self.text_len = self.inputs["encoder_hidden_states"][1]
+        self.guided = "guidance" in self.inputs
         channels = int(self.vae_config.get("latent_channels", 16))
-        tokens, factor = specs["hidden_states"][1], vae_scale_factor(self.vae_config)
+        tokens, factor = self.inputs["hidden_states"][1], vae_scale_factor(self.vae_config)
         if self.size is None:  # the primary size, from the VAE decoder beside it (tokens alone do not say)
-            dec = onnx.load(str(component_path(self.folder, "vae_decoder", reference)), load_external_data=False)
-            lh, lw = (d.dim_value for d in dec.graph.input[0].type.tensor_type.shape.dim[2:])
+            decoder = graph_inputs(component_path(self.folder, "vae_decoder", self.reference))
+            lh, lw = next(iter(decoder.values()))[2:]
         else:
             lh, lw = self.size.height // factor, self.size.width // factor
         if (lh // 2) * (lw // 2) != tokens:
@@ -106,10 +83,6 @@ class FluxPipeline(Stages):
                                  "tokenizers)")
         return {"text_encoder": CLIPTokenizer.from_pretrained(self.folder / "tokenizer"),
                 "text_encoder_2": AutoTokenizer.from_pretrained(self.folder / "tokenizer_2")}
-
-    def _ids(self, name: str, text: str, length: int) -> np.ndarray:
-        ids = self.tokenizers[name](text, padding="max_length", max_length=length, truncation=True).input_ids
-        return np.asarray(ids, dtype=np.int64)[None]
 
     def _encode(self, parts: dict[str, Component], text: str) -> tuple[np.ndarray, np.ndarray]:
         """(T5's hidden states [1, T, J], CLIP-L's pooled output [1, P]) as diffusers' ``encode_prompt``."""
@@ -152,12 +125,7 @@ class FluxPipeline(Stages):
             if self.guided:
                 feeds["guidance"] = np.full((batch,), opts.guidance, np.float32)
             tokens = self._denoise(opts, feeds, [opts.seed + len(images) + j for j in range(k)], batch, progress)
-            z = (unpack(tokens, *self.latent_shape[2:]) / float(self.vae_config["scaling_factor"])
-                 + float(self.vae_config.get("shift_factor") or 0.0))
-            with self._using("vae_decoder") as parts:
-                for j in range(k):
-                    image = parts["vae_decoder"].run({"latent_sample": z[j : j + 1]}, ["sample"])["sample"][0]
-                    images.append((np.clip(image.transpose(1, 2, 0) / 2 + 0.5, 0, 1) * 255).round().astype(np.uint8))
+            images += self._decode(unpack(tokens, *self.latent_shape[2:]))
         return images
 
     def scheduler(self, name: str | None, steps: int) -> Any:
@@ -190,20 +158,16 @@ class FluxPipeline(Stages):
         schedulers = [self.scheduler(opts.scheduler, opts.steps) for _ in seeds]
         latents = [torch.from_numpy(pack(self.noise(seed))) for seed in seeds]
         timesteps = schedulers[0].timesteps
+        divisor = np.float32(self.family.timestep_divisor)  # the transformer takes diffusers' timestep / 1000
         with self._using("transformer", batch=batch) as parts:
             # its prologue (the rotary tables from the position ids, the same every step): computed once here
             feeds = {**feeds, **parts["transformer"].prepare(feeds)}
             for i, t in enumerate(timesteps):
                 step_feeds = {**feeds, "hidden_states": torch.cat(latents).numpy().astype(np.float32),
-                              "timestep": np.full((batch,), np.float32(float(t)) / np.float32(1000), np.float32)}
+                              "timestep": np.full((batch,), np.float32(float(t)) / divisor, np.float32)}
                 pred = torch.from_numpy(parts["transformer"].run(step_feeds, ["out_sample"])["out_sample"])
                 latents = [s.step(pred[j : j + 1], t, latents[j], return_dict=False)[0]
                            for j, s in enumerate(schedulers)]
                 if progress is not None:
                     progress(i + 1, len(timesteps))
         return torch.cat(latents).numpy().astype(np.float32)
-
-    def noise(self, seed: int) -> np.ndarray:
-        """The starting latents for ``seed``, unpacked [1, C, H/f, W/f] (flow matching starts from plain
-        Gaussian noise)."""
-        return np.random.default_rng(seed).standard_normal(self.latent_shape).astype(np.float32)

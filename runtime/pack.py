@@ -28,6 +28,7 @@ from typing import Any
 
 import numpy as np
 
+from sdnpu import families
 from sdnpu.errors import SdnpuError
 from sdnpu.fileio import staged_dir
 from sdnpu.runtime import ddpackage
@@ -142,16 +143,15 @@ def pack_model(source: Path, out_dir: Path, kernels: ddpackage.Kernels, prefix: 
 
 
 def _family(folder: Path) -> str:
-    """The pipeline family of a converted folder (or of the folder a component folder lies in)."""
+    """The pipeline family (``sdnpu.families``' name) of a converted folder (or of the folder a component folder
+    lies in)."""
     import json
-
-    from sdnpu.specs import pipeline_family
 
     for where in (folder, folder.parent):
         index = where / "model_index.json"
         if index.is_file():
             try:
-                return pipeline_family(json.loads(index.read_text()))
+                return families.detect(json.loads(index.read_text())).name
             except ValueError as e:
                 raise SdnpuError(f"{index} is not JSON: {e}", hint="convert the folder again") from e
     raise SdnpuError(f"{folder} has no model_index.json beside its components, so its pipeline is not known",

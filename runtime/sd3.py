@@ -18,65 +18,41 @@ import json
 import logging
 from collections.abc import Callable
 from functools import cached_property
-from pathlib import Path
 from typing import Any
 
 import numpy as np
 
+from sdnpu import families
 from sdnpu.components import CLIP_ENCODERS
 from sdnpu.errors import SdnpuError
-from sdnpu.imagesize import Size
 from sdnpu.formats import generation
-from sdnpu.runtime.session import Component, RuntimeOptions, add_command, batches_at, component_path
-from sdnpu.runtime.stages import Stages, check_generate, halves, load_scheduler, plan_calls, read_index
+from sdnpu.runtime.session import Component, add_command
+from sdnpu.runtime.stages import TransformerStages, check_generate, halves, load_scheduler, plan_calls
 from sdnpu.signatures import vae_scale_factor
-from sdnpu.specs import SD3, pipeline_outputs
+from sdnpu.specs import pipeline_outputs
 
 log = logging.getLogger(__name__)
 
 
-
-def is_sd3(index: dict[str, Any]) -> bool:
-    """Whether a ``model_index.json`` describes an SD3-family pipeline (an MMDiT ``transformer``)."""
-    entry = index.get("transformer")
-    return str(index.get("_class_name", "")).startswith("StableDiffusion3") or (
-        isinstance(entry, list) and len(entry) == 2 and entry[1] == "SD3Transformer2DModel")
-
-
-class SD3Pipeline(Stages):
+class SD3Pipeline(TransformerStages):
     """A converted SD3 folder and the loop that runs it; the same interface as ``Pipeline`` (which gives this
     class for an SD3 folder). Sessions are opened per stage and dropped after it unless ``keep_sessions``."""
 
-    def __init__(self, folder: str | Path, reference: bool = False, keep_sessions: bool | frozenset[str] = False,
-                 runtime: RuntimeOptions | None = None, size: Any = None) -> None:
-        import onnx
+    family = families.SD3
+    required = CLIP_ENCODERS  # T5 is optional, as in diffusers: without it its part of the prompt is zeros
 
-        self.folder = Path(folder)
-        self.reference, self.keep, self.runtime = reference, keep_sessions, runtime or RuntimeOptions()
-        self.index = read_index(self.folder)
-        self.size = Size.of(size) if size is not None else None
-        for name in (*CLIP_ENCODERS, "transformer", "vae_decoder"):
-            component_path(self.folder, name, reference, self.size)  # refused, with the fix, if absent
-        # T5 is optional, as in diffusers: without it its part of the prompt is zeros
+    def _set_up(self) -> None:
         self.t5 = (self.folder / "text_encoder_3" / "export.json").is_file()
-        self.parts: dict[tuple[str, int | None], Component] = {}
-        self.vae_config = json.loads((self.folder / "vae_decoder" / "config.json").read_text())
-        self.transformer_config = json.loads((self.folder / "transformer" / "config.json").read_text())
-        graph = onnx.load(str(component_path(self.folder, "transformer", reference, self.size)),
-                          load_external_data=False)
-        specs = {i.name: [d.dim_value for d in i.type.tensor_type.shape.dim] for i in graph.graph.input}
-        shape = specs["hidden_states"]
-        self.batches = batches_at(self.folder, "transformer", self.size) or [shape[0]]
-        self.generation = generation.read(self.folder)
+        shape = self.inputs["hidden_states"]
         self.latent_shape = (1, *shape[1:])
-        self.text_len = specs["encoder_hidden_states"][1]  # CLIP's 77, then T5's tokens
+        self.text_len = self.inputs["encoder_hidden_states"][1]  # CLIP's 77, then T5's tokens
         factor = vae_scale_factor(self.vae_config)
         self.image_size = (factor * shape[2], factor * shape[3])  # (height, width) in pixels
 
     @property
     def encoders(self) -> tuple[str, ...]:
         """The text encoders this folder runs (SD3's T5 only where it was converted)."""
-        return (*CLIP_ENCODERS, "text_encoder_3") if self.t5 else CLIP_ENCODERS
+        return self.family.text_encoders if self.t5 else self.required
 
     @cached_property
     def tokenizers(self) -> dict[str, Any]:
@@ -91,18 +67,13 @@ class SD3Pipeline(Stages):
             toks["text_encoder_3"] = AutoTokenizer.from_pretrained(self.folder / "tokenizer_3")
         return toks
 
-    def _ids(self, name: str, text: str, length: int) -> np.ndarray:
-        tok = self.tokenizers[name]
-        ids = tok(text, padding="max_length", max_length=length, truncation=True).input_ids
-        return np.asarray(ids, dtype=np.int64)[None]
-
     def _encode(self, parts: dict[str, Component], text: str) -> tuple[np.ndarray, np.ndarray]:
         """(prompt embeddings [1, 77 + T, J], pooled projections [1, P1 + P2]) as diffusers builds them."""
         hidden, pooled = [], []
         for name in CLIP_ENCODERS:
             enc = parts[name]
             config = json.loads((self.folder / name / "config.json").read_text())
-            wanted = pipeline_outputs(name, config, SD3)
+            wanted = pipeline_outputs(name, config, self.family.name)
             if wanted is None or not set(wanted) <= set(enc.outputs):
                 raise SdnpuError(f"{enc.path} lacks the outputs SD3 reads ({', '.join(wanted or [])})",
                                  hint="compile it again with --outputs pipeline (the default) or --outputs all")
@@ -149,12 +120,7 @@ class SD3Pipeline(Stages):
         for batch, k in calls:
             feeds = {"encoder_hidden_states": halves(neg, pos, k), "pooled_projections": halves(neg_pooled, pooled, k)}
             latents = self._denoise(opts, feeds, [opts.seed + len(images) + j for j in range(k)], batch, progress)
-            z = (latents.numpy().astype(np.float32) / float(self.vae_config["scaling_factor"])
-                 + float(self.vae_config.get("shift_factor") or 0.0))
-            with self._using("vae_decoder") as parts:
-                for j in range(k):
-                    image = parts["vae_decoder"].run({"latent_sample": z[j : j + 1]}, ["sample"])["sample"][0]
-                    images.append((np.clip(image.transpose(1, 2, 0) / 2 + 0.5, 0, 1) * 255).round().astype(np.uint8))
+            images += self._decode(latents.numpy().astype(np.float32))
         return images
 
     def _scheduler(self, name: str | None) -> Any:
@@ -200,7 +166,3 @@ class SD3Pipeline(Stages):
                 if progress is not None:
                     progress(i + 1, len(timesteps))
         return torch.cat(latents)
-
-    def noise(self, seed: int) -> np.ndarray:
-        """The starting latents for ``seed`` (flow matching starts from plain Gaussian noise)."""
-        return np.random.default_rng(seed).standard_normal(self.latent_shape).astype(np.float32)

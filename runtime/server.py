@@ -36,6 +36,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from sdnpu.components import COMPONENTS, module_of
 from sdnpu.errors import SdnpuError
 from sdnpu.formats import generation
 from sdnpu.imagesize import Size
@@ -176,8 +177,8 @@ def sessions_to_keep(folder: Path, size: Size | None, reference: bool) -> frozen
     from sdnpu.memory import available_bytes
     from sdnpu.runtime.session import component_path, weight_bytes
 
-    names = [c for c in ("text_encoder", "text_encoder_2", "text_encoder_3", "unet", "unet_controlnet", "transformer",
-                         "vae_decoder", "vae_encoder") if (folder / c).is_dir()]
+    # every component a pipeline folder holds (a ControlNet has a folder of its own), in the table's order
+    names = [c for c in COMPONENTS if module_of(c) != "controlnet" and (folder / c).is_dir()]
     try:
         sizes = {c: weight_bytes(component_path(folder, c, reference, size)) for c in names}
     except (SdnpuError, OSError):

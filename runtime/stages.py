@@ -1,6 +1,7 @@
 """What the text-to-image loops of every pipeline share (``sdnpu.runtime.text2image`` for SDXL and SD 1.x,
-``sdnpu.runtime.sd3``): a converted folder's ``model_index.json``, its scheduler, sessions opened per stage, and
-how several images go through the denoiser's converted batches (``plan_calls``)."""
+``sdnpu.runtime.sd3``, ``sdnpu.runtime.flux``): a converted folder's ``model_index.json``, its scheduler, sessions
+opened per stage, how several images go through the denoiser's converted batches (``plan_calls``), and the
+set-up, decode and noise of the transformer families' loops (``TransformerStages``)."""
 
 from __future__ import annotations
 
@@ -13,9 +14,11 @@ from typing import Any
 import numpy as np
 
 from sdnpu.errors import SdnpuError
+from sdnpu.families import Family
+from sdnpu.formats import generation
 from sdnpu.imagesize import Size
 from sdnpu.progress import release_memory
-from sdnpu.runtime.session import Component, RuntimeOptions, open_component
+from sdnpu.runtime.session import Component, RuntimeOptions, batches_at, component_path, open_component
 from sdnpu.signatures import CFG_BATCH, batched
 
 
@@ -28,7 +31,18 @@ class Stages:
     keep: bool | frozenset[str]  # True: every session; a set: those components' (the rest per stage)
     runtime: RuntimeOptions
     size: Size | None
+    index: dict[str, Any]  # the folder's model_index.json
     parts: dict[tuple[str, int | None], Component]  # kept sessions, by component and batch
+
+    def _open(self, folder: str | Path, reference: bool, keep_sessions: bool | frozenset[str],
+              runtime: RuntimeOptions | None, size: Any) -> None:
+        """What every loop's set-up begins with: the folder and its ``model_index.json`` (refused where it is not
+        a converted folder), how sessions are made and kept, the size to draw at (None: the folder's primary)."""
+        self.folder = Path(folder)
+        self.reference, self.keep, self.runtime = reference, keep_sessions, runtime or RuntimeOptions()
+        self.index = read_index(self.folder)
+        self.size = Size.of(size) if size is not None else None
+        self.parts = {}
 
     def generate(self, opts: Any, progress: Callable[[int, int], None] | None = None) -> list[np.ndarray]:
         raise NotImplementedError
@@ -59,6 +73,62 @@ class Stages:
             parts.clear()
             if len(kept) < len(names):
                 release_memory()
+
+
+class TransformerStages(Stages):
+    """The loops of the transformer families (SD3's ``SD3Pipeline``, Flux.1's ``FluxPipeline``): their set-up,
+    the same to the letter, then the family's own (``_set_up``); the VAE decode and the starting noise they
+    share. Sessions are opened per stage and dropped after it unless ``keep_sessions``."""
+
+    family: Family  # the family whose loop it is (``sdnpu.families``): its generation defaults
+    required: tuple[str, ...]  # the text encoders the folder must hold (the others are optional)
+    tokenizers: dict[str, Any]  # by text encoder: the loop's own (a cached property)
+    latent_shape: tuple[int, ...]  # (1, C, H/f, W/f): set by ``_set_up``
+
+    def __init__(self, folder: str | Path, reference: bool = False, keep_sessions: bool | frozenset[str] = False,
+                 runtime: RuntimeOptions | None = None, size: Any = None) -> None:
+        self._open(folder, reference, keep_sessions, runtime, size)
+        for name in (*self.required, "transformer", "vae_decoder"):
+            component_path(self.folder, name, reference, self.size)  # refused, with the fix, if absent
+        self.vae_config = json.loads((self.folder / "vae_decoder" / "config.json").read_text())
+        self.transformer_config = json.loads((self.folder / "transformer" / "config.json").read_text())
+        # the transformer's inputs and their dims, at the size (its graph read without its weights)
+        self.inputs = graph_inputs(component_path(self.folder, "transformer", reference, self.size))
+        self.batches = batches_at(self.folder, "transformer", self.size) or [self.inputs["hidden_states"][0]]
+        self.generation = generation.read(self.folder, self.family.name)
+        self._set_up()
+
+    def _set_up(self) -> None:
+        """The family's own set-up after the shared one: its latent shape, image size and text length."""
+        raise NotImplementedError
+
+    def _ids(self, name: str, text: str, length: int) -> np.ndarray:
+        """``text`` as text encoder ``name``'s token ids, padded or cut to ``length``: [1, length] int64."""
+        ids = self.tokenizers[name](text, padding="max_length", max_length=length, truncation=True).input_ids
+        return np.asarray(ids, dtype=np.int64)[None]
+
+    def _decode(self, latents: np.ndarray) -> list[np.ndarray]:
+        """Denoised latents [k, C, h, w] (float32) -> k images [H, W, 3] uint8: / scaling_factor + shift_factor,
+        then the VAE decoder one image at a time."""
+        z = latents / float(self.vae_config["scaling_factor"]) + float(self.vae_config.get("shift_factor") or 0.0)
+        images = []
+        with self._using("vae_decoder") as parts:
+            for j in range(len(z)):
+                image = parts["vae_decoder"].run({"latent_sample": z[j : j + 1]}, ["sample"])["sample"][0]
+                images.append((np.clip(image.transpose(1, 2, 0) / 2 + 0.5, 0, 1) * 255).round().astype(np.uint8))
+        return images
+
+    def noise(self, seed: int) -> np.ndarray:
+        """The starting latents for ``seed``, [1, C, H/f, W/f] (flow matching starts from plain Gaussian noise)."""
+        return np.random.default_rng(seed).standard_normal(self.latent_shape).astype(np.float32)
+
+
+def graph_inputs(path: Path) -> dict[str, list[int]]:
+    """The inputs of the graph at ``path`` and their dims, in order (read without its weights)."""
+    import onnx  # where it is used, as torch is: the CLI starts without it
+
+    graph = onnx.load(str(path), load_external_data=False).graph
+    return {i.name: [d.dim_value for d in i.type.tensor_type.shape.dim] for i in graph.input}
 
 
 def check_generate(opts: Any) -> None:

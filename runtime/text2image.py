@@ -26,12 +26,12 @@ from typing import Any
 
 import numpy as np
 
+from sdnpu import families
 from sdnpu.components import CLIP_ENCODERS
 from sdnpu.errors import SdnpuError
 from sdnpu.fileio import atomic_write_bytes
 from sdnpu.formats import generation, handoff, prologue
 from sdnpu.formats.handoff import handover
-from sdnpu.imagesize import Size
 from sdnpu.runtime.controlnet import (
     ControlSpec,
     check_compatible,
@@ -41,8 +41,6 @@ from sdnpu.runtime.controlnet import (
     keep,
     residual_inputs,
 )
-from sdnpu.runtime.flux import FluxPipeline, is_flux
-from sdnpu.runtime.sd3 import SD3Pipeline, is_sd3
 from sdnpu.runtime.session import (
     Component,
     RuntimeOptions,
@@ -54,7 +52,7 @@ from sdnpu.runtime.session import (
 )
 from sdnpu.runtime.stages import Stages, check_generate, halves, load_scheduler, plan_calls, read_index
 from sdnpu.signatures import vae_scale_factor
-from sdnpu.specs import SDXL, pipeline_outputs
+from sdnpu.specs import pipeline_outputs
 
 log = logging.getLogger(__name__)
 
@@ -79,7 +77,8 @@ class GenerateOptions:
 
 
 class Pipeline(Stages):
-    """A converted folder and the loop that runs its components (an SD3 folder gets ``SD3Pipeline``, a Flux.1
+    """A converted folder and the loop that runs its components (SDXL's and SD 1.x's; another family's folder
+    gets its family's loop, named by its row in ``sdnpu.families``: an SD3 folder ``SD3Pipeline``, a Flux.1
     folder ``FluxPipeline``, with the same interface).
 
     By default each stage opens its sessions and drops them when done (text encoders, then the UNet, then
@@ -90,29 +89,26 @@ class Pipeline(Stages):
     ``sdnpu.runtime.session.RuntimeOptions``)."""
 
     def __new__(cls, folder: str | Path, *args: Any, **kwargs: Any) -> Any:
-        index = read_index(Path(folder))
-        if is_sd3(index):
-            return SD3Pipeline(folder, *args, **kwargs)
-        if is_flux(index):
-            return FluxPipeline(folder, *args, **kwargs)
+        # the family's loop, imported by the name its row gives (the transformer families' modules import
+        # nothing of this one, and this one none of theirs)
+        loop = families.load(families.detect(read_index(Path(folder))).runtime)
+        if loop is not Pipeline:
+            return loop(folder, *args, **kwargs)
         return super().__new__(cls)
 
     def __init__(self, folder: str | Path, reference: bool = False, keep_sessions: bool | frozenset[str] = False,
                  runtime: RuntimeOptions | None = None, size: Any = None) -> None:
         import onnx
 
-        self.folder = Path(folder)
-        self.reference, self.keep, self.runtime = reference, keep_sessions, runtime or RuntimeOptions()
-        self.index = read_index(self.folder)
-        self.sdxl = "text_encoder_2" in self.index and self.index["text_encoder_2"][1] is not None
+        self._open(folder, reference, keep_sessions, runtime, size)
+        self.family = families.detect(self.index)
+        self.sdxl = self.family.text_encoders == CLIP_ENCODERS  # SDXL's prompt: both CLIP encoders'
         # the UNet, or where the folder holds only the one that takes a ControlNet's residuals, that one
         denoiser = "unet_controlnet" if not (self.folder / "unet").is_dir() and (
             self.folder / "unet_controlnet").is_dir() else "unet"
         needed = ["text_encoder", denoiser, "vae_decoder"] + (["text_encoder_2"] if self.sdxl else [])
-        self.size = Size.of(size) if size is not None else None  # None: the folder's primary size
         self.denoiser = denoiser
         paths = {name: component_path(self.folder, name, reference, self.size) for name in needed}
-        self.parts: dict[tuple[str, int | None], Component] = {}
         self.vae_config = json.loads((self.folder / "vae_decoder" / "config.json").read_text())
         unet = onnx.load(str(paths[denoiser]), load_external_data=False)
         if prologue.of_proto(unet) is not None:  # its step prologue takes the inputs: the fp32 graph's are they
@@ -151,7 +147,7 @@ class Pipeline(Stages):
             return self._encode(parts, text)
 
     def _encoders(self) -> tuple[str, ...]:
-        return CLIP_ENCODERS if self.sdxl else CLIP_ENCODERS[:1]
+        return self.family.text_encoders
 
     @property
     def encoders(self) -> tuple[str, ...]:
@@ -435,7 +431,7 @@ def _penultimate(component: Component, config_path: Path) -> str:
     the encoder's num_hidden_layers; a dispatch model keeps only that one, the fp32 graph has them all)."""
     try:
         config = json.loads(config_path.read_text())
-        name = pipeline_outputs(component.name, config, SDXL)[-1]  # type: ignore[index]
+        name = pipeline_outputs(component.name, config, families.SDXL.name)[-1]  # type: ignore[index]
     except (OSError, ValueError, KeyError) as e:
         raise SdnpuError(f"cannot read num_hidden_layers from {config_path}: {e}",
                          hint="the converted folder keeps each encoder's config.json: convert it again") from e

@@ -2,7 +2,8 @@
 
 The stages install as one namespace: ``sdnpu.convert`` (export from diffusers), ``sdnpu.passes``
 (the offload compiler), ``sdnpu.reports``, ``sdnpu.lora``, ``sdnpu.runtime`` and ``sdnpu.ops`` (the target).
-This top-level package holds what every stage shares: the component table (``components``), the formats
+This top-level package holds what every stage shares: the component and family tables (``components``,
+``families``), the formats
 (``formats``), each component's signature and spec (``signatures``, ``specs``, ``imagesize``), running graphs
 in onnxruntime (``onnxrun``), the error type, atomic file writes, progress logging, memory and workers; and
 the CLI (docs/design.md has the map).

@@ -20,11 +20,13 @@ transformer     transformer     yes   yes               Transformer
 =============== =============== ===== ==== ============ ==============
 
 A module of another class under the same key takes another wrapper (``wrapper_of``): Flux.1's
-``text_encoder_2`` is T5 (``T5Encoder``), its ``transformer`` a ``FluxTransformer2DModel`` (``FluxTransformer``).
+``text_encoder_2`` is T5 (``T5Encoder``), its ``transformer`` takes its family's own (``FluxTransformer``: the
+family's ``wrappers``, ``sdnpu.families``).
 
 *sized*: its graph depends on the image size (converted at every size of ``--res``; the text encoders once).
-*LoRA*: a LoRA can change it (``sdnpu lora``, ``--lora``) in a pipeline whose family takes LoRAs
-(``lora_components``: SDXL's and SD 1.x's UNet and CLIP encoders, Flux.1's transformer and CLIP-L).
+*LoRA*: a LoRA can change it (``sdnpu lora``, ``--lora``) in a pipeline whose family takes LoRAs (the
+family's ``lora``, ``sdnpu.families``: SDXL's and SD 1.x's UNet and CLIP encoders, Flux.1's transformer and
+CLIP-L).
 *wrapper*: the torch wrapper that gives its module
 a positional, tuple-returning ``forward`` (``sdnpu.convert.wrappers``), and so its ONNX signature
 (``sdnpu.signatures``).
@@ -36,6 +38,7 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Any
 
+from sdnpu import families
 from sdnpu.errors import SdnpuError
 
 
@@ -90,26 +93,14 @@ def module_of(name: str) -> str:
 
 def wrapper_of(name: str, config: dict[str, Any] | None = None) -> str:
     """The wrapper of component ``name`` for a module of ``config`` (its row's, unless the config names another
-    class under the same key: T5 as Flux.1's ``text_encoder_2``, Flux.1's transformer)."""
+    class under the same key: T5 as Flux.1's ``text_encoder_2``; a family's own denoiser wrapper, Flux.1's)."""
     wrapper = row(name).wrapper
     if config is None:
         return wrapper
     if wrapper == "TextEncoder" and config.get("model_type") == "t5":
         return "T5Encoder"
-    if wrapper == "Transformer" and config.get("_class_name") == "FluxTransformer2DModel":
-        return "FluxTransformer"
-    return wrapper
-
-
-def lora_components(family: str | None) -> tuple[str, ...]:
-    """The components a LoRA can change in a pipeline of ``family`` (``sdnpu.specs``' names): none in SD3's
-    (not supported), Flux.1's transformer and CLIP-L (its T5 takes none, as in diffusers), else the UNets and
-    CLIP encoders."""
-    if family == "sd3":
-        return ()
-    if family == "flux":
-        return ("text_encoder", "transformer")
-    return tuple(c for c in LORA_COMPONENTS if c != "transformer")
+    family = families.of_class(config.get("_class_name"))
+    return family.wrappers.get(wrapper, wrapper) if family is not None else wrapper
 
 
 _POSITION = {c: i for i, c in enumerate(COMPONENTS)}

@@ -56,7 +56,7 @@ from typing import Any
 
 import numpy as np
 
-from sdnpu import components
+from sdnpu import components, families
 from sdnpu.errors import SdnpuError
 from sdnpu.imagesize import Size
 
@@ -306,13 +306,14 @@ def sample_inputs(sig: Signature, config: dict[str, Any], res: int | Size, seed:
     diffusers writes them), and a CLIP token sequence (BOS, tokens, EOS, padding)."""
     h, w = Size.of(res)
     rng = np.random.default_rng(seed)
-    flux = config.get("_class_name") == "FluxTransformer2DModel"
+    family = families.of_class(config.get("_class_name"))
+    divisor = family.timestep_divisor if family is not None else 1
     feeds: dict[str, np.ndarray] = {}
     for spec in sig.inputs:
         if spec.name == "input_ids":
             feeds[spec.name] = _token_ids(spec, config, rng)
-        elif spec.name == "timestep":  # mid-schedule (Flux.1 takes diffusers' timestep / 1000)
-            feeds[spec.name] = np.full(spec.shape, 0.5 if flux else 500.0, dtype=np.float32)
+        elif spec.name == "timestep":  # mid-schedule, as the denoiser takes it (Flux.1: diffusers' / 1000)
+            feeds[spec.name] = np.full(spec.shape, 500.0 / divisor, dtype=np.float32)
         elif spec.name == "guidance":
             feeds[spec.name] = np.full(spec.shape, 3.5, dtype=np.float32)  # FluxPipeline's default
         elif spec.name == "img_ids":

@@ -12,7 +12,7 @@ from typing import Any
 
 import numpy as np
 
-from sdnpu import components
+from sdnpu import components, families
 from sdnpu.errors import SdnpuError
 from sdnpu.imagesize import Size
 from sdnpu.signatures import (
@@ -27,8 +27,6 @@ from sdnpu.signatures import (
     vae_scale_factor,
 )
 
-# The modules whose sample size sets a pipeline's resolution, the first present.
-DENOISER_MODULES = ("unet", "transformer")
 # Wrappers whose module is a UNet's down path (the resolution rule of its skip connections).
 _UNET_LIKE = frozenset({"UNet", "UNetResiduals", "ControlNet"})
 # Wrappers that run each denoising step beside another dispatch model and share the step's inputs with it.
@@ -85,30 +83,9 @@ def check_resolution(res: int | Size, configs: dict[str, dict[str, Any]], vae_fa
                          hint=f"the nearest that fit: {', '.join(str(s) for s in near[:4])}")
 
 
-# Pipeline families (``pipeline_family``): which diffusers pipeline reads a converted folder.
-SD, SDXL, SD3, FLUX = "sd", "sdxl", "sd3", "flux"
-FAMILIES = (SD, SDXL, SD3, FLUX)
-
-
-def pipeline_family(index: Mapping[str, Any]) -> str:
-    """The family of the pipeline a ``model_index.json`` describes: Flux.1 (a ``FluxTransformer2DModel``),
-    SD3 (an ``SD3Transformer2DModel``), SDXL (a second CLIP encoder) or SD 1.x/2.x."""
-
-    def cls(key: str) -> str | None:
-        entry = index.get(key)
-        return str(entry[1]) if isinstance(entry, list) and len(entry) == 2 and entry[1] else None
-
-    name = str(index.get("_class_name", ""))
-    if cls("transformer") == "FluxTransformer2DModel" or name.startswith("Flux"):
-        return FLUX
-    if cls("transformer") == "SD3Transformer2DModel" or name.startswith("StableDiffusion3"):
-        return SD3
-    return SDXL if cls("text_encoder_2") is not None else SD
-
-
 def pipeline_outputs(component: str, config: dict[str, Any], family: str | None) -> list[str] | None:
-    """The outputs of ``component`` that a diffusers pipeline of ``family`` reads (None: all of them; family
-    None: unknown, read as SD 1.x's).
+    """The outputs of ``component`` that a diffusers pipeline of ``family`` (``sdnpu.families``' names) reads
+    (None: all of them; family None: unknown, read as SD 1.x's).
 
     The text encoders are exported with every hidden state (optimum's signature), but SDXL reads only the
     penultimate hidden states of both encoders and text_encoder_2's pooled ``text_embeds`` (SD3 the same of
@@ -118,9 +95,10 @@ def pipeline_outputs(component: str, config: dict[str, Any], family: str | None)
     """
     if component not in components.CLIP_ENCODERS or config.get("model_type") == "t5":
         return None
-    if family == FLUX and not clip_projection(component, config):
+    row = families.named(family)
+    if row.clip_pooled_only and not clip_projection(component, config):
         return ["pooler_output"]
-    if family in (SD, FLUX, None) and component == "text_encoder":
+    if row.clip_last_hidden and component == "text_encoder":
         return ["last_hidden_state"]
     penultimate = f"hidden_states.{int(config['num_hidden_layers']) - 1}"
     return ["text_embeds", penultimate] if clip_projection(component, config) else [penultimate]
@@ -156,7 +134,7 @@ class ComponentSpec:
     name: str
     config: dict[str, Any]  # its module's config.json
     vae_factor: int  # the pipeline VAE's scale factor (8 without a VAE)
-    family: str | None  # its pipeline's (``pipeline_family``); None: unknown
+    family: str | None  # its pipeline's (``sdnpu.families``' name); None: unknown
     text_len: int | None = None  # T5's tokens where the pipeline sets them (``generation.json``); None: the default
 
     @property
@@ -198,7 +176,7 @@ class ComponentSpec:
 @dataclass(frozen=True)
 class PipelineConfig:
     """A pipeline's module configs, each read once (``modules``: model_index.json's key -> config.json), its
-    family (``pipeline_family``; None: unknown) and T5's tokens where the pipeline sets them."""
+    family (``sdnpu.families``' name; None: unknown) and T5's tokens where the pipeline sets them."""
 
     modules: Mapping[str, dict[str, Any]]
     family: str | None = None
@@ -223,7 +201,7 @@ class PipelineConfig:
         alone: 1024 for SDXL's, 512 for SD 1.x's)."""
         if "unet" not in self.modules and "controlnet" in self.modules:
             return 1024 if unet_text_time(self.modules["controlnet"]) else 512
-        denoiser = next((m for m in DENOISER_MODULES if m in self.modules), None)
+        denoiser = next((m for m in families.DENOISER_MODULES if m in self.modules), None)
         return default_resolution(self.modules[denoiser] if denoiser else None, self.vae)
 
     def check_resolution(self, res: int | Size, names: list[str]) -> None:

@@ -22,6 +22,7 @@ import json
 from dataclasses import dataclass
 from pathlib import Path
 
+from sdnpu import families
 from sdnpu.errors import SdnpuError
 from sdnpu.signatures import CFG_BATCH
 
@@ -65,11 +66,10 @@ class Generation:
 
 
 def family_default(family: str | None) -> Generation:
-    """The defaults of a folder without ``generation.json``: diffusers' pipeline's for its family (Flux.1:
-    ``FluxPipeline``'s 28 steps at guidance 3.5, embedded), else the usual ones."""
-    if family == "flux":
-        return Generation(28, 3.5, embedded_guidance=True)
-    return Generation()
+    """The defaults of a folder without ``generation.json``: diffusers' pipeline's for its family (its row's
+    ``generation``, ``sdnpu.families``; Flux.1: ``FluxPipeline``'s 28 steps at guidance 3.5, embedded), else
+    the usual ones."""
+    return Generation(**families.named(family).generation)
 
 
 def read(folder: Path, family: str | None = None) -> Generation:
