@@ -152,11 +152,7 @@ def finish(chain: QnnChain, component: str, source: Path, info: dict[str, Any],
     from sdnpu.reports.fidelity import fidelity
 
     backend = backend_of(chain.options.target)
-    joined = _joined(chain)
-    fp32 = onnx.load(str(source), load_external_data=False).graph  # the inputs and outputs, as the fp32 graph's
-    del joined.graph.input[:], joined.graph.output[:]
-    joined.graph.input.extend(fp32.input)
-    joined.graph.output.extend(fp32.output)
+    joined = _joined(chain, onnx.load(str(source), load_external_data=False).graph)
     compiled = backend.chain(chain.parts, joined.graph, chain.out_dir)
     for row, g in zip(compiled.pieces, chain.graphs, strict=True):
         row.update(nodes=len(g.graph.node), weight_bytes=_fp16_bytes(g))
@@ -197,13 +193,11 @@ def _fp16_bytes(m: onnx.ModelProto) -> int:
     return sum(weight_bytes(t, 2) for t in m.graph.initializer)
 
 
-def _joined(chain: QnnChain) -> onnx.ModelProto:
+def _joined(chain: QnnChain, fp32: onnx.GraphProto) -> onnx.ModelProto:
     """The rewritten pieces as one graph, without weights: their nodes in order (each piece's own values
-    prefixed with its block, as the stitch does), the first piece's inputs and the module's outputs."""
+    prefixed with its block, as the stitch does), the inputs and outputs of ``fp32`` (the module's fp32 graph)."""
     nodes, inits, infos = [], [], []
-    inputs: dict[str, onnx.ValueInfoProto] = {}
-    outputs: dict[str, onnx.ValueInfoProto] = {}
-    written: set[str] = set()
+    ends = {o.name for o in fp32.output}
     for i, g in enumerate(chain.graphs):
         ios = {v.name for v in [*g.graph.input, *g.graph.output]}
         own = {x for n in g.graph.node for x in n.output if x not in ios} | {t.name for t in g.graph.initializer}
@@ -223,23 +217,13 @@ def _joined(chain: QnnChain) -> onnx.ModelProto:
             c.CopyFrom(t)
             c.name = r(t.name)
             inits.append(c)
-        for v in g.graph.value_info:
+        for v in [*g.graph.value_info, *(o for o in g.graph.output if o.name not in ends)]:
             c = onnx.ValueInfoProto()
             c.CopyFrom(v)
             c.name = r(v.name)
             infos.append(c)
-        for v in g.graph.input:
-            if v.name not in written:  # the module's own input (an earlier piece's output is a value between)
-                inputs.setdefault(v.name, v)
-        written.update(v.name for v in g.graph.output)
-        for v in g.graph.output:
-            if v.name in chain.module_outputs:
-                outputs[v.name] = v
-            else:
-                infos.append(v)
-    graph = onnx.helper.make_graph(nodes, "blocks", list(inputs.values()),
-                                   [outputs[k] for k in chain.module_outputs if k in outputs],
-                                   initializer=inits, value_info=infos)
+    graph = onnx.helper.make_graph(nodes, "blocks", list(fp32.input), list(fp32.output), initializer=inits,
+                                   value_info=infos)
     opsets = {}
     for g in chain.graphs:
         for o in g.opset_import:
