@@ -57,8 +57,12 @@ def _kinds(model: Any) -> dict[str, tuple[str, Any]]:
                                    if old[1] is not None or bound is not None else None)
             elif node.op_type == "Resize" and i in (2, 3):
                 x, y = shapes.get(node.input[0]), shapes.get(node.output[0])
-                if x and y and len(x) == len(y) and all(x):
-                    kinds[name] = (("scales", [b / a for a, b in zip(x, y)]) if i == 2 else ("sizes", y))
+                # with ``axes`` (opset 18), scales and sizes hold those axes only, in that order
+                axes = next((list(a.ints) for a in node.attribute if a.name == "axes"), None)
+                if x and y and len(x) == len(y) and all(x) and all(-len(x) <= a < len(x) for a in axes or []):
+                    pick = [a % len(x) for a in axes] if axes else list(range(len(x)))
+                    kinds[name] = (("scales", [y[a] / x[a] for a in pick]) if i == 2
+                                   else ("sizes", [y[a] for a in pick]))
                 else:
                     kinds[name] = ("shape", "a Resize's scales" if i == 2 else "a Resize's sizes")
             elif (node.op_type, i) in _SHAPE_INPUTS:

@@ -6,6 +6,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import numpy as np
+
 import pytest
 
 from . import node_tests
@@ -50,3 +52,22 @@ def test_a_shape_input_without_test_data_is_said(tmp_path):
     shutil.rmtree(tmp_path / "case" / "test_data_set_0")
     report = compile_file(Path(path), tmp_path / "case" / "dd")
     assert report["fidelity"] is None and "a shape" in report["fidelity_skipped"]
+
+
+@pytest.mark.parametrize("name", ["test_resize_upsample_scales_nearest_axes_2_3",
+                                  "test_resize_upsample_scales_nearest_axes_3_2",
+                                  "test_resize_upsample_sizes_nearest_axes_2_3"])
+def test_a_resize_with_axes_gets_its_scales_for_those_axes_only(tmp_path, name):
+    """A Resize with ``axes`` (opset 18) holds scales or sizes for those axes only, in their order: without the
+    test's own inputs, the seeded ones are read from its input and output shapes so (a ValueError before)."""
+    from onnx import numpy_helper
+
+    from sdnpu.reports.fidelity import generic_inputs
+
+    case = next(node_tests.cases(f"^{name}$"))
+    path = tmp_path / "model.onnx"
+    path.write_bytes(case.model.SerializeToString())  # no test_data_set_0 beside it
+    feeds = generic_inputs(path)
+    own = dict(zip([vi.name for vi in case.model.graph.input], case.data_sets[0][0], strict=False))
+    key = next(k for k in ("scales", "sizes") if k in feeds)
+    np.testing.assert_allclose(feeds[key], numpy_helper.to_array(numpy_helper.from_array(own[key])))
