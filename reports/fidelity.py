@@ -67,7 +67,17 @@ def _kinds(model: Any) -> dict[str, tuple[str, Any]]:
                     kinds[name] = ("shape", "a Resize's scales" if i == 2 else "a Resize's sizes")
             elif (node.op_type, i) in _SHAPE_INPUTS:
                 kinds[name] = ("shape", f"{_SHAPE_INPUTS[node.op_type, i]} ({node.op_type} {node.name or ''})".strip())
+    for node in reversed(model.graph.node):  # ids that reach a Gather through a view (UMT5's Reshape) are its ids
+        if node.op_type in _VIEWS and node.input and node.output and kinds.get(node.output[0], ("",))[0] == "index":
+            bound = kinds[node.output[0]][1]
+            old = kinds.get(node.input[0])
+            if old is None or old[0] == "index":
+                known = [b for b in (bound, old[1] if old else None) if b is not None]
+                kinds[node.input[0]] = ("index", min(known) if known else None)
     return kinds
+
+
+_VIEWS = ("Reshape", "Flatten", "Squeeze", "Unsqueeze", "Identity", "Cast", "Expand")  # values kept as they are
 
 
 def _test_data(path: Path, names: list[str]) -> dict[str, np.ndarray] | None:

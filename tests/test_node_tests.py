@@ -71,3 +71,25 @@ def test_a_resize_with_axes_gets_its_scales_for_those_axes_only(tmp_path, name):
     own = dict(zip([vi.name for vi in case.model.graph.input], case.data_sets[0][0], strict=False))
     key = next(k for k in ("scales", "sizes") if k in feeds)
     np.testing.assert_allclose(feeds[key], numpy_helper.to_array(numpy_helper.from_array(own[key])))
+
+
+def test_ids_that_reach_a_gather_through_a_view_are_drawn_below_its_table(tmp_path):
+    """UMT5's ids pass through a Reshape before the embedding's Gather: the seeded ids stay below the table's
+    512 rows (they were drawn up to 999, and onnxruntime refused the graph's run, "often an exporter bug")."""
+    from onnx import TensorProto as T
+    from onnx import helper, numpy_helper
+
+    from sdnpu.onnxrun import run_onnx
+    from sdnpu.reports.fidelity import generic_inputs
+
+    table = numpy_helper.from_array(np.ones((512, 4), np.float32), "table")
+    shape = numpy_helper.from_array(np.asarray([-1], np.int64), "flat")
+    g = helper.make_graph([helper.make_node("Reshape", ["ids", "flat"], ["row"]),
+                           helper.make_node("Gather", ["table", "row"], ["emb"])], "g",
+                          [helper.make_tensor_value_info("ids", T.INT64, [1, 64])],
+                          [helper.make_tensor_value_info("emb", T.FLOAT, [64, 4])], [table, shape])
+    path = tmp_path / "model.onnx"
+    path.write_bytes(helper.make_model(g, opset_imports=[helper.make_opsetid("", 17)]).SerializeToString())
+    feeds = generic_inputs(path)
+    assert feeds["ids"].max() < 512
+    assert run_onnx(path, feeds)["emb"].shape == (64, 4)
