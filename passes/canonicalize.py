@@ -270,6 +270,11 @@ def _noop_source(node: ir.Node) -> ir.Value | ir.Node | None:
         iota = np.arange(sy[axis]).reshape([-1 if i == axis else 1 for i in range(len(sy))])
         return upd if idx.shape == tuple(sy) and np.array_equal(np.where(idx < 0, idx + sy[axis], idx),
                                                                  np.broadcast_to(iota, sy)) else None
+    if op == "Resize" and static_shape(x) == sy and not attr(node, "antialias", 0) and \
+            attr(node, "coordinate_transformation_mode", "half_pixel") != "tf_crop_and_resize":
+        return x  # to the size it has: every mode samples each value at its own place (a kernel's weight 1 there)
+    if op in ("DepthToSpace", "SpaceToDepth") and attr(node, "blocksize", 0) == 1:
+        return x  # blocks of one value
     if op == "Gather":  # the one row of a size-1 axis: a Reshape that drops it
         idx = const(node.inputs[1])
         sx = static_shape(x)
@@ -282,12 +287,13 @@ def _noop_source(node: ir.Node) -> ir.Value | ir.Node | None:
 def _drop_noop_moves(graph: ir.Graph) -> int:
     """Data movements that move nothing, given their constant parameters: a Where whose constant condition
     picks one side everywhere, a Split into one part, a Pad of zeros, a ScatterElements that overwrites every
-    element of a constant once in place, and a Gather of the one row of a size-1 axis (a Reshape, which a
-    dispatch op reads as a view). Z-Image's and Lumina 2's token padding, at a size where nothing is padded."""
+    element of a constant once in place, a Resize to the size it has, a DepthToSpace or SpaceToDepth of blocks of
+    one, and a Gather of the one row of a size-1 axis (a Reshape, which a dispatch op reads as a view). Z-Image's and Lumina 2's token padding, at a size where nothing is padded."""
     done = 0
     for node in list(graph):
         if node.graph is None or node.domain not in ("", "ai.onnx") or node.op_type not in (
-                "Where", "Split", "Pad", "ScatterElements", "Gather") or len(node.outputs) != 1:
+                "Where", "Split", "Pad", "ScatterElements", "Gather", "Resize", "DepthToSpace",
+                "SpaceToDepth") or len(node.outputs) != 1:
             continue
         src = _noop_source(node)
         if src is None:

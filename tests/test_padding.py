@@ -64,3 +64,24 @@ def test_what_moves_data_stays(kwargs):
     check(m)
     cpu = _cpu(m)
     assert ("Pad" in cpu) if "pad" in kwargs else ("ScatterElements" in cpu), cpu
+
+
+@pytest.mark.parametrize("spelling", ["resize nearest", "resize linear", "resize cubic", "depth_to_space 1",
+                                      "space_to_depth 1"])
+def test_a_movement_to_what_it_has_goes_and_leaves_nothing_on_the_cpu(spelling):
+    """A Resize to the size it starts from (a decoder's upsample at scale 1), a DepthToSpace or SpaceToDepth of
+    blocks of one: identities that stayed on the CPU between two convolutions (issue 42)."""
+    rng = np.random.default_rng(0)
+    inits = {"w": rng.standard_normal((4, 4, 3, 3)).astype(np.float32) * 0.3}
+    if spelling.startswith("resize"):
+        inits["sizes"] = np.asarray([1, 4, 8, 8], np.int64)
+        move = helper.make_node("Resize", ["h", "", "", "sizes"], ["m"], mode=spelling.split()[1])
+    else:
+        op = "DepthToSpace" if spelling.startswith("depth") else "SpaceToDepth"
+        move = helper.make_node(op, ["h"], ["m"], blocksize=1)
+    nodes = [helper.make_node("Conv", ["x", "w"], ["h"], pads=[1, 1, 1, 1]), move,
+             helper.make_node("Conv", ["m", "w"], ["y"], pads=[1, 1, 1, 1])]
+    m = model(nodes, {"x": [1, 4, 8, 8]}, {"y": None}, inits)
+    check(m)
+    cpu = _cpu(m)
+    assert not {"Resize", "DepthToSpace", "SpaceToDepth"} & set(cpu), cpu
