@@ -127,13 +127,19 @@ def compile_standard(source: Path, out_dir: Path, info: dict[str, Any], options:
                 actual = run_in_worker(run_compiled, compiled.context, arch, not compiled.whole, feeds,
                                        what=f"running QNN's compile of {name}")
             fid = fidelity({k: np.asarray(v) for k, v in reference.items() if k in actual}, actual)
-            given = "the conversion's inputs" if check.feeds is not None else "seeded inputs"
+            given = ("the conversion's inputs" if check.feeds is not None else "the test's own inputs "
+                     "(test_data_set_0)" if (source.parent / "test_data_set_0").is_dir() else "seeded inputs")
             fid["inputs"] = (f"{given}; the compiled model ran{emulated or ' on the NPU'} in {t.seconds:.1f} s"
                              + (f" (emulation time, not the NPU's: {macs / 1e9 / t.seconds:.3g} GMAC/s)"
                                 if emulated else ""))
             report["fidelity"] = fid
             log.info("[%s] QNN (fp16) vs fp32: min cosine %.6f, max abs error %.3g", name, fid["min_cosine"],
                      fid["max_abs"])
+            bad = {k: o["reference_not_finite"] for k, o in fid["outputs"].items() if o.get("reference_not_finite")}
+            if bad:
+                log.warning("[%s] the fp32 graph's own outputs are not finite on the check's inputs (%s values): the "
+                            "fidelity is measured over the finite ones", name,
+                            ", ".join(f"{k}: {v}" for k, v in bad.items()))
     if skipped:
         report["fidelity_skipped"] = skipped
     report["peak_rss_bytes"] = peak_rss_bytes()

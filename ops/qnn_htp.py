@@ -158,6 +158,11 @@ def _wide_ints(info: NodeInfo) -> str | None:
     return None
 
 
+def _not_bool_data(info: NodeInfo) -> str | None:
+    v = info.inputs[0] if info.inputs else None
+    return "bool data (the HTP's GatherND takes int32 and float data: measured here)" if v and v[0] == "BOOL" else None
+
+
 def _float_operands(info: NodeInfo) -> str | None:
     for v in info.inputs:
         if v is not None and v[0] not in ("FLOAT", "FLOAT16"):
@@ -199,13 +204,17 @@ _HERE = "; integer limits measured here (bench/bench_qnn_table.py)"
 
 TABLE: tuple[OpSupport, ...] = (
     # element-wise: no checks in the EP; QNN's own validation and broadcasting decide
+    OpSupport("Sqrt", _EW + "; rank 5 refused (\"CreateQnnNode failed\"), rank 4 taken: measured here",
+              (_ranks(0, 4),)),
     *(OpSupport(op, _EW) for op in (
-        "Sqrt", "Neg", "Abs", "Exp", "Log", "Sin", "Cos", "Tanh", "Sigmoid", "Relu", "Gelu", "Elu", "LeakyRelu",
+        "Neg", "Abs", "Exp", "Log", "Sin", "Cos", "Tanh", "Sigmoid", "Relu", "Gelu", "Elu", "LeakyRelu",
         "HardSigmoid", "HardSwish", "PRelu", "Floor", "Ceil", "Round", "Sign", "Where", "And", "Or", "Xor", "Atan")),
     *(OpSupport(op, _EW + _HERE, (_wide_ints,)) for op in (
         "Add", "Sub", "Mul", "Div", "Equal", "Greater", "GreaterOrEqual", "Less", "LessOrEqual")),
     *(OpSupport(op, _EW + " (2.7.0: two or more operands, folded)" + _HERE, (_wide_ints, _two_or_more))
-      for op in ("Max", "Min", "Sum")),
+      for op in ("Min", "Sum")),
+    OpSupport("Max", _EW + " (2.7.0: two or more operands, folded)" + _HERE + "; rank 5 refused",
+              (_wide_ints, _two_or_more, _ranks(0, 4))),
     OpSupport("Pow", _EW + _HERE, (_float_operands,)),
     OpSupport("Identity", "QNN-EP op_builder_factory.cc (Identity)"),
     OpSupport("Constant", "HERE (no computation): onnxruntime makes it an initializer before QNN sees the graph "
@@ -248,8 +257,10 @@ TABLE: tuple[OpSupport, ...] = (
     OpSupport("Softmax", "QNN-EP opbuilder/softmax_op_builder.cc:62-140 (a non-last axis: Transposes around it)"),
     OpSupport("LogSoftmax", "QNN-EP opbuilder/softmax_op_builder.cc:62-140"),
     *(OpSupport(op, "QNN-EP opbuilder/reduce_op_builder.cc:77-160 (axes an attribute, or a constant input)",
-                (_constant(1, what="axes input"),)) for op in ("ReduceMean", "ReduceSum", "ReduceMax", "ReduceMin",
-                                                               "ReduceL2")),
+                (_constant(1, what="axes input"),)) for op in ("ReduceMean", "ReduceSum", "ReduceMax", "ReduceMin")),
+    OpSupport("ReduceL2", "QNN-EP opbuilder/reduce_op_builder.cc:77-160; rank 5 refused (\"CreateQnnNode failed\": "
+              "a 3-D VAE's F.normalize over channels), ranks 3 and 4 taken: measured here",
+              (_constant(1, what="axes input"), _ranks(0, 4))),
     # data movement
     *(OpSupport(op, "QNN-EP opbuilder/reshape_op_builder.cc:32-66", (_no_rank6, _static_output))
       for op in ("Reshape", "Squeeze", "Unsqueeze")),
@@ -259,10 +270,12 @@ TABLE: tuple[OpSupport, ...] = (
     OpSupport("Split", "QNN-EP opbuilder/split_op_builder.cc:74-110", (_constant(1, what="split input"),)),
     OpSupport("Slice", "QNN-EP opbuilder/slice_op_builder.cc:158-216",
               (_constant(1, 2, 3, 4, what="starts/ends/axes/steps"),)),
-    OpSupport("Gather", "QNN-EP opbuilder/gather_op_builder.cc:128-215"),
+    OpSupport("Gather", "QNN-EP opbuilder/gather_op_builder.cc:128-215; rank 6 refused (\"Failed to add node\": "
+              "HiDream's rotary), rank 5 taken: measured here", (_ranks(0, 5),)),
     OpSupport("GatherElements", "QNN-EP opbuilder/gather_op_builder.cc:53-66"),
-    OpSupport("GatherND", "QNN-EP opbuilder/gather_op_builder.cc; batch_dims measured here",
-              (_attr_is("batch_dims", (0,), 0, "QNN takes batch_dims 0"),)),
+    OpSupport("GatherND", "QNN-EP opbuilder/gather_op_builder.cc; batch_dims and bool data measured here (\"Failed "
+              "to create GatherND node\": Qwen2's padding mask; int32 and float data taken)",
+              (_attr_is("batch_dims", (0,), 0, "QNN takes batch_dims 0"), _not_bool_data)),
     OpSupport("Expand", "QNN-EP opbuilder/expand_op_builder.cc:54-140 (a Mul by ones)",
               (_constant(1, what="shape input"),)),
     OpSupport("Tile", "QNN-EP opbuilder/tile_op_builder.cc:47", (_constant(1, what="repeats input"),)),

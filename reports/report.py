@@ -338,6 +338,9 @@ def render_text(r: dict[str, Any]) -> str:
         for name, e in fid["outputs"].items():
             psnr = f"  PSNR {e['psnr_db']:.1f} dB" if "psnr_db" in e else ""
             lines.append(f"  {name[:28]:<28} max abs {e['max_abs']:.3e}  cosine {e['cosine']:.6f}{psnr}")
+            if e.get("reference_not_finite"):
+                lines.append(f"    the fp32 graph's own {name[:28]} holds {e['reference_not_finite']} values that are "
+                             "not finite: measured over the finite ones")
         pes = r.get("fidelity_pessimistic")
         if pes:
             lines.append("  every body intermediate in bf16 (pessimistic; the above: once per op):")

@@ -93,6 +93,29 @@ def test_a_node_qnn_refuses_is_named_with_qnns_reason(tmp_path):
 TEXT_ENCODER_CONTEXT_GB = 0.0032
 
 
+def test_a_graph_qnn_takes_nothing_of_is_reported_and_the_table_agrees(tmp_path):
+    """A rank-5 ReduceL2 (a 3-D VAE's F.normalize over channels): QNN refuses it ("CreateQnnNode failed", measured),
+    so it takes no node (its op trace says null where it has nothing to count: a TypeError in sdnpu before) and
+    there is no context to write: one line naming the node and QNN's reason; sdnpu's table refuses it too."""
+    from onnx import TensorProto as T
+    from onnx import helper
+
+    g = helper.make_graph([helper.make_node("ReduceL2", ["x"], ["y"], axes=[1], keepdims=1)], "g",
+                          [helper.make_tensor_value_info("x", T.FLOAT, [1, 32, 1, 16, 16])],
+                          [helper.make_tensor_value_info("y", T.FLOAT, [1, 1, 1, 16, 16])])
+    (tmp_path / "m").mkdir()
+    onnx.save(helper.make_model(g, opset_imports=[helper.make_opsetid("", 17)]), str(tmp_path / "m" / "model.onnx"))
+    with pytest.raises(SdnpuError, match=r"QNN takes none of model.onnx's 1 nodes \(ReduceL2: .*CreateQnnNode"):
+        compile_file(tmp_path / "m" / "model.onnx", tmp_path / "out", CompileOptions.named("qnn-htp"))
+    assert not (tmp_path / "out").exists()
+    import onnx_ir as ir
+
+    from sdnpu.passes.partition import refused
+
+    graph = ir.load(tmp_path / "m" / "model.onnx").graph
+    assert "rank 5" in " ".join(refused(graph, CompileOptions.named("qnn-htp").target).values())
+
+
 def test_a_model_too_slow_for_the_emulator_is_compiled_and_says_why_it_is_not_run(tmp_path, monkeypatch):
     """At full size the emulator would take hours (sd-turbo's UNet, 402 GMAC): the compile still runs the fp32
     graph (fp16 headroom) and writes the context; the report says why the compiled model did not run."""

@@ -161,13 +161,13 @@ def session(path: Path, options: HtpOptions = HtpOptions()) -> Any:
 def read_trace(path: Path) -> dict[str, Any]:
     """QNN's own count from its op trace: the summary, and each node it did not take with QNN's reason."""
     data = json.loads(Path(path).read_text())
-    s = data.get("summary", {})
+    s = data.get("summary") or {}  # a field QNN has nothing for is null (fusion_count where it took no node)
     refused = [{"name": n.get("name") or n.get("node_name", "?"), "op_type": n.get("op_type", "?"),
                 "reason": n.get("reason") or n.get("unsupported_reason") or "refused by QNN"}
-               for n in data.get("unsupported_nodes", [])]
-    return {"total_onnx_nodes": int(s.get("total_onnx_nodes", 0)), "supported_nodes": int(s.get("supported_nodes", 0)),
-            "unsupported_nodes": int(s.get("unsupported_nodes", 0)), "qnn_subgraphs": int(s.get("qnn_subgraphs", 0)),
-            "total_qnn_ops": int(s.get("total_qnn_ops", 0)), "fusion_count": dict(s.get("fusion_count", {})),
+               for n in data.get("unsupported_nodes") or []]
+    return {"total_onnx_nodes": int(s.get("total_onnx_nodes") or 0), "supported_nodes": int(s.get("supported_nodes") or 0),
+            "unsupported_nodes": int(s.get("unsupported_nodes") or 0), "qnn_subgraphs": int(s.get("qnn_subgraphs") or 0),
+            "total_qnn_ops": int(s.get("total_qnn_ops") or 0), "fusion_count": dict(s.get("fusion_count") or {}),
             "refused": refused}
 
 
@@ -275,6 +275,11 @@ def compile_context(model: Path, out_dir: Path, arch: Arch, stem: str = "ctx") -
         trace = read_trace(trace_file) if trace_file.is_file() else {}
         if trace_file.is_file():
             shutil.copyfile(trace_file, trace_out)
+    if not ctx.is_file() and trace and not trace["supported_nodes"]:
+        said = "; ".join(dict.fromkeys(f"{r['op_type']}: {r['reason']}" for r in trace["refused"]))
+        raise SdnpuError(f"QNN takes none of {model.name}'s {trace['total_onnx_nodes']} nodes ({said[:300]}), so "
+                         "there is nothing to compile for the HTP", hint="the graph runs on the CPU as it is; "
+                         "`--target amd-xdna2` compiles it for AMD's NPU")
     if not ctx.is_file():
         raise SdnpuError(f"QNN compiled {model.name} but wrote no EPContext model",
                          hint="onnxruntime-qnn's EPContext support (ep.context_enable) may be missing in this "
