@@ -17,7 +17,7 @@ from sdnpu.convert.torch_stage import TorchStage
 from sdnpu.errors import SdnpuError
 from sdnpu.memory import check_fits
 from sdnpu.onnxrun import run_onnx
-from sdnpu.progress import peak_rss_bytes, step
+from sdnpu.progress import peak_rss_bytes, release_memory, step
 from sdnpu.reports.fidelity import fidelity
 from sdnpu.signatures import Signature
 
@@ -46,6 +46,7 @@ def export_component(job: Job, torch_stage: TorchStage, stage: Path, compile: bo
                    hint=f"--no-check skips the check, or convert at a smaller RES (now {res})")
         with step(log, f"[{comp}] running the graph in onnxruntime") as t:
             actual = run_onnx(path, feeds, optimize=True)
+        release_memory()  # the session's heap back to the OS before the compile stage measures what it has
         seconds["onnx_run"] = round(t.seconds, 2)
         check_data = check_outputs(comp, sig, torch_stage.reference, actual)
     summary = None

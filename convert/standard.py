@@ -62,6 +62,7 @@ def compile_standard(source: Path, out_dir: Path, info: dict[str, Any], options:
             log.warning("[%s] no fidelity check: %s", name, e)
             skipped = str(e)
     if feeds is not None:
+        release_memory()  # what the check's runs left in the heap, before measuring what the machine has
         check_fits(source, f"[{name}] the fp32 run for the fidelity check and fp16 headroom",
                    "--no-verify skips the fidelity run, or convert at a smaller RES")
         reference = check.reference
