@@ -26,7 +26,7 @@ from sdnpu.backends import backend_of
 from sdnpu.convert import split
 from sdnpu.errors import SdnpuError
 from sdnpu.memory import check_fits
-from sdnpu.onnxrun import is_ort_error, ort_message, run_onnx
+from sdnpu.onnxrun import is_ort_error, ort_message
 from sdnpu.passes.canonicalize import bind_input_shapes
 from sdnpu.passes.htp import guards_of
 from sdnpu.passes.manager import records_json
@@ -69,11 +69,11 @@ def compile_standard(source: Path, out_dir: Path, info: dict[str, Any], options:
         with _onnxruntime_says(f"onnxruntime cannot run {source} for the fidelity check",
                                "the graph itself is what onnxruntime refuses (often an exporter bug: try the other "
                                "exporter); `--no-verify` compiles it without the check"):
-            if reference is None:
-                with step(log, f"[{name}] running the fp32 graph (onnxruntime CPU) for the fidelity check"):
-                    reference = run_onnx(source, feeds, optimize=True)
-            with step(log, f"[{name}] fp16 headroom: every tensor's largest magnitude in the fp32 run"):
-                before = headroom.magnitudes(source, feeds)
+            what = "the fidelity check's reference and " if reference is None else ""
+            with step(log, f"[{name}] the fp32 graph on onnxruntime's CPU: {what}fp16 headroom (every tensor's "
+                      "largest magnitude)"):
+                before, outs = _measure(source, feeds)
+            reference = reference if reference is not None else outs
         room = headroom.near_limit(before)
         risks = tuple((e["tensor"], e["max_abs"]) for e in room)
         options = dataclasses.replace(options, fp16_risks=risks)
@@ -100,8 +100,8 @@ def compile_standard(source: Path, out_dir: Path, info: dict[str, Any], options:
     if not compiled.whole:
         log.warning("[%s] QNN refused %d of %d nodes (the report names them); they run on the CPU", name,
                     qnn["trace"].get("unsupported_nodes", 0), qnn["trace"].get("total_onnx_nodes", 0))
-    if feeds is not None and room is not None:
-        after = headroom.magnitudes(out, feeds)
+    if feeds is not None and room:  # the values near fp16's limit, after the rewrite (one more fp32 run)
+        after, _ = _measure(out, feeds)
         for e in room:
             e["after"] = after.get(e["tensor"])
             e["guard"] = guards.get(e["tensor"]) or (
@@ -220,6 +220,20 @@ def compile_unit(backend: Any, model: Path, out_dir: Path, arch: Any, stem: str,
             raise SdnpuError(f"QNN's compiler crashed on {what} (a segmentation fault in QNN's compile; nothing was "
                              "written)", hint="the graph holds something QNN cannot compile: its fp32 graph still "
                              "runs on the CPU, and `--target amd-xdna2` compiles it for AMD's NPU") from None
+
+
+ISOLATE_RUNS_ABOVE = 1 << 30  # bytes (``memory.estimate``): an fp32 run past this goes to a worker process
+
+
+def _measure(path: Path, feeds: dict[str, np.ndarray]) -> tuple[dict[str, float], dict[str, np.ndarray]]:
+    """``headroom.measure``, in a worker process where the run is large: the gigabytes a finished onnxruntime
+    session leaves in the heap go back with it (sd35-medium's transformer at 1024 px: 10.8 GB left after its fp32
+    run, and the next run killed for memory)."""
+    from sdnpu.memory import estimate
+
+    if estimate(path).bytes < ISOLATE_RUNS_ABOVE:
+        return headroom.measure(path, feeds)
+    return run_in_worker(headroom.measure, path, feeds, what=f"running {path.name} in fp32")  # type: ignore[no-any-return]
 
 
 def too_slow(backend: Any, macs: int) -> str:

@@ -25,6 +25,12 @@ def magnitudes(path: Path, feeds: dict[str, np.ndarray]) -> dict[str, float]:
     """Tensor name -> its largest magnitude when ``path`` runs on ``feeds`` (fp32, onnxruntime's CPU provider).
     Only float32 and float16 tensors that a node writes are measured (the weights are the compiler's, not the
     activations')."""
+    return measure(path, feeds)[0]
+
+
+def measure(path: Path, feeds: dict[str, np.ndarray]) -> tuple[dict[str, float], dict[str, np.ndarray]]:
+    """``magnitudes`` and the graph's own outputs, from the one run (a full-size graph's fp32 run is minutes and
+    gigabytes: SD 3.5's transformer at 1024 px holds 3.5 GB of attention scores a layer)."""
     import onnx
     from onnx import TensorProto, helper
 
@@ -35,6 +41,7 @@ def magnitudes(path: Path, feeds: dict[str, np.ndarray]) -> dict[str, float]:
         inferred = onnx.shape_inference.infer_shapes(model, strict_mode=False)
         infos = {vi.name: vi for vi in [*inferred.graph.value_info, *inferred.graph.output]}
     floats = (TensorProto.FLOAT, TensorProto.FLOAT16)
+    n_own = len(graph.output)
     names: dict[str, str] = {}
     nodes = []
     for node in list(graph.node):
@@ -62,14 +69,15 @@ def magnitudes(path: Path, feeds: dict[str, np.ndarray]) -> dict[str, float]:
         so.log_severity_level = 3
         so.execution_order = ort.ExecutionOrder.PRIORITY_BASED  # the nodes' order, reductions next to their tensors
         sess = ort.InferenceSession(tmp.name, so, providers=["CPUExecutionProvider"])
-        wanted = [f"{k}_{op}" for k in names for op in ("ReduceMax", "ReduceMin")]
+        own = [o.name for o in graph.output[:n_own]]
+        wanted = [*own, *(f"{k}_{op}" for k in names for op in ("ReduceMax", "ReduceMin"))]
         inputs = {i.name for i in sess.get_inputs()}
         values = dict(zip(wanted, sess.run(wanted, {k: v for k, v in feeds.items() if k in inputs}), strict=True))
     out = {}
     for key, name in names.items():
         hi, lo = float(values[f"{key}_ReduceMax"]), float(values[f"{key}_ReduceMin"])
         out[name] = max(abs(hi), abs(lo))
-    return out
+    return out, {k: values[k] for k in own}
 
 
 def near_limit(mags: dict[str, float], limit: float = FP16_MAX, factor: float = FACTOR) -> list[dict[str, Any]]:
