@@ -324,7 +324,7 @@ class _Run:
     n_params: int = 0
     chain: Chain | None = None
     partition: dict[str, Any] | None = None  # the stitched dispatch model's partition record
-    qnn: Any = None  # a standard target's contexts (``sdnpu.convert.blockwise_qnn.QnnChain``), None for AMD's
+    qnn: blockwise_qnn.QnnChain | None = None  # a standard target's contexts (qnn-htp), None for AMD's
 
     def timed(self, what: str, started: float) -> None:
         self.seconds[what] += time.perf_counter() - started
@@ -332,7 +332,8 @@ class _Run:
 
 def convert_blockwise(src: Source, job: Job, stage: Path) -> ComponentResult:
     """Convert ``job`` (T5, Flux.1's transformer) into ``stage`` block by block: ``model.onnx`` (+ data)
-    stitched from the pieces' fp32 graphs, ``dd/`` from their dispatch models. Returns the ComponentResult."""
+    stitched from the pieces' fp32 graphs, ``dd/`` from their dispatch models (a standard target's ``qnn/``: a
+    context a piece, ``sdnpu.convert.blockwise_qnn``). Returns the ComponentResult."""
     run = _Run(job, stage / ".pieces", job.sample_inputs(), tuple(job.signature().outputs))
     target = job.options.compile_options.target
     if job.options.compile and target.kind == "standard":
