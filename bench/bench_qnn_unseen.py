@@ -29,6 +29,9 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 import numpy as np
 import torch
 
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from tests.zoo import seeded  # noqa: E402 -- the zoo's rule: every constant parameter drawn, so no path is exact
+
 HERE = Path(os.environ.get("SDNPU_UNSEEN_OUT", "/tmp/sdnpu-unseen"))
 OUT = HERE / "out"
 RESULTS = HERE / "results"
@@ -308,17 +311,6 @@ def wan_t():
 
 # --- machinery -----------------------------------------------------------------------------------------------
 
-def seeded(module):
-    """sdnpu's zoo's rule: every constant parameter drawn (zero -> N(0, 0.02), constant c -> c + N(0, 0.1|c|))."""
-    g = torch.Generator().manual_seed(0)
-    with torch.no_grad():
-        for p in module.parameters():
-            if p.numel() > 1 and bool(torch.all(p == p.reshape(-1)[0])):
-                c = float(p.reshape(-1)[0])
-                p.add_(torch.randn(p.shape, generator=g) * (0.02 if c == 0 else 0.1 * abs(c)))
-    return module.eval()
-
-
 class Wrapper(torch.nn.Module):
     def __init__(self, m, call):
         super().__init__()
@@ -469,7 +461,7 @@ def main(argv):
     if argv and argv[0].startswith("--exporters="):
         exporters = tuple(argv[0].split("=", 1)[1].split(","))
         argv = argv[1:]
-    RESULTS.mkdir(exist_ok=True)
+    RESULTS.mkdir(parents=True, exist_ok=True)
     for name in argv:
         t0 = time.time()
         try:

@@ -410,19 +410,12 @@ def _piece(run: _Run, piece: Piece) -> None:
     run.fp32_parts.append(path)
 
 
-ISOLATE_RUNS_ABOVE = 1 << 30  # bytes (``memory.estimate``): a piece's run past this goes to a worker process
-
-
 def _run_graph(path: Path, feeds: dict[str, np.ndarray], optimize: bool = False) -> dict[str, np.ndarray]:
-    """``run_onnx``, in a worker process where the run is large (``ISOLATE_RUNS_ABOVE``: a Flux.1 block at 1024
-    px, whose attention scores alone are 2 GB): a finished onnxruntime session leaves its arena's gigabytes
-    behind in the process, and one piece after another they would add up."""
-    from sdnpu.memory import estimate
-    from sdnpu.worker import run_in_worker
+    """``run_onnx``, in a worker process where the run is large (``sdnpu.worker.run_graph_isolated``): one piece
+    after another, the heaps finished sessions leave would add up."""
+    from sdnpu.worker import run_graph_isolated
 
-    if estimate(path).bytes < ISOLATE_RUNS_ABOVE:
-        return run_onnx(path, feeds, optimize=optimize)
-    return run_in_worker(run_onnx, path, feeds, optimize, what=f"running {path.parent.name}")  # type: ignore[no-any-return]
+    return run_graph_isolated(run_onnx, path, feeds, optimize, what=f"running {path.parent.name}")
 
 
 def _check_piece(run: _Run, i: int, path: Path, feeds: dict[str, np.ndarray], want: dict[str, np.ndarray]) -> None:

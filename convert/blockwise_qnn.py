@@ -39,7 +39,7 @@ from sdnpu.passes.pipeline import CompileOptions, compile_model
 from sdnpu.progress import release_memory, step
 from sdnpu.reports import headroom
 from sdnpu.reports.report import macs_of
-from sdnpu.worker import run_in_worker
+from sdnpu.worker import run_graph_isolated, run_in_worker
 
 log = logging.getLogger(__name__)
 
@@ -78,7 +78,8 @@ def compile_piece(chain: QnnChain, i: int, n: int, path: Path, inputs: tuple[str
     name = f"{component} piece {i + 1} of {n}"
     if feeds is not None:
         with step(log, f"[{name}] fp16 headroom: every tensor's largest magnitude in the fp32 run"):
-            near = headroom.near_limit(headroom.magnitudes(path, feeds))
+            near = headroom.near_limit(run_graph_isolated(headroom.magnitudes, path, feeds,
+                                                          what=f"measuring {name} in fp32"))
         options = dataclasses.replace(options, fp16_risks=tuple((e["tensor"], e["max_abs"]) for e in near))
     else:
         near = []

@@ -135,23 +135,23 @@ def plan(model: onnx.ModelProto, limit: int, float_bytes: int = 2) -> list[Piece
     fits). A single node whose weights pass the limit alone cannot be cut: that is an error naming it."""
     g = model.graph
     lay = _layout(model, float_bytes)
-    nodes, reads, inits, own = lay.nodes, lay.reads, lay.inits, lay.own
-    total = sum(inits.values())
+    nodes, own = lay.nodes, lay.own
+    total = sum(lay.inits.values())
     if total <= limit:
-        return [_piece(g, nodes, reads, 0, 0, len(nodes), total)]
+        return [_cut(g, lay, 0, 0, len(nodes))]
     for i, w in enumerate(own):
         if w > limit:
             raise SdnpuError(f"node {nodes[i].name or i} ({nodes[i].op_type}) alone holds {_size(w)} of weights, "
                              f"more than one compiled unit holds ({_size(limit)})",
                              hint="a larger --context-gb, if the NPU allows it")
     cum = np.cumsum(own)  # first-use weight sums (a weight two pieces read is counted once here)
-    for cuts in [*(_even(cum, lay.crossing, total, n) for n in range(math.ceil(total / limit), len(nodes) + 1)
-                   if n <= math.ceil(total / limit) + 3), _greedy(cum, lay.crossing, limit)]:
+    fewest = math.ceil(total / limit)
+    for cuts in [*(_even(cum, lay.crossing, total, n) for n in range(fewest, min(fewest + 4, len(nodes) + 1))),
+                 _greedy(cum, lay.crossing, limit)]:
         if cuts is None:
             continue
         bounds = [0, *(c + 1 for c in cuts), len(nodes)]
-        pieces = [_weigh(_piece(g, nodes, reads, i, a, b, 0), nodes, reads, inits)
-                  for i, (a, b) in enumerate(zip(bounds, bounds[1:]))]
+        pieces = [_cut(g, lay, i, a, b) for i, (a, b) in enumerate(zip(bounds, bounds[1:]))]
         if all(p.weight_bytes <= limit for p in pieces):
             return pieces
     raise SdnpuError(f"cannot cut {g.name or 'the graph'} into pieces of at most {_size(limit)} of weights",
@@ -175,9 +175,7 @@ def halve(model: onnx.ModelProto, piece: Piece, float_bytes: int = 2) -> list[Pi
         lo, hi = (b - a) // 4, 3 * (b - a) // 4
     lo, hi = min(lo, b - a - 2), min(max(hi, lo + 1), b - a - 1)
     k = a + lo + int(np.argmin(lay.crossing[a + lo:a + hi]))
-    g = model.graph
-    return [_weigh(_piece(g, lay.nodes, lay.reads, piece.index, a, k + 1, 0), lay.nodes, lay.reads, lay.inits),
-            _weigh(_piece(g, lay.nodes, lay.reads, piece.index + 1, k + 1, b, 0), lay.nodes, lay.reads, lay.inits)]
+    return [_cut(model.graph, lay, piece.index, a, k + 1), _cut(model.graph, lay, piece.index + 1, k + 1, b)]
 
 
 def _even(cum: np.ndarray, crossing: np.ndarray, total: int, count: int) -> list[int] | None:
@@ -212,28 +210,20 @@ def _greedy(cum: np.ndarray, crossing: np.ndarray, limit: int) -> list[int] | No
 
 def piece_of(model: onnx.ModelProto, start: int, end: int, float_bytes: int = 2) -> Piece:
     """Nodes ``start`` to ``end`` of ``model``'s graph as a piece (a block to compile and run alone)."""
-    g = model.graph
-    nodes = list(g.node)
-    reads = [_reads(n) for n in nodes]
-    inits = {t.name: weight_bytes(t, float_bytes) for t in g.initializer}
-    return _weigh(_piece(g, nodes, reads, 0, start, end, 0), nodes, reads, inits)
+    return _cut(model.graph, _layout(model, float_bytes), 0, start, end)
 
 
-def _weigh(p: Piece, nodes: list[onnx.NodeProto], reads: list[list[str]], inits: dict[str, int]) -> Piece:
-    names = {x for k in range(p.start, p.end) for x in reads[k] if x in inits}
-    return Piece(p.index, p.start, p.end, p.inputs, p.outputs, sum(inits[x] for x in names))
-
-
-def _piece(g: onnx.GraphProto, nodes: list[onnx.NodeProto], reads: list[list[str]], index: int, start: int,
-           end: int, weight: int) -> Piece:
-    inits = {t.name for t in g.initializer}
+def _cut(g: onnx.GraphProto, lay: _Layout, index: int, start: int, end: int) -> Piece:
+    """Nodes ``start`` to ``end`` as a piece: what it reads from before, writes for after, and its weights."""
+    nodes, reads = lay.nodes, lay.reads
     consts = {o for n in nodes if n.op_type == "Constant" for o in n.output}
     written = {o for k in range(start, end) for o in nodes[k].output}
     inputs = dict.fromkeys(x for k in range(start, end) for x in reads[k]
-                           if x not in written and x not in inits and x not in consts)
+                           if x not in written and x not in lay.inits and x not in consts)
     later = {x for k in range(end, len(nodes)) for x in reads[k]} | {o.name for o in g.output}
     outputs = [o for k in range(start, end) for o in nodes[k].output if o in later and o not in consts]
-    return Piece(index, start, end, tuple(inputs), tuple(outputs), weight)
+    weights = {x for k in range(start, end) for x in reads[k] if x in lay.inits}
+    return Piece(index, start, end, tuple(inputs), tuple(outputs), sum(lay.inits[x] for x in weights))
 
 
 def write_piece(model: onnx.ModelProto, piece: Piece, path: Path) -> None:

@@ -36,7 +36,7 @@ from sdnpu.progress import peak_rss_bytes, release_memory, step
 from sdnpu.reports import headroom
 from sdnpu.reports import report as reports
 from sdnpu.reports.fidelity import CannotFeed, fidelity, generic_inputs
-from sdnpu.worker import run_in_worker
+from sdnpu.worker import run_graph_isolated, run_in_worker
 
 log = logging.getLogger(__name__)
 
@@ -222,18 +222,9 @@ def compile_unit(backend: Any, model: Path, out_dir: Path, arch: Any, stem: str,
                              "runs on the CPU, and `--target amd-xdna2` compiles it for AMD's NPU") from None
 
 
-ISOLATE_RUNS_ABOVE = 1 << 30  # bytes (``memory.estimate``): an fp32 run past this goes to a worker process
-
-
 def _measure(path: Path, feeds: dict[str, np.ndarray]) -> tuple[dict[str, float], dict[str, np.ndarray]]:
-    """``headroom.measure``, in a worker process where the run is large: the gigabytes a finished onnxruntime
-    session leaves in the heap go back with it (sd35-medium's transformer at 1024 px: 10.8 GB left after its fp32
-    run, and the next run killed for memory)."""
-    from sdnpu.memory import estimate
-
-    if estimate(path).bytes < ISOLATE_RUNS_ABOVE:
-        return headroom.measure(path, feeds)
-    return run_in_worker(headroom.measure, path, feeds, what=f"running {path.name} in fp32")  # type: ignore[no-any-return]
+    """``headroom.measure``, in a worker process where the run is large (``sdnpu.worker.run_graph_isolated``)."""
+    return run_graph_isolated(headroom.measure, path, feeds, what=f"running {path.name} in fp32")
 
 
 def too_slow(backend: Any, macs: int) -> str:

@@ -19,8 +19,11 @@ from collections.abc import Callable
 from typing import Any, TypeVar
 
 from sdnpu.errors import SdnpuError
+from sdnpu.memory import estimate
 
 log = logging.getLogger(__name__)
+
+ISOLATE_RUNS_ABOVE = 1 << 30  # bytes (``memory.estimate``): a graph's run past this goes to a worker process
 
 T = TypeVar("T")
 
@@ -75,3 +78,13 @@ def _main(conn: Any, fn: Callable[..., Any], args: tuple[Any, ...], level: int) 
         conn.send(("crash", f"{type(e).__name__}: {e}\n{traceback.format_exc()}"))
     finally:
         conn.close()
+
+
+def run_graph_isolated(fn: Callable[..., T], path: Any, *args: Any, what: str) -> T:
+    """``fn(path, *args)`` (an onnxruntime run of the graph at ``path``) in this process where the run is small,
+    in a worker where it passes ``ISOLATE_RUNS_ABOVE`` (``sdnpu.memory.estimate``): a finished onnxruntime session
+    leaves its gigabytes in the heap (a Flux.1 block at 1024 px, whose attention scores alone are 2 GB; SD 3.5's
+    transformer at 1024 px, 10.8 GB left after its fp32 run and the next run killed for memory)."""
+    if estimate(path).bytes < ISOLATE_RUNS_ABOVE:
+        return fn(path, *args)
+    return run_in_worker(fn, path, *args, what=what)
