@@ -34,7 +34,7 @@ from sdnpu.errors import SdnpuError
 from sdnpu.passes.htp import guards_of
 from sdnpu.passes.manager import records_json
 from sdnpu.passes.modelfile import load, save
-from sdnpu.convert.standard import compile_unit, run_compiled, too_slow
+from sdnpu.convert.standard import compile_pieces, run_compiled, too_slow
 from sdnpu.passes.pipeline import CompileOptions, compile_model
 from sdnpu.progress import release_memory, step
 from sdnpu.reports import headroom
@@ -57,7 +57,8 @@ class QnnChain:
     names: dict[str, str]  # a link name -> the chain's value that feeds it
     values: dict[str, np.ndarray] | None
     parts: list[Any] = field(default_factory=list)
-    graphs: list[onnx.ModelProto] = field(default_factory=list)
+    graphs: list[onnx.ModelProto] = field(default_factory=list)  # each piece's rewritten graph, no weights
+    rows: list[dict[str, Any]] = field(default_factory=list)  # each context's nodes and weight (for the report)
     records: dict[str, dict[str, Any]] = field(default_factory=dict)
     room: list[dict[str, Any]] = field(default_factory=list)
     emulator_seconds: float = 0.0
@@ -101,17 +102,19 @@ def compile_piece(chain: QnnChain, i: int, n: int, path: Path, inputs: tuple[str
     release_memory()
     _rename(qnn_path, i, i == n - 1, inputs, outputs, chain)
     arch = backend.parse_arch(options.htp_arch)
-    part = compile_unit(backend, qnn_path, chain.out_dir, arch, f"ctx{i + 1}", name)
-    chain.parts.append(part)
-    structure = onnx.load(str(qnn_path), load_external_data=False)
+    parts, cut, structure = compile_pieces(qnn_path, chain.out_dir, name, backend, arch, None, stem=f"ctx{i + 1}",
+                                           piece_stem=f"ctx{i + 1}_")
+    chain.parts += parts
+    chain.rows += ([{"nodes": len(structure.graph.node), "weight_bytes": _fp16_bytes(structure)}] if cut is None
+                   else [p.to_json() for p in cut])
     chain.graphs.append(structure)
     if chain.values is not None and i == 0:  # the first piece's MACs, n times: the chain's time on the emulator
         slow = too_slow(backend, macs_of(structure, options.target) * n)
         if slow:
             log.warning("[%s] the compiled pieces do not run: %s", component, slow)
             chain.skipped, chain.values = slow, None
-    if chain.values is not None:
-        wanted = {v.name for v in structure.graph.input}
+    for part in parts if chain.values is not None else []:
+        wanted = {v.name for v in onnx.load(str(part.context), load_external_data=False).graph.input}
         t0 = time.perf_counter()
         got = run_in_worker(run_compiled, part.context, arch, not part.whole,
                             {k: v for k, v in chain.values.items() if k in wanted},
@@ -155,8 +158,8 @@ def finish(chain: QnnChain, component: str, source: Path, info: dict[str, Any],
     backend = backend_of(chain.options.target)
     joined = _joined(chain, onnx.load(str(source), load_external_data=False).graph)
     compiled = backend.chain(chain.parts, joined.graph, chain.out_dir)
-    for row, g in zip(compiled.pieces, chain.graphs, strict=True):
-        row.update(nodes=len(g.graph.node), weight_bytes=_fp16_bytes(g))
+    for row, own in zip(compiled.pieces, chain.rows, strict=True):
+        row.update(own)
     arch = backend.parse_arch(chain.options.htp_arch)
     qnn = {**compiled.to_json(), "arch": f"v{arch.arch}", "soc_model": arch.soc_model, "chips": arch.chips,
            "context_gb": None, "versions": backend.versions(), "emulated": backend.is_emulated()}

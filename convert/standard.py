@@ -36,7 +36,7 @@ from sdnpu.progress import peak_rss_bytes, release_memory, step
 from sdnpu.reports import headroom
 from sdnpu.reports import report as reports
 from sdnpu.reports.fidelity import CannotFeed, fidelity, generic_inputs
-from sdnpu.worker import run_graph_isolated, run_in_worker
+from sdnpu.worker import CRASHED, KILLED, WorkerDied, run_graph_isolated, run_in_worker
 
 log = logging.getLogger(__name__)
 
@@ -160,19 +160,37 @@ def compile_standard(source: Path, out_dir: Path, info: dict[str, Any], options:
 def _compile(model: Path, out_dir: Path, name: str, backend: Any, arch: Any, gb: float | None) -> Any:
     """The vendor's compile of ``model`` (written in ``out_dir``): one unit, or where its weights pass ``gb``
     (what one unit holds), one per piece (``sdnpu.convert.split``), chained in one model."""
+    parts, pieces, structure = compile_pieces(model, out_dir, name, backend, arch, gb)
+    if pieces is None:
+        return parts[0]
+    compiled = backend.chain(parts, structure.graph, out_dir)
+    for row, p in zip(compiled.pieces, pieces, strict=True):
+        row.update(p.to_json())
+    return compiled
+
+
+def compile_pieces(model: Path, out_dir: Path, name: str, backend: Any, arch: Any, gb: float | None, *,
+                   stem: str = "ctx", piece_stem: str = "ctx") -> tuple[list[Any], list[split.Piece] | None, Any]:
+    """The vendor's compile of ``model`` into ``out_dir``: ``[<stem>]`` where it is one unit (``gb`` None, or its
+    weights within ``gb``), else one unit per piece (``<piece_stem>1``, ...), in order. A unit the vendor has no
+    room for (its own out-of-memory error; the compile's process killed, this machine's memory) is cut in two and
+    compiled again. Returns the compiled units, the pieces (None for one unit) and the graph's structure (no
+    weights, shapes inferred where it was cut)."""
     import onnx
 
     structure = onnx.load(str(model), load_external_data=False)
     pieces = split.plan(structure, int(gb * 1e9)) if gb else []
     if len(pieces) <= 1:
         try:
-            return compile_unit(backend, model, out_dir, arch, "ctx", f"{name}")
+            return [compile_unit(backend, model, out_dir, arch, stem, name)], None, structure
         except SdnpuError as e:
-            if not _out_of_memory(backend, e):
+            memory = _no_room(backend, e)
+            if not memory:
                 raise
-            log.warning("[%s] QNN ran out of the HTP's memory on the whole graph: cutting it in two", name)
+            log.warning("[%s] QNN's compile ran out of %s memory on the whole graph: cutting it in two", name,
+                        memory)
             structure = onnx.shape_inference.infer_shapes(structure)
-            pieces = split.halve(structure, split.piece_of(structure, 0, len(structure.graph.node)))
+            pieces = _halve(structure, split.piece_of(structure, 0, len(structure.graph.node)), e)
     else:
         structure = onnx.shape_inference.infer_shapes(structure)  # the types of the values handed across a cut
         log.info("[%s] %.2f GB of fp16 weights: more than one QNN context holds (%.1f GB), so %d contexts, "
@@ -181,29 +199,38 @@ def _compile(model: Path, out_dir: Path, name: str, backend: Any, arch: Any, gb:
     while queue:
         p = queue.pop(0)
         k = len(parts) + 1
-        path = out_dir / f"piece{k}.onnx"
+        path = model.parent / f".{model.stem}.piece{k}.onnx"  # beside the graph: it points into its data file
         try:
             split.write_piece(structure, p, path)
-            parts.append(compile_unit(backend, path, out_dir, arch, f"ctx{k}",
+            parts.append(compile_unit(backend, path, out_dir, arch, f"{piece_stem}{k}",
                                       f"{name} piece {k} of {len(parts) + len(queue) + 1} ({p.end - p.start} "
                                       f"nodes, {p.weight_bytes / 1e9:.2f} GB)"))
             done.append(p)
         except SdnpuError as e:
-            if not _out_of_memory(backend, e):
+            memory = _no_room(backend, e)
+            if not memory:
                 raise
-            log.warning("[%s] QNN ran out of the HTP's memory on piece %d (%.2f GB of weights and its activations):"
-                        " cutting it in two", name, k, p.weight_bytes / 1e9)
-            queue[:0] = split.halve(structure, p)
+            log.warning("[%s] QNN's compile ran out of %s memory on piece %d (%.2f GB of weights and its "
+                        "activations): cutting it in two", name, memory, k, p.weight_bytes / 1e9)
+            queue[:0] = _halve(structure, p, e)
         finally:
             path.unlink(missing_ok=True)
-    compiled = backend.chain(parts, structure.graph, out_dir)
-    for row, p in zip(compiled.pieces, done, strict=True):
-        row.update(p.to_json())
-    return compiled
+    return parts, done, structure
 
 
-def _out_of_memory(backend: Any, e: SdnpuError) -> bool:
-    return getattr(backend, "OUT_OF_MEMORY", None) is not None and backend.OUT_OF_MEMORY in e.message
+def _no_room(backend: Any, e: SdnpuError) -> str:
+    """Whose memory a failed compile ran out of: ``"the HTP's"`` (the vendor says so), ``"this machine's"`` (the
+    compile's process killed: the kernel's out-of-memory killer), ``""`` (another failure)."""
+    if getattr(backend, "OUT_OF_MEMORY", None) is not None and backend.OUT_OF_MEMORY in e.message:
+        return "the HTP's"
+    return "this machine's" if isinstance(e, WorkerDied) and e.exitcode == KILLED else ""
+
+
+def _halve(structure: Any, piece: split.Piece, cause: SdnpuError) -> list[split.Piece]:
+    try:
+        return split.halve(structure, piece)
+    except SdnpuError as e:
+        raise SdnpuError(f"{cause.message}; {e.message}", hint=cause.hint) from None
 
 
 def compile_unit(backend: Any, model: Path, out_dir: Path, arch: Any, stem: str, what: str) -> Any:
@@ -214,8 +241,8 @@ def compile_unit(backend: Any, model: Path, out_dir: Path, arch: Any, stem: str,
         try:
             return run_in_worker(backend.compile_context, model, out_dir, arch, stem,
                                  what=f"compiling {what} with QNN's compiler")
-        except SdnpuError as e:
-            if "died (exit code -11)" not in e.message:
+        except WorkerDied as e:
+            if e.exitcode != CRASHED:
                 raise
             raise SdnpuError(f"QNN's compiler crashed on {what} (a segmentation fault in QNN's compile; nothing was "
                              "written)", hint="the graph holds something QNN cannot compile: its fp32 graph still "

@@ -8,7 +8,7 @@ top of it was killed by the kernel on a 24 GB machine). A process that exits giv
 The function and its arguments are pickled (a module-level function; small arguments), its result comes back
 by pipe. An SdnpuError in the worker is raised again in the caller as it was; any other exception comes back
 as one naming ``what`` with the worker's traceback; a worker that dies (the kernel's out-of-memory killer)
-is an SdnpuError with its exit code. The worker dies with its parent (Ctrl-C, SIGKILL): no orphan keeps
+is a ``WorkerDied`` (an SdnpuError) with its exit code. The worker dies with its parent (Ctrl-C, SIGKILL): no orphan keeps
 writing.
 """
 
@@ -26,6 +26,18 @@ log = logging.getLogger(__name__)
 ISOLATE_RUNS_ABOVE = 1 << 30  # bytes (``memory.estimate``): a graph's run past this goes to a worker process
 
 T = TypeVar("T")
+
+KILLED = -9  # a worker's exit code when SIGKILL ended it: most often the kernel's out-of-memory killer
+CRASHED = -11  # SIGSEGV
+
+
+class WorkerDied(SdnpuError):
+    """The worker process ended without an answer; ``exitcode`` is its exit code (minus the signal that ended
+    it): ``KILLED`` (the kernel's out-of-memory killer, mostly) or ``CRASHED`` (a segmentation fault)."""
+
+    def __init__(self, message: str, hint: str | None, exitcode: int | None) -> None:
+        super().__init__(message, hint)
+        self.exitcode = exitcode
 
 
 def run_in_worker(fn: Callable[..., T], *args: Any, what: str) -> T:
@@ -50,9 +62,9 @@ def run_in_worker(fn: Callable[..., T], *args: Any, what: str) -> T:
         raise SdnpuError(*payload)
     if kind == "crash":
         raise SdnpuError(f"{what} failed: {payload}")
-    raise SdnpuError(f"the worker process {what} died (exit code {proc.exitcode})",
-                     hint="a negative code is the signal that killed it; -9 is often the kernel's "
-                     "out-of-memory killer: close other large jobs and retry")
+    raise WorkerDied(f"the worker process {what} died (exit code {proc.exitcode})",
+                     "a negative code is the signal that killed it; -9 is often the kernel's "
+                     "out-of-memory killer: close other large jobs and retry", proc.exitcode)
 
 
 def _main(conn: Any, fn: Callable[..., Any], args: tuple[Any, ...], level: int) -> None:

@@ -145,3 +145,68 @@ def test_a_constant_is_copied_into_the_piece_that_reads_it_not_carried(tmp_path)
     path = tmp_path / "last.onnx"
     split.write_piece(model, pieces[-1], path)
     assert "Constant" in {n.op_type for n in onnx.load(str(path)).graph.node}
+
+
+def _fake_compiles(monkeypatch, tmp_path: Path, fits: int, died: int | None, message: str = ""):
+    """``sdnpu.convert.standard``'s worker replaced by a vendor compile that has room for at most ``fits`` nodes:
+    past it, the worker dies with ``died`` (-9: the kernel's out-of-memory killer) or the vendor says
+    ``message``. Each compile the fake takes runs the piece it was given on onnxruntime's CPU provider."""
+    from sdnpu.convert import standard
+    from sdnpu.worker import WorkerDied
+
+    calls: list[tuple[str, int]] = []
+
+    def fake(fn, model, out_dir, arch, stem, *, what):
+        n = len(onnx.load(str(model), load_external_data=False).graph.node)
+        calls.append((stem, n))
+        if n > fits:
+            if died is not None:
+                raise WorkerDied(f"the worker process {what} died (exit code {died})", None, died)
+            raise SdnpuError(message)
+        dest = Path(out_dir) / f"{stem}.onnx"
+        onnx.save(onnx.load(str(model)), str(dest))  # stands for the vendor's context: the piece itself
+        return dest
+
+    monkeypatch.setattr(standard, "run_in_worker", fake)
+    return calls
+
+
+@pytest.mark.parametrize(("died", "message"), [(-9, ""), (None, "QNN_COMMON_ERROR_MEM_ALLOC (1002)")])
+def test_a_unit_the_compile_has_no_room_for_is_cut_in_two_until_it_fits(monkeypatch, tmp_path, died, message):
+    """The compile's process killed (this machine's memory) or QNN's own out-of-memory error: the unit is cut in
+    two and compiled again, until each piece fits; the pieces, in order, compute the graph."""
+    from sdnpu.backends import qnn_htp
+    from sdnpu.convert import standard
+
+    model = _chain([64] * 8, skip=True)
+    source = tmp_path / "model.onnx"
+    onnx.save(model, str(source), save_as_external_data=True, all_tensors_to_one_file=True, location="model.data",
+              size_threshold=0)
+    calls = _fake_compiles(monkeypatch, tmp_path, fits=5, died=died, message=message)
+    out = tmp_path / "out"
+    out.mkdir()
+    parts, pieces, structure = standard.compile_pieces(source, out, "chain", qnn_htp, qnn_htp.parse_arch(None), None)
+    assert calls[0] == ("ctx", 17) and pieces is not None and len(parts) == len(pieces) >= 4
+    assert all(p.end - p.start <= 5 for p in pieces)
+    assert [(p.start, p.end) for p in pieces] == list(zip([0, *(p.end for p in pieces[:-1])],
+                                                          [p.end for p in pieces]))
+    assert not list(tmp_path.glob(".model.piece*"))  # the pieces' files go once compiled
+    values = {"x": np.random.default_rng(1).standard_normal((1, 64)).astype(np.float32)}
+    expected = _session(source).run(None, values)[0]
+    for part in parts:
+        sess = _session(part)
+        values.update(zip([o.name for o in sess.get_outputs()],
+                          sess.run(None, {i.name: values[i.name] for i in sess.get_inputs()}), strict=True))
+    np.testing.assert_array_equal(values[model.graph.output[0].name], expected)
+
+
+def test_a_compile_that_fails_otherwise_is_not_cut(monkeypatch, tmp_path):
+    from sdnpu.backends import qnn_htp
+    from sdnpu.convert import standard
+
+    source = tmp_path / "model.onnx"
+    onnx.save(_chain([64] * 4), str(source))
+    calls = _fake_compiles(monkeypatch, tmp_path, fits=2, died=-6)
+    with pytest.raises(SdnpuError, match=r"died \(exit code -6\)"):
+        standard.compile_pieces(source, tmp_path, "chain", qnn_htp, qnn_htp.parse_arch(None), None)
+    assert len(calls) == 1
