@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import json
 import logging
+import os
 import shutil
 import time
 from collections.abc import Iterator
@@ -41,7 +42,7 @@ from typing import Any
 
 import numpy as np
 
-from sdnpu import families
+from sdnpu import __version__, families
 from sdnpu.convert import blockwise_qnn
 from sdnpu.convert.compile import REPLACED, compile_into, log_offload, validate_dispatch_model, write_report
 from sdnpu.convert.export import CHECK_RTOL, export_module
@@ -51,6 +52,7 @@ from sdnpu.convert.parameters import map_parameters
 from sdnpu.convert.sources import PRESET_SEED, Source
 from sdnpu.convert.stitch import StitchStats, stitch
 from sdnpu.errors import SdnpuError
+from sdnpu.fileio import pid_alive
 from sdnpu.formats.prologue import FILE as PROLOGUE_FILE
 from sdnpu.formats.weights import FILE as WEIGHTS_FILE
 from sdnpu.formats.weights import make_record, read_record, write_record
@@ -220,14 +222,14 @@ def _family_pieces(src: Source, key: str) -> Any:
     return families.load(family.blockwise) if family is not None and family.blockwise else None
 
 
-def pieces(src: Source, key: str, sig: Signature) -> Iterator[Piece]:
+def pieces(src: Source, key: str, sig: Signature, start: int = 0) -> Iterator[Piece]:
     """The module's pieces in order for its graph's signature ``sig``, each built when asked for (the caller
-    drops it)."""
+    drops it); from piece ``start`` on (those before it are not built: a run that continues another)."""
     own = _family_pieces(src, key)
     if own is not None:
-        yield from own.pieces(src, key, sig, _Weights(src, key))
+        yield from own.pieces(src, key, sig, _Weights(src, key), start=start)
         return
-    yield from _t5_pieces(src, key, int(sig.inputs[0].shape[1]), sig.inputs[0].name, sig.outputs[0])
+    yield from _t5_pieces(src, key, int(sig.inputs[0].shape[1]), sig.inputs[0].name, sig.outputs[0], start)
 
 
 def _t5_whole(i: int, param: str) -> str:
@@ -242,19 +244,19 @@ def _t5_whole(i: int, param: str) -> str:
     return f"encoder.block.{i}.{param}"
 
 
-def _t5_pieces(src: Source, key: str, seq_len: int, in_name: str, out_name: str) -> Iterator[Piece]:
+def _t5_pieces(src: Source, key: str, seq_len: int, in_name: str, out_name: str, start: int = 0
+               ) -> Iterator[Piece]:
     import torch
 
     config = _t5_config(src, key)
     weights = _Weights(src, key)
     n = config.num_layers
     cls = _piece_class()
-    bias = None
-    for i in range(n):
-        block = _block(config, weights, i)
-        if bias is None:
-            with torch.no_grad():
-                bias = block.layer[0].SelfAttention.compute_bias(seq_len, seq_len).detach().clone()
+    first = _block(config, weights, 0)
+    with torch.no_grad():  # block 0's bucket table makes every block's position bias
+        bias = first.layer[0].SelfAttention.compute_bias(seq_len, seq_len).detach().clone()
+    for i in range(start, n):
+        block, first = first if i == 0 else _block(config, weights, i), None
         embed = _embedding(config, weights) if i == 0 else None
         norm = _final_norm(config, weights) if i == n - 1 else None
         yield Piece(i, n, cls(block, bias, embed, norm).eval(), (in_name if i == 0 else "hidden_states",),
@@ -329,30 +331,122 @@ class _Run:
     def timed(self, what: str, started: float) -> None:
         self.seconds[what] += time.perf_counter() - started
 
+    def __getstate__(self) -> dict[str, Any]:  # the job is the caller's: a run that goes on has its own
+        return {k: v for k, v in self.__dict__.items() if k != "job"}
+
+
+# A run that stops (an error, Ctrl-C, the machine) keeps its finished pieces in ``.<component>.pieces/`` beside
+# the component's folder, with what the next run needs to go on after them (``STATE``: the chains' values, the
+# records, the compiled contexts): the same command goes on there (Flux.1 dev at 1024 px for qnn-htp: hours).
+STATE = "state.pkl"
+
+
+def _fingerprint(job: Job) -> str:
+    """What a finished piece depends on: the module's weights, the size, the options that change a piece."""
+    o, sig = job.options, job.signature()
+    return json.dumps({"sdnpu": __version__, "source": [job.origin.name, job.origin.fingerprint],
+                       "component": job.component, "inputs": [x.to_json() for x in sig.inputs],
+                       "outputs": list(sig.outputs),
+                       "options": [o.exporter, o.opset, o.check, o.compile, o.outputs, o.target, o.precision,
+                                   o.htp_arch, o.context_gb, repr(o.loras)]}, sort_keys=True)
+
+
+def work_dir(stage: Path, component: str) -> Path:
+    """Where a block-by-block conversion of ``component`` staged in ``stage`` keeps its pieces."""
+    return stage.parent / f".{component}.pieces"
+
+
+def _fresh(job: Job, work: Path) -> _Run:
+    shutil.rmtree(work, ignore_errors=True)
+    work.mkdir(parents=True)
+    run = _Run(job, work, job.sample_inputs(), tuple(job.signature().outputs))
+    target = job.options.compile_options.target
+    if job.options.compile and target.kind == "standard":
+        run.qnn = blockwise_qnn.start(work / target.out_dir, job.options.compile_options, run.feeds, run.out_names,
+                                      emulate=job.options.check)
+    return run
+
+
+def _continued(job: Job, work: Path) -> _Run | None:
+    """The run an earlier one left in ``work`` for the same job, its finished pieces' files all there; None
+    where there is none, or it was another job's (then it goes)."""
+    import pickle
+
+    state = work / STATE
+    if not state.is_file():
+        return None
+    try:
+        with state.open("rb") as f:
+            saved = pickle.load(f)  # noqa: S301 -- our own file, written by _checkpoint
+    except Exception as e:  # written by another version of sdnpu, or torn: start again
+        log.warning("[%s] the pieces left in %s cannot be read (%s): starting again", job.component, work,
+                    type(e).__name__)
+        return None
+    pid = int(saved.get("pid", 0))
+    if saved.get("running") and pid != os.getpid() and pid_alive(pid):
+        raise SdnpuError(f"another sdnpu (pid {pid}) is converting {job.component} into {work.parent}",
+                         hint="wait for it to finish, or stop it")
+    if saved.get("fingerprint") != _fingerprint(job):
+        log.info("[%s] the pieces left in %s are another conversion's: starting again", job.component, work)
+        return None
+    run: _Run = saved["run"]
+    if not all(p.is_file() for p in [*run.fp32_parts, *run.dd_parts]):
+        log.warning("[%s] the pieces left in %s are incomplete: starting again", job.component, work)
+        return None
+    run.job = job
+    if run.qnn is not None:
+        run.qnn.options = job.options.compile_options
+    return run
+
+
+def _checkpoint(run: _Run, running: bool = True) -> None:
+    """What a run that stops after this piece leaves for the next (written whole, then renamed into place)."""
+    import pickle
+
+    tmp = run.work / f"{STATE}.tmp"
+    with tmp.open("wb") as f:
+        pickle.dump({"fingerprint": _fingerprint(run.job), "pid": os.getpid(), "running": running, "run": run}, f,
+                    protocol=pickle.HIGHEST_PROTOCOL)
+    os.replace(tmp, run.work / STATE)
+
 
 def convert_blockwise(src: Source, job: Job, stage: Path) -> ComponentResult:
     """Convert ``job`` (T5, Flux.1's transformer) into ``stage`` block by block: ``model.onnx`` (+ data)
     stitched from the pieces' fp32 graphs, ``dd/`` from their dispatch models (a standard target's ``qnn/``: a
-    context a piece, ``sdnpu.convert.blockwise_qnn``). Returns the ComponentResult."""
-    run = _Run(job, stage / ".pieces", job.sample_inputs(), tuple(job.signature().outputs))
-    target = job.options.compile_options.target
-    if job.options.compile and target.kind == "standard":
-        run.qnn = blockwise_qnn.start(stage / target.out_dir, job.options.compile_options, run.feeds, run.out_names,
-                                      emulate=job.options.check)
-    shutil.rmtree(run.work, ignore_errors=True)
-    run.work.mkdir()
+    context a piece, ``sdnpu.convert.blockwise_qnn``). Where a run of the same job stopped before, this one goes
+    on after the pieces it finished (``STATE``). Returns the ComponentResult."""
+    work = work_dir(stage, job.component)
+    run = _continued(job, work)
+    if run is None:
+        run = _fresh(job, work)
+    else:
+        log.info("[%s] going on after the %d pieces an earlier run finished (kept in %s)", job.component,
+                 len(run.fp32_parts), work)
+    _checkpoint(run)
     started = time.perf_counter()
     try:
-        for piece in pieces(src, job.key, job.signature()):
+        for piece in pieces(src, job.key, job.signature(), start=len(run.fp32_parts)):
             i, n = piece.i, piece.n
+            shutil.rmtree(work / f"piece{i:03d}", ignore_errors=True)  # what a run that stopped in it left
             _piece(run, piece)
             del piece
+            _checkpoint(run)
             log.info("[%s] piece %d of %d done (%.0f s so far, peak memory %.1f GB)", job.component, i + 1, n,
                      time.perf_counter() - started, peak_rss_bytes() / 1e9)
+    except BaseException:
+        if run.fp32_parts:
+            _checkpoint(run, running=False)
+            log.warning("[%s] stopped: the %d pieces finished are kept in %s; the same command goes on after them",
+                        job.component, len(run.fp32_parts), work)
+        else:
+            shutil.rmtree(work, ignore_errors=True)
+        raise
+    (work / STATE).unlink()  # stitching consumes the pieces: from here on a stopped run starts again
+    try:
         check_data = _export_check(run)  # before stitching: a graph that does not match is not worth writing
         s32, summary = _stitch(run, stage)
     finally:
-        shutil.rmtree(run.work, ignore_errors=True)
+        shutil.rmtree(work, ignore_errors=True)
     seconds = {k: round(v, 2) for k, v in run.seconds.items()}
     result = ComponentResult(component=job.component, path=stage / MODEL_FILE, nodes=s32.nodes,
                              parameters=run.n_params, seconds=seconds, peak_rss_bytes=peak_rss_bytes(),
@@ -501,6 +595,8 @@ def _stitch(run: _Run, stage: Path) -> tuple[StitchStats, dict[str, Any] | None]
         run.partition, kept = _repartition(stage / "dd" / REPLACED, target, run.job.spec.prologue, comp)
         _stitch_provenance(run.dd_parts, stage / "dd", s32.alias, sdd.alias, kept)
     run.seconds["stitch"] = time.perf_counter() - t0
+    if run.qnn is not None:  # the contexts go where the component's folder has them
+        blockwise_qnn.move(run.qnn, stage / options.compile_options.target.out_dir)
     shutil.rmtree(run.work, ignore_errors=True)
     with step(log, f"[{comp}] validating the stitched graph (onnx.checker, full check)") as t:
         onnx.checker.check_model(str(stage / MODEL_FILE), full_check=True)

@@ -144,10 +144,11 @@ def _piece_class() -> Any:
     return FluxPiece
 
 
-def pieces(src: Source, key: str, sig: Signature, weights: Any, only: Collection[int] | None = None
-           ) -> Iterator[Any]:
+def pieces(src: Source, key: str, sig: Signature, weights: Any, only: Collection[int] | None = None,
+           start: int = 0) -> Iterator[Any]:
     """Flux.1's pieces in order (``blockwise.Piece``) for the transformer's signature ``sig``, each built when
-    asked for; ``only``: these pieces alone, the others not built (``bench/bench_flux_pieces.py``)."""
+    asked for; ``only``: these pieces alone, the others not built (``bench/bench_flux_pieces.py``); ``start``:
+    the pieces from it on."""
     from sdnpu.convert.blockwise import Piece
 
     config = _config(src, key)
@@ -160,7 +161,7 @@ def pieces(src: Source, key: str, sig: Signature, weights: Any, only: Collection
     n = len(blocks)
     nexts = tuple(f"{s}.next" for s in STREAMS)
     for i, block in enumerate(blocks):
-        if only is not None and i not in only:
+        if i < start or (only is not None and i not in only):
             continue
         first, last = i == 0, i == n - 1
         parts = {}

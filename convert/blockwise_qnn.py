@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import os
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -29,12 +30,12 @@ import numpy as np
 import onnx
 
 from sdnpu.backends import backend_of
+from sdnpu.convert.standard import compile_pieces, run_compiled, too_slow
 from sdnpu.convert.stitch import link_name
 from sdnpu.errors import SdnpuError
 from sdnpu.passes.htp import guards_of
 from sdnpu.passes.manager import records_json
 from sdnpu.passes.modelfile import load, save
-from sdnpu.convert.standard import compile_pieces, run_compiled, too_slow
 from sdnpu.passes.pipeline import CompileOptions, compile_model
 from sdnpu.progress import release_memory, step
 from sdnpu.reports import headroom
@@ -64,11 +65,23 @@ class QnnChain:
     emulator_seconds: float = 0.0
     skipped: str = ""
 
+    def __getstate__(self) -> dict[str, Any]:  # the options are the job's: a run that goes on has its own
+        return {k: v for k, v in self.__dict__.items() if k != "options"}
+
 
 def start(out_dir: Path, options: CompileOptions, feeds: dict[str, np.ndarray], outputs: tuple[str, ...],
           emulate: bool) -> QnnChain:
     out_dir.mkdir(parents=True, exist_ok=True)
     return QnnChain(out_dir, options, outputs, {k: k for k in feeds}, dict(feeds) if emulate else None)
+
+
+def move(chain: QnnChain, to: Path) -> None:
+    """The chain's folder (its contexts, their binaries and traces) renamed to ``to``, its paths with it."""
+    os.replace(chain.out_dir, to)
+    for part in chain.parts:
+        part.context = to / part.context.name
+        part.binaries = [to / b.name for b in part.binaries]
+    chain.out_dir = to
 
 
 def compile_piece(chain: QnnChain, i: int, n: int, path: Path, inputs: tuple[str, ...], outputs: tuple[str, ...],
@@ -121,6 +134,9 @@ def compile_piece(chain: QnnChain, i: int, n: int, path: Path, inputs: tuple[str
                             what=f"running QNN's compile of {name}")
         chain.emulator_seconds += time.perf_counter() - t0
         chain.values.update(got)
+    if chain.values is not None:  # what later pieces read and the module's outputs; the rest is done with
+        keep = {*chain.names.values(), *chain.module_outputs}
+        chain.values = {k: v for k, v in chain.values.items() if k in keep}
     for f in [qnn_path, *qnn_path.parent.glob(qnn_path.name + ".data")]:
         f.unlink(missing_ok=True)
 

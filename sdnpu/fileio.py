@@ -95,7 +95,8 @@ def commit_dir(staging: Path, target: Path) -> None:
     _fsync_path(target.parent)
 
 
-def _pid_alive(pid: int) -> bool:
+def pid_alive(pid: int) -> bool:
+    """Whether process ``pid`` runs (this one does)."""
     if pid == os.getpid():
         return True
     try:
@@ -115,11 +116,11 @@ def recover_staging(parent: Path) -> None:
     for entry in sorted(parent.iterdir()):
         m = _STAGING.match(entry.name)
         tmp = re.match(r"^\.(?P<name>.+)\.tmp-(?P<pid>\d+)$", entry.name)
-        if tmp and not _pid_alive(int(tmp["pid"])):
+        if tmp and not pid_alive(int(tmp["pid"])):
             log.info("removing %s left by an interrupted run", entry)
             entry.unlink(missing_ok=True)
             continue
-        if not m or _pid_alive(int(m["pid"])):
+        if not m or pid_alive(int(m["pid"])):
             continue
         target = parent / m["name"]
         if m["kind"] == "old" and not target.exists():

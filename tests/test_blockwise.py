@@ -172,3 +172,44 @@ def test_block_by_block_needs_safetensors_and_says_so(t5_folder, tmp_path):
     assert "safe_serialization" in (e.value.hint or "")
     assert not any(out.rglob("*.onnx"))
     shutil.rmtree(folder)
+
+
+def test_a_stopped_block_by_block_run_goes_on_after_its_finished_pieces(blockwise_preset, tmp_path, monkeypatch,
+                                                                        caplog):
+    """Stopped in its second piece (Ctrl-C), the run keeps the first beside the component's folder and the same
+    command goes on after it: the graphs are the ones an unstopped run writes, byte for byte. A run with other
+    options starts again; a finished run leaves nothing behind."""
+    from sdnpu.convert import ConvertOptions, blockwise
+
+    done: list[int] = []
+    real = blockwise._piece
+
+    def piece(run, p):
+        if p.i == 1 and stop[0]:
+            stop[0] = False
+            raise KeyboardInterrupt
+        real(run, p)
+        done.append(p.i)
+
+    monkeypatch.setattr(blockwise, "_piece", piece)
+    work = tmp_path / ".text_encoder_3.pieces"
+    options = ConvertOptions(blockwise=True)
+    stop = [True]
+    with pytest.raises(KeyboardInterrupt):
+        convert("tiny-sd3", "text_encoder_3", out=tmp_path, options=options)
+    assert done == [0] and (work / blockwise.STATE).is_file() and not (tmp_path / "text_encoder_3").exists()
+    with caplog.at_level(logging.INFO, logger="sdnpu"):
+        convert("tiny-sd3", "text_encoder_3", out=tmp_path, options=options)
+    assert done == [0, 1] and "going on after the 1 pieces" in caplog.text and not work.exists()
+    by_block, _ = blockwise_preset
+    for f in ("model.onnx", "model.onnx.data", "dd/replaced.onnx"):
+        a, b = tmp_path / "text_encoder_3" / f, by_block.out / "text_encoder_3" / f
+        assert a.read_bytes() == b.read_bytes(), f
+
+    stop[0], done[:] = True, []
+    with pytest.raises(KeyboardInterrupt):
+        convert("tiny-sd3", "text_encoder_3", out=tmp_path, options=options)
+    caplog.clear()
+    with caplog.at_level(logging.INFO, logger="sdnpu"):
+        convert("tiny-sd3", "text_encoder_3", out=tmp_path, options=ConvertOptions(blockwise=True, check=False))
+    assert done == [0, 0, 1] and "another conversion's: starting again" in caplog.text and not work.exists()

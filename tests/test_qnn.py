@@ -192,13 +192,38 @@ def test_the_runtime_runs_a_qnn_component_against_its_fp32_graph(qnn_text_encode
     assert cos >= MIN_COSINE
 
 
-@pytest.mark.parametrize(("source", "component"), [("tiny-flux", "transformer"), ("tiny-sd3", "text_encoder_3")])
-def test_block_by_block_each_piece_is_a_context_and_the_chain_computes_the_module(tmp_path, source, component):
+@pytest.mark.parametrize(("source", "component", "stop_at"), [("tiny-flux", "transformer", 2),
+                                                              ("tiny-sd3", "text_encoder_3", None)])
+def test_block_by_block_each_piece_is_a_context_and_the_chain_computes_the_module(tmp_path, monkeypatch, source,
+                                                                                  component, stop_at):
     """Flux.1's transformer (pieces handing on two streams and the tables the first piece computes) and T5 (one
     chain value): each piece rewritten and compiled by QNN with fallback disabled into its own context, the
     contexts chained in one ctx.onnx with the fp32 graph's inputs and outputs, run on the emulator one after
-    another against PyTorch's pieces chained."""
-    convert(source, component, out=tmp_path, options=ConvertOptions(target="qnn-htp", blockwise=True))
+    another against PyTorch's pieces chained. Flux's run is stopped in its third piece (Ctrl-C) and run again:
+    the second run goes on after the two pieces the first finished, their contexts and emulated values kept."""
+    from sdnpu.convert import blockwise
+
+    options = ConvertOptions(target="qnn-htp", blockwise=True)
+    done: list[int] = []
+    real = blockwise._piece
+
+    def piece(run, p):
+        if p.i == stop_at and -1 not in done:
+            raise KeyboardInterrupt
+        real(run, p)
+        done.append(p.i)
+
+    monkeypatch.setattr(blockwise, "_piece", piece)
+    if stop_at is not None:
+        with pytest.raises(KeyboardInterrupt):
+            convert(source, component, out=tmp_path, options=options)
+        assert done == list(range(stop_at)) and (tmp_path / f".{component}.pieces" / blockwise.STATE).is_file()
+        assert sorted(f.name for f in (tmp_path / f".{component}.pieces" / "qnn").glob("*.bin")) == [
+            f"ctx{i}_qnn.bin" for i in range(1, stop_at + 1)]
+        done.append(-1)
+    convert(source, component, out=tmp_path, options=options)
+    if stop_at is not None:
+        assert done[done.index(-1) + 1] == stop_at  # the finished pieces are not done again
     comp = tmp_path / component
     report = json.loads((comp / "qnn" / "report.json").read_text())
     q = report["qnn"]
@@ -208,7 +233,7 @@ def test_block_by_block_each_piece_is_a_context_and_the_chain_computes_the_modul
     assert report["fidelity"]["min_cosine"] >= MIN_COSINE and "chained" in report["fidelity"]["inputs"]
     assert _signature(comp / "qnn" / "ctx.onnx") == _signature(comp / "model.onnx")
     assert report["summary"]["total_nodes"] == sum(p["nodes"] for p in q["pieces"])
-    assert not (comp / ".pieces").exists() and not (comp / "qnn" / "model.onnx").exists()
+    assert not (tmp_path / f".{component}.pieces").exists() and not (comp / "qnn" / "model.onnx").exists()
     text = " ".join((comp / "qnn" / "onnx_report.txt").read_text().split())
     assert f"{n} contexts, chained: one per piece of the block-by-block conversion" in text
 
