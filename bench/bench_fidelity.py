@@ -101,7 +101,8 @@ def _blockwise_torch(src, key: str, sig, runs: list[dict], outputs: list[str]) -
     fp32 on the fp32 chain, then in bf16 on the bf16 chain, one piece in memory at a time."""
     import torch
 
-    from sdnpu.convert.blockwise import link_values, pieces
+    from sdnpu.convert.blockwise import pieces
+    from sdnpu.convert.blockwise.piece import link_values
 
     def bf16(x):
         return x.to(torch.bfloat16) if x.is_floating_point() else x

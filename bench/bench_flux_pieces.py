@@ -42,7 +42,9 @@ def main() -> None:
     sys.path.insert(0, str(ROOT))
     import torch
 
-    from sdnpu.convert import blockwise, blockwise_flux
+    from sdnpu.convert.blockwise import driver, flux
+    from sdnpu.convert.blockwise.piece import Weights
+    from sdnpu.convert.blockwise.state import Run
     from sdnpu.convert.driver import _prepare
     from sdnpu.convert.options import ConvertOptions
     from sdnpu.formats.sizes import Variant
@@ -59,11 +61,11 @@ def main() -> None:
     src, sig = run_.src, job.signature()
     work = args.out / "pieces"
     work.mkdir(parents=True)
-    run = blockwise._Run(job, work, job.sample_inputs(), tuple(sig.outputs))
-    config = blockwise_flux._config(src, "transformer")
-    weights = blockwise._Weights(src, "transformer")
+    run = Run(job, work, job.sample_inputs(), tuple(sig.outputs))
+    config = flux._config(src, "transformer")
+    weights = Weights(src, "transformer")
     rows = []
-    for piece in blockwise_flux.pieces(src, "transformer", sig, weights, only=set(wanted)):
+    for piece in flux.pieces(src, "transformer", sig, weights, only=set(wanted)):
         before = run.feeds if run.chain is None else run.chain.torch
         inputs = {k: before[k] for k in piece.inputs}
         low = piece.module.to(torch.bfloat16)  # PyTorch's own bf16 on the same inputs, first (then fp32 again)
@@ -75,13 +77,13 @@ def main() -> None:
         seconds_before = dict(run.seconds)
         start = time.perf_counter()
         i = piece.i
-        blockwise._piece(run, piece)
+        driver._piece(run, piece)
         wall = time.perf_counter() - start
         report = json.loads((work / f"piece{i:03d}" / "dd" / "report.json").read_text())
         chain = run.chain
         assert chain is not None and chain.dispatch is not None
         names = list(piece.outputs)
-        dd = blockwise._run_graph(work / f"piece{i:03d}" / "dd" / "replaced.onnx", inputs)  # alone, on PyTorch's
+        dd = driver._run_graph(work / f"piece{i:03d}" / "dd" / "replaced.onnx", inputs)  # alone, on PyTorch's
         ours = fidelity({n: chain.torch[_link(n)] for n in names}, {n: dd[n] for n in names})
         torch_fid = fidelity({n: chain.torch[_link(n)] for n in names}, dict(zip(names, bf16, strict=True)))
         s = report["summary"]

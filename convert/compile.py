@@ -85,7 +85,7 @@ def compile_into(source: Path, dd_dir: Path, info: dict[str, Any], options: Comp
     out = dd_dir / REPLACED
     with step(log, f"[{name}] writing {REPLACED} (bf16 weights)"):
         save(model, out)
-    pro = next((r.result.details["prologue"] for r in records if "prologue" in r.result.details), None)
+    pro = next((r.result.prologue for r in records if r.result.prologue is not None), None)
     if pro is not None:
         save(pro, dd_dir / prologue.FILE)
         validate_dispatch_model(dd_dir / prologue.FILE, name, f"cut from {out.name}",

@@ -63,7 +63,7 @@ def attach_functions(model: ir.Model, target: DispatchTarget) -> int:
     for key in before - needed.keys():
         del model.functions[key]
     opset = model.opset_imports.get("", 20)
-    for key in needed.keys() - before:
+    for key in [k for k in needed if k not in before]:  # in needed's (sorted) order: a set's varies by process
         function = ir.serde.deserialize_function(needed[key])
         function.opset_imports[""] = opset  # a function imports its model's opset (the bodies' ops are alike 20-23)
         model.functions[key] = function

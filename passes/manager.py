@@ -6,19 +6,28 @@ import logging
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, field
+from typing import TYPE_CHECKING
 
 import onnx_ir as ir
 
 from sdnpu.errors import SdnpuError
+
+if TYPE_CHECKING:  # partition's result type: partition builds on this module
+    from sdnpu.passes.partition import Region
 
 log = logging.getLogger(__name__)
 
 
 @dataclass
 class PassResult:
+    """What a pass did: whether it changed the model, its counts (the report's pass records); what one pass hands
+    on: ``regions`` (partition: the final graph's NPU regions), ``prologue`` (prologue: the model it cut out, for
+    the compile to write beside the dispatch model)."""
+
     modified: bool
     counts: dict[str, int] = field(default_factory=dict)
-    details: dict[str, object] = field(default_factory=dict)
+    regions: list[Region] | None = None
+    prologue: ir.Model | None = None
 
 
 PassFn = Callable[[ir.Model], PassResult]
@@ -59,7 +68,7 @@ def records_json(records: list[PassRecord]) -> list[dict[str, object]]:
     out: list[dict[str, object]] = []
     for r in records:
         item: dict[str, object] = {"name": r.name, "seconds": round(r.seconds, 3), "counts": dict(r.result.counts)}
-        if "regions" in r.result.details:
-            item["regions"] = [asdict(reg) for reg in r.result.details["regions"]]  # type: ignore[union-attr]
+        if r.result.regions is not None:
+            item["regions"] = [asdict(reg) for reg in r.result.regions]
         out.append(item)
     return out

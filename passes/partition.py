@@ -184,4 +184,4 @@ def partition(model: ir.Model, target: Target) -> PassResult:
     islands = cpu_islands(graph, target, reasons)
     counts = {"NPU regions": len(out), "CPU nodes": cpu, "transitions": transitions, "CPU islands": islands.pop(
         "CPU islands"), **{f"CPU islands {k}": v for k, v in islands.items()}}
-    return PassResult(modified=after != before, counts=counts, details={"regions": out})
+    return PassResult(modified=after != before, counts=counts, regions=out)

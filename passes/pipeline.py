@@ -251,3 +251,23 @@ def pass_names(options: CompileOptions) -> list[str]:
 def compile_model(model: ir.Model, options: CompileOptions | None = None,
                   after_each: Callable[[str, ir.Model], None] | None = None) -> list[PassRecord]:
     return run_passes(model, pipeline(options or CompileOptions()), after_each)
+
+
+def stitched_pipeline(options: CompileOptions) -> list[tuple[str, PassFn]]:
+    """What runs on a dispatch model stitched from the pieces of a block-by-block conversion
+    (``sdnpu.convert.blockwise``), each piece compiled by ``pipeline``:
+
+        seams      the views a seam left between dispatch ops absorbed (a piece's output viewed back to its own
+                   shape, now read by the next piece's op: ``passes.views``)
+        prologue   the CPU work on ``CompileOptions.prologue`` cut into a model of its own (Flux.1's rotary
+                   tables, which the first piece computes and hands to every block: in a piece they are a graph
+                   output, so only the stitched model has a prologue); only where asked
+        partition  the regions again over the whole (each piece numbered its own from 0; the blocks' regions
+                   meet where the casts between them went)"""
+    t = options.target
+    assert isinstance(t, DispatchTarget), "a standard target's pieces are compiled one by one, not stitched"
+    return [
+        ("seams", lambda m: absorb_views(m, t)),
+        *([("prologue", lambda m: prologue_pass(m, t, options.prologue))] if options.prologue else []),
+        ("partition", lambda m: partition(m, t)),
+    ]

@@ -10,7 +10,7 @@ inputs, with symbolic shapes (one prologue serves every size). The prologue's in
 order and its digest is taken over the whole of it but its metadata, so two compiles that cut the same work
 from the same inputs (a ControlNet and the UNet beside it) write the same prologue with the same digest.
 
-The prologue model is handed back in the pass result's details (``prologue``); the compile writes it beside
+The prologue model is handed back in the pass result (``PassResult.prologue``); the compile writes it beside
 the dispatch model. A graph without such work is left as it is.
 """
 
@@ -148,4 +148,4 @@ def prologue_pass(model: ir.Model, target: DispatchTarget, names: frozenset[str]
     log.info("prologue: %d CPU nodes on %s moved to %s (digest %s)", len(moved), ", ".join(record.inputs),
              spec.FILE, digest)
     counts = {"CPU nodes moved": len(moved), "values handed over": len(frontier)}
-    return PassResult(modified=True, counts=counts, details={"prologue": pro})
+    return PassResult(modified=True, counts=counts, prologue=pro)

@@ -99,7 +99,7 @@ FLUX = Family(
     clip_last_hidden=True,
     generation=MappingProxyType({"steps": 28, "guidance": 3.5, "embedded_guidance": True}),  # FluxPipeline's
     timestep_divisor=1000,
-    blockwise="sdnpu.convert.blockwise_flux",
+    blockwise="sdnpu.convert.blockwise.flux",
 )
 SD3 = Family(
     "sd3", "SD3", "an", "StableDiffusion3Pipeline", "transformer", "SD3Transformer2DModel",

@@ -180,9 +180,10 @@ def test_a_stopped_block_by_block_run_goes_on_after_its_finished_pieces(blockwis
     command goes on after it: the graphs are the ones an unstopped run writes, byte for byte. A run with other
     options starts again; a finished run leaves nothing behind."""
     from sdnpu.convert import ConvertOptions, blockwise
+    from sdnpu.convert.blockwise import driver
 
     done: list[int] = []
-    real = blockwise._piece
+    real = driver._piece
 
     def piece(run, p):
         if p.i == 1 and stop[0]:
@@ -191,7 +192,7 @@ def test_a_stopped_block_by_block_run_goes_on_after_its_finished_pieces(blockwis
         real(run, p)
         done.append(p.i)
 
-    monkeypatch.setattr(blockwise, "_piece", piece)
+    monkeypatch.setattr(driver, "_piece", piece)
     work = tmp_path / ".text_encoder_3.pieces"
     options = ConvertOptions(blockwise=True)
     stop = [True]

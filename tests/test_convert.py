@@ -264,3 +264,22 @@ def test_a_run_that_cannot_fit_says_so_and_writes_nothing(tmp_path, monkeypatch,
     assert main(["-q", "compile", str(out / "vae_decoder" / "model.onnx"), "--out", str(tmp_path / "dd")]) == 2
     assert "--no-verify skips the fidelity run" in capsys.readouterr().err
     assert not (tmp_path / "dd").exists()
+
+
+def test_a_compile_writes_the_same_bytes_in_any_process(tiny_conversion, tmp_path):
+    """Two processes with other hash seeds (set and dict orders that depend on them differ) compile one graph
+    into the same dispatch model, byte for byte: the reference functions went in a set's order once."""
+    source = tiny_conversion.out / "unet" / "model.onnx"
+    code = ("import sys; from pathlib import Path; from sdnpu.convert.compile import compile_file; "
+            "compile_file(Path(sys.argv[1]), Path(sys.argv[2]), verify=False)")
+    outs = []
+    for seed in ("1", "2"):
+        out = tmp_path / seed
+        subprocess.run([sys.executable, "-c", code, str(source), str(out)], check=True, capture_output=True,
+                       env={**os.environ, "PYTHONHASHSEED": seed}, timeout=600)
+        outs.append(out)
+    for name in ("replaced.onnx", "replaced.onnx.data"):
+        a, b = (o / name for o in outs)
+        assert a.is_file() == b.is_file()
+        if a.is_file():
+            assert a.read_bytes() == b.read_bytes(), name

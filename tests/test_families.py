@@ -15,7 +15,7 @@ from sdnpu.errors import SdnpuError
 
 ROOT = Path(__file__).resolve().parent.parent
 # Flux.1's block-by-block pieces: the module its row names, which builds its transformer by class
-OWN_MODULES = {Path("convert/blockwise_flux.py")}
+OWN_MODULES = {Path("convert/blockwise/flux.py")}
 
 
 def _sources() -> list[Path]:

@@ -211,7 +211,7 @@ def test_the_pass_cuts_the_step_inputs_cpu_work_into_a_model_of_its_own():
     before = Counter(n.op_type for n in irm.graph)
     result = prologue_pass(irm, get_target(), frozenset({"x", "t"}))
     assert result.modified and result.counts == {"CPU nodes moved": 5, "values handed over": 2}
-    pro = result.details["prologue"]
+    pro = result.prologue
     moved = Counter(n.op_type for n in pro.graph)
     # x's Transpose and cast, t's frequency product, its Sin and cast
     assert moved == {"Transpose": 1, "CastAvx": 2, "Mul": 1, "Sin": 1}

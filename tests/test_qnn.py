@@ -202,10 +202,11 @@ def test_block_by_block_each_piece_is_a_context_and_the_chain_computes_the_modul
     another against PyTorch's pieces chained. Flux's run is stopped in its third piece (Ctrl-C) and run again:
     the second run goes on after the two pieces the first finished, their contexts and emulated values kept."""
     from sdnpu.convert import blockwise
+    from sdnpu.convert.blockwise import driver
 
     options = ConvertOptions(target="qnn-htp", blockwise=True)
     done: list[int] = []
-    real = blockwise._piece
+    real = driver._piece
 
     def piece(run, p):
         if p.i == stop_at and -1 not in done:
@@ -213,7 +214,7 @@ def test_block_by_block_each_piece_is_a_context_and_the_chain_computes_the_modul
         real(run, p)
         done.append(p.i)
 
-    monkeypatch.setattr(blockwise, "_piece", piece)
+    monkeypatch.setattr(driver, "_piece", piece)
     if stop_at is not None:
         with pytest.raises(KeyboardInterrupt):
             convert(source, component, out=tmp_path, options=options)

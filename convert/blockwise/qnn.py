@@ -30,6 +30,8 @@ import numpy as np
 import onnx
 
 from sdnpu.backends import backend_of
+from sdnpu.convert.blockwise.piece import CHAIN_INPUT
+from sdnpu.convert.split import weight_bytes
 from sdnpu.convert.standard import compile_pieces, run_compiled, too_slow
 from sdnpu.convert.stitch import link_name
 from sdnpu.errors import SdnpuError
@@ -39,12 +41,13 @@ from sdnpu.passes.modelfile import load, save
 from sdnpu.passes.pipeline import CompileOptions, compile_model
 from sdnpu.progress import release_memory, step
 from sdnpu.reports import headroom
+from sdnpu.reports import report as reports
+from sdnpu.reports.fidelity import fidelity
 from sdnpu.reports.report import macs_of
 from sdnpu.worker import run_graph_isolated, run_in_worker
 
 log = logging.getLogger(__name__)
 
-CHAIN_INPUT = "hidden_states"  # as sdnpu.convert.blockwise: what a piece with one output feeds in the next
 
 
 @dataclass
@@ -168,9 +171,6 @@ def finish(chain: QnnChain, component: str, source: Path, info: dict[str, Any],
            reference: dict[str, np.ndarray] | None) -> dict[str, Any]:
     """The contexts chained in ``qnn/ctx.onnx``, the report written (the pieces' graphs counted as one; the
     emulated chain against ``reference``, PyTorch's chain, where it ran). Returns the report."""
-    from sdnpu.reports import report as reports
-    from sdnpu.reports.fidelity import fidelity
-
     backend = backend_of(chain.options.target)
     joined = _joined(chain, onnx.load(str(source), load_external_data=False).graph)
     compiled = backend.chain(chain.parts, joined.graph, chain.out_dir)
@@ -208,8 +208,6 @@ def finish(chain: QnnChain, component: str, source: Path, info: dict[str, Any],
 
 
 def _fp16_bytes(m: onnx.ModelProto) -> int:
-    from sdnpu.convert.split import weight_bytes
-
     return sum(weight_bytes(t, 2) for t in m.graph.initializer)
 
 

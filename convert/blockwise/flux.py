@@ -1,4 +1,4 @@
-"""Flux.1's transformer block by block (``sdnpu.convert.blockwise``): 11.9 B parameters, 47.6 GB in fp32, more
+"""Flux.1's transformer in pieces (``sdnpu.convert.blockwise``): 11.9 B parameters, 47.6 GB in fp32, more
 than this machine holds, so it is converted one block at a time as T5 is.
 
 The pieces, as ``FluxTransformer2DModel.forward`` runs them: (the embeddings and the first double-stream block),
@@ -22,6 +22,11 @@ import json
 from collections.abc import Collection, Iterator
 from typing import Any
 
+import torch
+from diffusers import FluxTransformer2DModel
+from diffusers.models.transformers import transformer_flux as tf
+
+from sdnpu.convert.blockwise.piece import Piece, Weights
 from sdnpu.convert.sources import PRESET_SEED, Source
 from sdnpu.errors import SdnpuError
 from sdnpu.signatures import Signature
@@ -39,9 +44,6 @@ def _config(src: Source, key: str) -> dict[str, Any]:
 def _part(name: str, config: dict[str, Any]) -> Any:
     """The submodule ``name`` of a FluxTransformer2DModel of ``config`` (its own weights, PyTorch's default
     initialization), built as the model's ``__init__`` builds it."""
-    import torch
-    from diffusers.models.transformers import transformer_flux as tf
-
     heads, head_dim = int(config.get("num_attention_heads", 24)), int(config.get("attention_head_dim", 128))
     inner = heads * head_dim
     in_channels = int(config.get("in_channels", 64))
@@ -66,98 +68,77 @@ def _part(name: str, config: dict[str, Any]) -> Any:
     raise ValueError(name)
 
 
-def _load(name: str, config: dict[str, Any], weights: Any, seed: int | None) -> Any:
+def _load(name: str, config: dict[str, Any], weights: Weights, seed: int | None) -> Any:
     """Submodule ``name`` with its weights: seeded (a preset: from ``seed``, None: the stream as it stands) or
     read from the folder's safetensors."""
-    import torch
-
     if weights.preset:
         if seed is not None:
             torch.manual_seed(seed)
         return _part(name, config).float().eval()
-    with torch.device("meta"):
-        part = _part(name, config)
-    state = weights.tensors(f"{name}.")
-    try:
-        part.load_state_dict(state, assign=True)
-    except RuntimeError as e:
-        raise SdnpuError(f"the transformer's {name} weights do not match its config: {str(e)[:300]}") from e
-    if any(p.is_meta for p in part.parameters()):
-        raise SdnpuError(f"the transformer's {name} weights are incomplete in its safetensors files")
-    return part.float().eval()
+    return weights.load(lambda: _part(name, config), f"{name}.", f"the transformer's {name}")
 
 
-def _piece_class() -> Any:
-    import torch
+class FluxPiece(torch.nn.Module):
+    """Some consecutive blocks of Flux.1's transformer; the embeddings before the first (then it computes
+    ``temb`` and the rotary tables), the output layers after the last. ``whole`` holds the submodules
+    under the whole module's names (``map_parameters`` strips this one child)."""
 
-    class FluxPiece(torch.nn.Module):
-        """Some consecutive blocks of Flux.1's transformer; the embeddings before the first (then it computes
-        ``temb`` and the rotary tables), the output layers after the last. ``whole`` holds the submodules
-        under the whole module's names (``map_parameters`` strips this one child)."""
+    def __init__(self, parts: dict[str, Any], config: dict[str, Any], first: bool, last: bool) -> None:
+        super().__init__()
+        self.whole = torch.nn.Module()
+        for name, part in parts.items():
+            holder = self.whole
+            *path, leaf = name.split(".")
+            for p in path:
+                if not hasattr(holder, p):
+                    holder.add_module(p, torch.nn.ModuleDict() if p.endswith("blocks") else torch.nn.Module())
+                holder = getattr(holder, p)
+            holder.add_module(leaf, part)
+        self.first, self.last = first, last
+        self.guidance = bool(config.get("guidance_embeds"))
+        self.pos_embed = tf.FluxPosEmbed(theta=10000, axes_dim=tuple(config.get("axes_dims_rope", (16, 56, 56))))
+        self.double = [k for k in getattr(self.whole, "transformer_blocks", {})]
+        self.single = [k for k in getattr(self.whole, "single_transformer_blocks", {})]
 
-        def __init__(self, parts: dict[str, Any], config: dict[str, Any], first: bool, last: bool) -> None:
-            super().__init__()
-            from diffusers.models.transformers import transformer_flux as tf
-
-            self.whole = torch.nn.Module()
-            for name, part in parts.items():
-                holder = self.whole
-                *path, leaf = name.split(".")
-                for p in path:
-                    if not hasattr(holder, p):
-                        holder.add_module(p, torch.nn.ModuleDict() if p.endswith("blocks") else torch.nn.Module())
-                    holder = getattr(holder, p)
-                holder.add_module(leaf, part)
-            self.first, self.last = first, last
-            self.guidance = bool(config.get("guidance_embeds"))
-            self.pos_embed = tf.FluxPosEmbed(theta=10000, axes_dim=tuple(config.get("axes_dims_rope", (16, 56, 56))))
-            self.double = [k for k in getattr(self.whole, "transformer_blocks", {})]
-            self.single = [k for k in getattr(self.whole, "single_transformer_blocks", {})]
-
-        def forward(self, *args: Any) -> Any:
-            w = self.whole
-            if self.first:  # as FluxTransformer2DModel.forward begins
-                hidden, timestep, context, pooled, img_ids, txt_ids = args[:6]
-                guidance = args[6] if self.guidance else None
-                hidden = w.x_embedder(hidden)
-                timestep = timestep.to(hidden.dtype) * 1000
-                if guidance is None:
-                    temb = w.time_text_embed(timestep, pooled)
-                else:
-                    temb = w.time_text_embed(timestep, guidance.to(hidden.dtype) * 1000, pooled)
-                context = w.context_embedder(context)
-                cos, sin = self.pos_embed(torch.cat((txt_ids, img_ids), dim=0))
+    def forward(self, *args: Any) -> Any:
+        w = self.whole
+        if self.first:  # as FluxTransformer2DModel.forward begins
+            hidden, timestep, context, pooled, img_ids, txt_ids = args[:6]
+            guidance = args[6] if self.guidance else None
+            hidden = w.x_embedder(hidden)
+            timestep = timestep.to(hidden.dtype) * 1000
+            if guidance is None:
+                temb = w.time_text_embed(timestep, pooled)
             else:
-                hidden, context, temb, cos, sin = args
-            for k in self.double:
-                context, hidden = w.transformer_blocks[k](hidden_states=hidden, encoder_hidden_states=context,
-                                                          temb=temb, image_rotary_emb=(cos, sin))
-            for k in self.single:
-                context, hidden = w.single_transformer_blocks[k](hidden_states=hidden, encoder_hidden_states=context,
-                                                                 temb=temb, image_rotary_emb=(cos, sin))
-            if self.last:
-                return w.proj_out(w.norm_out(hidden, temb))
-            if self.first:
-                return hidden, context, temb, cos, sin
-            return hidden, context
+                temb = w.time_text_embed(timestep, guidance.to(hidden.dtype) * 1000, pooled)
+            context = w.context_embedder(context)
+            cos, sin = self.pos_embed(torch.cat((txt_ids, img_ids), dim=0))
+        else:
+            hidden, context, temb, cos, sin = args
+        for k in self.double:
+            context, hidden = w.transformer_blocks[k](hidden_states=hidden, encoder_hidden_states=context,
+                                                      temb=temb, image_rotary_emb=(cos, sin))
+        for k in self.single:
+            context, hidden = w.single_transformer_blocks[k](hidden_states=hidden, encoder_hidden_states=context,
+                                                             temb=temb, image_rotary_emb=(cos, sin))
+        if self.last:
+            return w.proj_out(w.norm_out(hidden, temb))
+        if self.first:
+            return hidden, context, temb, cos, sin
+        return hidden, context
 
-    return FluxPiece
 
-
-def pieces(src: Source, key: str, sig: Signature, weights: Any, only: Collection[int] | None = None,
-           start: int = 0) -> Iterator[Any]:
+def pieces(src: Source, key: str, sig: Signature, weights: Weights, only: Collection[int] | None = None,
+           start: int = 0) -> Iterator[Piece]:
     """Flux.1's pieces in order (``blockwise.Piece``) for the transformer's signature ``sig``, each built when
     asked for; ``only``: these pieces alone, the others not built (``bench/bench_flux_pieces.py``); ``start``:
     the pieces from it on."""
-    from sdnpu.convert.blockwise import Piece
-
     config = _config(src, key)
     blocks = [f"transformer_blocks.{i}" for i in range(int(config.get("num_layers", 19)))]
     blocks += [f"single_transformer_blocks.{i}" for i in range(int(config.get("num_single_layers", 38)))]
     if len(blocks) < 2:
         raise SdnpuError(f"a Flux transformer of {len(blocks)} block converts whole, not block by block",
                          hint="drop --blockwise")
-    cls = _piece_class()
     n = len(blocks)
     nexts = tuple(f"{s}.next" for s in STREAMS)
     for i, block in enumerate(blocks):
@@ -174,15 +155,12 @@ def pieces(src: Source, key: str, sig: Signature, weights: Any, only: Collection
                          for name in EDGES[3:])
         inputs = tuple(s.name for s in sig.inputs) if first else (*STREAMS, *SHARED)
         outputs = tuple(sig.outputs) if last else ((*nexts, *SHARED) if first else nexts)
-        yield Piece(i, n, cls(parts, config, first, last).eval(), inputs, outputs)
+        yield Piece(i, n, FluxPiece(parts, config, first, last).eval(), inputs, outputs)
 
 
-def whole_module(src: Source, key: str, weights: Any) -> Any:
+def whole_module(src: Source, key: str, weights: Weights) -> Any:
     """The FluxTransformer2DModel whose weights the pieces hold (small modules only: tests compare against
     it)."""
-    import torch
-    from diffusers import FluxTransformer2DModel
-
     config = _config(src, key)
     model = FluxTransformer2DModel.from_config(config).eval()
     blocks = [f"transformer_blocks.{i}" for i in range(int(config.get("num_layers", 19)))]
