@@ -351,12 +351,8 @@ def _target_arguments(parser: argparse.ArgumentParser, what: str) -> None:
                         "one ctx.onnx")
 
 
-def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="sdnpu", description="Stable Diffusion to NPU dispatch models.")
-    parser.add_argument("--version", action="version", version=f"sdnpu {__version__}")
-    parser.add_argument("-q", "--quiet", action="store_true", help="only warnings and errors")
-    sub = parser.add_subparsers(dest="command", required=True)
-
+def _convert_parser(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
+    """`sdnpu convert`: export a pipeline's modules to ONNX, check them, compile them."""
     conv = sub.add_parser("convert", help="export a pipeline's modules to ONNX and check them against PyTorch")
     conv.add_argument("--model", "-m", default="all",
                       help=f"component(s), comma-separated: {', '.join(COMPONENTS)} or all (default)")
@@ -398,6 +394,9 @@ def build_parser() -> argparse.ArgumentParser:
                       "without converting again, use `sdnpu lora apply`")
     conv.set_defaults(func=_cmd_convert)
 
+
+def _compile_parser(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
+    """`sdnpu compile`: one ONNX graph compiled."""
     comp = sub.add_parser("compile", help="compile an ONNX graph into a dispatch model + offload report")
     comp.add_argument("model", help="an .onnx file (from `sdnpu convert`, optimum-cli, or elsewhere)")
     comp.add_argument("--out", "-o", default=None, help="output folder (default: dd/ beside the model)")
@@ -412,6 +411,9 @@ def build_parser() -> argparse.ArgumentParser:
                       "the pipeline's model_index.json above a text_encoder), all, or a list of names")
     comp.set_defaults(func=_cmd_compile)
 
+
+def _report_parser(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
+    """`sdnpu report`: offload reports shown or compared."""
     rep = sub.add_parser("report", help="show offload reports; `sdnpu report diff A B` compares two",
                          description="PATH: an output folder (one line per component), a component folder, a "
                          "report.json or a replaced.onnx. `sdnpu report diff A B` shows what changed.")
@@ -423,6 +425,9 @@ def build_parser() -> argparse.ArgumentParser:
     rep.add_argument("--plot", default=None, metavar="FILE", help="draw the offload strip to FILE (.svg or .png)")
     rep.set_defaults(func=_cmd_report)
 
+
+def _generate_parser(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
+    """`sdnpu generate`: text to image on a converted folder."""
     gen = sub.add_parser("generate", help="text to image on a converted folder, every graph in onnxruntime")
     gen.add_argument("--models", default="models/sdxl-base", help="a converted folder (default: models/sdxl-base)")
     gen.add_argument("--prompt", required=True)
@@ -473,6 +478,9 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--out", default="image.png")
     gen.set_defaults(func=_cmd_generate)
 
+
+def _lora_parser(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
+    """`sdnpu lora`: LoRAs applied to a converted folder or removed."""
     lo = sub.add_parser("lora", help="apply LoRAs to a converted folder without converting again, remove them, "
                         "or show what is applied", description="apply: the LoRAs' changed weights go to "
                         "<component>/dd/lora/ (replacing what was applied before; the base files are never "
@@ -484,6 +492,9 @@ def build_parser() -> argparse.ArgumentParser:
                     help="a LoRA (diffusers/PEFT or kohya safetensors) and its scale (default 1); repeatable")
     lo.set_defaults(func=_cmd_lora)
 
+
+def _pack_parser(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
+    """`sdnpu pack`: a deployable copy with AMD's packed weights."""
     pk = sub.add_parser("pack", help="a deployable copy of the dispatch models with AMD's packed weights "
                         "(needs AMD's ryzenai_dynamic_dispatch packer)")
     pk.add_argument("models", nargs="?", default="models/sdxl-base", help="a converted folder or one component's")
@@ -492,6 +503,9 @@ def build_parser() -> argparse.ArgumentParser:
                          "the rest hard links) instead of <component>/dd/packed/")
     pk.set_defaults(func=_cmd_pack)
 
+
+def _serve_parser(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
+    """`sdnpu serve`: converted folders served over HTTP."""
     srv = sub.add_parser("serve", help="serve converted folders over an OpenAI-style images API "
                          "(/v1/images/generations, /v1/images/edits, /v1/models, /health)")
     srv.add_argument("models", nargs="+", help="converted folders; each is the model named as its directory")
@@ -507,6 +521,9 @@ def build_parser() -> argparse.ArgumentParser:
                      help="LoRA files requests may name (`\"lora\": [\"style.safetensors:0.8\"]`); none without it")
     srv.set_defaults(func=_cmd_serve)
 
+
+def _verify_parser(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
+    """`sdnpu verify`: dispatch models against their fp32 graphs."""
     ver = sub.add_parser("verify", help="dispatch models against their fp32 graphs, component by component "
                          "and over the whole pipeline; results go into the reports")
     ver.add_argument("models", nargs="?", default="models/sdxl-base")
@@ -516,6 +533,16 @@ def build_parser() -> argparse.ArgumentParser:
                      "at (with --height): the UNet and the VAEs at it, and the pipeline")
     ver.add_argument("--height", type=int, default=None)
     ver.set_defaults(func=_cmd_verify)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="sdnpu", description="Stable Diffusion to NPU dispatch models.")
+    parser.add_argument("--version", action="version", version=f"sdnpu {__version__}")
+    parser.add_argument("-q", "--quiet", action="store_true", help="only warnings and errors")
+    sub = parser.add_subparsers(dest="command", required=True)
+    for add in (_convert_parser, _compile_parser, _report_parser, _generate_parser, _lora_parser, _pack_parser,
+                _serve_parser, _verify_parser):
+        add(sub)
     return parser
 
 
