@@ -117,8 +117,11 @@ def plan(src: Source, comps: list[str], options: ConvertOptions) -> Budget:
 
 def check_disk(budget: Budget, comps: list[str], out_dir: Path) -> None:
     """Refuse now, before any export, a conversion whose folders would not fit on ``out_dir``'s disk
-    (``Budget.disk_share`` of each component's module weights)."""
+    (``Budget.disk_share`` of each component's module weights), less what a stopped block-by-block run of
+    them already wrote (its finished pieces, which this run goes on after)."""
     need = int(sum(budget.disk_share(module_of(c)) * budget.weights[module_of(c)] for c in comps))
+    need -= sum(f.stat().st_size for c in comps if module_of(c) in budget.by_block
+                for f in blockwise.work_dir(out_dir / c, c).rglob("*") if f.is_file())
     where = out_dir
     while not where.exists() and where != where.parent:
         where = where.parent

@@ -214,3 +214,23 @@ def test_a_stopped_block_by_block_run_goes_on_after_its_finished_pieces(blockwis
     with caplog.at_level(logging.INFO, logger="sdnpu"):
         convert("tiny-sd3", "text_encoder_3", out=tmp_path, options=ConvertOptions(blockwise=True, check=False))
     assert done == [0, 0, 1] and "another conversion's: starting again" in caplog.text and not work.exists()
+
+
+def test_the_disk_check_counts_what_a_stopped_run_already_wrote(tmp_path, monkeypatch):
+    """A conversion is refused before any work where its folder would not fit on the disk; a block-by-block run
+    that goes on after a stopped one needs that much less (its finished pieces are on the disk already)."""
+    import shutil
+    from collections import namedtuple
+
+    from sdnpu.convert import budget
+    from sdnpu.errors import SdnpuError
+
+    plan = budget.Budget({"text_encoder_3": 100_000_000}, by_block={"text_encoder_3"})  # 150 MB to write
+    usage = namedtuple("usage", "total used free")
+    monkeypatch.setattr(shutil, "disk_usage", lambda _where: usage(0, 0, 120_000_000))
+    with pytest.raises(SdnpuError, match=r"text_encoder_3 need about 0.15 GB on disk and .* has 0.12 GB free"):
+        budget.check_disk(plan, ["text_encoder_3"], tmp_path)
+    pieces = tmp_path / ".text_encoder_3.pieces" / "piece000"
+    pieces.mkdir(parents=True)
+    (pieces / "model.onnx.data").write_bytes(b"\0" * 40_000_000)
+    budget.check_disk(plan, ["text_encoder_3"], tmp_path)  # 110 MB still to write
