@@ -190,7 +190,7 @@ def compile_pieces(model: Path, out_dir: Path, name: str, backend: Any, arch: An
             log.warning("[%s] QNN's compile ran out of %s memory on the whole graph: cutting it in two", name,
                         memory)
             structure = onnx.shape_inference.infer_shapes(structure)
-            pieces = _halve(structure, split.piece_of(structure, 0, len(structure.graph.node)), e)
+            pieces = _halve(structure, split.piece_of(structure, 0, len(structure.graph.node)), e, memory)
     else:
         structure = onnx.shape_inference.infer_shapes(structure)  # the types of the values handed across a cut
         log.info("[%s] %.2f GB of fp16 weights: more than one QNN context holds (%.1f GB), so %d contexts, "
@@ -212,23 +212,28 @@ def compile_pieces(model: Path, out_dir: Path, name: str, backend: Any, arch: An
                 raise
             log.warning("[%s] QNN's compile ran out of %s memory on piece %d (%.2f GB of weights and its "
                         "activations): cutting it in two", name, memory, k, p.weight_bytes / 1e9)
-            queue[:0] = _halve(structure, p, e)
+            queue[:0] = _halve(structure, p, e, memory)
         finally:
             path.unlink(missing_ok=True)
     return parts, done, structure
+
+
+_HTP = "the HTP's"
 
 
 def _no_room(backend: Any, e: SdnpuError) -> str:
     """Whose memory a failed compile ran out of: ``"the HTP's"`` (the vendor says so), ``"this machine's"`` (the
     compile's process killed: the kernel's out-of-memory killer), ``""`` (another failure)."""
     if getattr(backend, "OUT_OF_MEMORY", None) is not None and backend.OUT_OF_MEMORY in e.message:
-        return "the HTP's"
+        return _HTP
     return "this machine's" if isinstance(e, WorkerDied) and e.exitcode == KILLED else ""
 
 
-def _halve(structure: Any, piece: split.Piece, cause: SdnpuError) -> list[split.Piece]:
+def _halve(structure: Any, piece: split.Piece, cause: SdnpuError, memory: str) -> list[split.Piece]:
+    """``piece`` in two: by its weight where the HTP had no room for it, by the activations its nodes write where
+    the compile's process had none (QNN's compile grows with them)."""
     try:
-        return split.halve(structure, piece)
+        return split.halve(structure, piece, by="weight" if memory == _HTP else "activations")
     except SdnpuError as e:
         raise SdnpuError(f"{cause.message}; {e.message}", hint=cause.hint) from None
 

@@ -202,3 +202,37 @@ def test_one_value_moved_for_several_readers_is_moved_once(tmp_path):
     assert cleanup["counts"]["repeated nodes merged"] == 4  # its CastAvx and its Transpose, two repeats each
     assert sum(n.op_type == "CastAvx" and "x" in n.input for n in dd.graph.node) == 1
     assert report["fidelity"]["min_cosine"] > 0.999
+
+
+def test_an_attention_left_on_the_cpu_names_its_mask_and_its_heads(tmp_path):
+    """A decoder-only text encoder (transformers' Llama, as HiDream's: grouped-query heads, a causal mask computed
+    in the graph), exported with dynamo: its attentions stay on the CPU, and their products and softmax say why
+    (k and v heads repeated, the causal mask), not the registry's "MatMul of two activations"."""
+    import torch
+    import transformers
+
+    from sdnpu.convert.compile import compile_file
+
+    config = transformers.LlamaConfig(vocab_size=128, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,
+                                      attn_implementation="eager")
+    torch.manual_seed(0)
+    model = transformers.LlamaModel(config).eval()
+
+    class Encoder(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.m = model
+
+        def forward(self, ids: torch.Tensor) -> torch.Tensor:
+            return self.m(input_ids=ids).last_hidden_state
+
+    (tmp_path / "m").mkdir()
+    ids = torch.randint(0, 128, (1, 16), generator=torch.Generator().manual_seed(1))
+    torch.onnx.export(Encoder(), (ids,), dynamo=True, input_names=["input_ids"], output_names=["out"],
+                      opset_version=20).save(str(tmp_path / "m" / "model.onnx"))
+    report = compile_file(tmp_path / "m" / "model.onnx", tmp_path / "dd")
+    attention = [n for n in report["cpu_nodes"] if n["op_type"] in ("MatMul", "Softmax")]
+    assert len(attention) == 3  # Q K^T, the softmax, P V
+    for n in attention:
+        assert "grouped-query attention" in n["reason"] and "its mask: a causal mask" in n["reason"], n["reason"]

@@ -91,6 +91,22 @@ def test_a_piece_halved_still_computes_the_graph(tiny_conversion):
     np.testing.assert_array_equal(values["out_sample"], whole.run(["out_sample"], feeds)[0])
 
 
+def test_a_piece_halved_for_this_machines_memory_is_cut_by_its_activations(tiny_conversion):
+    """Where QNN's compile ran out of this machine's memory (which grows with the activations, not the weights),
+    the piece is cut near the middle of the activation bytes its nodes write: on a UNet, whose weights sit in its
+    low-resolution middle and whose large activations at its ends, another cut than the weight's."""
+    source = tiny_conversion.out / "unet" / "model.onnx"
+    model = onnx.shape_inference.infer_shapes(onnx.load(str(source), load_external_data=False))
+    whole = split.piece_of(model, 0, len(model.graph.node))
+    lay = split._layout(model, 2)
+    by_weight = split.halve(model, whole)
+    by_activations = split.halve(model, whole, by="activations")
+    assert by_weight[0].end != by_activations[0].end
+    written = lay.written.sum()
+    share = lay.written[:by_activations[0].end].sum() / written
+    assert 0.4 < share < 0.6 and abs(share - 0.5) < abs(lay.written[:by_weight[0].end].sum() / written - 0.5)
+
+
 def test_a_graph_within_the_limit_is_one_piece(tiny_conversion):
     model = onnx.load(str(tiny_conversion.out / "vae_decoder" / "model.onnx"), load_external_data=False)
     (piece,) = split.plan(model, _weights(model))

@@ -39,7 +39,7 @@ import onnx_ir as ir
 from sdnpu.formats.keys import BF16_ONLY_TAG, DECLINED_TAG
 from sdnpu.passes import movement
 from sdnpu.passes.irutil import Builder, attr, const, is_float, producer, scalar, static_shape
-from sdnpu.passes.rules.base import Match, Rule
+from sdnpu.passes.rules.base import Declined, Match, Rule
 
 MICROSOFT = "com.microsoft"  # onnxruntime's contrib ops: run by its CPU provider, not dispatch ops
 
@@ -199,9 +199,17 @@ class SDMHAFusion(Rule):
         if p is None or p.op_type != "MatMul" or p.domain not in ("", "ai.onnx"):
             return None
         qk_mm = p
+        # a refusal leaves the two products and the softmax on the CPU, each saying why (not the registry's "MatMul
+        # of two activations"); the scale and the mask's Add stay the glue's to lower
+        core = [qk_mm, sm, node]
+
+        def no(reason: str) -> Declined:
+            mask = bias_reason or ("a causal mask" if causal else None)
+            return Declined(reason if mask is None or mask in reason else f"{reason}; its mask: {mask}", core)
+
         rank = len(static_shape(sm.outputs[0]) or ())
         if attr(sm, "axis", -1) not in (-1, rank - 1):
-            return "softmax is not over the last axis"
+            return no("softmax is not over the last axis")
         q_src, q_chain, q_s = movement.trace_up(qk_mm.inputs[0])  # type: ignore[arg-type]
         k_src, k_chain, k_s = movement.trace_up(qk_mm.inputs[1])  # type: ignore[arg-type]
         v_src, v_chain, _ = movement.trace_up(node.inputs[1], allow_scale=False)  # type: ignore[arg-type]
@@ -209,15 +217,18 @@ class SDMHAFusion(Rule):
         q_shape = _as_rank3(static_shape(q_src), static_shape(qk_mm.inputs[0]), "q")
         v_shape = _as_rank3(static_shape(v_src), static_shape(node.inputs[1]), "v")
         if q_shape is None or v_shape is None or len(q_shape) != 3 or not head_dim:
-            return "q, k, v are not rank-3 [B, S, C] tensors behind their reshapes"
+            if _repeats_heads(qk_mm.inputs[1]) or _repeats_heads(node.inputs[1]):
+                return no("k and v repeat their heads with an Expand (grouped-query attention): SDMHA takes as many "
+                          "k and v heads as q heads")
+            return no("q, k, v are not rank-3 [B, S, C] tensors behind their reshapes")
         heads = q_shape[2] // head_dim
         for src, chain, target, kind in ((q_src, q_chain, qk_mm.inputs[0], "q"), (k_src, k_chain, qk_mm.inputs[1], "k"),
                                          (v_src, v_chain, node.inputs[1], "v")):
             if not _check_split(src, chain, target, heads, kind):  # type: ignore[arg-type]
-                return f"the {kind} reshapes are not a split into {heads} heads"
+                return no(f"the {kind} reshapes are not a split into {heads} heads")
         down = _trace_down(node.outputs[0], (q_shape[0], q_shape[1], v_shape[2]), heads)
         if down is None:
-            return "the output is not merged back to [B, M, C]"
+            return no("the output is not merged back to [B, M, C]")
         out_chain, out = down
         k_shape = _as_rank3(static_shape(k_src), static_shape(qk_mm.inputs[1]), "k")
         assert k_shape is not None
@@ -237,9 +248,9 @@ class SDMHAFusion(Rule):
             key_channel = reason is None
         reason = None if key_channel else bias_reason or reason
         if reason and bias is not None and not _bias_fits(bias, q_shape[0], heads, q_shape[1], k_shape[1]):
-            return reason
+            return no(reason)
         if guard and not reason and not key_channel and bias is not None and not _every_row_has_a_key(const(bias)):
-            return "a NaN guard after the softmax, and a mask that leaves a query without keys"
+            return no("a NaN guard after the softmax, and a mask that leaves a query without keys")
         nodes = [*q_chain, *k_chain, *v_chain, qk_mm, *reversed(between), sm, *(guard[:2] if guard else ()), node,
                  *out_chain]
         uniq = _own_nodes(list(dict.fromkeys(nodes)), {*q_chain, *k_chain, *v_chain})
@@ -282,6 +293,21 @@ class SDMHAFusion(Rule):
 
 
 _COMPUTED = "the scores' addend is computed, not a constant mask"
+
+
+def _repeats_heads(v: ir.Value | None, depth: int = 6) -> bool:
+    """Whether ``v`` (k or v at the attention's product) comes through an Expand among its movements: grouped-query
+    attention repeats each k / v head for several q heads (``repeat_kv``: Unsqueeze, Expand, Reshape)."""
+    for _ in range(depth):
+        p = v.producer() if v is not None else None
+        if p is None or p.domain not in ("", "ai.onnx"):
+            return False
+        if p.op_type == "Expand":
+            return True
+        if p.op_type not in ("Reshape", "Transpose", "Unsqueeze", "Squeeze", "Flatten"):
+            return False
+        v = p.inputs[0]
+    return False
 SENTINEL = -1.0e4  # the score of the key a guarded attention gets for rows whose keys are all masked
 
 

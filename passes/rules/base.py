@@ -26,6 +26,19 @@ from sdnpu.passes.irutil import Builder, replace
 log = logging.getLogger(__name__)
 
 
+class Declined(str):
+    """A rule's refusal of what it matched (the reason) that also names the nodes the refusal leaves on the CPU:
+    each keeps the reason where nothing else took it, not the registry's default for its op type (an attention
+    refused for its mask: its two MatMuls and its Softmax say so, not "MatMul of two activations")."""
+
+    nodes: tuple[ir.Node, ...]
+
+    def __new__(cls, reason: str, nodes: Sequence[ir.Node]) -> Declined:
+        self = super().__new__(cls, reason)
+        self.nodes = tuple(nodes)
+        return self
+
+
 @dataclass
 class Match:
     """What a rule found: the nodes it replaces, the values whose users move to the new nodes, and the
@@ -95,6 +108,8 @@ def apply_rules(graph: ir.Graph, rules: Sequence[Rule], stats: RuleStats | None 
                 continue
             if isinstance(found, str):
                 node.metadata_props[DECLINED_TAG] = f"{rule.name}: {found}"
+                for n in getattr(found, "nodes", ()):  # a Declined: the nodes it leaves, where no reason is yet
+                    n.metadata_props.setdefault(DECLINED_TAG, f"{rule.name}: {found}")
                 stats.declined[rule.name] += 1
                 continue
             shared = _escapes(found)
