@@ -41,6 +41,8 @@ takes and computes right, then say what it takes:
                   angle and its Sin / Cos drift past a few hundred radians
     htp_rank6     DiT's rank-6 unpatchify as DepthToSpace, any other rank-6 permutation as rank-4 steps (QNN has
                   no rank-6 Reshape or Transpose)
+    htp_heads     an attention whose scores pass 1 GiB in groups of its heads (QNN's compile of SD 3.5's 3.5 GB
+                  scores did not fit this machine, nor would they the HTP's address space); exact
     partition     the NPU's regions and the reason for every node its table refuses (what QNN's own compiler
                   then says is the backend's: ``sdnpu.backends``)
 ``sdnpu.passes.modelfile`` loads a model with its weights left on disk and saves the dispatch model;
@@ -69,8 +71,8 @@ from sdnpu.passes.fuse import fuse
 from sdnpu.passes.glue import lower_glue
 from sdnpu.passes.handoff import handoff_pass
 from sdnpu.passes.htp import common as htp_common
-from sdnpu.passes.htp import (broadcast_into_layernorm, exact_angles, float32_tables, fp16_headroom,
-                              pixel_shuffles, rank6_movements, reciprocal_products)
+from sdnpu.passes.htp import (attention_head_groups, broadcast_into_layernorm, exact_angles, float32_tables,
+                              fp16_headroom, pixel_shuffles, rank6_movements, reciprocal_products)
 from sdnpu.passes.joint import joint_attention
 from sdnpu.passes.layout import layout
 from sdnpu.passes.parallel import join_parallel
@@ -217,6 +219,7 @@ def standard_pipeline(options: CompileOptions) -> list[tuple[str, PassFn]]:
         ("htp_recip", reciprocal_products),
         ("htp_angles", exact_angles),
         ("htp_rank6", lambda m: _both(pixel_shuffles(m), rank6_movements(m))),
+        ("htp_heads", attention_head_groups),
         ("partition", lambda m: partition(m, t)),
     ]
 

@@ -24,13 +24,16 @@ and outputs, so a runtime can swap the QNN model for the fp32 graph.
   RmsNorm that fails to compile or computes wrong, is written with a division.
 - **Rank-6 pixel shuffles** (``pixel_shuffles``): DiT's unpatchify, in rank 4.
 - **fp16's range** (``fp16_headroom``): masks' minus infinity, and values near 65504 scaled into their norms.
+- **An attention's scores in head groups** (``attention_head_groups``): scores past 1 GiB (SD 3.5's at 1024 px,
+  3.5 GB) computed over groups of heads, concatenated: QNN's compile of such a piece did not fit this machine.
 """
 
 from sdnpu.passes.htp.angles import exact_angles
 from sdnpu.passes.htp.dtypes import float32_tables
+from sdnpu.passes.htp.heads import attention_head_groups
 from sdnpu.passes.htp.headroom import MASK_FLOOR, clamp_masks, fp16_headroom, guards_of, scale_into_norms
 from sdnpu.passes.htp.movement import pixel_shuffles, rank6_movements
 from sdnpu.passes.htp.norms import broadcast_into_layernorm, reciprocal_products
 
-__all__ = ["MASK_FLOOR", "broadcast_into_layernorm", "clamp_masks", "exact_angles", "float32_tables", "fp16_headroom",
+__all__ = ["MASK_FLOOR", "attention_head_groups", "broadcast_into_layernorm", "clamp_masks", "exact_angles", "float32_tables", "fp16_headroom",
            "guards_of", "pixel_shuffles", "rank6_movements", "reciprocal_products", "scale_into_norms"]
