@@ -251,6 +251,16 @@ def _lora_lines(r: dict[str, Any]) -> list[str]:
     return lines + [""]
 
 
+def bf16_sensitive(fid: dict[str, Any]) -> str:
+    """The line that says a dispatch model's loss is the graph's own sensitivity to bf16 (``fid["bf16_rounding"]``:
+    the compile sets the graph's op-by-op bf16 rounding beside a loss past what bf16 usually loses)."""
+    b = fid["bf16_rounding"]
+    where = ", ".join(f"{d['op_type']} {d['node']}" for d in b["departures"][:3]) or "no single node"
+    return (f"bf16-sensitive graph: cosine {fid['min_cosine']:.4f} against fp32, where the graph itself rounded to "
+            f"bf16 op by op keeps {b['min_cosine']:.4f} ({b['ratio']:.2f}x its error); bf16's error grows first "
+            f"at {where}")
+
+
 def render_text(r: dict[str, Any]) -> str:
     """The report for an 80-column terminal."""
     s = r["summary"]
@@ -347,6 +357,8 @@ def render_text(r: dict[str, Any]) -> str:
             for name, e in pes["outputs"].items():
                 psnr = f"  PSNR {e['psnr_db']:.1f} dB" if "psnr_db" in e else ""
                 lines.append(f"  {name[:28]:<28} max abs {e['max_abs']:.3e}  cosine {e['cosine']:.6f}{psnr}")
+        if fid.get("bf16_rounding"):
+            lines += textwrap.wrap(bf16_sensitive(fid), 77, initial_indent="  ", subsequent_indent="    ")
         if fid.get("inputs"):
             lines += textwrap.wrap(f"inputs: {fid['inputs']}", 77, initial_indent="  ", subsequent_indent="    ")
         pipe = fid.get("pipeline")

@@ -29,7 +29,7 @@ from sdnpu.ops.target import DEFAULT_TARGET, target_names
 from sdnpu.passes.pipeline import CompileOptions
 from sdnpu.reports import show
 from sdnpu.reports.plot import plot
-from sdnpu.reports.report import render_text
+from sdnpu.reports.report import bf16_sensitive, render_text
 from sdnpu.runtime import GenerateOptions, Pipeline, RuntimeOptions, save_png, verify
 from sdnpu.runtime.controlnet import ControlSpec
 from sdnpu.runtime.pack import PACKED_DIR, amd_packer, pack
@@ -102,6 +102,9 @@ def _cmd_compile(args: argparse.Namespace) -> int:
     report = compile_file(Path(args.model), Path(args.out) if args.out else None, options, verify=not args.no_verify,
                           res=args.res, outputs=args.outputs)
     print(render_text(report), end="")
+    fid = report.get("fidelity") or {}
+    if fid.get("bf16_rounding"):
+        print(bf16_sensitive(fid))
     return 0
 
 

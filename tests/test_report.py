@@ -143,7 +143,7 @@ def test_image_outputs_get_a_psnr(tiny_conversion):
     assert "psnr_db" not in unet["outputs"]["out_sample"]  # latents are not images
 
 
-def test_a_graph_that_loses_more_than_bf16_usually_loses_is_said(tmp_path, caplog):
+def test_a_graph_that_loses_more_than_bf16_usually_loses_is_said(tmp_path, caplog, capsys):
     """x @ W1 - x @ W2 with W2 = W1 + a thousandth: in bf16 the difference of the weights is lost, so the compile's
     own check reads a cosine far below what the presets keep, and the compile says so (issue 42: a Kandinsky 3
     UNet at 0.9858 passed without a word)."""
@@ -168,8 +168,58 @@ def test_a_graph_that_loses_more_than_bf16_usually_loses_is_said(tmp_path, caplo
     onnx.save(helper.make_model(g, opset_imports=[helper.make_opsetid("", 17)]), str(tmp_path / "m" / "model.onnx"))
     with caplog.at_level(logging.WARNING, logger="sdnpu"):
         report = compile_file(tmp_path / "m" / "model.onnx", tmp_path / "dd")
-    assert report["fidelity"]["min_cosine"] < 0.99
-    assert "loses more than bf16 usually loses" in caplog.text
+    fid = report["fidelity"]
+    assert fid["min_cosine"] < 0.99
+    rounding = fid["bf16_rounding"]  # the graph's own op-by-op bf16 rounding, set beside it
+    assert rounding["min_cosine"] < 0.99 and rounding["ratio"] < 10
+    assert [d["op_type"] for d in rounding["departures"]][:1] == ["Sub"]  # where bf16's error grows: the difference
+    assert "bf16-sensitive graph" in caplog.text and "grows first at Sub" in caplog.text
+    show.validate(report, tmp_path / "dd" / "report.json")
+    from sdnpu.cli import main
+
+    capsys.readouterr()
+    assert main(["compile", str(tmp_path / "m" / "model.onnx"), "--out", str(tmp_path / "dd2")]) == 0
+    last = capsys.readouterr().out.rstrip().splitlines()[-1]
+    assert last.startswith("bf16-sensitive graph: cosine") and "grows first at Sub" in last
+
+
+def test_a_rewrite_that_breaks_a_graphs_numbers_fails_the_compile(tmp_path, monkeypatch, capsys):
+    """A pass that breaks the numbers (here a weight doubled after cleanup): the check's error is far past what
+    bf16 rounding of the graph gives, so the compile fails with exit 2 and writes nothing."""
+    import numpy as np
+    from onnx import TensorProto as T
+    from onnx import helper
+
+    from sdnpu.passes import pipeline
+
+    rng = np.random.default_rng(0)
+    g = helper.make_graph([helper.make_node("MatMul", ["x", "w"], ["a"]), helper.make_node("Relu", ["a"], ["y"])],
+                          "g", [helper.make_tensor_value_info("x", T.FLOAT, [1, 16, 64])],
+                          [helper.make_tensor_value_info("y", T.FLOAT, [1, 16, 64])],
+                          [onnx.numpy_helper.from_array(rng.standard_normal((64, 64)).astype(np.float32), "w")])
+    (tmp_path / "m").mkdir()
+    onnx.save(helper.make_model(g, opset_imports=[helper.make_opsetid("", 17)]), str(tmp_path / "m" / "model.onnx"))
+    real = pipeline.cleanup
+
+    def broken(model, target):
+        result = real(model, target)
+        for init in model.graph.initializers.values():
+            if init.const_value is not None and init.const_value.dtype.itemsize == 2 and init.name.startswith("w"):
+                import onnx_ir as ir
+
+                arr = init.const_value.numpy()
+                arr = arr.copy()
+                arr[: arr.shape[0] // 2] = 0  # half the weight lost: what a wrong rewrite does
+                init.const_value = ir.tensor(arr, name=init.name)
+        return result
+
+    monkeypatch.setattr(pipeline, "cleanup", broken)
+    from sdnpu.cli import main
+
+    assert main(["compile", str(tmp_path / "m" / "model.onnx"), "--out", str(tmp_path / "dd")]) == 2
+    err = capsys.readouterr().err
+    assert "computes wrong" in err and "a rewrite broke its numbers" in err
+    assert not (tmp_path / "dd").exists()
 
 
 def test_one_value_moved_for_several_readers_is_moved_once(tmp_path):
