@@ -94,6 +94,11 @@ import onnxruntime as ort
 from onnx import TensorProto as T
 from onnx import helper
 
+from sdnpu.reports.bf16 import float_outputs as _float_outputs
+from sdnpu.reports.bf16 import round_bf16 as _round_bf16
+from sdnpu.reports.bf16 import rounded as bf16_everywhere  # weights and every float output rounded to bf16
+from sdnpu.reports.bf16 import selectors as _selectors
+
 FP32_REL = 1e-4
 EMUL_FACTOR = 4.0
 LOW_BF16 = 2.0**-8
@@ -212,16 +217,6 @@ def _has_fp16(model: onnx.ModelProto) -> bool:
         t.data_type == T.FLOAT16 for t in g.initializer)
 
 
-def _round_bf16(a: np.ndarray) -> np.ndarray:
-    return a.astype(ml_dtypes.bfloat16).astype(a.dtype) if a.dtype in (np.float32, np.float16) else a
-
-
-def _float_outputs(model: onnx.ModelProto) -> dict[str, tuple[int, list[int]]]:
-    """Every node output's float type and shape (from shape inference; the graphs have static shapes)."""
-    g = onnx.shape_inference.infer_shapes(model).graph
-    return {vi.name: (_elem(vi), _dims(vi)) for vi in [*g.value_info, *g.output] if _elem(vi) in FLOAT_TYPES}
-
-
 def _after_each_output(model: onnx.ModelProto, wrap: Callable[[str, str, int, list[int]], list[onnx.NodeProto]]
                        ) -> onnx.ModelProto:
     """Insert ``wrap(exact, name, type, shape)`` nodes after every float node output ``name`` (the node now
@@ -242,23 +237,6 @@ def _after_each_output(model: onnx.ModelProto, wrap: Callable[[str, str, int, li
     model.graph.node.extend(nodes)
     del model.graph.value_info[:]
     return model
-
-
-def bf16_everywhere(model: onnx.ModelProto) -> onnx.ModelProto:
-    """The input graph with weights and every node's float outputs rounded to bf16 (Cast there and back):
-    what bf16 rounding does to this graph's result. Feed it ``_round_bf16``-ed inputs."""
-    return _after_each_output(_retype(model, lambda t: t, _round_bf16), lambda exact, name, elem, _: [
-        helper.make_node("Cast", [exact], [f"{name}__bf16"], to=T.BFLOAT16),
-        helper.make_node("Cast", [f"{name}__bf16"], [name], to=elem)])
-
-
-_SELECTING = {"Resize": (1, 2), "Pow": (1,)}  # float inputs that choose the function rather than feed it
-
-
-def _selectors(model: onnx.ModelProto) -> set[str]:
-    """Float constants that select rather than compute (Resize's roi and scales: the output shape; Pow's
-    exponent: x^2.0005 of a negative x is NaN): never perturbed."""
-    return {n.input[i] for n in model.graph.node for i in _SELECTING.get(n.op_type, ()) if i < len(n.input)}
 
 
 def perturbed(model: onnx.ModelProto, feeds: dict[str, np.ndarray], rel: float, seed: int
