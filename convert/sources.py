@@ -426,16 +426,30 @@ def _preset_pad(folder: Path, default: str) -> str:
 
 
 def _single_file_source(path: Path) -> Source:
-    """A single-file checkpoint: its layout from its keys, its configs from the first preset of its family
-    whose modules its tensors fill exactly (``singlefile.fits``: the file's shapes through the converters,
-    no tensor read), the presets that keep the family's own generation defaults first."""
+    """A single-file checkpoint: its layout from its keys, its configs from a preset (``match_preset``)."""
+    layout, prefixes, preset = match_preset(singlefile.read_shapes(path), path.name)
+    modules = {k: preset.modules[k] for k in prefixes}
+    lacks = [p.module for p in layout.parts if p.module not in prefixes and p.module in preset.modules]
+    log.info("%s: %s %s checkpoint holding %s; its configs, tokenizers and scheduler are preset %s's%s", path.name,
+             _article(layout.title), layout.title, ", ".join(modules), preset.name,
+             f"; it holds no {', '.join(lacks)} (convert them from the base model's diffusers folder into the "
+             "same --out)" if lacks else "")
+    return Source(name=path.stem, kind="single-file", root=path, modules=modules,
+                  classes={k: preset.classes[k] for k in modules}, single=SingleFile(layout, prefixes, preset))
+
+
+def match_preset(shapes: dict[str, tuple[int, ...]], name: str
+                 ) -> tuple[singlefile.Layout, dict[str, str], Source]:
+    """A single file's layout (from its keys), the modules it holds (-> their prefixes) and the first preset of
+    its family whose modules its tensors fill exactly (``singlefile.fits``: the file's shapes through the
+    converters, no tensor read), the presets that keep the family's own generation defaults first; else one
+    line naming the closest preset and why it does not fit. ``name`` names the file in messages."""
     import torch
 
-    shapes = singlefile.read_shapes(path)
-    layout = singlefile.detect(shapes, path.name)
+    layout = singlefile.detect(shapes, name)
     prefixes = layout.held(shapes)
     if layout.denoiser.module not in prefixes:
-        raise SdnpuError(f"{path.name} holds no {layout.title} {layout.denoiser.module}: it holds "
+        raise SdnpuError(f"{name} holds no {layout.title} {layout.denoiser.module}: it holds "
                          f"{', '.join(prefixes) or 'nothing sdnpu reads'} ({singlefile.summary(shapes)})",
                          hint="sdnpu converts a single file that holds its model's denoiser")
     presets = [resolve_source(n) for n in preset_names() if (PRESETS_DIR / n / "model_index.json").is_file()]
@@ -452,28 +466,20 @@ def _single_file_source(path: Path) -> Source:
                 continue
             with torch.device("meta"):
                 module = preset.build(part.module)
-            reason = singlefile.fits(shapes, layout, part, prefixes[part.module],
-                                     preset._configs[part.module], module)
+            reason = singlefile.fits(shapes, layout, part, prefixes[part.module], preset._configs[part.module],
+                                     module)
             if reason is not None:
                 reasons.append(reason)
         if not reasons:
-            return _single(path, layout, prefixes, preset)
+            return layout, prefixes, preset
         misfits[preset.name] = reasons
-    names = ", ".join(p.name for p in candidates)
     closest = min(misfits, key=lambda n: len(misfits[n])) if misfits else None
     why = f" (closest, {closest}: {misfits[closest][0]})" if closest else ""
-    raise SdnpuError(f"{path.name} is {'an' if layout.title[0] in 'S' else 'a'} {layout.title} checkpoint whose "
-                     f"shapes match no {layout.title} preset{why}",
-                     hint=f"sdnpu takes a single file's configs from a preset of its architecture ({names}); "
-                     "the model's diffusers folder converts without one")
+    raise SdnpuError(f"{name} is {_article(layout.title)} {layout.title} checkpoint whose shapes match no "
+                     f"{layout.title} preset{why}",
+                     hint="sdnpu takes a single file's configs from a preset of its architecture "
+                     f"({', '.join(p.name for p in candidates)}); the model's diffusers folder converts without one")
 
 
-def _single(path: Path, layout: singlefile.Layout, prefixes: dict[str, str], preset: Source) -> Source:
-    modules = {k: preset.modules[k] for k in prefixes}
-    lacks = [p.module for p in layout.parts if p.module not in prefixes and p.module in preset.modules]
-    log.info("%s: %s %s checkpoint holding %s; its configs, tokenizers and scheduler are preset %s's%s", path.name,
-             "an" if layout.title[0] in "S" else "a", layout.title, ", ".join(modules), preset.name,
-             f"; it holds no {', '.join(lacks)} (convert them from the base model's diffusers folder into the "
-             "same --out)" if lacks else "")
-    return Source(name=path.stem, kind="single-file", root=path, modules=modules,
-                  classes={k: preset.classes[k] for k in modules}, single=SingleFile(layout, prefixes, preset))
+def _article(title: str) -> str:
+    return "an" if title.startswith("S") else "a"  # an SDXL, an SD3, a Flux.1

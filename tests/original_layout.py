@@ -277,8 +277,10 @@ FILES: dict[str, dict[str, tuple[str, Writer]]] = {
 }
 
 
-def original(preset: str, layout: str, modules: list[str] | None = None) -> dict[str, torch.Tensor]:
-    """Preset ``preset``'s seeded modules (``modules``: these alone) as one state dict in ``layout``."""
+def original(preset: str, layout: str, modules: list[str] | None = None, meta: bool = False
+             ) -> dict[str, torch.Tensor]:
+    """Preset ``preset``'s seeded modules (``modules``: these alone) as one state dict in ``layout``; ``meta``:
+    its modules built on the meta device (the shapes alone, of any size)."""
     from sdnpu.convert import resolve_source
 
     src = resolve_source(preset)
@@ -286,10 +288,20 @@ def original(preset: str, layout: str, modules: list[str] | None = None) -> dict
     for key, (prefix, write) in FILES[layout].items():
         if modules is not None and key not in modules:
             continue
-        state = {k: v.detach() for k, v in src.load_module(key).state_dict().items()}
+        if meta:
+            with torch.device("meta"):
+                module = src.build(key)
+        else:
+            module = src.load_module(key)
+        state = {k: v.detach() for k, v in module.state_dict().items()}
         for k, v in write(state, src.module_config(_component(key))).items():
             out[prefix + k] = v
     return out
+
+
+def shapes(preset: str, layout: str, modules: list[str] | None = None) -> dict[str, tuple[int, ...]]:
+    """The shapes of ``original(...)``, for a preset of any size (built on the meta device)."""
+    return {k: tuple(v.shape) for k, v in original(preset, layout, modules, meta=True).items()}
 
 
 def single_file(preset: str, layout: str, path: Path, modules: list[str] | None = None) -> Path:
