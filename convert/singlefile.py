@@ -282,61 +282,85 @@ def _swap_halves(t: Any) -> Any:
 def _flux(tensors: dict[str, Any], prefix: str, config: dict[str, Any], module: Any) -> dict[str, Any]:
     """Flux.1's transformer in BFL's layout -> diffusers' names: diffusers'
     ``convert_flux_transformer_checkpoint_to_diffusers`` with the width from the config (there it is FLUX.1's,
-    3072, whatever the file holds). Every tensor of the file is read or it is an error."""
+    3072, whatever the file holds). A tensor no rule reads is kept under its own name (reported as unexpected).
+    Block by block reads it a group at a time (``_flux_group``)."""
+    sd = {k[len(prefix):]: v for k, v in tensors.items()}
+    out = _flux_edges(sd)
+    for i in sorted({int(k.split(".")[1]) for k in sd if k.startswith("double_blocks.")}):
+        out.update(_flux_double(sd, i))
+    for i in sorted({int(k.split(".")[1]) for k in sd if k.startswith("single_blocks.")}):
+        out.update(_flux_single(sd, i, config))
+    out.update(sd)
+    return out
+
+
+def _take(sd: dict[str, Any], out: dict[str, Any], new: str, old: str) -> None:
+    for leaf in ("weight", "bias"):
+        out[f"{new}.{leaf}"] = sd.pop(f"{old}.{leaf}")
+
+
+def _split(sd: dict[str, Any], out: dict[str, Any], new: tuple[str, ...], old: str,
+           sizes: tuple[int, ...] | None = None) -> None:
+    """``old``'s weight and bias cut along the rows into ``new`` (equal parts, or ``sizes``)."""
     import torch
 
-    sd = {k[len(prefix):]: v for k, v in tensors.items()}
-    inner = int(config.get("num_attention_heads", 24)) * int(config.get("attention_head_dim", 128))
+    for leaf in ("weight", "bias"):
+        t = sd.pop(f"{old}.{leaf}")
+        parts = torch.split(t, list(sizes), dim=0) if sizes else torch.chunk(t, len(new), dim=0)
+        for name, part in zip(new, parts, strict=True):
+            out[f"{name}.{leaf}"] = part
+
+
+def _flux_edges(sd: dict[str, Any]) -> dict[str, Any]:
+    """The embeddings and the output layers (what is not a block), popped from ``sd``."""
     out: dict[str, Any] = {}
-
-    def take(new: str, old: str) -> None:
-        for leaf in ("weight", "bias"):
-            out[f"{new}.{leaf}"] = sd.pop(f"{old}.{leaf}")
-
-    def split(new: tuple[str, ...], old: str, sizes: tuple[int, ...] | None = None) -> None:
-        for leaf in ("weight", "bias"):
-            t = sd.pop(f"{old}.{leaf}")
-            parts = torch.split(t, list(sizes), dim=0) if sizes else torch.chunk(t, len(new), dim=0)
-            for name, p in zip(new, parts, strict=True):
-                out[f"{name}.{leaf}"] = p
-
     for new, old in (("timestep_embedder", "time_in"), ("text_embedder", "vector_in"),
                      ("guidance_embedder", "guidance_in")):
         if f"{old}.in_layer.weight" in sd:
-            take(f"time_text_embed.{new}.linear_1", f"{old}.in_layer")
-            take(f"time_text_embed.{new}.linear_2", f"{old}.out_layer")
-    take("context_embedder", "txt_in")
-    take("x_embedder", "img_in")
-    double = sorted({int(k.split(".")[1]) for k in sd if k.startswith("double_blocks.")})
-    single = sorted({int(k.split(".")[1]) for k in sd if k.startswith("single_blocks.")})
-    for i in double:
-        new, old = f"transformer_blocks.{i}.", f"double_blocks.{i}."
-        take(f"{new}norm1.linear", f"{old}img_mod.lin")
-        take(f"{new}norm1_context.linear", f"{old}txt_mod.lin")
-        split((f"{new}attn.to_q", f"{new}attn.to_k", f"{new}attn.to_v"), f"{old}img_attn.qkv")
-        split((f"{new}attn.add_q_proj", f"{new}attn.add_k_proj", f"{new}attn.add_v_proj"), f"{old}txt_attn.qkv")
-        for norm, stream, which in (("norm_q", "img", "query"), ("norm_k", "img", "key"),
-                                    ("norm_added_q", "txt", "query"), ("norm_added_k", "txt", "key")):
-            out[f"{new}attn.{norm}.weight"] = sd.pop(f"{old}{stream}_attn.norm.{which}_norm.scale")
-        take(f"{new}ff.net.0.proj", f"{old}img_mlp.0")
-        take(f"{new}ff.net.2", f"{old}img_mlp.2")
-        take(f"{new}ff_context.net.0.proj", f"{old}txt_mlp.0")
-        take(f"{new}ff_context.net.2", f"{old}txt_mlp.2")
-        take(f"{new}attn.to_out.0", f"{old}img_attn.proj")
-        take(f"{new}attn.to_add_out", f"{old}txt_attn.proj")
-    for i in single:
-        new, old = f"single_transformer_blocks.{i}.", f"single_blocks.{i}."
-        take(f"{new}norm.linear", f"{old}modulation.lin")
-        mlp = sd[f"{old}linear1.weight"].shape[0] - 3 * inner
-        split((f"{new}attn.to_q", f"{new}attn.to_k", f"{new}attn.to_v", f"{new}proj_mlp"), f"{old}linear1",
-              (inner, inner, inner, mlp))
-        out[f"{new}attn.norm_q.weight"] = sd.pop(f"{old}norm.query_norm.scale")
-        out[f"{new}attn.norm_k.weight"] = sd.pop(f"{old}norm.key_norm.scale")
-        take(f"{new}proj_out", f"{old}linear2")
-    take("proj_out", "final_layer.linear")
+            _take(sd, out, f"time_text_embed.{new}.linear_1", f"{old}.in_layer")
+            _take(sd, out, f"time_text_embed.{new}.linear_2", f"{old}.out_layer")
+    _take(sd, out, "context_embedder", "txt_in")
+    _take(sd, out, "x_embedder", "img_in")
+    _take(sd, out, "proj_out", "final_layer.linear")
     for leaf in ("weight", "bias"):
         out[f"norm_out.linear.{leaf}"] = _swap_halves(sd.pop(f"final_layer.adaLN_modulation.1.{leaf}"))
-    out.update(sd)  # what no rule read: reported as unexpected
+    return out
+
+
+def _flux_double(sd: dict[str, Any], i: int) -> dict[str, Any]:
+    """Double-stream block ``i``, popped from ``sd``."""
+    out: dict[str, Any] = {}
+    new, old = f"transformer_blocks.{i}.", f"double_blocks.{i}."
+    _take(sd, out, f"{new}norm1.linear", f"{old}img_mod.lin")
+    _take(sd, out, f"{new}norm1_context.linear", f"{old}txt_mod.lin")
+    _split(sd, out, (f"{new}attn.to_q", f"{new}attn.to_k", f"{new}attn.to_v"), f"{old}img_attn.qkv")
+    _split(sd, out, (f"{new}attn.add_q_proj", f"{new}attn.add_k_proj", f"{new}attn.add_v_proj"),
+           f"{old}txt_attn.qkv")
+    for norm, stream, which in (("norm_q", "img", "query"), ("norm_k", "img", "key"),
+                                ("norm_added_q", "txt", "query"), ("norm_added_k", "txt", "key")):
+        out[f"{new}attn.{norm}.weight"] = sd.pop(f"{old}{stream}_attn.norm.{which}_norm.scale")
+    _take(sd, out, f"{new}ff.net.0.proj", f"{old}img_mlp.0")
+    _take(sd, out, f"{new}ff.net.2", f"{old}img_mlp.2")
+    _take(sd, out, f"{new}ff_context.net.0.proj", f"{old}txt_mlp.0")
+    _take(sd, out, f"{new}ff_context.net.2", f"{old}txt_mlp.2")
+    _take(sd, out, f"{new}attn.to_out.0", f"{old}img_attn.proj")
+    _take(sd, out, f"{new}attn.to_add_out", f"{old}txt_attn.proj")
+    return out
+
+
+def _flux_single(sd: dict[str, Any], i: int, config: dict[str, Any]) -> dict[str, Any]:
+    """Single-stream block ``i``, popped from ``sd``: its ``linear1`` is q, k, v and the MLP's input, cut at the
+    config's width."""
+    out: dict[str, Any] = {}
+    inner = int(config.get("num_attention_heads", 24)) * int(config.get("attention_head_dim", 128))
+    new, old = f"single_transformer_blocks.{i}.", f"single_blocks.{i}."
+    _take(sd, out, f"{new}norm.linear", f"{old}modulation.lin")
+    mlp = sd[f"{old}linear1.weight"].shape[0] - 3 * inner
+    _split(sd, out, (f"{new}attn.to_q", f"{new}attn.to_k", f"{new}attn.to_v", f"{new}proj_mlp"), f"{old}linear1",
+           (inner, inner, inner, mlp))
+    out[f"{new}attn.norm_q.weight"] = sd.pop(f"{old}norm.query_norm.scale")
+    out[f"{new}attn.norm_k.weight"] = sd.pop(f"{old}norm.key_norm.scale")
+    _take(sd, out, f"{new}proj_out", f"{old}linear2")
     return out
 
 
@@ -434,3 +458,48 @@ def load_part(path: Path, layout: Layout, part: Part, prefix: str, config: dict[
     if left:  # not reached where ``mismatch`` passed; kept as the last word on a half-loaded module
         raise SdnpuError(f"{path.name}: its {part.module} left {len(left)} parameters unset ({left[0]})")
     return module
+
+
+# -- block by block: a part read a group of tensors at a time ----------------------------------------------------
+
+def _group(converter: str, name: str, keys: list[str], prefix: str, config: dict[str, Any]
+           ) -> tuple[list[str], Callable[[dict[str, Any]], dict[str, Any]]]:
+    """The file's keys that diffusers' tensor ``name`` (or the names under it) is made of, and what makes them:
+    T5's are renamed one by one, Flux.1's a block (or the embeddings and output layers) at a time."""
+    if converter == "t5":
+        return [k for k in keys if k[len(prefix):].startswith(name)], lambda t: _t5(t, prefix, config, None)
+    if converter != "flux":
+        raise SdnpuError(f"a single file's {converter} part does not convert block by block")
+    parts = name.split(".")
+    if parts[0] in ("transformer_blocks", "single_transformer_blocks") and len(parts) > 1 and parts[1].isdigit():
+        i = int(parts[1])
+        old = f"{'double' if parts[0] == 'transformer_blocks' else 'single'}_blocks.{i}."
+        chosen = [k for k in keys if k[len(prefix):].startswith(old)]
+
+        def block(t: dict[str, Any]) -> dict[str, Any]:
+            sd = {k[len(prefix):]: v for k, v in t.items()}
+            return _flux_double(sd, i) if old.startswith("double") else _flux_single(sd, i, config)
+        return chosen, block
+    chosen = [k for k in keys if not k[len(prefix):].startswith(("double_blocks.", "single_blocks."))]
+    return chosen, lambda t: _flux_edges({k[len(prefix):]: v for k, v in t.items()})
+
+
+class PartReader:
+    """A single file's part in diffusers' names, read a group of tensors at a time (block by block: a module
+    larger than this machine's memory; ``sdnpu.convert.blockwise.piece.Weights`` asks it)."""
+
+    def __init__(self, path: Path, layout: Layout, part: Part, prefix: str, config: dict[str, Any]) -> None:
+        import torch
+
+        self.path, self.part, self.prefix, self.config = path, part, prefix, config
+        shapes = read_shapes(path)
+        self.keys = part_keys(shapes, layout, prefix)
+        meta = {k: torch.empty(shapes[k], device="meta") for k in self.keys}
+        self.names = frozenset(CONVERTERS[part.converter](meta, prefix, config, None))
+
+    def tensors(self, prefix: str) -> dict[str, Any]:
+        """diffusers' tensors under ``prefix`` (a name: that tensor alone), the prefix taken off, each with its
+        own storage."""
+        keys, make = _group(self.part.converter, prefix, self.keys, self.prefix, self.config)
+        state = make(read_tensors(self.path, self.prefix, keys))
+        return {k[len(prefix):]: v.clone() for k, v in state.items() if k.startswith(prefix)}

@@ -165,7 +165,10 @@ class Source:
 
     def pipeline_config(self) -> PipelineConfig:
         """The source's module configs (each read once, when first asked for), its family and T5's tokens
-        (``sdnpu.specs``: every component's spec comes from it)."""
+        (``sdnpu.specs``: every component's spec comes from it). A single file's are its preset's, all of them:
+        the pipeline its modules join (a transformer alone takes its resolution from the preset's VAE)."""
+        if self.single is not None:
+            return self.single.preset.pipeline_config()
         # one module: as it was named (``text_encoder_2``: SDXL's), by its key alone, not its class
         family = self.family or (families.marked_by(self.modules) or families.DEFAULT).name
         return PipelineConfig(self._configs, family=family, text_len=self.generation().max_sequence_length)

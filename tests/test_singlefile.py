@@ -241,7 +241,44 @@ def test_a_transformer_alone_says_what_it_lacks(tmp_path, caplog):
     path = single_file("tiny-flux", "flux", tmp_path / "flux1-dev.safetensors")
     with caplog.at_level("INFO", logger="sdnpu.convert.sources"):
         src = resolve_source(path)
-    assert src.components == ["transformer"] and src.generation() == resolve_source("tiny-flux").generation()
+    preset = resolve_source("tiny-flux")
+    assert src.components == ["transformer"] and src.generation() == preset.generation()
+    # the pipeline it joins is the preset's: its resolution from the preset's VAE, which the file lacks
+    assert src.pipeline_config().default_resolution() == preset.pipeline_config().default_resolution() == 256
     assert "a Flux.1 checkpoint holding transformer; its configs, tokenizers and scheduler are preset " \
         "tiny-flux's; it holds no vae, text_encoder, text_encoder_2" in caplog.text
     assert parse_components("all", src) == ["transformer"]
+
+
+# -- block by block: what flux-dev's 47.6 GB of fp32 weights and T5-XXL need here -----------------------------
+
+@pytest.mark.parametrize(("preset", "layout", "key", "folder"), [
+    ("tiny-flux", "flux-comfy", "transformer", "tiny_flux_folder"),
+    ("tiny-sd3", "sd3", "text_encoder_3", "tiny_sd3_folder")], ids=["flux", "t5"])
+def test_pieces_read_from_a_file_as_from_the_folder(preset, layout, key, folder, tmp_path, request):
+    """Each piece's tensors (a block, or the embeddings and output layers) read a group at a time from the file
+    are the folder's, bit for bit."""
+    from sdnpu.convert.blockwise.piece import Weights
+
+    ours = Weights(resolve_source(single_file(preset, layout, tmp_path / "my.safetensors")), key)
+    theirs = Weights(resolve_source(request.getfixturevalue(folder)), key)
+    assert ours.where.keys() >= {n for n in theirs.where if n != "encoder.embed_tokens.weight"}
+    if key == "transformer":
+        prefixes = ["x_embedder.", "time_text_embed.", "context_embedder.", "norm_out.", "proj_out.",
+                    "transformer_blocks.0.", "single_transformer_blocks.0.", "single_transformer_blocks.1."]
+    else:
+        prefixes = ["encoder.block.0.", "encoder.block.1.", "encoder.final_layer_norm.", "shared."]
+    for prefix in prefixes:
+        a, b = ours.tensors(prefix), theirs.tensors(prefix)
+        assert a and a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in b), prefix
+    if key == "text_encoder_3":
+        assert torch.equal(ours.tensor("shared.weight"), theirs.tensor("shared.weight"))
+
+
+def test_a_flux_file_converts_block_by_block_as_its_folder(tiny_flux_blockwise, tmp_path):
+    """BFL's transformer-only file, block by block: byte for byte the graphs the folder's block-by-block
+    conversion writes (the folder's config.json is diffusers' save_pretrained's)."""
+    path = single_file("tiny-flux", "flux", tmp_path / "flux1-dev.safetensors")
+    out = convert(path, "transformer", out=tmp_path / "out", blockwise=True).out
+    assert json.loads((out / "transformer" / "export.json").read_text())["blockwise"]
+    _same_graphs(out, tiny_flux_blockwise.out, ["transformer"], pipeline=False, skip=frozenset({"config.json"}))
