@@ -4,38 +4,39 @@ The fine-tunes people share are one file in the layout of the model's own code, 
 UNet under ``model.diffusion_model.``, the VAE under ``first_stage_model.``, the text encoders under
 ``conditioner.embedders.N.`` (SDXL) or ``cond_stage_model.`` (SD 1.x/2.x); SD3's and Flux.1's under their
 own names. A file holds modules' weights only: the configs, tokenizers and scheduler come from the preset
-whose modules the file's tensors fill (``sdnpu.convert.sources`` picks it; this module says whether one
-fits).
+whose modules the file's tensors fill (``sdnpu.convert.sources.match_preset`` picks it; ``fits`` here says
+whether one does).
 
-==================== ============================================ =================================
-layout (``LAYOUTS``) its denoiser says it                        its parts, by prefix
-==================== ============================================ =================================
-SDXL                 ``model.diffusion_model.input_blocks.``,     unet, vae (``first_stage_model.``),
-                     ``conditioner.embedders.`` or ``label_emb``  CLIP-L (``...embedders.0``),
-                                                                  OpenCLIP bigG (``...embedders.1``)
-SD 1.x               ``input_blocks.``, ``cond_stage_model.``     unet, vae, CLIP-L
-                     ``transformer.`` (or no text encoder)        (``cond_stage_model.transformer.``)
-SD 2.x               ``input_blocks.``, ``cond_stage_model.model`` unet, vae, OpenCLIP-H
-SD3 / 3.5            ``joint_blocks.`` (bare or under             transformer, vae, CLIP-L, CLIP-G,
-                     ``model.diffusion_model.``)                  T5 (``text_encoders.*.transformer.``)
-Flux.1               ``double_blocks.`` (bare: BFL's file, or     transformer, vae (``vae.``), CLIP-L,
-                     under ``model.diffusion_model.``: ComfyUI's) T5
-==================== ============================================ =================================
+========== ====================================================== ==========================================
+layout     told by (``detect``)                                   its parts, by prefix (``LAYOUTS``)
+========== ====================================================== ==========================================
+SDXL       ``model.diffusion_model.input_blocks.``, and           unet, vae (``first_stage_model.``), CLIP-L
+           ``conditioner.embedders.`` or the UNet's ``label_emb``  (``conditioner.embedders.0.transformer.``),
+                                                                  OpenCLIP bigG (``...embedders.1.model.``)
+SD 1.x     ``input_blocks.``, CLIP-L or no text encoder           unet, vae, CLIP-L
+                                                                  (``cond_stage_model.transformer.``)
+SD 2.x     ``input_blocks.``, ``cond_stage_model.model.``         unet, vae, OpenCLIP-H
+SD3 / 3.5  ``joint_blocks.``, bare or under                       transformer, vae, CLIP-L, CLIP-G, T5
+           ``model.diffusion_model.``                             (``text_encoders.{clip_l,clip_g,t5xxl}.``)
+Flux.1     ``double_blocks.``, bare (BFL's release) or under      transformer, vae (``vae.``), CLIP-L, T5
+           ``model.diffusion_model.`` (ComfyUI's)
+========== ====================================================== ==========================================
 
-Reading a part: its tensors (the keys under its prefix, read from the file alone) go through diffusers'
-converter for it (``diffusers.loaders.single_file_utils``: ``convert_ldm_unet_checkpoint``,
+Reading a part: its tensors (the keys under its prefix, read from the file alone, in fp32) go through
+diffusers' converter for it (``diffusers.loaders.single_file_utils``: ``convert_ldm_unet_checkpoint``,
 ``convert_ldm_vae_checkpoint``, ``convert_ldm_clip_checkpoint``, ``convert_open_clip_checkpoint``,
-``convert_sd3_transformer_checkpoint_to_diffusers``, ``convert_sd3_t5_checkpoint_to_diffusers``) with the
+``convert_sd3_transformer_checkpoint_to_diffusers``; T5's names are transformers' under a prefix) with the
 preset's config, and the result must fill the module exactly: every parameter, each of its shape
-(``mismatch``: the same check on the file's shapes alone picks the preset, before any tensor is read). Two
-things are sdnpu's own, where diffusers' loader does not do what a conversion needs:
+(``mismatch``; the same check on the file's shapes alone, ``fits``, picks the preset before any tensor is
+read). Where diffusers' loader does not do what a conversion needs, sdnpu does its own:
 
-- Flux.1's transformer (``_flux``): diffusers' converter splits the single-stream blocks' fused projection at
-  FLUX.1's width (3072) whatever the file's; this one reads the width from the config (the test holds it to
-  diffusers' at FLUX.1's width).
+- Flux.1's transformer (``_bfl``): diffusers' converter splits the single-stream blocks' fused projection at
+  FLUX.1's width (3072) whatever the file's; this one reads the width from the config (the tests hold it to
+  diffusers' at FLUX.1's width), and reads a block at a time where the module converts block by block
+  (``PartReader``; T5 too).
 - the parts are read one by one, each from its own prefix: diffusers' pipeline loader tells CLIP-L from
-  OpenCLIP bigG by their widths, which a small model can share, and leaves a parameter the file lacks
-  unset without a word; here a missing one is an error.
+  OpenCLIP bigG by their widths, which a small model can share, and leaves a parameter the file lacks on the
+  meta device without a word; here a missing one is an error.
 
 SD3's CLIP-L takes the identity as its projection, as diffusers' loader gives it: SD3's own code reads CLIP-L's
 pooled output unprojected, and its files carry no projection for it (or one it ignores).
@@ -52,6 +53,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from sdnpu import families
 from sdnpu.errors import SdnpuError
 
 log = logging.getLogger(__name__)
@@ -109,29 +111,28 @@ def _bare(layout: Layout, keys: Mapping[str, Any]) -> bool:
 
 
 _VAE = Part("vae", ("first_stage_model.",), "vae")
-LAYOUTS: dict[str, Layout] = {
-    "sdxl": Layout("SDXL", "sdxl", (
-        Part("unet", (UNET,), "unet"), _VAE,
-        Part("text_encoder", ("conditioner.embedders.0.transformer.",), "clip"),
-        Part("text_encoder_2", ("conditioner.embedders.1.model.",), "open_clip"))),
-    "sd1": Layout("SD 1.x", "sd", (
-        Part("unet", (UNET,), "unet"), _VAE,
-        Part("text_encoder", ("cond_stage_model.transformer.",), "clip"))),
-    "sd2": Layout("SD 2.x", "sd", (
-        Part("unet", (UNET,), "unet"), _VAE,
-        Part("text_encoder", ("cond_stage_model.model.",), "open_clip"))),
-    "sd3": Layout("SD3", "sd3", (
-        Part("transformer", (UNET, ""), "mmdit"), _VAE,
-        Part("text_encoder", ("text_encoders.clip_l.transformer.",), "clip_unprojected"),
-        Part("text_encoder_2", ("text_encoders.clip_g.transformer.",), "clip"),
-        Part("text_encoder_3", ("text_encoders.t5xxl.transformer.",), "t5"))),
-    "flux": Layout("Flux.1", "flux", (
-        Part("transformer", (UNET, ""), "flux"), Part("vae", ("vae.", "first_stage_model."), "vae"),
-        Part("text_encoder", ("text_encoders.clip_l.transformer.",), "clip"),
-        Part("text_encoder_2", ("text_encoders.t5xxl.transformer.",), "t5"))),
-}
+SDXL = Layout("SDXL", families.SDXL.name, (
+    Part("unet", (UNET,), "unet"), _VAE,
+    Part("text_encoder", ("conditioner.embedders.0.transformer.",), "clip"),
+    Part("text_encoder_2", ("conditioner.embedders.1.model.",), "open_clip")))
+SD1 = Layout("SD 1.x", families.SD.name, (
+    Part("unet", (UNET,), "unet"), _VAE,
+    Part("text_encoder", ("cond_stage_model.transformer.",), "clip")))
+SD2 = Layout("SD 2.x", families.SD.name, (
+    Part("unet", (UNET,), "unet"), _VAE,
+    Part("text_encoder", ("cond_stage_model.model.",), "open_clip")))
+SD3 = Layout("SD3", families.SD3.name, (
+    Part("transformer", (UNET, ""), "mmdit"), _VAE,
+    Part("text_encoder", ("text_encoders.clip_l.transformer.",), "clip_unprojected"),
+    Part("text_encoder_2", ("text_encoders.clip_g.transformer.",), "clip"),
+    Part("text_encoder_3", ("text_encoders.t5xxl.transformer.",), "t5")))
+FLUX = Layout("Flux.1", families.FLUX.name, (
+    Part("transformer", (UNET, ""), "bfl"), Part("vae", ("vae.", "first_stage_model."), "vae"),
+    Part("text_encoder", ("text_encoders.clip_l.transformer.",), "clip"),
+    Part("text_encoder_2", ("text_encoders.t5xxl.transformer.",), "t5")))
+LAYOUTS: tuple[Layout, ...] = (SDXL, SD1, SD2, SD3, FLUX)
 # every prefix a layout names, longest first: how an unknown file's keys are summed up
-_KNOWN_PREFIXES = sorted({p for lay in LAYOUTS.values() for part in lay.parts for p in part.prefixes if p}
+_KNOWN_PREFIXES = sorted({p for lay in LAYOUTS for part in lay.parts for p in part.prefixes if p}
                          | {"conditioner.embedders.", "cond_stage_model.", "text_encoders."}, key=len, reverse=True)
 
 
@@ -194,12 +195,12 @@ def detect(shapes: Mapping[str, Any], name: str) -> Layout:
 
     if has(f"{UNET}input_blocks."):
         if has("conditioner.embedders.") or f"{UNET}label_emb.0.0.weight" in shapes:
-            return LAYOUTS["sdxl"]
-        return LAYOUTS["sd2"] if has("cond_stage_model.model.") else LAYOUTS["sd1"]
+            return SDXL
+        return SD2 if has("cond_stage_model.model.") else SD1
     if denoiser("joint_blocks."):
-        return LAYOUTS["sd3"]
+        return SD3
     if denoiser("double_blocks."):
-        return LAYOUTS["flux"]
+        return FLUX
     raise SdnpuError(
         f"{name} holds no model sdnpu reads: {summary(shapes)}",
         hint="sdnpu reads single-file SDXL, SD 1.x/2.x, SD3/3.5 and Flux.1 checkpoints in their original "
@@ -279,7 +280,7 @@ def _swap_halves(t: Any) -> Any:
     return torch.cat([scale, shift], dim=0)
 
 
-def _flux(tensors: dict[str, Any], prefix: str, config: dict[str, Any], module: Any) -> dict[str, Any]:
+def _bfl(tensors: dict[str, Any], prefix: str, config: dict[str, Any], module: Any) -> dict[str, Any]:
     """Flux.1's transformer in BFL's layout -> diffusers' names: diffusers'
     ``convert_flux_transformer_checkpoint_to_diffusers`` with the width from the config (there it is FLUX.1's,
     3072, whatever the file holds). A tensor no rule reads is kept under its own name (reported as unexpected).
@@ -366,7 +367,7 @@ def _flux_single(sd: dict[str, Any], i: int, config: dict[str, Any]) -> dict[str
 
 CONVERTERS: dict[str, Callable[[dict[str, Any], str, dict[str, Any], Any], dict[str, Any]]] = {
     "unet": _unet, "vae": _vae, "clip": _clip, "clip_unprojected": _clip_unprojected, "open_clip": _open_clip,
-    "t5": _t5, "mmdit": _mmdit, "flux": _flux}
+    "t5": _t5, "mmdit": _mmdit, "bfl": _bfl}
 
 
 def _flat(module: Any, state: dict[str, Any]) -> dict[str, Any]:
@@ -468,7 +469,7 @@ def _group(converter: str, name: str, keys: list[str], prefix: str, config: dict
     T5's are renamed one by one, Flux.1's a block (or the embeddings and output layers) at a time."""
     if converter == "t5":
         return [k for k in keys if k[len(prefix):].startswith(name)], lambda t: _t5(t, prefix, config, None)
-    if converter != "flux":
+    if converter != "bfl":
         raise SdnpuError(f"a single file's {converter} part does not convert block by block")
     parts = name.split(".")
     if parts[0] in ("transformer_blocks", "single_transformer_blocks") and len(parts) > 1 and parts[1].isdigit():

@@ -84,7 +84,7 @@ def test_flux_reader_is_diffusers_at_flux1s_width():
         probe[k] = torch.arange(start, start + rows, dtype=torch.float64)[:, None]
         start += rows
     config = json.loads((resolve_source("flux-dev").modules["transformer"] / "config.json").read_text())
-    ours = singlefile.CONVERTERS["flux"](dict(probe), "", config, None)
+    ours = singlefile.CONVERTERS["bfl"](dict(probe), "", config, None)
     theirs = convert_flux_transformer_checkpoint_to_diffusers(dict(probe))
     assert ours.keys() == theirs.keys() and all(torch.equal(ours[k], theirs[k]) for k in theirs)
     assert {k.split(".")[0] for k in ours} >= {"transformer_blocks", "single_transformer_blocks", "norm_out"}
