@@ -204,8 +204,8 @@ def detect(shapes: Mapping[str, Any], name: str) -> Layout:
     raise SdnpuError(
         f"{name} holds no model sdnpu reads: {summary(shapes)}",
         hint="sdnpu reads single-file SDXL, SD 1.x/2.x, SD3/3.5 and Flux.1 checkpoints in their original "
-        "layout (a UNet under model.diffusion_model.input_blocks, an MMDiT's joint_blocks, Flux.1's "
-        "double_blocks); a diffusers folder takes the other path")
+        "layout, with their denoiser (a UNet under model.diffusion_model.input_blocks, an MMDiT's joint_blocks, "
+        "Flux.1's double_blocks); a VAE or a text encoder alone converts from a diffusers folder")
 
 
 def summary(shapes: Mapping[str, Any], most: int = 6) -> str:

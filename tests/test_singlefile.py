@@ -282,3 +282,15 @@ def test_a_flux_file_converts_block_by_block_as_its_folder(tiny_flux_blockwise, 
     out = convert(path, "transformer", out=tmp_path / "out", blockwise=True).out
     assert json.loads((out / "transformer" / "export.json").read_text())["blockwise"]
     _same_graphs(out, tiny_flux_blockwise.out, ["transformer"], pipeline=False, skip=frozenset({"config.json"}))
+
+
+def test_a_large_module_of_a_file_exports_in_a_worker(tiny_conversion, tmp_path, monkeypatch):
+    """Above 1 GiB a module's torch side runs in a worker process, which resolves the file again: the same
+    graph, byte for byte."""
+    from sdnpu.convert import budget
+
+    monkeypatch.setattr(budget, "ISOLATE_BYTES", 0)
+    path = single_file("tiny-sdxl", "sdxl", tmp_path / "my-sdxl.safetensors", ["unet", "vae"])
+    result = convert(path, "vae_decoder", out=tmp_path / "out", compile=False, check=False)
+    ours = (result.out / "vae_decoder" / "model.onnx").read_bytes()
+    assert ours == (tiny_conversion.out / "vae_decoder" / "model.onnx").read_bytes()
