@@ -46,7 +46,6 @@ Pickles (``.ckpt``, ``.pt``, ``.bin``) are refused: loading one runs code from t
 
 from __future__ import annotations
 
-import logging
 from collections import Counter
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
@@ -55,8 +54,6 @@ from typing import Any
 
 from sdnpu import families
 from sdnpu.errors import SdnpuError
-
-log = logging.getLogger(__name__)
 
 PICKLE_SUFFIXES = (".ckpt", ".pt", ".pth", ".bin", ".pkl")
 UNET = "model.diffusion_model."  # the denoiser's prefix in a whole checkpoint (SD's, SDXL's, ComfyUI's)
@@ -163,8 +160,8 @@ def read_shapes(path: Path) -> dict[str, tuple[int, ...]]:
                          ) from e
 
 
-def read_tensors(path: Path, prefix: str, keys: Mapping[str, Any]) -> dict[str, Any]:
-    """The file's tensors of one part (``keys``: its keys), in fp32, each read alone."""
+def read_tensors(path: Path, keys: list[str]) -> dict[str, Any]:
+    """The file's tensors ``keys`` (a part's, or a group of them), in fp32, each read alone."""
     import torch
     from safetensors import safe_open
 
@@ -434,7 +431,7 @@ def load_part(path: Path, layout: Layout, part: Part, prefix: str, config: dict[
 
     shapes = read_shapes(path)
     keys = part_keys(shapes, layout, prefix)
-    tensors = read_tensors(path, prefix, keys)
+    tensors = read_tensors(path, keys)
     try:
         state = convert_part(part, tensors, prefix, config, module)
     except _Misfit as e:
@@ -502,5 +499,5 @@ class PartReader:
         """diffusers' tensors under ``prefix`` (a name: that tensor alone), the prefix taken off, each with its
         own storage."""
         keys, make = _group(self.part.converter, prefix, self.keys, self.prefix, self.config)
-        state = make(read_tensors(self.path, self.prefix, keys))
+        state = make(read_tensors(self.path, keys))
         return {k[len(prefix):]: v.clone() for k, v in state.items() if k.startswith(prefix)}
