@@ -1,5 +1,5 @@
 # sdnpu: every target sets up ./.venv itself (pinned packages, torch 2.13.0 CPU) before doing its job.
-#   make convert MODEL=unet [SOURCE=sdxl-base|sdxl-turbo|tiny-sdxl|path] [OUT=dir] [RES=WxH|px[,...]|sdxl-buckets] [ADD=1]
+#   make convert MODEL=unet [SOURCE=sdxl-base|sdxl-turbo|tiny-sdxl|folder|file.safetensors] [OUT=dir] [RES=WxH|px[,...]|sdxl-buckets] [ADD=1]
 #                [BATCH=B[,...]] [EXPORTER=dynamo|torchscript] [PRECISION=bf16|bfp16|fp16] [TARGET=amd-xdna2|qnn-htp]
 #                [HTP_ARCH=v69|v73|v75|v79|v81] [LORA="FILE[:SCALE] ..."]
 #   make lora MODELS=models/sdxl-base LORA="FILE[:SCALE] ..." | make lora-remove MODELS=...
@@ -32,7 +32,7 @@ export TRANSFORMERS_OFFLINE := 1
 export HF_HUB_DISABLE_TELEMETRY := 1
 
 PROMPT   ?=
-MODELS   ?= models/$(notdir $(SOURCE))
+MODELS   ?= models/$(patsubst %.safetensors,%,$(notdir $(SOURCE)))
 STEPS    ?=
 GUIDANCE ?=
 IMAGES   ?=

@@ -48,19 +48,8 @@ def human(n: int) -> str:
 
 
 def module_bytes(src: Source, key: str) -> int:
-    """fp32 weight bytes of module ``key``: counted on the meta device for presets, from the weight files'
-    sizes for folders (fp16 files count twice)."""
-    if src.kind == "preset":
-        import torch  # presets only: a folder's size is read from its files
-
-        with torch.device("meta"):
-            module = src.load_module(key)
-        return 4 * sum(p.numel() for p in module.parameters())
-    total = 0
-    for f in src.modules[key].iterdir():
-        if f.suffix in (".safetensors", ".bin"):
-            total += f.stat().st_size * (2 if ".fp16." in f.name else 1)
-    return total
+    """fp32 weight bytes of module ``key`` (``Source.weight_bytes``)."""
+    return src.weight_bytes(key)
 
 
 def fits(need: int, share: float) -> bool:

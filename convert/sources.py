@@ -1,10 +1,13 @@
-"""Where modules come from: a built-in preset or a local diffusers folder.
+"""Where modules come from: a built-in preset, a local diffusers folder or a single-file checkpoint.
 
 A *preset* is a diffusers config shipped in ``convert/presets/<name>/`` whose weights are drawn from a fixed
 seed (no model hub here): a pipeline's (``model_index.json``) or one module's (``config.json``: the
 ControlNets). A *pipeline folder* has ``model_index.json`` (as ``save_pretrained`` or a hub snapshot writes
 it; a ControlNet pipeline's lists its ``controlnet``). A *component folder* is one module's folder
-(``config.json`` plus weights), for example ``sdxl/unet`` or a ControlNet. All take the same export path.
+(``config.json`` plus weights), for example ``sdxl/unet`` or a ControlNet. A *single file* is one
+``.safetensors`` checkpoint in a model's original layout (``sdnpu.convert.singlefile``): its modules' weights
+are the file's, everything else (configs, tokenizers, scheduler, model_index.json) the preset's whose modules
+its tensors fill exactly (``SingleFile``). All take the same export path.
 """
 
 from __future__ import annotations
@@ -12,6 +15,7 @@ from __future__ import annotations
 import hashlib
 import json
 import logging
+import math
 import os
 import shutil
 from collections.abc import Iterator, Mapping
@@ -22,6 +26,7 @@ from typing import Any, Literal
 
 from sdnpu import families
 from sdnpu.components import COMPONENTS, MODULES, module_of
+from sdnpu.convert import singlefile
 from sdnpu.convert.tokenizer import clip_vocab_and_merges, t5_tokenizer_files, tokenizer_files
 from sdnpu.errors import SdnpuError
 from sdnpu.fileio import atomic_write_bytes, atomic_write_json, staged_dir
@@ -92,14 +97,26 @@ def _module_class(config: dict[str, Any]) -> str | None:
 
 
 @dataclass(frozen=True)
+class SingleFile:
+    """What a single-file checkpoint is: its layout, the modules it holds (module key -> its prefix in the
+    file) and the preset whose configs its tensors fill, which gives the rest of the pipeline."""
+
+    layout: singlefile.Layout
+    prefixes: dict[str, str]
+    preset: Source
+
+
+@dataclass(frozen=True)
 class Source:
-    """A resolved SOURCE: its name, kind, folder and the modules it provides (module key -> folder)."""
+    """A resolved SOURCE: its name, kind, folder (a single file: the file) and the modules it provides (module
+    key -> the folder of its config.json; a single file's are its preset's)."""
 
     name: str
-    kind: Literal["preset", "pipeline", "component"]
+    kind: Literal["preset", "pipeline", "component", "single-file"]
     root: Path
     modules: dict[str, Path]
     classes: dict[str, str] = field(default_factory=dict)
+    single: SingleFile | None = None  # a single file's layout and preset
 
     @property
     def components(self) -> list[str]:
@@ -111,6 +128,12 @@ class Source:
     def module_dir(self, component: str) -> Path:
         key = module_of(component)
         if key not in self.modules:
+            if self.single is not None:
+                raise SdnpuError(
+                    f"{self.root.name} holds no {key} (for component {component!r}): the file holds "
+                    f"{', '.join(self.modules)}",
+                    hint="convert the others from the base model's diffusers folder into the same --out "
+                    f"(this file provides: {', '.join(self.components)})")
             if self.kind == "component" or not (self.root / "model_index.json").is_file():
                 raise SdnpuError(
                     f"{self.root} is a single {self.classes.get(next(iter(self.modules)), '')} folder: "
@@ -134,29 +157,40 @@ class Source:
     @property
     def family(self) -> str | None:
         """Its pipeline's family (``sdnpu.families.detect``'s name); None for one module's folder."""
+        if self.single is not None:
+            return self.single.preset.family
         if self.kind == "component" or not (self.root / "model_index.json").is_file():
             return None
         return families.detect(_read_json(self.root / "model_index.json")).name
 
     def pipeline_config(self) -> PipelineConfig:
         """The source's module configs (each read once, when first asked for), its family and T5's tokens
-        (``sdnpu.specs``: every component's spec comes from it)."""
+        (``sdnpu.specs``: every component's spec comes from it). A single file's are its preset's, all of them:
+        the pipeline its modules join (a transformer alone takes its resolution from the preset's VAE)."""
+        if self.single is not None:
+            return self.single.preset.pipeline_config()
         # one module: as it was named (``text_encoder_2``: SDXL's), by its key alone, not its class
         family = self.family or (families.marked_by(self.modules) or families.DEFAULT).name
         return PipelineConfig(self._configs, family=family, text_len=self.generation().max_sequence_length)
 
     def generation(self) -> generation.Generation:
         """How the model is meant to be drawn (``sdnpu.formats.generation``: its steps, guidance and so the
-        denoiser's default batch), from its folder's ``generation.json`` or its family's defaults."""
+        denoiser's default batch), from its folder's ``generation.json`` or its family's defaults (a single
+        file: its preset's)."""
+        if self.single is not None:
+            return self.single.preset.generation()
         if self.kind == "component" or not (self.root / "model_index.json").is_file():
             return generation.Generation()
         return generation.read(self.root, self.family)
 
     def fingerprint(self) -> str:
         """A content hash of what defines the weights: the configs, and for folders each weight
-        file's name and size (hashing 10 GB of weights would take minutes); for presets the seed."""
+        file's name and size (hashing 10 GB of weights would take minutes); for presets the seed; for a
+        single file its name and size and its preset's."""
         h = hashlib.sha256()
         h.update(f"{self.kind}:{PRESET_SEED if self.kind == 'preset' else ''}".encode())
+        if self.single is not None:
+            h.update(f"{self.root.name}:{self.root.stat().st_size}:{self.single.preset.name}".encode())
         for key in sorted(self.modules):
             folder = self.modules[key]
             for f in sorted(folder.iterdir()):
@@ -167,34 +201,73 @@ class Source:
         return h.hexdigest()[:16]
 
     def load_module(self, key: str) -> Any:
-        """The torch module for pipeline module ``key`` in fp32 eval mode (seeded weights for presets)."""
+        """The torch module for pipeline module ``key`` in fp32 eval mode (seeded weights for presets; a single
+        file's part read into the module its preset's config builds)."""
         import torch
 
+        folder = self.modules[key]
+        cls_name = self.classes[key]
+        if self.kind == "preset":
+            torch.manual_seed(PRESET_SEED)
+            module = self.build(key)
+            if cls_name == "ControlNetModel":
+                _unzero(module)
+        elif self.single is not None:
+            from accelerate import init_empty_weights  # parameters on the meta device, buffers computed
+
+            with init_empty_weights():
+                module = self.build(key)
+            single = self.single
+            part = next(p for p in single.layout.parts if p.module == key)
+            module = singlefile.load_part(self.root, single.layout, part, single.prefixes[key],
+                                          self._configs[key], module)
+        else:
+            library = _CLASSES[cls_name][0]
+            module = _load_pretrained(getattr(__import__(library, fromlist=[cls_name]), cls_name), library, folder)
+        if any(p.dtype != torch.float32 for p in module.parameters()):
+            module = module.float()  # a config's torch_dtype (SDXL's text encoders say float16) is not ours
+        return module.eval()
+
+    def build(self, key: str) -> Any:
+        """Module ``key`` as its config builds it, with PyTorch's default initialization (under a device context
+        or ``init_empty_weights``: its parameters on the meta device)."""
         folder = self.modules[key]
         config = _read_json(folder / "config.json")
         cls_name = self.classes[key]
         library = _CLASSES[cls_name][0]
         cls = getattr(__import__(library, fromlist=[cls_name]), cls_name)
+        try:
+            if library == "diffusers":
+                return cls.from_config(config)
+            # a transformers model: its own config class (CLIPTextConfig, T5Config)
+            return cls(cls.config_class(**{k: v for k, v in config.items() if k != "architectures"}))
+        except (ValueError, KeyError, TypeError, AttributeError) as e:
+            raise SdnpuError(f"cannot build {cls_name} from {folder / 'config.json'}: {e}") from e
+
+    def weight_bytes(self, key: str) -> int:
+        """fp32 weight bytes of module ``key``: counted on the meta device for presets, from the tensors' shapes
+        for a single file, from the weight files' sizes for folders (fp16 files count twice)."""
         if self.kind == "preset":
-            torch.manual_seed(PRESET_SEED)
-            try:
-                if library == "diffusers":
-                    module = cls.from_config(config)
-                else:  # a transformers model: its own config class (CLIPTextConfig, T5Config)
-                    module = cls(cls.config_class(**{k: v for k, v in config.items() if k != "architectures"}))
-            except (ValueError, KeyError, TypeError, AttributeError) as e:
-                raise SdnpuError(f"cannot build {cls_name} from {folder / 'config.json'}: {e}") from e
-            if cls_name == "ControlNetModel":
-                _unzero(module)
-        else:
-            module = _load_pretrained(cls, library, folder)
-        if any(p.dtype != torch.float32 for p in module.parameters()):
-            module = module.float()  # a config's torch_dtype (SDXL's text encoders say float16) is not ours
-        return module.eval()
+            import torch  # presets only: a folder's size is read from its files
+
+            with torch.device("meta"):
+                module = self.build(key)
+            return 4 * sum(p.numel() for p in module.parameters())
+        if self.single is not None:
+            shapes = singlefile.read_shapes(self.root)
+            keys = singlefile.part_keys(shapes, self.single.layout, self.single.prefixes[key])
+            return 4 * sum(math.prod(shapes[k]) for k in keys)
+        total = 0
+        for f in self.modules[key].iterdir():
+            if f.suffix in _WEIGHT_SUFFIXES:
+                total += f.stat().st_size * (2 if ".fp16." in f.name else 1)
+        return total
 
     def check_pipeline_files(self) -> None:
         """Refuse now, before any export, what ``write_pipeline_files`` would fail on at the end: a preset's
-        CLIP tokenizers need the merges file the package ships."""
+        CLIP tokenizers need the merges file the package ships (a single file's are its preset's)."""
+        if self.single is not None:
+            return self.single.preset.check_pipeline_files()
         if self.kind != "preset" or not (self.root / "model_index.json").is_file():
             return
         if any(name in _read_json(self.root / "model_index.json") for name in ("tokenizer", "tokenizer_2")):
@@ -205,7 +278,9 @@ class Source:
         family's defaults are not the usual ones: a Flux.1 folder's), scheduler/,
         tokenizer/, tokenizer_2/, tokenizer_3/ (for presets the CLIP tokenizers are built from CLIP's BPE merges,
         a T5 tokenizer (SD3's third, Flux.1's second) is a stand-in: ``sdnpu.convert.tokenizer.t5_tokenizer_files``).
-        Returns what it wrote."""
+        Returns what it wrote. A single file's are its preset's."""
+        if self.single is not None:
+            return self.single.preset.write_pipeline_files(out)
         if self.kind == "component" or not (self.root / "model_index.json").is_file():
             return []  # one module (a ControlNet): it joins a pipeline folder, whose files are not its own
         written = []
@@ -274,7 +349,8 @@ def _load_pretrained(cls: Any, library: str, folder: Path) -> Any:
 
 
 def resolve_source(source: str | os.PathLike[str]) -> Source:
-    """A preset name or a folder path -> Source, or an SdnpuError saying what was expected."""
+    """A preset name, a folder path or a single-file checkpoint -> Source, or an SdnpuError saying what was
+    expected."""
     text = str(source)
     if text in preset_names():
         if not (PRESETS_DIR / text / "model_index.json").is_file():
@@ -283,14 +359,17 @@ def resolve_source(source: str | os.PathLike[str]) -> Source:
     path = Path(text).expanduser()
     if not path.exists():
         raise SdnpuError(
-            f"source {text!r} is neither a preset nor an existing folder",
-            hint=f"presets: {', '.join(preset_names())}; or a diffusers pipeline folder with model_index.json",
+            f"source {text!r} is neither a preset nor an existing folder or file",
+            hint=f"presets: {', '.join(preset_names())}; or a diffusers pipeline folder with model_index.json; "
+            "or a single-file .safetensors checkpoint",
         )
+    if singlefile.is_checkpoint_file(path):
+        return _single_file_source(path.resolve())
     if not path.is_dir():
         raise SdnpuError(
-            f"source {text!r} is a file, not a diffusers folder",
-            hint="give the folder that holds model_index.json (a pipeline) or config.json (one module); "
-            "to compile a single ONNX file use `sdnpu compile`",
+            f"source {text!r} is a file, not a diffusers folder or a .safetensors checkpoint",
+            hint="give the folder that holds model_index.json (a pipeline) or config.json (one module), or a "
+            "single-file checkpoint (.safetensors); to compile a single ONNX file use `sdnpu compile`",
         )
     path = path.resolve()
     if (path / "model_index.json").is_file():
@@ -347,3 +426,63 @@ def _preset_pad(folder: Path, default: str) -> str:
     one tokenizer is OpenCLIP's: ``!``)."""
     path = folder / "special_tokens_map.json"
     return str(_read_json(path).get("pad_token", default)) if path.is_file() else default
+
+
+def _single_file_source(path: Path) -> Source:
+    """A single-file checkpoint: its layout from its keys, its configs from a preset (``match_preset``)."""
+    layout, prefixes, preset = match_preset(singlefile.read_shapes(path), path.name)
+    modules = {k: preset.modules[k] for k in prefixes}
+    lacks = [p.module for p in layout.parts if p.module not in prefixes and p.module in preset.modules]
+    log.info("%s: %s %s checkpoint holding %s; its configs, tokenizers and scheduler are preset %s's%s", path.name,
+             _article(layout.title), layout.title, ", ".join(modules), preset.name,
+             f"; it holds no {', '.join(lacks)} (convert them from the base model's diffusers folder into the "
+             "same --out)" if lacks else "")
+    return Source(name=path.stem, kind="single-file", root=path, modules=modules,
+                  classes={k: preset.classes[k] for k in modules}, single=SingleFile(layout, prefixes, preset))
+
+
+def match_preset(shapes: dict[str, tuple[int, ...]], name: str
+                 ) -> tuple[singlefile.Layout, dict[str, str], Source]:
+    """A single file's layout (from its keys), the modules it holds (-> their prefixes) and the first preset of
+    its family whose modules its tensors fill exactly (``singlefile.fits``: the file's shapes through the
+    converters, no tensor read), the presets that keep the family's own generation defaults first; else one
+    line naming the closest preset and why it does not fit. ``name`` names the file in messages."""
+    import torch
+
+    layout = singlefile.detect(shapes, name)
+    prefixes = layout.held(shapes)
+    if layout.denoiser.module not in prefixes:
+        raise SdnpuError(f"{name} holds no {layout.title} {layout.denoiser.module}: it holds "
+                         f"{', '.join(prefixes) or 'nothing sdnpu reads'} ({singlefile.summary(shapes)})",
+                         hint="sdnpu converts a single file that holds its model's denoiser")
+    presets = [resolve_source(n) for n in preset_names() if (PRESETS_DIR / n / "model_index.json").is_file()]
+    candidates = sorted((p for p in presets if p.family == layout.family),
+                        key=lambda p: ((p.root / generation.FILE).is_file(), p.name))
+    misfits: dict[str, list[str]] = {}
+    for preset in candidates:
+        reasons = []
+        for part in layout.parts:
+            if part.module not in prefixes:
+                continue
+            if part.module not in preset.modules:
+                reasons.append(f"its {part.module} has no place in it")
+                continue
+            with torch.device("meta"):
+                module = preset.build(part.module)
+            reason = singlefile.fits(shapes, layout, part, prefixes[part.module], preset._configs[part.module],
+                                     module)
+            if reason is not None:
+                reasons.append(reason)
+        if not reasons:
+            return layout, prefixes, preset
+        misfits[preset.name] = reasons
+    closest = min(misfits, key=lambda n: len(misfits[n])) if misfits else None
+    why = f" (closest, {closest}: {misfits[closest][0]})" if closest else ""
+    raise SdnpuError(f"{name} is {_article(layout.title)} {layout.title} checkpoint whose shapes match no "
+                     f"{layout.title} preset{why}",
+                     hint="sdnpu takes a single file's configs from a preset of its architecture "
+                     f"({', '.join(p.name for p in candidates)}); the model's diffusers folder converts without one")
+
+
+def _article(title: str) -> str:
+    return "an" if title.startswith("S") else "a"  # an SDXL, an SD3, a Flux.1

@@ -360,7 +360,8 @@ def _convert_parser(sub: argparse._SubParsersAction) -> None:  # type: ignore[ty
     conv.add_argument("--model", "-m", default="all",
                       help=f"component(s), comma-separated: {', '.join(COMPONENTS)} or all (default)")
     conv.add_argument("--source", "-s", default="sdxl-base",
-                      help="a preset (sdxl-base, tiny-sdxl, controlnet-sdxl, ...) or a local diffusers folder "
+                      help="a preset (sdxl-base, tiny-sdxl, controlnet-sdxl, ...), a local diffusers folder or a "
+                      "single-file checkpoint (.safetensors in the original layout: SDXL, SD 1.x/2.x, SD3, Flux.1) "
                       "(default: sdxl-base)")
     conv.add_argument("--out", "-o", default=None, help="output folder (default: models/<source name>)")
     conv.add_argument("--add", action="store_true",

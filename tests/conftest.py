@@ -207,3 +207,13 @@ def _flux_folder(root: Path) -> Path:
     pipe.save_pretrained(folder)
     shutil.copy(files / "generation.json", folder / "generation.json")
     return folder
+
+
+@pytest.fixture(scope="session")
+def tiny_flux_blockwise(tmp_path_factory: pytest.TempPathFactory, tiny_flux_folder: Path):
+    """tiny-flux's transformer from its local folder (safetensors, the preset's weights) converted block by
+    block (``--blockwise``: what flux-dev's 47.6 GB of fp32 weights need here)."""
+    from sdnpu.convert import convert
+
+    return once(tmp_path_factory, "flux-blocks",
+                lambda out: convert(tiny_flux_folder, "transformer", out=out, blockwise=True))

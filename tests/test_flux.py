@@ -303,15 +303,10 @@ def test_an_sdxl_lora_on_flux_gets_one_line_and_changes_nothing(naming, message,
 
 
 @pytest.fixture(scope="module")
-def blockwise_flux(tmp_path_factory, tiny_flux_folder, tiny_flux):
-    """tiny-flux's transformer from its local folder (safetensors, the preset's weights) converted block by
-    block (`--blockwise`: what flux-dev's 47.6 GB of fp32 weights need here), beside the preset converted whole
-    (``tiny_flux``): the same weights."""
-    from sdnpu.convert import convert
-
-    blocks = once(tmp_path_factory, "flux-blocks",
-                  lambda out: convert(tiny_flux_folder, "transformer", out=out, blockwise=True))
-    return blocks, tiny_flux
+def blockwise_flux(tiny_flux_blockwise, tiny_flux):
+    """tiny-flux's transformer from its local folder converted block by block (``tiny_flux_blockwise``), beside
+    the preset converted whole (``tiny_flux``): the same weights."""
+    return tiny_flux_blockwise, tiny_flux
 
 
 def test_the_transformer_converts_block_by_block_as_it_converts_whole(blockwise_flux):

@@ -2,12 +2,15 @@
 one piece's outputs reach the next (``link_values``): shared by the driver (``sdnpu.convert.blockwise.driver``)
 and the modules that cut a module into pieces (``t5``, ``flux``), which import nothing else of the package.
 
-Weights: a folder's come tensor by tensor from its safetensors files (``Weights``); a preset's are drawn piece by
-piece, each from its own seed (the piece modules say which), so a piece's weights do not depend on the others.
+Weights: a folder's come tensor by tensor from its safetensors files (``Weights``), a single file's a block at a
+time through its reader (``sdnpu.convert.singlefile.PartReader``: diffusers' names from the original layout);
+a preset's are drawn piece by piece, each from its own seed (the piece modules say which), so a piece's weights
+do not depend on the others.
 """
 
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass
 from pathlib import Path
 from collections.abc import Callable
@@ -15,6 +18,7 @@ from typing import Any
 
 from safetensors import safe_open
 
+from sdnpu.convert import singlefile
 from sdnpu.convert.sources import Source
 from sdnpu.convert.stitch import link_name
 from sdnpu.errors import SdnpuError
@@ -38,12 +42,20 @@ class Piece:
 
 
 class Weights:
-    """The module's tensors by state-dict name, one piece at a time: a folder's safetensors, read lazily."""
+    """The module's tensors by state-dict name, one piece at a time: a folder's safetensors, read lazily (a
+    single file's through its reader)."""
 
     def __init__(self, src: Source, key: str) -> None:
         self.preset = src.kind == "preset"
         self.where: dict[str, Path] = {}
+        self.single: singlefile.PartReader | None = None
         if self.preset:
+            return
+        if src.single is not None:
+            part = next(p for p in src.single.layout.parts if p.module == key)
+            config = json.loads((src.modules[key] / "config.json").read_text())
+            self.single = singlefile.PartReader(src.root, src.single.layout, part, src.single.prefixes[key], config)
+            self.where = dict.fromkeys(self.single.names, src.root)
             return
         folder = src.modules[key]
         files = sorted(folder.glob("*.safetensors"))
@@ -58,6 +70,8 @@ class Weights:
                     self.where.setdefault(name, f)
 
     def tensors(self, prefix: str) -> dict[str, Any]:
+        if self.single is not None:
+            return self.single.tensors(prefix)
         out: dict[str, Any] = {}
         by_file: dict[Path, list[str]] = {}
         for name, f in self.where.items():
