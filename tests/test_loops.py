@@ -13,7 +13,7 @@ import pytest
 from onnx import TensorProto, helper, numpy_helper
 
 from sdnpu.onnxrun import run_onnx
-from sdnpu.passes.canonicalize import canonicalize
+from sdnpu.passes.pipeline import canonicalize
 
 B, S, C = 2, 3, 4
 

@@ -10,11 +10,10 @@ from onnx import helper
 
 from sdnpu.formats.keys import DECLINED_TAG, RULE_TAG, VIEWS_TAG
 from sdnpu.ops.target import get_target
-from sdnpu.passes.canonicalize import canonicalize
 from sdnpu.passes.fuse import fuse
 from sdnpu.passes.glue import lower_glue
 from sdnpu.passes.layout import layout
-from sdnpu.passes.pipeline import joint
+from sdnpu.passes.pipeline import canonicalize, joint
 from sdnpu.passes.views import absorb_views
 
 from .graphs import feeds_for, model, ops, run, to_ir, with_functions
@@ -32,7 +31,7 @@ def n(op: str, ins: list[str], outs: list[str], **attrs) -> onnx.NodeProto:
 
 
 def lowered(m: onnx.ModelProto):
-    """canonicalize, joint, fuse, layout, glue and views: every dispatch op in place, still fp32."""
+    """The canonical steps, joint, fuse, layout, glue and views: every dispatch op in place, still fp32."""
     irm = to_ir(m)
     canonicalize(irm)
     joint(irm)

@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from sdnpu.onnxrun import run_onnx
-from sdnpu.passes.tables import simplify_tables
+from sdnpu.passes.canonical.tables import simplify_tables
 
 
 class _Angles(torch.nn.Module):
