@@ -37,7 +37,7 @@ class Group:
     until: str = ""
 
     def __post_init__(self) -> None:
-        names = [s.name if isinstance(s, Group) else s[0] for s in self.steps]
+        names = [entry_name(s) for s in self.steps]
         if self.rounds > 1 and self.until not in names:
             raise ValueError(f"group {self.name!r}: until={self.until!r} names none of its steps {names}")
         if self.rounds < 1:
@@ -45,6 +45,11 @@ class Group:
 
 
 Entry = tuple[str, PassFn] | Group  # a pass, or a group of them
+
+
+def entry_name(entry: Entry) -> str:
+    """The name of a pass, or of a group."""
+    return entry.name if isinstance(entry, Group) else entry[0]
 
 
 def pass_list_names(passes: Sequence[Entry], prefix: str = "") -> Iterator[str]:

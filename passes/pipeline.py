@@ -76,7 +76,7 @@ from sdnpu.passes.htp import (broadcast_into_layernorm, exact_angles, float32_ta
 from sdnpu.passes.joint import joint_attention
 from sdnpu.passes.layout import layout
 from sdnpu.passes.parallel import join_parallel
-from sdnpu.passes.manager import Entry, Group, PassRecord, PassResult, pass_list_names, run_passes
+from sdnpu.passes.manager import Entry, Group, PassRecord, PassResult, entry_name, pass_list_names, run_passes
 from sdnpu.passes.partition import partition
 from sdnpu.passes.precision import precision
 from sdnpu.passes.prologue import prologue_pass
@@ -313,7 +313,7 @@ def pass_names(options: CompileOptions, steps: bool = True) -> list[str]:
     top-level passes alone (``canonical``, ``joint``, ...)."""
     entries = pipeline(options)
     if not steps:
-        return [e.name if isinstance(e, Group) else e[0] for e in entries]
+        return [entry_name(e) for e in entries]
     return list(pass_list_names(entries))
 
 

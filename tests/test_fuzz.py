@@ -503,7 +503,7 @@ def test_a_dispatch_op_left_in_fp32_is_reported(tmp_path: Path, monkeypatch: pyt
     of its bf16 inputs to fp32, its output fp32 and cast back to bf16 for its readers). The model stays valid
     and its numbers are if anything better, so no numeric bound can see it; it is a Mismatch naming the node."""
     from sdnpu.passes import pipeline
-    from sdnpu.passes.manager import PassResult
+    from sdnpu.passes.manager import PassResult, entry_name
 
     from . import fuzz_repro
 
@@ -530,7 +530,7 @@ def test_a_dispatch_op_left_in_fp32_is_reported(tmp_path: Path, monkeypatch: pyt
             return PassResult(modified=True)
 
         passes = real(options)
-        at = [name for name, _ in passes].index("precision") + 1
+        at = [entry_name(e) for e in passes].index("precision") + 1
         return [*passes[:at], ("break", gemm_in_fp32), *passes[at:]]
 
     monkeypatch.setattr(pipeline, "pipeline", broken)
@@ -552,7 +552,7 @@ def test_the_cap_catches_a_mistake_the_sensitivity_would_hide(monkeypatch: pytes
     Softmax to another axis (max |diff| 0.50 at a scale of 0.22) would pass it. The cap (CAP * scale) reports
     it."""
     from sdnpu.passes import pipeline
-    from sdnpu.passes.manager import PassResult
+    from sdnpu.passes.manager import PassResult, entry_name
 
     from . import fuzz_repro
 
@@ -565,7 +565,7 @@ def test_the_cap_catches_a_mistake_the_sensitivity_would_hide(monkeypatch: pytes
             return PassResult(modified=True)
 
         passes = real(options)
-        at = [name for name, _ in passes].index("precision") + 1
+        at = [entry_name(e) for e in passes].index("precision") + 1
         return [*passes[:at], ("break", softmax_axis), *passes[at:]]
 
     model = softmax_large_logits()
