@@ -180,7 +180,7 @@ CANONICAL = Group("canonical", [
     ("sweep", sweep),
     ("tables", tables.simplify),  # the CPU work on the inputs alone, in as few nodes as it takes
     ("rotary", rotary.signed_permutations),  # after tables: the edge region it leaves alone is the tables' form
-    Group("crop_rounds", [  # a chain of crops, one node a round
+    Group("crop_rounds", [  # again until a round crops nothing: a crop can make another node's input constant
         ("crop", constants.crop_constants),
         ("sweep", sweep),
     ], rounds=8, until="crop"),

@@ -54,7 +54,8 @@ def test_a_transpose_without_perm_gets_it_written_out(perm):
     """The default reverses the axes (a fuzz regression: glue read the missing perm and crashed); a written
     perm stays as it is."""
     attrs = {"perm": perm} if perm else {}
-    m = model([n("Transpose", ["x"], ["y"], **attrs)], {"x": [2, 3, 4]}, {"y": [4, 3, 2] if perm is None else [2, 4, 3]})
+    out = [4, 3, 2] if perm is None else [2, 4, 3]
+    m = model([n("Transpose", ["x"], ["y"], **attrs)], {"x": [2, 3, 4]}, {"y": out})
     irm, counts = rewritten(m, movement.explicit_perm)
     assert counts["transpose perm written out"] == int(perm is None)
     assert list(next(iter(irm.graph)).attributes["perm"].value) == (perm or [2, 1, 0])

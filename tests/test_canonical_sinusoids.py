@@ -102,7 +102,8 @@ def test_size_condition_sinusoids_of_several_inputs_are_one_chain(case):
     nodes, parts = [], []
     for i, k in enumerate(ks):
         inits[f"s{i}"], inits[f"o{i}"] = np.array([2 * k, 1]), np.array([2, k * f])
-        nodes += [n("Reshape", [f"c{i}", f"s{i}"], [f"col{i}"]), n("Mul", [f"col{i}", "g" if i == 1 else "f"], [f"m{i}"]),
+        nodes += [n("Reshape", [f"c{i}", f"s{i}"], [f"col{i}"]),
+                  n("Mul", [f"col{i}", "g" if i == 1 else "f"], [f"m{i}"]),
                   n("Add", [f"m{i}", "p"], [f"a{i}"]), n("Sin", [f"a{i}"], [f"sn{i}"]),
                   n("Reshape", [f"sn{i}", f"o{i}"], [f"r{i}"])]
         parts.append(f"r{i}")

@@ -120,17 +120,15 @@ def tanh_gelu(tanh: ir.Node) -> bool:
         return False
     rest = _other(m1, one.outputs[0])
     half = producer(rest, "Mul")
+    last = _only(m1, "Mul")  # m1's one reader, where it is a Mul
     if half is not None and x in half.inputs and _near(_other(half, x), 0.5):  # (0.5 * x) * (1 + tanh)
         tail, out = [half, m1], m1
-    elif rest is x and _only(m1, "Mul") is not None and _near(_other(_only(m1, "Mul"), m1.outputs[0]), 0.5):  # type: ignore[arg-type]
-        out = _only(m1, "Mul")  # (x * (1 + tanh)) * 0.5
-        tail = [m1, out]
-    elif _near(rest, 0.5) and _only(m1, "Mul") is not None and _other(_only(m1, "Mul"), m1.outputs[0]) is x:  # type: ignore[arg-type]
-        out = _only(m1, "Mul")  # ((1 + tanh) * 0.5) * x
-        tail = [m1, out]
+    elif rest is x and last is not None and _near(_other(last, m1.outputs[0]), 0.5):
+        tail, out = [m1, last], last  # (x * (1 + tanh)) * 0.5
+    elif _near(rest, 0.5) and last is not None and _other(last, m1.outputs[0]) is x:
+        tail, out = [m1, last], last  # ((1 + tanh) * 0.5) * x
     else:
         return False
-    assert out is not None
     chain = [*cube, cubic, add, scaled, tanh, one, *tail]
     inside = set(chain)
     if any(o.is_graph_output() or any(u.node not in inside for u in o.uses())

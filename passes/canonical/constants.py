@@ -15,7 +15,8 @@
   next node's inputs constant, or its shapes known);
 - ``name_nodes``: every node and value named (CPU reasons and regions refer to nodes by name);
 - ``crop_constants``: a Reshape or Slice of a constant, however large, becomes a constant derived from it
-  (SD3's position-embedding table cropped to the image), in rounds, a chain of crops one node a round;
+  (SD3's position-embedding table cropped to the image), in rounds (declared in the pipeline) until a round
+  crops nothing;
 - ``finish``: the crops' sources recorded for the size specializer, the unused nodes and initializers
   removed, the graph outputs' names kept;
 - ``bind_input_shapes``: static shapes for graph inputs with dynamic axes (not a step: the compile stage
