@@ -35,7 +35,7 @@ from sdnpu.memory import check_fits, estimate
 from sdnpu.onnxrun import is_ort_error, ort_message, run_onnx
 from sdnpu.ops.target import get_target
 from sdnpu.passes import provenance
-from sdnpu.passes.canonicalize import bind_input_shapes
+from sdnpu.passes.canonical.constants import bind_input_shapes
 from sdnpu.passes.manager import records_json
 from sdnpu.passes.modelfile import load, save
 from sdnpu.passes.pipeline import CompileOptions, compile_model, pass_names
@@ -77,7 +77,7 @@ def compile_into(source: Path, dd_dir: Path, info: dict[str, Any], options: Comp
                                 drop_outputs=_drop_outputs)
     name = info.get("component", source.parent.name)
     shapes = options.input_shapes
-    with step(log, f"[{name}] compiling for {options.target.name} ({', '.join(pass_names(options))})"):
+    with step(log, f"[{name}] compiling for {options.target.name} ({', '.join(pass_names(options, steps=False))})"):
         model = load(source)
         if shapes:
             bind_input_shapes(model, shapes)
@@ -252,7 +252,7 @@ def _check_runnable(*paths: Path) -> None:
 
 
 def _drop_outputs(model: Any, keep: list[str], name: str) -> list[str]:
-    """Remove the graph outputs not in ``keep`` (canonicalize then removes the nodes only they needed)."""
+    """Remove the graph outputs not in ``keep`` (the canonical steps then remove the nodes only they needed)."""
     dropped = [v.name for v in model.graph.outputs if v.name not in keep]
     kept = [v for v in model.graph.outputs if v.name in keep]
     model.graph.outputs.clear()

@@ -27,7 +27,7 @@ from sdnpu.convert import split
 from sdnpu.errors import SdnpuError
 from sdnpu.memory import check_fits
 from sdnpu.onnxrun import is_ort_error, ort_message
-from sdnpu.passes.canonicalize import bind_input_shapes
+from sdnpu.passes.canonical.constants import bind_input_shapes
 from sdnpu.passes.htp import guards_of
 from sdnpu.passes.manager import records_json
 from sdnpu.passes.modelfile import load, save
@@ -77,7 +77,7 @@ def compile_standard(source: Path, out_dir: Path, info: dict[str, Any], options:
         room = headroom.near_limit(before)
         risks = tuple((e["tensor"], e["max_abs"]) for e in room)
         options = dataclasses.replace(options, fp16_risks=risks)
-    with step(log, f"[{name}] rewriting for {target.name} ({', '.join(pass_names(options))})"):
+    with step(log, f"[{name}] rewriting for {target.name} ({', '.join(pass_names(options, steps=False))})"):
         model = load(source)
         if shapes:
             bind_input_shapes(model, shapes)

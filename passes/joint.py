@@ -1,5 +1,5 @@
 """Joint attention (SD3's MMDiT, Flux, AuraFlow) into the form SDMHA takes: two rewrites, the joint pass (right
-after canonicalize, before the fusions).
+after the canonical steps, before the fusions).
 
 1. *One attention per query part* (``passes/streams.py``). MMDiT attends over the image and text tokens
    together: Q, K and V are each a Concat of the two streams' heads along the sequence, and the merged output is

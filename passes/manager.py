@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import asdict, dataclass, field
 from typing import TYPE_CHECKING
 
@@ -33,6 +33,44 @@ class PassResult:
 PassFn = Callable[[ir.Model], PassResult]
 
 
+@dataclass(frozen=True)
+class Group:
+    """Passes under one name, run in order; their records are named ``<group>/<pass>``. With ``rounds`` above
+    one it is a fixpoint loop: the steps run again, in order, until a round in which the step named ``until``
+    changed nothing, at most ``rounds`` times; a round's records are named ``<group>[<round>]/<pass>``, and
+    ``pass_names`` shows the bound (``<group>[<=rounds]/<pass>``)."""
+
+    name: str
+    steps: Sequence[Entry]
+    rounds: int = 1
+    until: str = ""
+
+    def __post_init__(self) -> None:
+        names = [entry_name(s) for s in self.steps]
+        if self.rounds > 1 and self.until not in names:
+            raise ValueError(f"group {self.name!r}: until={self.until!r} names none of its steps {names}")
+        if self.rounds < 1:
+            raise ValueError(f"group {self.name!r}: rounds must be at least 1, not {self.rounds}")
+
+
+Entry = tuple[str, PassFn] | Group  # a pass, or a group of them
+
+
+def entry_name(entry: Entry) -> str:
+    """The name of a pass, or of a group."""
+    return entry.name if isinstance(entry, Group) else entry[0]
+
+
+def pass_list_names(passes: Sequence[Entry], prefix: str = "") -> Iterator[str]:
+    """Every step of ``passes`` in the order it runs, a repeated group's steps once under its bound."""
+    for entry in passes:
+        if isinstance(entry, Group):
+            label = f"{entry.name}[<={entry.rounds}]" if entry.rounds > 1 else entry.name
+            yield from pass_list_names(entry.steps, f"{prefix}{label}/")
+        else:
+            yield f"{prefix}{entry[0]}"
+
+
 @dataclass
 class PassRecord:
     name: str
@@ -40,27 +78,57 @@ class PassRecord:
     seconds: float
 
 
-def run_passes(model: ir.Model, passes: Sequence[tuple[str, PassFn]],
+def run_passes(model: ir.Model, passes: Sequence[Entry],
                after_each: Callable[[str, ir.Model], None] | None = None) -> list[PassRecord]:
-    """Run ``passes`` in order. A failing pass is named together with the passes that ran before it;
-    ``after_each`` (tests: checker + onnxruntime comparison) runs after every pass."""
+    """Run ``passes`` in order, each step of a group timed and recorded on its own (``Group``). A failing step
+    is named together with the passes that ran before it; ``after_each`` (tests: checker + onnxruntime
+    comparison) runs after every step, with the step's record name."""
     records: list[PassRecord] = []
-    for name, fn in passes:
+    _run(model, passes, "", records, after_each)
+    return records
+
+
+def _run(model: ir.Model, passes: Sequence[Entry], prefix: str, records: list[PassRecord],
+         after_each: Callable[[str, ir.Model], None] | None) -> dict[str, PassResult]:
+    """Run one level of ``passes``; returns each step's (and group's: whether any of its steps changed the
+    model) result by its own name, the last where a name repeats."""
+    results: dict[str, PassResult] = {}
+    for entry in passes:
+        if isinstance(entry, Group):
+            changed = False
+            for round_ in range(1, entry.rounds + 1):
+                label = f"{entry.name}[{round_}]" if entry.rounds > 1 else entry.name
+                inner = _run(model, entry.steps, f"{prefix}{label}/", records, after_each)
+                changed |= any(r.modified for r in inner.values())
+                if entry.rounds > 1 and not inner[entry.until].modified:
+                    break
+            results[entry.name] = PassResult(modified=changed)
+            continue
+        name, fn = f"{prefix}{entry[0]}", entry[1]
         start = time.perf_counter()
         try:
             result = fn(model)
         except SdnpuError:
             raise
         except Exception as e:
-            before = ", ".join(r.name for r in records) or "none"
-            raise RuntimeError(f"pass {name!r} failed (after: {before}): {type(e).__name__}: {e}") from e
+            raise RuntimeError(f"pass {name!r} failed (after: {_before(records)}): {type(e).__name__}: {e}") from e
         seconds = time.perf_counter() - start
         records.append(PassRecord(name, result, seconds))
+        results[entry[0]] = result
         log.info("pass %-12s %5.1f s  %s", name, seconds,
                  ", ".join(f"{k} {v}" for k, v in result.counts.items() if v) or "no change")
         if after_each is not None:
             after_each(name, model)
-    return records
+    return results
+
+
+def _before(records: list[PassRecord]) -> str:
+    """The passes that ran, a group's steps under the group's name, and the group's last step."""
+    if not records:
+        return "none"
+    tops = list(dict.fromkeys(r.name.split("/")[0] for r in records))
+    last = records[-1].name
+    return ", ".join(tops) + (f" (its last step: {last})" if "/" in last else "")
 
 
 def records_json(records: list[PassRecord]) -> list[dict[str, object]]:

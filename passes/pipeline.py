@@ -1,8 +1,9 @@
 """The offload compiler: one declared pipeline, read top to bottom. ``pipeline`` below is the list, the only
 one: the compile stage's log line and the report's pass records are read from it.
 
-    canonicalize  one spelling of every pattern, whatever the exporter wrote
-    joint         SD3's joint attention in the form SDMHA takes (passes/joint.py); after canonicalize (one
+    canonical     one spelling of every pattern, whatever the exporter wrote: a group of steps (``CANONICAL``
+                  below, each timed and recorded as ``canonical/<step>``; passes/canonical/ holds them)
+    joint         SD3's joint attention in the form SDMHA takes (passes/joint.py); after canonical (one
                   spelling of the norms and the head splits), before fuse (the attention rule reads its form)
     fuse          the big op families -> the target's dispatch ops (passes/fuse.py orders the rules)
     layout        NHWC between dispatch ops; needs the fused ops (it cancels their boundary Transposes)
@@ -64,7 +65,8 @@ from sdnpu.errors import SdnpuError
 from sdnpu.formats.keys import TARGET_KEY
 from sdnpu.ops import qnn_htp
 from sdnpu.ops.target import DEFAULT_TARGET, DispatchTarget, Target, get_target
-from sdnpu.passes.canonicalize import canonicalize
+from sdnpu.passes.canonical import activations, constants, loops, movement, noops, rotary, sinusoids, tables
+from sdnpu.passes.canonical.driver import sweep
 from sdnpu.passes.cleanup import cleanup
 from sdnpu.passes.cuts import gather_cuts
 from sdnpu.passes.fuse import fuse
@@ -76,7 +78,7 @@ from sdnpu.passes.htp import (attention_head_groups, broadcast_into_layernorm, e
 from sdnpu.passes.joint import joint_attention
 from sdnpu.passes.layout import layout
 from sdnpu.passes.parallel import join_parallel
-from sdnpu.passes.manager import PassFn, PassRecord, PassResult, run_passes
+from sdnpu.passes.manager import Entry, Group, PassRecord, PassResult, entry_name, pass_list_names, run_passes
 from sdnpu.passes.partition import partition
 from sdnpu.passes.precision import precision
 from sdnpu.passes.prologue import prologue_pass
@@ -84,7 +86,8 @@ from sdnpu.passes.views import absorb_views
 
 log = logging.getLogger(__name__)
 
-__all__ = ["CompileOptions", "compile_model", "joint", "pass_names", "pipeline", "standard_pipeline"]
+__all__ = ["CANONICAL", "CompileOptions", "canonicalize", "compile_model", "joint", "pass_names", "pipeline",
+           "standard_pipeline"]
 
 Shapes = tuple[tuple[str, tuple[int, ...]], ...]
 
@@ -135,6 +138,67 @@ class CompileOptions:
     def input_shapes(self) -> dict[str, list[int]]:
         """``shapes`` as ``{input: [dims]}``."""
         return {k: list(v) for k, v in self.shapes}
+
+
+# The canonical steps, in the order they run (the order constraints beside them). Each is a pass of its own:
+# timed and recorded as ``canonical/<step>``; the two fixpoint loops are groups with their bound.
+CANONICAL = Group("canonical", [
+    ("opset", constants.raise_opset),  # first: the converter may write a new graph; notes its outputs for finish
+    ("constants", constants.lift_constants),
+    ("shapes", constants.infer_shapes),  # TorchScript's graphs carry no intermediate shapes; the folder needs them
+    ("fold", constants.fold_constants),
+    ("shapes", constants.infer_shapes),
+    ("where_rows", noops.where_to_arithmetic),  # before the small folder, which folds its fill * mask
+    Group("fold_rounds", [  # folding one node can make the next one's inputs constant, or its shapes known
+        ("shapes", constants.infer_shapes),
+        ("fold_small", constants.fold_small),
+    ], rounds=10, until="fold_small"),
+    ("identities", noops.drop_identities),
+    ("names", constants.name_nodes),  # every node named: CPU reasons and regions refer to nodes by name
+    ("shapes", constants.infer_shapes),
+    ("to_reshape", movement.to_reshape),
+    ("perm", movement.explicit_perm),
+    ("neutral", noops.drop_neutral),
+    ("casts", noops.drop_noop_casts),
+    ("expands", noops.drop_noop_expands),
+    ("moves", noops.drop_noop_moves),  # where_rows leaves it the masks that pick one side everywhere
+    ("softmax_guards", noops.drop_softmax_guards),
+    ("tiles", movement.tile_repeats),
+    ("reciprocals", activations.reciprocals),
+    ("erf_gelu", activations.erf_gelu),
+    ("tanh_gelu", activations.tanh_gelu),
+    ("pad_conv", movement.pad_into_conv),
+    ("einsum", movement.einsum),
+    ("assembled", loops.assembled),  # per-item loops written out, as the batched movement they are
+    ("stacked", loops.stacked),
+    ("sweep", sweep),
+    ("scatter_rows", movement.scatter_rows),
+    ("unflip", sinusoids.unflip_concat),  # before sincos, which then reads Concat(Cos, Sin) as it is
+    ("sincos", sinusoids.sincos),
+    ("column_chains", sinusoids.merge_column_chains),  # after sincos, whose one-Sin chains it merges
+    ("broadcasts", movement.scalar_broadcast),
+    ("sweep", sweep),  # the sinusoids' old halves still read the timestep's Expand
+    ("expand_consts", movement.expand_into_constant),  # after broadcasts: one Expand of the timestep
+    ("sweep", sweep),
+    ("tables", tables.simplify),  # the CPU work on the inputs alone, in as few nodes as it takes
+    ("rotary", rotary.signed_permutations),  # after tables: the edge region it leaves alone is the tables' form
+    Group("crop_rounds", [  # again until a round crops nothing: a crop can make another node's input constant
+        ("crop", constants.crop_constants),
+        ("sweep", sweep),
+    ], rounds=8, until="crop"),
+    ("finish", constants.finish),  # last: the output names, the crops' record, unused nodes and weights
+])
+
+
+def canonicalize(model: ir.Model) -> PassResult:
+    """The canonical steps alone (``CANONICAL``), their counts summed (for tests and tools that start from the
+    canonical form; a compile runs them as part of ``pipeline``)."""
+    records = run_passes(model, [CANONICAL])
+    counts: dict[str, int] = {}
+    for r in records:
+        for k, v in r.result.counts.items():
+            counts[k] = counts.get(k, 0) + v
+    return PassResult(modified=any(r.result.modified for r in records), counts=counts)
 
 
 def joint(model: ir.Model) -> PassResult:
@@ -208,7 +272,7 @@ def _both(a: PassResult, b: PassResult) -> PassResult:
     return PassResult(modified=a.modified or b.modified, counts={**a.counts, **b.counts})
 
 
-def standard_pipeline(options: CompileOptions) -> list[tuple[str, PassFn]]:
+def standard_pipeline(options: CompileOptions) -> list[Entry]:
     """The pass list of a standard target (see the module's docstring)."""
     t = options.target
     return [
@@ -224,13 +288,13 @@ def standard_pipeline(options: CompileOptions) -> list[tuple[str, PassFn]]:
     ]
 
 
-def pipeline(options: CompileOptions) -> list[tuple[str, PassFn]]:
+def pipeline(options: CompileOptions) -> list[Entry]:
     t = options.target
     if t.kind == "standard":
         return standard_pipeline(options)
     assert isinstance(t, DispatchTarget)
     return [
-        ("canonicalize", canonicalize),
+        CANONICAL,
         ("joint", joint),
         ("fuse", lambda m: fuse(m, t)),
         ("layout", layout),
@@ -246,9 +310,14 @@ def pipeline(options: CompileOptions) -> list[tuple[str, PassFn]]:
     ]
 
 
-def pass_names(options: CompileOptions) -> list[str]:
-    """The passes a compile with ``options`` runs, in order."""
-    return [name for name, _ in pipeline(options)]
+def pass_names(options: CompileOptions, steps: bool = True) -> list[str]:
+    """The passes a compile with ``options`` runs, in order: every step (a group's as ``group/step``, a repeated
+    group's once, under its bound: ``canonical/fold_rounds[<=10]/fold_small``), or with ``steps`` False the
+    top-level passes alone (``canonical``, ``joint``, ...)."""
+    entries = pipeline(options)
+    if not steps:
+        return [entry_name(e) for e in entries]
+    return list(pass_list_names(entries))
 
 
 def compile_model(model: ir.Model, options: CompileOptions | None = None,

@@ -7,8 +7,8 @@ drift from what the compiler did. While the passes run, an expression lives in `
 ``PROVENANCE_KEY`` (pass-private, never serialized). At the end, ``record`` gathers one per initializer of the
 dispatch model, and ``compile_into`` writes them to ``dd/weights.json`` beside it.
 
-A small weight canonicalize folds is recorded as the ONNX node that computed it, by canonicalize's own
-folder or by onnxscript's (``constant_subgraph`` describes what that one may fold before it runs;
+A small weight the canonical steps fold is recorded as the ONNX node that computed it, by sdnpu's own
+folder (``canonical.constants.fold_small``) or by onnxscript's (``constant_subgraph`` describes what that one may fold before it runs;
 ``mark_folded`` names what it made).
 """
 
@@ -46,8 +46,8 @@ def mark_inputs(graph: ir.Graph, names: Iterable[str] | None = None) -> None:
 
 def constant_subgraph(graph: ir.Graph) -> dict[str, Expr]:
     """What a constant folder could compute, before it runs: for each output of a node whose inputs are
-    constants or such outputs (Shape and Size of anything: literal), its expression. canonicalize calls it
-    before onnxscript's folder and gives the initializers that folder makes (named as the outputs they
+    constants or such outputs (Shape and Size of anything: literal), its expression. The canonical fold step
+    calls it before onnxscript's folder and gives the initializers that folder makes (named as the outputs they
     replace) these expressions after it, through ``mark_folded``."""
     exprs: dict[str, Expr] = {}
     for node in graph:

@@ -367,10 +367,27 @@ def render_text(r: dict[str, Any]) -> str:
                          f"{pipe['psnr_db']:.1f} dB against the fp32 graphs")
     lines += _size_lines(r)
     lines += ["", "Passes", "-" * 79]
-    for p in r["passes"]:
-        counts = ", ".join(f"{k} {v}" for k, v in p["counts"].items() if v)
-        lines.append(f"  {p['name']:<13}{p['seconds']:>6.1f} s  {counts[:55]}".rstrip())
+    lines += _pass_lines(r["passes"])
     return "\n".join(lines) + "\n"
+
+
+def _pass_lines(passes: list[dict[str, Any]]) -> list[str]:
+    """One line a pass; a group's steps (``canonical/opset``, ...) under a line naming the group, indented, in a
+    name column of their own width (the other passes keep theirs)."""
+    shown = [(p, *p["name"].partition("/")) for p in passes]
+    width = max([11, *(len(step) + 1 for _, _, _, step in shown if step)])
+    lines: list[str] = []
+    group = None
+    for p, top, _, step in shown:
+        if step and top != group:
+            lines.append(f"  {top}")
+        group = top if step else None
+        counts = ", ".join(f"{k} {v}" for k, v in p["counts"].items() if v)
+        if step:
+            lines.append(f"    {step:<{width}}{p['seconds']:>6.1f} s  {counts[:66 - width]}".rstrip())
+        else:
+            lines.append(f"  {top:<13}{p['seconds']:>6.1f} s  {counts[:55]}".rstrip())
+    return lines
 
 
 def _vendor_lines(r: dict[str, Any]) -> list[str]:

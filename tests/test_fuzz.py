@@ -127,7 +127,7 @@ def fp16_conv_into_cpu_op() -> onnx.ModelProto:
 
 def fp16_erf_gelu() -> onnx.ModelProto:
     """[fp16] x * (erf(x / sqrt 2) + 1) * 0.5 as TorchScript writes it: in fp16 sqrt 2 is stored as 1.4140625,
-    1.5e-4 off, so canonicalize did not make it a Gelu and the Erf, Add and Muls stayed on the CPU."""
+    1.5e-4 off, so the canonical erf_gelu did not make it a Gelu and the Erf, Add and Muls stayed on the CPU."""
     h = np.float16
     return _model([helper.make_node("Div", ["x", "root2"], ["d"]), helper.make_node("Erf", ["d"], ["e"]),
                    helper.make_node("Add", ["e", "one"], ["a"]), helper.make_node("Mul", ["x", "a"], ["m"]),
@@ -137,7 +137,7 @@ def fp16_erf_gelu() -> onnx.ModelProto:
 
 
 def pad_crop_before_conv() -> onnx.ModelProto:
-    """Pad with negative pads (a crop) before a Conv: canonicalize merged it into the Conv's pads, giving
+    """Pad with negative pads (a crop) before a Conv: the canonical pad_conv merged it into the Conv's pads, giving
     pads -1 (onnx.checker: 'Attribute pads must not contain negative values'). A crop stays a Pad now."""
     return _model([helper.make_node("Pad", ["x", "pads"], ["p"], mode="constant"),
                    helper.make_node("Conv", ["p", "w"], ["y"])],
@@ -147,7 +147,7 @@ def pad_crop_before_conv() -> onnx.ModelProto:
 
 def identity_of_an_output() -> onnx.ModelProto:
     """Sigmoid -> s (an output) -> Identity -> y (an output): onnx_ir's IdentityEliminationPass renamed s to y,
-    so the graph returned y twice and lost s. canonicalize keeps such an Identity now."""
+    so the graph returned y twice and lost s. The canonical identities step keeps such an Identity now."""
     return _model([helper.make_node("Sigmoid", ["x"], ["s"]), helper.make_node("Identity", ["s"], ["y"])],
                   {"x": (T.FLOAT, [2, 3])}, {"y": (T.FLOAT, [2, 3]), "s": (T.FLOAT, [2, 3])}, {})
 
@@ -161,7 +161,7 @@ def quick_gelu_rank_raising_constant() -> onnx.ModelProto:
 
 
 def erf_gelu_rank_raising_constant() -> onnx.ModelProto:
-    """The Erf GELU with 0.5 of shape [1, 1, 1]: canonicalize made it Gelu(x) of x's shape [4, 2] while the
+    """The Erf GELU with 0.5 of shape [1, 1, 1]: the canonical erf_gelu made it Gelu(x) of x's shape [4, 2] while the
     graph output is [1, 4, 2]."""
     return _model([helper.make_node("Mul", ["x", "inv_root2"], ["d"]), helper.make_node("Erf", ["d"], ["e"]),
                    helper.make_node("Add", ["e", "one"], ["a"]), helper.make_node("Mul", ["x", "a"], ["m"]),
@@ -173,7 +173,7 @@ def erf_gelu_rank_raising_constant() -> onnx.ModelProto:
 
 def transpose_without_perm() -> onnx.ModelProto:
     """A Transpose without perm (reverse the axes): glue read its perm as a list and crashed
-    ('NoneType' object is not iterable). canonicalize writes the perm out."""
+    ('NoneType' object is not iterable). The canonical perm step writes it out."""
     return _model([helper.make_node("Mul", ["x", "c"], ["m"]), helper.make_node("Transpose", ["m"], ["y"])],
                   {"x": (T.FLOAT, [2, 3, 4])}, {"y": (T.FLOAT, [4, 3, 2])}, {"c": np.asarray(2, np.float32)})
 
@@ -432,8 +432,8 @@ def linear_product_also_output() -> onnx.ModelProto:
 
 
 def group_norm_one_channel_per_group() -> onnx.ModelProto:
-    """GroupNorm of [B, C, L] with G = C: the Reshape back to [B, C, L] changes nothing, canonicalize drops
-    it, and SDGroupNormFusion (which wanted Reshape -> InstanceNormalization -> Reshape) did not match."""
+    """GroupNorm of [B, C, L] with G = C: the Reshape back to [B, C, L] changes nothing, the canonical steps
+    drop it, and SDGroupNormFusion (which wanted Reshape -> InstanceNormalization -> Reshape) did not match."""
     n = helper.make_node
     return _model([n("Reshape", ["x", "grouped"], ["r"]), n("InstanceNormalization", ["r", "ones", "zeros"], ["i"]),
                    n("Reshape", ["i", "back"], ["r2"]), n("Mul", ["r2", "gamma"], ["m"]),
@@ -503,7 +503,7 @@ def test_a_dispatch_op_left_in_fp32_is_reported(tmp_path: Path, monkeypatch: pyt
     of its bf16 inputs to fp32, its output fp32 and cast back to bf16 for its readers). The model stays valid
     and its numbers are if anything better, so no numeric bound can see it; it is a Mismatch naming the node."""
     from sdnpu.passes import pipeline
-    from sdnpu.passes.manager import PassResult
+    from sdnpu.passes.manager import PassResult, entry_name
 
     from . import fuzz_repro
 
@@ -530,7 +530,7 @@ def test_a_dispatch_op_left_in_fp32_is_reported(tmp_path: Path, monkeypatch: pyt
             return PassResult(modified=True)
 
         passes = real(options)
-        at = [name for name, _ in passes].index("precision") + 1
+        at = [entry_name(e) for e in passes].index("precision") + 1
         return [*passes[:at], ("break", gemm_in_fp32), *passes[at:]]
 
     monkeypatch.setattr(pipeline, "pipeline", broken)
@@ -552,7 +552,7 @@ def test_the_cap_catches_a_mistake_the_sensitivity_would_hide(monkeypatch: pytes
     Softmax to another axis (max |diff| 0.50 at a scale of 0.22) would pass it. The cap (CAP * scale) reports
     it."""
     from sdnpu.passes import pipeline
-    from sdnpu.passes.manager import PassResult
+    from sdnpu.passes.manager import PassResult, entry_name
 
     from . import fuzz_repro
 
@@ -565,7 +565,7 @@ def test_the_cap_catches_a_mistake_the_sensitivity_would_hide(monkeypatch: pytes
             return PassResult(modified=True)
 
         passes = real(options)
-        at = [name for name, _ in passes].index("precision") + 1
+        at = [entry_name(e) for e in passes].index("precision") + 1
         return [*passes[:at], ("break", softmax_axis), *passes[at:]]
 
     model = softmax_large_logits()

@@ -18,6 +18,7 @@ from sdnpu import onnxrun
 from sdnpu.formats import handoff
 from sdnpu.ops.target import get_target
 from sdnpu.passes.handoff import handoff_pass
+from sdnpu.passes.manager import entry_name, run_passes
 from sdnpu.passes.pipeline import CompileOptions, compile_model, pipeline
 
 from .graphs import feeds_for, model, run, to_ir, to_proto, with_functions
@@ -177,11 +178,11 @@ def test_a_spread_shared_by_an_op_lowered_later_keeps_the_graph_in_order():
 def through(m: onnx.ModelProto, last: str):
     """``m`` through the pipeline up to and including the pass ``last``."""
     irm = to_ir(m)
-    for name, fn in pipeline(CompileOptions()):
-        fn(irm)
-        if name == last:
-            return irm
-    raise AssertionError(f"no pass {last}")
+    passes = pipeline(CompileOptions())
+    names = [entry_name(e) for e in passes]
+    assert last in names, f"no pass {last}"
+    run_passes(irm, passes[:names.index(last) + 1])
+    return irm
 
 
 def test_the_pass_removes_each_named_outputs_edge_and_records_its_form():

@@ -11,8 +11,7 @@ import onnx
 import onnx_ir as ir
 import pytest
 
-from sdnpu.passes.canonicalize import canonicalize
-from sdnpu.passes.pipeline import CompileOptions, joint, pass_names
+from sdnpu.passes.pipeline import CompileOptions, canonicalize, joint, pass_names
 
 from .graphs import feeds_for, model, ops, run, to_ir, to_proto
 from .test_mmdit import S1, S2, B, C, H, joint_attention, n, w
@@ -22,7 +21,7 @@ SUNK = "head transposes moved below row ops"
 
 
 def jointed(m: onnx.ModelProto):
-    """canonicalize, then the joint pass: (its result, the model)."""
+    """The canonical steps, then the joint pass: (its result, the model)."""
     irm = to_ir(m)
     canonicalize(irm)
     before = Counter(ops(irm))
@@ -96,9 +95,10 @@ def test_a_graph_without_joint_attention_is_left_as_it_is():
     assert to_proto(irm).SerializeToString(deterministic=True) == before
 
 
-def test_the_joint_pass_runs_right_after_canonicalize():
+def test_the_joint_pass_runs_right_after_the_canonical_steps():
     names = pass_names(CompileOptions())
-    assert names[:3] == ["canonicalize", "joint", "fuse"]
-    both = pass_names(CompileOptions(handoff=frozenset({"a"}), prologue=frozenset({"b"})))
-    assert both == ["canonicalize", "joint", "fuse", "layout", "glue", "views", "parallel", "precision", "cuts",
+    assert names[names.index("joint") - 1:names.index("joint") + 2] == ["canonical/finish", "joint", "fuse"]
+    assert all(n.startswith("canonical/") for n in names[:names.index("joint")])
+    both = pass_names(CompileOptions(handoff=frozenset({"a"}), prologue=frozenset({"b"})), steps=False)
+    assert both == ["canonical", "joint", "fuse", "layout", "glue", "views", "parallel", "precision", "cuts",
                     "handoff", "cleanup", "prologue", "partition"]

@@ -9,9 +9,9 @@ import onnx
 import pytest
 
 from sdnpu.ops.target import get_target
-from sdnpu.passes.canonicalize import canonicalize
 from sdnpu.passes.fuse import fuse
 from sdnpu.passes.layout import layout
+from sdnpu.passes.pipeline import canonicalize
 
 from .graphs import feeds_for, model, ops, run, to_ir, with_functions
 from .test_rules import n, w

@@ -8,7 +8,7 @@ import onnx
 import pytest
 from onnx import helper
 
-from sdnpu.passes.manager import run_passes
+from sdnpu.passes.manager import entry_name, run_passes
 from sdnpu.passes.pipeline import CompileOptions, compile_model, pipeline
 
 from .graphs import feeds_for, model, ops, run, to_ir, to_proto, with_functions
@@ -42,7 +42,7 @@ def _gates(n: int, op: str = "Tanh", shared: bool = False, other_op: bool = Fals
 
 def _without_parallel(m: onnx.ModelProto):
     ir_model = to_ir(m)
-    run_passes(ir_model, [(name, fn) for name, fn in pipeline(CompileOptions()) if name != "parallel"])
+    run_passes(ir_model, [e for e in pipeline(CompileOptions()) if entry_name(e) != "parallel"])
     return ir_model
 
 

@@ -20,6 +20,7 @@ from sdnpu.errors import SdnpuError
 from sdnpu import onnxrun
 from sdnpu.formats import prologue
 from sdnpu.ops.target import get_target
+from sdnpu.passes.manager import entry_name, run_passes
 from sdnpu.passes.pipeline import CompileOptions, pipeline
 from sdnpu.passes.prologue import prologue_pass
 
@@ -198,11 +199,10 @@ def test_pack_carries_the_prologue(tmp_path, monkeypatch):
 
 def after_cleanup(m: onnx.ModelProto) -> ir.Model:
     irm = ir.serde.deserialize_model(m)
-    for name, fn in pipeline(CompileOptions()):
-        fn(irm)
-        if name == "cleanup":
-            return irm
-    raise AssertionError("no cleanup pass")
+    passes = pipeline(CompileOptions())
+    names = [entry_name(e) for e in passes]
+    run_passes(irm, passes[:names.index("cleanup") + 1])
+    return irm
 
 
 def test_the_pass_cuts_the_step_inputs_cpu_work_into_a_model_of_its_own():

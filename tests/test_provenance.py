@@ -72,7 +72,7 @@ def test_a_wrong_record_is_caught(tiny_conversion, op):
 
 
 def test_a_folded_weight_replays_through_the_onnx_node(tmp_path):
-    """A small weight canonicalize evaluates (a Reshape of LayerNorm's gamma) is recorded as the ONNX node
+    """A small weight the canonical steps evaluate (a Reshape of LayerNorm's gamma) is recorded as the ONNX node
     it evaluated, and replays through it."""
     from sdnpu.convert.compile import compile_file
 

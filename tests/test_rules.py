@@ -10,11 +10,10 @@ from onnx import helper
 
 from sdnpu.formats.keys import DECLINED_TAG, RULE_TAG, VIEWS_TAG
 from sdnpu.ops.target import get_target
-from sdnpu.passes.canonicalize import canonicalize
 from sdnpu.passes.fuse import fuse
 from sdnpu.passes.glue import lower_glue
 from sdnpu.passes.layout import layout
-from sdnpu.passes.pipeline import joint
+from sdnpu.passes.pipeline import canonicalize, joint
 from sdnpu.passes.views import absorb_views
 
 from .graphs import feeds_for, model, ops, run, to_ir, with_functions
@@ -32,7 +31,7 @@ def n(op: str, ins: list[str], outs: list[str], **attrs) -> onnx.NodeProto:
 
 
 def lowered(m: onnx.ModelProto):
-    """canonicalize, joint, fuse, layout, glue and views: every dispatch op in place, still fp32."""
+    """The canonical steps, joint, fuse, layout, glue and views: every dispatch op in place, still fp32."""
     irm = to_ir(m)
     canonicalize(irm)
     joint(irm)
@@ -349,90 +348,6 @@ def test_sub_and_div_by_constants_become_add_and_mul():
     assert_same(m, irm)
 
 
-def test_the_sinusoidal_embedding_is_one_sin_with_a_phase():
-    """diffusers' get_timestep_embedding (flip_sin_to_cos) as dynamo writes it: Sin, Cos, Concat, two Slices
-    and a Concat become Mul, Add, Sin; the numbers stay within fp32 rounding of arguments up to 1000 rad."""
-    half = 8
-    freqs = np.exp(-np.log(10000) * np.arange(half) / half).astype(np.float32)[None]
-    m = model([n("Mul", ["t", "f"], ["a"]), n("Sin", ["a"], ["s"]), n("Cos", ["a"], ["c"]),
-               n("Concat", ["s", "c"], ["e"], axis=-1), n("Slice", ["e", "h0", "h1", "ax"], ["e2"]),
-               n("Slice", ["e", "z", "h0", "ax"], ["e1"]), n("Concat", ["e2", "e1"], ["y"], axis=-1)],
-              {"t": [2, 1]}, {"y": [2, 2 * half]},
-              {"f": freqs, "h0": np.array([half]), "h1": np.array([2 * half]), "z": np.array([0]),
-               "ax": np.array([-1])})
-    irm = to_ir(m)
-    canonicalize(irm)
-    assert dict(ops(irm)) == {"Mul": 1, "Add": 1, "Sin": 1}
-    t = {"t": np.array([[999.0], [1.0]], np.float32)}
-    np.testing.assert_allclose(run(with_functions(irm, TARGET), t)[0], run(m, t)[0], atol=1e-4)
-
-
-@pytest.mark.parametrize("case", ["same", "other_freqs"])
-def test_size_condition_sinusoids_of_several_inputs_are_one_chain(case):
-    """CogView4's original size, crop and target size: each [2, k] flattened to a column, times the
-    frequencies plus the phase, Sin, viewed back as [2, k F], concatenated. The same chain once over the
-    inputs' Concat, the same numbers bit for bit; near miss: one chain with other frequencies stays."""
-    f, ks = 4, (2, 1, 2)
-    freqs = np.linspace(0.1, 1.0, f, dtype=np.float32)[None]
-    inits = {"f": freqs, "g": freqs * (2 if case == "other_freqs" else 1), "p": np.full((1, f), 0.5, np.float32)}
-    nodes, parts = [], []
-    for i, k in enumerate(ks):
-        inits[f"s{i}"], inits[f"o{i}"] = np.array([2 * k, 1]), np.array([2, k * f])
-        nodes += [n("Reshape", [f"c{i}", f"s{i}"], [f"col{i}"]), n("Mul", [f"col{i}", "g" if i == 1 else "f"], [f"m{i}"]),
-                  n("Add", [f"m{i}", "p"], [f"a{i}"]), n("Sin", [f"a{i}"], [f"sn{i}"]),
-                  n("Reshape", [f"sn{i}", f"o{i}"], [f"r{i}"])]
-        parts.append(f"r{i}")
-    nodes.append(n("Concat", parts, ["y"], axis=1))
-    m = model(nodes, {f"c{i}": [2, k] for i, k in enumerate(ks)}, {"y": [2, sum(ks) * f]}, inits)
-    irm = to_ir(m)
-    counts = canonicalize(irm).counts
-    assert counts["parallel column chains -> one"] == (1 if case == "same" else 0)
-    if case == "same":
-        assert dict(ops(irm)) == {"Concat": 1, "Reshape": 2, "Mul": 1, "Add": 1, "Sin": 1}
-    feeds = {f"c{i}": np.random.default_rng(i).uniform(0, 1024, (2, k)).astype(np.float32) for i, k in enumerate(ks)}
-    np.testing.assert_array_equal(run(with_functions(irm, TARGET), feeds)[0], run(m, feeds)[0])
-
-
-@pytest.mark.parametrize("also_read", [False, True])
-def test_a_scalar_broadcast_chain_is_one_expand_or_none(also_read):
-    """The timestep broadcast to the batch: one Expand, and none where all it meets is a constant (broadcast
-    offline); kept where something else reads it too (near miss)."""
-    nodes = [n("Unsqueeze", ["t", "z"], ["u"]), n("Expand", ["u", "b"], ["e"]), n("Unsqueeze", ["e", "o"], ["y0"]),
-             n("Mul", ["y0", "f"], ["y"])]
-    outputs = {"y": [2, 3]}
-    if also_read:
-        nodes.append(n("Sin", ["y0"], ["s"]))
-        outputs["s"] = [2, 1]
-    m = model(nodes, {"t": []}, outputs, {"z": np.array([0]), "b": np.array([2]), "o": np.array([1]), "f": w(1, 3)})
-    irm = to_ir(m)
-    canonicalize(irm)
-    assert dict(ops(irm)) == ({"Expand": 1, "Mul": 1, "Sin": 1} if also_read else {"Mul": 1})
-    feeds = {"t": np.array(3.0, np.float32)}
-    for a, b in zip(run(with_functions(irm, TARGET), feeds), run(m, feeds), strict=True):
-        np.testing.assert_array_equal(a, b)
-
-
-
-@pytest.mark.parametrize("case", ["repeat", "grows"])
-def test_an_expand_and_a_reshape_chain_to_the_shape_they_have_go(case):
-    """TorchScript's attention repeats k and v for grouped-query attention: unsqueeze, expand, reshape back;
-    at one group per head the three move nothing and go. Near miss: an Expand that broadcasts (two groups)
-    keeps the chain."""
-    groups = 2 if case == "grows" else 1
-    nodes = [n("Reshape", ["x", "u"], ["x5"]), n("Expand", ["x5", "t"], ["e"]), n("Reshape", ["e", "s"], ["r"]),
-             n("Mul", ["r", "k"], ["y"])]
-    inits = {"u": np.array([2, 1, 4, 3]), "t": np.array([1, groups, 1, 1]), "s": np.array([2 * groups, 4, 3]),
-             "k": w(3)}
-    out = [2 * groups, 4, 3]
-    m = model(nodes, {"x": [2, 4, 3]}, {"y": out}, inits)
-    irm = to_ir(m)
-    canonicalize(irm)
-    expected = {"repeat": {"Mul": 1}, "grows": {"Reshape": 2, "Expand": 1, "Mul": 1}}
-    assert dict(ops(irm)) == expected[case]
-    feeds = feeds_for(m)
-    np.testing.assert_array_equal(run(with_functions(irm, TARGET), feeds)[0], run(m, feeds)[0])
-
-
 def tanh_gelu(spelling: str, coeff: float = 0.044715, also_read: bool = False) -> onnx.ModelProto:
     """0.5 x (1 + tanh(sqrt(2/pi) (x + c x^3))) after a linear layer, in the spellings exporters write."""
     c = {"half": np.array(0.5, np.float32), "one": np.array(1.0, np.float32), "three": np.array(3.0, np.float32),
@@ -466,15 +381,3 @@ def test_a_tanh_gelu_near_miss_stays_as_written(coeff, also_read):
     irm = lowered(m)
     assert "SDGelu" not in dispatch_ops(irm) and ops(irm).get("Tanh") == 1
     assert_same(m, irm)
-
-
-def test_a_weight_that_holds_zeros_or_ones_keeps_its_place():
-    """A zero-initialized bias and a norm's gamma of ones (seeded presets, ControlNets' zero convolutions) are
-    weights: the compiled graph has the form a trained checkpoint's would, whatever they hold now (a LoRA or
-    another checkpoint changes them in place)."""
-    m = model([n("MatMul", ["x", "w"], ["h"]), n("Add", ["h", "b"], ["y0"]), n("Mul", ["y0", "g"], ["y"])],
-              {"x": [1, 4, 8]}, {"y": None}, {"w": w(8, 6), "b": np.zeros(6, np.float32), "g": np.ones(6, np.float32)})
-    irm = to_ir(m)
-    canonicalize(irm)
-    assert ops(irm)["Add"] == 1 and ops(irm)["Mul"] == 1
-    assert {"b", "g"} <= set(irm.graph.initializers)

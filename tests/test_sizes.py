@@ -316,7 +316,7 @@ def test_a_size_that_cannot_be_specialized_is_compiled_in_full(two_sizes, tmp_pa
         convert("tiny-sdxl", "vae_decoder", out=folder, res="288x256", add=True, check=False)
     assert "cannot be re-derived for it (a test says no); compiling it in full" in caplog.text
     report = json.loads((folder / "vae_decoder" / "dd" / "report.288x256.json").read_text())
-    assert "specialized_from" not in report and report["passes"][0]["name"] == "canonicalize"
+    assert "specialized_from" not in report and report["passes"][0]["name"] == "canonical/opset"
     assert [str(f.size) for f in sizes_of(folder / "vae_decoder")] == ["256x256", "320x256", "288x256"]
 
 
@@ -382,7 +382,7 @@ def test_every_size_pair_is_rederived_as_a_full_compile_writes_it_or_compiled_in
 
 # (preset, denoiser, primary batch, other batch, why it is refused): 1 <-> 2, a dimension of 1 against one of
 # more (the passes may decide differently there); 2 -> 4, the timestep's sinusoid frequencies broadcast to the
-# batch offline (canonicalize's _expand_into_constant) are a constant of the primary's batch; SD3's transformer,
+# batch offline (``canonical.movement.expand_into_constant``) are a constant of the primary's batch; SD3's transformer,
 # its position embedding cut for the primary (sized components it is compiled per size). All compile in full.
 BATCHES = [pytest.param("tiny-sdxl-turbo", "unet", 1, 2, "a dimension of 1", id="tiny-sdxl-turbo-1-2"),
            pytest.param("tiny-sdxl", "unet", 2, 4, "the table's shape rule refuses", marks=_SWEEP,

@@ -13,8 +13,8 @@ scalar-scale nodes reaches rank-3 sources whose chains *are* head splits, run on
 TorchScript spelling with its Sqrt(Sqrt(d)) scales on q and kᵀ and the dynamo one match alike), and walking
 down from the output reaches [B, M, C] through a head merge. ``scale`` is the product of every scalar met and
 must be the kernel's 1/sqrt(d); a causal mask (CLIP) cannot be expressed by the kernel's one-row mask.
-Grouped-query attention's key and value heads, repeated (a Tile of the heads, which canonicalize writes as a
-Concat: SDConcat), are read as the [B, N, C] source they are. TorchScript's NaN guard after the softmax
+Grouped-query attention's key and value heads, repeated (a Tile of the heads, which the canonical steps write as
+a Concat: SDConcat), are read as the [B, N, C] source they are. TorchScript's NaN guard after the softmax
 (``Where(IsNaN(p), 0, p)``: a query whose keys are all masked gets zeros) is part of the pattern: dropped where
 the mask leaves every query a key, kept after onnxruntime's CPU attention where a computed mask may not.
 
@@ -71,7 +71,7 @@ def _as_rank3(shape: tuple[int, ...] | None, target: tuple[int, ...] | None, kin
     """A source's [B, S, C]: its own, or a 4-D [B, S, h, d] read as one where the heads the attention reads
     (``target``: [B, H, S, D], K's [B, H, D, S]) hold its h * d channels per token: heads already apart
     ([B, S, H, D]), or grouped-query attention's key and value heads repeated ([B, S, Hkv, r * D], the Concat
-    a Tile of the heads is, canonicalize's ``_tile_repeats``). The split itself is checked on index tensors."""
+    a Tile of the heads is, ``canonical.movement.tile_repeats``). The split itself is checked on index tensors."""
     if shape is None or len(shape) != 4 or target is None or len(target) != 4:
         return shape
     b, s, h, d = shape

@@ -4,7 +4,7 @@ GroupNorm as the exporters write it (both torch exporters, opset 17-20):
 
     Reshape(x [B, C, H, W] or [B, C, L] -> [B, G, -1]) -> InstanceNormalization(scale=1, bias=0, eps)
       -> Reshape(-> [B, C, H, W]) -> Mul(gamma [C, 1, 1]) -> Add(beta [C, 1, 1]) [-> SiLU]
-    (the second Reshape is gone when it changed nothing, [B, C, L] with G = C: canonicalize drops it)
+    (the second Reshape is gone when it changed nothing, [B, C, L] with G = C: the canonical steps drop it)
     ==> Transpose(NCHW->NHWC) -> SDGroupNorm(x', wts [2C] = gamma ++ beta, nonlinear='Silu' with the SiLU)
         -> Transpose back
 

@@ -15,7 +15,7 @@ VIEWS_TAG = "sdnpu.views"  # "<input>:<shape>;..." the tensor shapes of inputs r
 TARGET_KEY = "sdnpu.target"  # the target a dispatch model was compiled for
 HANDOFF_KEY = "sdnpu.handoff"  # its handoff values and their forms (sdnpu.formats.handoff)
 PROLOGUE_KEY = "sdnpu.prologue"  # its step prologue (sdnpu.formats.prologue)
-SIZED_CONSTANTS_KEY = "sdnpu.sized_constants"  # constants cut for one image size (canonicalize; the specializer)
+SIZED_CONSTANTS_KEY = "sdnpu.sized_constants"  # constants cut for one image size (the canonical crops; the specializer)
 PACKED_KEY = "sdnpu.packed"  # the packer a deployable copy's weights went through (sdnpu pack)
 FP16_GUARDS_KEY = "sdnpu.fp16_guards"  # JSON {value name: the rewrite that keeps it in fp16's range} (passes.htp)
 

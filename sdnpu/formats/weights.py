@@ -9,14 +9,14 @@ run), and the same functions replay it later, so the record cannot drift from wh
 Expressions (JSON):
 
     {"init": NAME}                          the input model's constant NAME (an initializer, or a Constant
-                                            node's output, which canonicalize lifts to one)
+                                            node's output, which the canonical steps lift to one)
     {"op": STEP, ...arguments, "x": EXPR}   one step of STEPS applied to EXPR
     {"op": "concat", "axis": A, "xs": [EXPR, ...]}
     {"op": "sum", "xs": [EXPR, ...]}        the EXPRs added, left to right, in the first one's dtype (a
                                             linear layer's bias with the constants added after it folded in)
     {"op": "onnx", "node": BASE64, "output": I, "xs": [EXPR, ...]}
                                             output I of one ONNX node (serialized NodeProto) evaluated on
-                                            the EXPRs: a small weight canonicalize folded
+                                            the EXPRs: a small weight the canonical steps folded
     {"array": [V, ...], "dtype": D, "shape": S}
                                             a small constant made from no weight, held in the record itself
                                             (a literal that is part of a sum with a weight)
@@ -226,7 +226,7 @@ def tensor_values(tensor: Any) -> np.ndarray:
 
 def constant_reader(model: ir.Model) -> Callable[[str], np.ndarray]:
     """``read(name)`` over a model's constants, as ``{"init": name}`` names them: its initializers and its
-    Constant nodes' values (which canonicalize lifts to initializers of the same name). Weights are read
+    Constant nodes' values (which the canonical steps lift to initializers of the same name). Weights are read
     when asked for, one at a time."""
     constants = {n.outputs[0].name: n for n in model.graph if n.op_type == "Constant" and n.attributes}
 

@@ -26,7 +26,12 @@ from collections import Counter
 
 import numpy as np
 import onnx_ir as ir
+from onnx import helper
+from onnx.reference import ReferenceEvaluator
+
 from sdnpu.passes.irutil import Builder, attr, remove_dead_nodes, reroute, static_shape
+from sdnpu.passes.manager import PassResult
+from sdnpu.passes.provenance import step
 
 RULE = "Tables"
 UNARY = frozenset({"Cos", "Sin", "Cast", "Neg", "Exp", "Sqrt", "Reciprocal", "Abs", "Tanh", "Sigmoid", "Erf"})
@@ -198,9 +203,6 @@ def _linear_source(v: ir.Value, edge: set[ir.Value]) -> tuple[ir.Value, list[ir.
 
 
 def _run(u: ir.Value, v: ir.Value, nodes: list[ir.Node], probe: np.ndarray) -> np.ndarray | None:
-    from onnx import helper
-    from onnx.reference import ReferenceEvaluator
-
     order = {id(n): i for i, n in enumerate(u.graph or [])} if u.graph is not None else {}
     protos = [ir.serde.serialize_node(n) for n in sorted(nodes, key=lambda n: order.get(id(n), 0))]
     inits = []
@@ -315,8 +317,6 @@ def _single_precision(graph: ir.Graph, edge: set[ir.Value]) -> int:
     rounded to bf16 (8 bits): float32's error on the arguments (half an ulp: 3.8e-6 rad at 64, Flux's largest
     position at 1024 px) is far below a bf16 step of the cos and sin it yields. The float64 constants become
     float32 (offline)."""
-    from sdnpu.passes.provenance import step
-
     done = 0
     for cast in list(graph):
         if cast.graph is None or cast.op_type != "Cast" or not _onnx(cast) or attr(cast, "to") != int(ir.DataType.DOUBLE):
@@ -366,15 +366,24 @@ def _single_precision(graph: ir.Graph, edge: set[ir.Value]) -> int:
     return done
 
 
+def simplify(model: ir.Model) -> PassResult:
+    """The tables' rewrites as a canonical step (``simplify_tables``)."""
+    counts = simplify_tables(model.graph)
+    return PassResult(modified=bool(sum(counts.values())), counts=dict(counts))
+
+
 def simplify_tables(graph: ir.Graph) -> Counter[str]:
+    """The three rewrites over the edge region, which is read once (``edge_values``; the nodes the first rewrite
+    makes join it): unary ops sunk below Concats and repeated ops computed once, in rounds until neither changes
+    anything (at most 16), then the per-row gathers and scales, then the float64 islands in float32."""
     counts: Counter[str] = Counter()
     edge = edge_values(graph)
     for _ in range(16):
-        step = Counter({"unary ops moved below data movement": _sink_unary(graph, edge),
+        done = Counter({"unary ops moved below data movement": _sink_unary(graph, edge),
                         "repeated table ops computed once": _once(graph, edge)})
         remove_dead_nodes(graph)
-        counts += step
-        if not sum(step.values()):
+        counts += done
+        if not sum(done.values()):
             break
     counts["table chains -> gather and scale"] = _gather_scale(graph, edge)
     if counts["table chains -> gather and scale"]:

@@ -24,6 +24,7 @@ from collections.abc import Sequence
 import numpy as np
 import onnx_ir as ir
 
+from sdnpu.passes.canonical.driver import graph_of, node_rewrite
 from sdnpu.passes.irutil import Builder, attr, const, reroute, static_shape
 
 RULE = "Loops"
@@ -143,45 +144,45 @@ def _labels(sources: Sequence[ir.Value]) -> dict[ir.Value, np.ndarray] | None:
     return labels
 
 
-def _assembled(graph: ir.Graph) -> int:
-    done = 0
-    for node in list(graph):
-        if not _onnx(node, "ScatterND") or node.graph is None:
-            continue
-        y = node.outputs[0]
-        if not y.uses() or all(_onnx(u.node, "ScatterND") for u in y.uses()) or y.is_graph_output():
-            continue  # not the end of its chain
-        shape = static_shape(y)
-        found = _subgraph(y)
-        if shape is None or found is None or int(np.prod(shape)) > _MAX_ELEMENTS:
-            continue
-        nodes, sources = found
-        if not sources or len(sources) > 4 or any(len(static_shape(s) or ()) != len(shape) for s in sources):
-            continue
-        labels = _labels(sources)
-        values = _run(nodes, labels) if labels is not None else None
-        if values is None:
-            continue
-        got = values[y]
-        match = None
-        for axis in range(len(shape)):
-            for order in itertools.permutations(sources):
-                parts = [labels[s] for s in order]  # type: ignore[index]
-                if all(p.shape[:axis] + p.shape[axis + 1:] == got.shape[:axis] + got.shape[axis + 1:] for p in parts) \
-                        and np.array_equal(np.concatenate(parts, axis=axis), got):
-                    match = (axis, order)
-                    break
-            if match:
+@node_rewrite("assembled by movement -> Concat", "ScatterND")
+def assembled(node: ir.Node) -> bool:
+    """A value that data movement alone builds from a few sources (writing over constants it overwrites whole),
+    which is the Concat of those sources along one axis, is that Concat (Lumina 2's joint sequence). Anchored
+    at the last ScatterND of the chain."""
+    graph = graph_of(node)
+    y = node.outputs[0]
+    if not y.uses() or all(_onnx(u.node, "ScatterND") for u in y.uses()) or y.is_graph_output():
+        return False  # not the end of its chain
+    shape = static_shape(y)
+    found = _subgraph(y)
+    if shape is None or found is None or int(np.prod(shape)) > _MAX_ELEMENTS:
+        return False
+    nodes, sources = found
+    if not sources or len(sources) > 4 or any(len(static_shape(s) or ()) != len(shape) for s in sources):
+        return False
+    labels = _labels(sources)
+    values = _run(nodes, labels) if labels is not None else None
+    if values is None:
+        return False
+    got = values[y]
+    match = None
+    for axis in range(len(shape)):
+        for order in itertools.permutations(sources):
+            parts = [labels[s] for s in order]  # type: ignore[index]
+            if all(p.shape[:axis] + p.shape[axis + 1:] == got.shape[:axis] + got.shape[axis + 1:] for p in parts) \
+                    and np.array_equal(np.concatenate(parts, axis=axis), got):
+                match = (axis, order)
                 break
-        if match is None:
-            continue
-        axis, order = match
-        b = Builder(graph, RULE)
-        cat = b.op("Concat", list(order), {"axis": axis}, dtype=y.dtype, shape=list(shape))
-        graph.insert_before(node, b.nodes)
-        reroute(graph, y, cat.outputs[0])
-        done += 1
-    return done
+        if match:
+            break
+    if match is None:
+        return False
+    axis, order = match
+    b = Builder(graph, RULE)
+    cat = b.op("Concat", list(order), {"axis": axis}, dtype=y.dtype, shape=list(shape))
+    graph.insert_before(node, b.nodes)
+    reroute(graph, y, cat.outputs[0])
+    return True
 
 
 def _item_chain(v: ir.Value) -> tuple[ir.Value, int, list[ir.Node]] | None:
@@ -247,44 +248,40 @@ def _lift(b: Builder, x: ir.Value, chain: list[ir.Node], out: tuple[int, ...]) -
     return cur
 
 
-def _stacked(graph: ir.Graph) -> int:
-    done = 0
-    for node in list(graph):
-        if not _onnx(node, "Concat") or int(attr(node, "axis", 0)) != 0 or node.graph is None:
-            continue
-        y = node.outputs[0]
-        out = static_shape(y)
-        chains = [_item_chain(v) if v is not None else None for v in node.inputs]
-        if out is None or not chains or any(c is None for c in chains) or int(np.prod(out)) > _MAX_ELEMENTS:
-            continue
-        x = chains[0][0]  # type: ignore[index]
-        shape = static_shape(x)
-        if shape is None or not shape or any(c[0] is not x for c in chains) or \
-                [c[1] for c in chains] != list(range(shape[0])) or shape[0] != out[0]:  # type: ignore[index]
-            continue
-        ops = [[(n.op_type, [tuple(const(w).reshape(-1)) if const(w) is not None else None for w in n.inputs[1:]],
-                 {k: str(a.value) for k, a in n.attributes.items()}) for n in c[2][1:]] for c in chains]  # type: ignore[index]
-        if any(o != ops[0] for o in ops[1:]):
-            continue  # not one chain on every item
-        b = Builder(graph, RULE)
-        lifted = _lift(b, x, chains[0][2], tuple(out))  # type: ignore[index]
-        if lifted is None:
-            for v in b.initializers:
-                graph.initializers.pop(v.name, None)  # type: ignore[arg-type]
-            continue
-        labels = _labels([x])
-        want = _run([n for c in chains for n in c[2]] + [node], labels) if labels is not None else None  # type: ignore[index]
-        got = _run(b.nodes, labels) if labels is not None else None
-        if want is None or got is None or not np.array_equal(want[y], got[lifted]):
-            for v in b.initializers:  # not the batched chain: its nodes were never inserted, its constants go
-                graph.initializers.pop(v.name, None)  # type: ignore[arg-type]
-            continue
-        graph.insert_before(node, b.nodes)
-        reroute(graph, y, lifted)
-        done += 1
-    return done
-
-
-def unroll(graph: ir.Graph) -> dict[str, int]:
-    """The loops' rewrites, with their counts (the caller removes what they leave dead)."""
-    return {"assembled by movement -> Concat": _assembled(graph), "stacked per-item chains -> batched": _stacked(graph)}
+@node_rewrite("stacked per-item chains -> batched", "Concat")
+def stacked(node: ir.Node) -> bool:
+    """A Concat along axis 0 of one movement chain run on each item of a tensor, in order, is that chain run once
+    on the whole batch (Lumina 2's unpatchify, one image at a time)."""
+    if int(attr(node, "axis", 0)) != 0:
+        return False
+    graph = graph_of(node)
+    y = node.outputs[0]
+    out = static_shape(y)
+    chains = [_item_chain(v) if v is not None else None for v in node.inputs]
+    if out is None or not chains or any(c is None for c in chains) or int(np.prod(out)) > _MAX_ELEMENTS:
+        return False
+    x = chains[0][0]  # type: ignore[index]
+    shape = static_shape(x)
+    if shape is None or not shape or any(c[0] is not x for c in chains) or \
+            [c[1] for c in chains] != list(range(shape[0])) or shape[0] != out[0]:  # type: ignore[index]
+        return False
+    ops = [[(n.op_type, [tuple(const(w).reshape(-1)) if const(w) is not None else None for w in n.inputs[1:]],
+             {k: str(a.value) for k, a in n.attributes.items()}) for n in c[2][1:]] for c in chains]  # type: ignore[index]
+    if any(o != ops[0] for o in ops[1:]):
+        return False  # not one chain on every item
+    b = Builder(graph, RULE)
+    lifted = _lift(b, x, chains[0][2], tuple(out))  # type: ignore[index]
+    if lifted is None:
+        for v in b.initializers:
+            graph.initializers.pop(v.name, None)  # type: ignore[arg-type]
+        return False
+    labels = _labels([x])
+    want = _run([n for c in chains for n in c[2]] + [node], labels) if labels is not None else None  # type: ignore[index]
+    got = _run(b.nodes, labels) if labels is not None else None
+    if want is None or got is None or not np.array_equal(want[y], got[lifted]):
+        for v in b.initializers:  # not the batched chain: its nodes were never inserted, its constants go
+            graph.initializers.pop(v.name, None)  # type: ignore[arg-type]
+        return False
+    graph.insert_before(node, b.nodes)
+    reroute(graph, y, lifted)
+    return True

@@ -1,6 +1,8 @@
-"""The tables pass (``sdnpu.passes.tables``) on the rotary tables Flux.1 computes from its position ids, at the
-token count of its public size: the per-axis gathers, casts, products and repeats collapse into one Gather and one
-Mul whatever the number of positions, computing what it computed (in float32: the pass's own choice)."""
+"""The tables (``sdnpu.passes.canonical.tables``): on tiny hand-built tables, unary ops sunk below a Concat and
+a value computed twice computed once, bit for bit, each with its near miss; and on the rotary tables Flux.1
+computes from its position ids, at the token count of its public size: the per-axis gathers, casts, products and
+repeats collapse into one Gather and one Mul whatever the number of positions, computing what it computed (in
+float32: the step's own choice)."""
 
 from __future__ import annotations
 
@@ -11,8 +13,13 @@ import onnx_ir as ir
 import pytest
 import torch
 
+from onnx import helper
+
 from sdnpu.onnxrun import run_onnx
-from sdnpu.passes.tables import simplify_tables
+from sdnpu.passes.canonical import tables
+from sdnpu.passes.canonical.tables import simplify_tables
+
+from .graphs import model, ops, rewritten
 
 
 class _Angles(torch.nn.Module):
@@ -51,3 +58,27 @@ def test_the_rotary_tables_collapse_at_any_token_count(tokens, tmp_path):
     # ulp of float32 at most, so the cosines by one ulp of the largest angle at most (flux-dev: 71 rad, 7.6e-6)
     bound = float(np.spacing(np.float32(ids.max().item())))
     np.testing.assert_allclose(run_onnx(out, {"ids": ids.numpy()})["table"], want, rtol=0, atol=bound)
+
+
+@pytest.mark.parametrize(("second", "sinks"), [("Cos", True), ("Sin", False)])
+def test_the_same_unary_op_on_every_part_runs_once_below_the_concat(second, sinks):
+    """Concat(Cos(a'), Cos(b')) of the inputs' views is Cos(Concat(a', b')): the trigonometry once on the whole
+    table. Near miss: Cos of one part, Sin of the other."""
+    m = model([helper.make_node("Reshape", ["a", "flat"], ["fa"]), helper.make_node("Cos", ["fa"], ["ca"]),
+               helper.make_node(second, ["b"], ["cb"]), helper.make_node("Concat", ["ca", "cb"], ["y"], axis=-1)],
+              {"a": [2, 3, 1], "b": [2, 3]}, {"y": [2, 6]}, {"flat": np.array([2, 3])})
+    irm, counts = rewritten(m, tables.simplify)
+    assert counts["unary ops moved below data movement"] == int(sinks)
+    assert dict(ops(irm)) == ({"Reshape": 1, "Concat": 1, "Cos": 1} if sinks else
+                              {"Reshape": 1, "Cos": 1, "Sin": 1, "Concat": 1})
+
+
+@pytest.mark.parametrize(("other", "once"), [("ids", True), ("ids2", False)])
+def test_a_value_computed_twice_is_computed_once(other, once):
+    """The same Sin of the same input, twice (one per rotary axis, as exporters write it), is one Sin; near
+    miss: the second reads another input."""
+    m = model([helper.make_node("Sin", ["ids"], ["s1"]), helper.make_node("Sin", [other], ["s2"]),
+               helper.make_node("Mul", ["s1", "s2"], ["y"])], {"ids": [4], "ids2": [4]}, {"y": [4]})
+    irm, counts = rewritten(m, tables.simplify)
+    assert counts["repeated table ops computed once"] == int(once)
+    assert dict(ops(irm)) == {"Sin": 1 if once else 2, "Mul": 1}

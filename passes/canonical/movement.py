@@ -1,0 +1,271 @@
+"""Movement normal forms: data movement in the few spellings the layout pass, the views and the rules read.
+
+- Squeeze / Unsqueeze / Flatten with static shapes are a Reshape (the layout pass reasons about Reshape only);
+  a Transpose without ``perm`` (it reverses the axes) gets its perm written out;
+- a Tile that repeats one axis of size 1 (grouped-query attention's heads) is a Concat of copies, which the
+  NPU takes;
+- a zero Pad in front of a Conv becomes the Conv's pads;
+- an Einsum that moves data or multiplies matrices is a Transpose, or a batched MatMul between Transposes and
+  Reshapes;
+- a ScatterND that writes a block of whole rows is the Concat it is;
+- a chain of Reshape / Expand nodes broadcasting one value (the UNet's scalar timestep to the batch) is one
+  Expand, and where a small constant is all it meets (the sinusoid's frequencies), none: the constant is
+  broadcast offline.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import onnx_ir as ir
+
+from sdnpu.passes.canonical.driver import RULE, graph_of, node_rewrite
+from sdnpu.passes.irutil import Builder, attr, const, producer, replace, static_shape
+from sdnpu.passes.provenance import step
+
+_CHAIN_OPS = ("Reshape", "Expand")
+
+
+@node_rewrite("squeeze/unsqueeze/flatten -> reshape", "Squeeze", "Unsqueeze", "Flatten")
+def to_reshape(node: ir.Node) -> bool:
+    """Squeeze, Unsqueeze and Flatten with static shapes are a Reshape to the output's shape."""
+    shape = static_shape(node.outputs[0])
+    if shape is None or static_shape(node.inputs[0]) is None:
+        return False
+    graph = graph_of(node)
+    b = Builder(graph, RULE)
+    target = b.const(np.asarray(shape, np.int64), "shape")
+    new = b.op("Reshape", [node.inputs[0], target], domain="", dtype=node.outputs[0].dtype, shape=shape)
+    replace(graph, node, [node], b.nodes, [node.outputs[0]], [new.outputs[0]])
+    return True
+
+
+@node_rewrite("transpose perm written out", "Transpose")
+def explicit_perm(node: ir.Node) -> bool:
+    """Transpose's perm defaults to reversing the axes; the layout and glue passes read it, so write it out."""
+    if "perm" in node.attributes:
+        return False
+    shape = static_shape(node.inputs[0])
+    if shape is None:
+        return False
+    node.attributes["perm"] = ir.AttrInt64s("perm", list(range(len(shape)))[::-1])
+    return True
+
+
+@node_rewrite("tiles of a size-1 axis -> Concat", "Tile")
+def tile_repeats(node: ir.Node) -> bool:
+    """A Tile that repeats one axis of size 1 (grouped-query attention's ``k.unsqueeze(3).repeat(1, 1, 1,
+    r, 1)`` for Lumina 2's key and value heads, as TorchScript writes it) is the Concat of r copies: of the input
+    viewed without that axis, along the last axis of the view, which is the Tile's output in memory. The
+    Concat goes to the NPU (SDConcat); the attention reads its output as the K or V it is."""
+    x, reps = node.inputs
+    sx, r, sy = static_shape(x), const(reps), static_shape(node.outputs[0])
+    if x is None or sx is None or r is None or sy is None or const(x) is not None:
+        return False
+    axes = [i for i, k in enumerate(r.reshape(-1)) if int(k) != 1]
+    if len(axes) != 1 or sx[axes[0]] != 1 or not 2 <= int(r.reshape(-1)[axes[0]]) <= 64:
+        return False
+    a, times = axes[0], int(r.reshape(-1)[axes[0]])
+    view = [*sx[:a], int(np.prod(sx[a + 1:], dtype=np.int64))]
+    graph = graph_of(node)
+    b = Builder(graph, RULE)
+    flat = b.op("Reshape", [x, b.const(np.asarray(view, np.int64), "shape")], dtype=x.dtype, shape=view)
+    joined = [*view[:-1], view[-1] * times]
+    cat = b.op("Concat", [flat.outputs[0]] * times, {"axis": len(view) - 1}, dtype=x.dtype, shape=joined)
+    out = b.op("Reshape", [cat.outputs[0], b.const(np.asarray(sy, np.int64), "shape")], dtype=x.dtype,
+               shape=list(sy))
+    replace(graph, node, [node], b.nodes, [node.outputs[0]], [out.outputs[0]])
+    return True
+
+
+@node_rewrite("Pad merged into Conv", "Pad")
+def pad_into_conv(node: ir.Node) -> bool:
+    """Pad(x, zeros on H and W) -> Conv becomes one Conv with those pads (the VAE encoder's downsampler
+    pads right and bottom by one; dynamo already writes it this way). Not a cropping (negative) Pad. The Pad
+    is left unread (the rewrites after sweep it)."""
+    uses = list(node.outputs[0].uses())
+    pads = const(node.inputs[1]) if len(node.inputs) > 1 else None
+    value = const(node.inputs[2]) if len(node.inputs) > 2 and node.inputs[2] is not None else np.zeros(1)
+    mode = attr(node, "mode", "constant")
+    if (len(uses) != 1 or uses[0].node.op_type != "Conv" or uses[0].idx != 0 or pads is None or pads.size != 8
+            or value is None or np.any(value != 0) or mode not in ("constant", b"constant")
+            or (len(node.inputs) > 3 and node.inputs[3] is not None) or node.outputs[0].is_graph_output()):
+        return False
+    conv = uses[0].node
+    if attr(conv, "auto_pad", "NOTSET") not in ("NOTSET", b"NOTSET") or np.any(pads[[0, 1, 4, 5]] != 0):
+        return False
+    if np.any(pads < 0):  # a negative pad crops the data; a Conv's pads only add zeros
+        return False
+    old = list(attr(conv, "pads", [0, 0, 0, 0]))
+    new = [old[0] + int(pads[2]), old[1] + int(pads[3]), old[2] + int(pads[6]), old[3] + int(pads[7])]
+    conv.attributes["pads"] = ir.AttrInt64s("pads", new)
+    conv.replace_input_with(0, node.inputs[0])
+    return True
+
+
+@node_rewrite("Einsum -> Transpose / MatMul", "Einsum")
+def einsum(node: ir.Node) -> bool:
+    """An Einsum that moves data or multiplies matrices, written as those ops: one operand with every index
+    once (``nhwpqc->nchpwq``, the DiTs' unpatchify) is a Transpose; two operands with no index summed alone
+    or repeated are a batched MatMul between Transposes and Reshapes (``bij,bjk->bik``, ``bhqd,bhkd->bhqk``),
+    which the layout pass simplifies and the rules fuse. Anything else (an ellipsis, a diagonal, a sum over an
+    index of one operand) stays an Einsum."""
+    eq = attr(node, "equation", "")
+    eq = (eq.decode() if isinstance(eq, bytes) else str(eq)).replace(" ", "")
+    if "->" not in eq or "." in eq:
+        return False
+    lhs, out = eq.split("->")
+    terms = lhs.split(",")
+    shapes = [static_shape(v) for v in node.inputs]
+    y_shape = static_shape(node.outputs[0])
+    if y_shape is None or any(sh is None or len(sh) != len(t) for sh, t in zip(shapes, terms, strict=False)) \
+            or len(terms) != len(node.inputs) or any(len(set(t)) != len(t) for t in [*terms, out]):
+        return False
+    graph = graph_of(node)
+    b = Builder(graph, RULE)
+    x = node.inputs[0]
+    assert x is not None
+    if len(terms) == 1 and sorted(terms[0]) == sorted(out):
+        y = b.op("Transpose", [x], {"perm": [terms[0].index(c) for c in out]}, dtype=node.outputs[0].dtype,
+                 shape=y_shape).outputs[0]
+    elif len(terms) == 2 and set(out) <= set(terms[0]) | set(terms[1]) \
+            and not (set(terms[0]) ^ set(terms[1])) - set(out):
+        y = _einsum_matmul(b, node, terms, out, shapes, y_shape)  # type: ignore[arg-type]
+    else:
+        return False
+    replace(graph, node, [node], b.nodes, [node.outputs[0]], [y])
+    return True
+
+
+def _einsum_matmul(b: Builder, node: ir.Node, terms: list[str], out: str, shapes: list[tuple[int, ...]],
+                   y_shape: tuple[int, ...]) -> ir.Value:
+    """A two-operand Einsum as Transpose, Reshape to [batch, rows, summed] and [batch, summed, cols], MatMul,
+    Reshape and Transpose to the output's order."""
+    a, c = terms
+    dims = {ch: d for t, sh in zip(terms, shapes, strict=True) for ch, d in zip(t, sh, strict=True)}
+    batch = [ch for ch in out if ch in a and ch in c]
+    rows = [ch for ch in out if ch in a and ch not in c]
+    cols = [ch for ch in out if ch in c and ch not in a]
+    summed = [ch for ch in a if ch in c and ch not in out]
+    dtype = node.outputs[0].dtype
+
+    def arrange(v: ir.Value, term: str, order: list[str], groups: list[list[str]]) -> ir.Value:
+        perm = [term.index(ch) for ch in order]
+        if perm != list(range(len(perm))):
+            v = b.op("Transpose", [v], {"perm": perm}, dtype=dtype, shape=[dims[ch] for ch in order]).outputs[0]
+        shape = [int(np.prod([dims[ch] for ch in g])) for g in groups]
+        return b.op("Reshape", [v, b.const(np.asarray(shape, np.int64), "shape")], dtype=dtype, shape=shape).outputs[0]
+
+    left = arrange(node.inputs[0], a, batch + rows + summed, [batch, rows, summed])  # type: ignore[arg-type]
+    right = arrange(node.inputs[1], c, batch + summed + cols, [batch, summed, cols])  # type: ignore[arg-type]
+    n_b, n_r, n_c = (int(np.prod([dims[ch] for ch in g])) for g in (batch, rows, cols))
+    prod = b.op("MatMul", [left, right], dtype=dtype, shape=[n_b, n_r, n_c]).outputs[0]
+    order = batch + rows + cols
+    full = b.op("Reshape", [prod, b.const(np.asarray([dims[ch] for ch in order], np.int64), "shape")], dtype=dtype,
+                shape=[dims[ch] for ch in order]).outputs[0]
+    perm = [order.index(ch) for ch in out]
+    if perm == list(range(len(perm))):
+        return full
+    return b.op("Transpose", [full], {"perm": perm}, dtype=dtype, shape=list(y_shape)).outputs[0]
+
+
+@node_rewrite("row-block ScatterND -> Concat", "ScatterND")
+def scatter_rows(node: ir.Node) -> bool:
+    """ScatterND with constant indices that write a block of whole rows along one axis (an in-place slice
+    assignment: CogView4's ``query[:, :, text:] = rope(query[:, :, text:])``) is the Concat it is: the rows
+    before the block, the updates, the rows after, whose parts the streams pass then reads apart. Found by
+    running the scatter on index tensors."""
+    data, idx, upd = node.inputs[0], node.inputs[1], node.inputs[2]
+    d_shape, u_shape, ix = static_shape(data), static_shape(upd), const(idx)
+    if data is None or upd is None or d_shape is None or u_shape is None or ix is None or \
+            attr(node, "reduction", "none") not in ("none", b"none") or int(np.prod(d_shape)) > 1 << 24:
+        return False
+    k = ix.shape[-1]
+    probe = np.zeros(d_shape, np.int64)
+    try:
+        probe[tuple(np.moveaxis(ix, -1, 0))] = np.arange(1, int(np.prod(u_shape)) + 1).reshape(u_shape)
+    except (IndexError, ValueError):
+        return False
+    written = probe > 0
+    block = None
+    for axis in range(min(k, len(d_shape))):
+        rows = np.nonzero(np.any(written, axis=tuple(a for a in range(len(d_shape)) if a != axis)))[0]
+        if rows.size == 0:
+            break
+        lo, hi = int(rows[0]), int(rows[-1]) + 1
+        index = [slice(None)] * len(d_shape)
+        index[axis] = slice(lo, hi)
+        want = np.zeros(d_shape, bool)
+        want[tuple(index)] = True
+        region = probe[tuple(index)]
+        if np.array_equal(written, want) and np.array_equal(region.reshape(-1), np.arange(1, region.size + 1)):
+            block = (axis, lo, hi, region.shape)
+            break
+    if block is None:
+        return False
+    axis, lo, hi, region_shape = block
+    graph = graph_of(node)
+    b = Builder(graph, RULE)
+    parts = []
+    for start, stop in ((0, lo), (hi, d_shape[axis])):
+        if start < stop:
+            piece = [*d_shape[:axis], stop - start, *d_shape[axis + 1:]]
+            args = [b.const(np.asarray([x], np.int64), "rows") for x in (start, stop, axis)]
+            parts.append((start, b.op("Slice", [data, *args], dtype=data.dtype, shape=piece).outputs[0]))
+    middle = upd if tuple(u_shape) == tuple(region_shape) else b.op(
+        "Reshape", [upd, b.const(np.asarray(region_shape, np.int64), "shape")], dtype=upd.dtype,
+        shape=list(region_shape)).outputs[0]
+    parts.append((lo, middle))
+    parts.sort(key=lambda p: p[0])
+    y = b.op("Concat", [v for _, v in parts], {"axis": axis}, dtype=node.outputs[0].dtype,
+             shape=list(d_shape)).outputs[0]
+    replace(graph, node, [node], b.nodes, [node.outputs[0]], [y])
+    return True
+
+
+@node_rewrite("broadcast chains -> Expand", *_CHAIN_OPS)
+def scalar_broadcast(node: ir.Node) -> bool:
+    """A chain of Reshape/Expand nodes from a one-element tensor (the timestep) -> one Expand. Anchored at the
+    chain's last node."""
+    out = node.outputs[0]
+    if any(u.node.op_type in _CHAIN_OPS for u in out.uses()):
+        return False  # not the end of its chain
+    src, length = node.inputs[0], 1
+    while src is not None and src.producer() is not None and src.producer().op_type in _CHAIN_OPS \
+            and src.producer().domain in ("", "ai.onnx"):  # type: ignore[union-attr]
+        src = src.producer().inputs[0]  # type: ignore[union-attr]
+        length += 1
+    shape, src_shape = static_shape(out), static_shape(src)
+    if length < 2 or shape is None or src_shape is None or int(np.prod(src_shape)) != 1 \
+            or len(src_shape) > len(shape):
+        return False
+    graph = graph_of(node)
+    b = Builder(graph, RULE)
+    new = b.op("Expand", [src, b.const(np.asarray(shape, np.int64), "shape")], dtype=out.dtype, shape=shape)
+    replace(graph, node, [node], b.nodes, [out], [new.outputs[0]])
+    return True
+
+
+@node_rewrite("expands folded into constants", "Mul", "Add")
+def expand_into_constant(node: ir.Node) -> bool:
+    """Mul/Add(Expand(s), c) with ``s`` one value and ``c`` a small constant -> Mul/Add(s, c broadcast to the
+    result's shape), the broadcast done once offline: the UNet's timestep expanded to the batch, times the
+    sinusoid's frequencies, is one CPU node instead of two. The same numbers (each element is s op c). A
+    Reshape of one value is the same broadcast (the timestep viewed as [1, 1] at batch 1)."""
+    out_shape = static_shape(node.outputs[0])
+    for i in (0, 1):
+        e, c = producer(node.inputs[i], "Expand") or producer(node.inputs[i], "Reshape"), node.inputs[1 - i]
+        if e is None or c is None or const(c) is None or out_shape is None or int(np.prod(out_shape)) > 1 << 16:
+            continue
+        src, src_shape = e.inputs[0], static_shape(e.inputs[0])
+        if src is None or src_shape is None or int(np.prod(src_shape)) != 1 or len(src_shape) > len(out_shape):
+            continue
+        if len(e.outputs[0].uses()) != 1 or e.outputs[0].is_graph_output():
+            continue
+        graph = graph_of(node)
+        b = Builder(graph, RULE)
+        big = b.derived(c, [step("broadcast", shape=list(out_shape))], list(out_shape), f"{c.name}_b")
+        operands = [src, big] if i == 0 else [big, src]
+        new = b.op(node.op_type, operands, dtype=node.outputs[0].dtype, shape=out_shape)
+        replace(graph, node, [node], b.nodes, [node.outputs[0]], [new.outputs[0]])
+        return True
+    return False

@@ -1,0 +1,227 @@
+"""Neutral and no-op removal (``sdnpu.passes.canonical.noops``) on tiny graphs: each rewrite fires where its
+pattern is, the result passes onnx's full check and onnxruntime computes the same numbers, bit for bit; and its
+near miss stays as it was."""
+
+from __future__ import annotations
+
+import numpy as np
+import onnx
+import pytest
+from onnx import TensorProto as T
+from onnx import helper
+
+from sdnpu.passes.canonical import noops
+from sdnpu.passes.canonical.driver import sweep
+from sdnpu.passes.pipeline import canonicalize
+
+from .graphs import feeds_for, model, ops, rewritten, run, to_ir, to_proto
+
+R = np.random.default_rng(0)
+
+
+def n(op: str, ins: list[str], outs: list[str], **attrs) -> onnx.NodeProto:
+    return helper.make_node(op, ins, outs, **attrs)
+
+
+def w(*shape: int) -> np.ndarray:
+    return (R.standard_normal(shape) * 0.2).astype(np.float32)
+
+
+# ---- Identity ---------------------------------------------------------------------------------------------------
+
+def test_an_identity_goes_and_its_output_keeps_its_name():
+    m = model([n("Relu", ["x"], ["r"]), n("Identity", ["r"], ["y"])], {"x": [2, 3]}, {"y": [2, 3]})
+    irm, counts = rewritten(m, noops.drop_identities)
+    assert counts["identities dropped"] == 1 and dict(ops(irm)) == {"Relu": 1}
+    assert [v.name for v in irm.graph.outputs] == ["y"]
+
+
+def test_an_identity_between_two_outputs_stays():
+    """Sigmoid -> s (an output) -> Identity -> y (an output): the graph returns one value under two names, so
+    the Identity stays (onnx_ir's IdentityEliminationPass lost one of them: a fuzz regression)."""
+    m = model([n("Sigmoid", ["x"], ["s"]), n("Identity", ["s"], ["y"])], {"x": [2, 3]}, {"y": [2, 3], "s": [2, 3]})
+    irm, counts = rewritten(m, noops.drop_identities)
+    assert counts["identities dropped"] == 0 and ops(irm)["Identity"] == 1
+
+
+# ---- x * 1, x / 1, x + 0 --------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize(("op", "value"), [("Mul", 1.0), ("Div", 1.0), ("Add", 0.0)])
+def test_a_neutral_scalar_goes(op, value):
+    m = model([n("Relu", ["x"], ["r"]), n(op, ["r", "c"], ["s"]), n("Sigmoid", ["s"], ["y"])], {"x": [2, 4]},
+              {"y": [2, 4]}, {"c": np.asarray(value, np.float32)})
+    irm, counts = rewritten(m, noops.drop_neutral, sweep)
+    assert counts["x*1, x/1, x+0 removed"] == 1 and dict(ops(irm)) == {"Relu": 1, "Sigmoid": 1}
+
+
+def test_a_neutral_scalar_that_raises_the_rank_stays():
+    """x * ones([1, 1, 1]) of x [2, 4] is [1, 2, 4]: not x."""
+    m = model([n("Mul", ["x", "c"], ["y"])], {"x": [2, 4]}, {"y": [1, 2, 4]}, {"c": np.ones((1, 1, 1), np.float32)})
+    irm, counts = rewritten(m, noops.drop_neutral, sweep)
+    assert counts["x*1, x/1, x+0 removed"] == 0 and dict(ops(irm)) == {"Mul": 1}
+
+
+def test_a_weight_that_holds_zeros_or_ones_keeps_its_place():
+    """A zero-initialized bias and a norm's gamma of ones (seeded presets, ControlNets' zero convolutions) are
+    weights: the compiled graph has the form a trained checkpoint's would, whatever they hold now (a LoRA or
+    another checkpoint changes them in place)."""
+    m = model([n("MatMul", ["x", "w"], ["h"]), n("Add", ["h", "b"], ["y0"]), n("Mul", ["y0", "g"], ["y"])],
+              {"x": [1, 4, 8]}, {"y": None}, {"w": w(8, 6), "b": np.zeros(6, np.float32), "g": np.ones(6, np.float32)})
+    irm = to_ir(m)
+    canonicalize(irm)
+    assert ops(irm)["Add"] == 1 and ops(irm)["Mul"] == 1
+    assert {"b", "g"} <= set(irm.graph.initializers)
+
+
+# ---- Casts ------------------------------------------------------------------------------------------------------
+
+def test_a_cast_to_the_type_it_has_goes():
+    m = model([n("Cast", ["x"], ["c"], to=T.FLOAT), n("Relu", ["c"], ["y"])], {"x": [3]}, {"y": [3]})
+    irm, counts = rewritten(m, noops.drop_noop_casts, sweep)
+    assert counts["casts to the same type dropped"] == 1 and dict(ops(irm)) == {"Relu": 1}
+
+
+def test_a_cast_that_changes_the_type_stays():
+    m = model([n("Cast", ["x"], ["h"], to=T.FLOAT16), n("Cast", ["h"], ["y"], to=T.FLOAT)], {"x": [3]}, {"y": [3]})
+    irm, counts = rewritten(m, noops.drop_noop_casts, sweep)
+    assert counts["casts to the same type dropped"] == 0 and ops(irm)["Cast"] == 2
+
+
+# ---- Expands and Reshapes to the shape they have -------------------------------------------------------------
+
+def test_an_expand_to_the_shape_it_has_goes_and_a_broadcast_stays():
+    m = model([n("Expand", ["x", "same"], ["e"]), n("Expand", ["e", "wide"], ["y"])], {"x": [2, 1, 3]},
+              {"y": [2, 4, 3]}, {"same": np.array([1, 1, 3]), "wide": np.array([2, 4, 3])})
+    irm, counts = rewritten(m, noops.drop_noop_expands)
+    assert counts["expands and reshapes to the same shape dropped"] == 1 and dict(ops(irm)) == {"Expand": 1}
+
+
+@pytest.mark.parametrize("case", ["repeat", "grows"])
+def test_an_expand_and_a_reshape_chain_to_the_shape_they_have_go(case):
+    """TorchScript's attention repeats k and v for grouped-query attention: unsqueeze, expand, reshape back;
+    at one group per head the three move nothing and go. Near miss: an Expand that broadcasts (two groups)
+    keeps the chain."""
+    groups = 2 if case == "grows" else 1
+    nodes = [n("Reshape", ["x", "u"], ["x5"]), n("Expand", ["x5", "t"], ["e"]), n("Reshape", ["e", "s"], ["r"]),
+             n("Mul", ["r", "k"], ["y"])]
+    inits = {"u": np.array([2, 1, 4, 3]), "t": np.array([1, groups, 1, 1]), "s": np.array([2 * groups, 4, 3]),
+             "k": w(3)}
+    out = [2 * groups, 4, 3]
+    m = model(nodes, {"x": [2, 4, 3]}, {"y": out}, inits)
+    irm = to_ir(m)
+    canonicalize(irm)
+    expected = {"repeat": {"Mul": 1}, "grows": {"Reshape": 2, "Expand": 1, "Mul": 1}}
+    assert dict(ops(irm)) == expected[case]
+    feeds = feeds_for(m)
+    np.testing.assert_array_equal(run(to_proto(irm), feeds)[0], run(m, feeds)[0])
+
+
+# ---- movements that move nothing --------------------------------------------------------------------------------
+
+def _moves() -> dict[str, tuple[list[onnx.NodeProto], dict[str, list[int]], list[int], dict[str, np.ndarray]]]:
+    """Each movement that moves nothing, given its constant parameters: (nodes writing ``m``, inputs, m's shape,
+    constants); ``m`` then goes through a Relu."""
+    return {
+        "where_all_true": ([n("Where", ["keep", "x", "pad"], ["m"])], {"x": [2, 3]}, [2, 3],
+                           {"keep": np.ones((2, 3), bool), "pad": w(2, 3)}),
+        "where_all_false": ([n("Where", ["keep", "pad", "x"], ["m"])], {"x": [2, 3]}, [2, 3],
+                            {"keep": np.zeros((2, 1), bool), "pad": w(1, 3)}),
+        "split_one_part": ([n("Split", ["x"], ["m"], axis=1, num_outputs=1)], {"x": [2, 3]}, [2, 3], {}),
+        "pad_zeros": ([n("Pad", ["x", "pads"], ["m"])], {"x": [2, 3]}, [2, 3], {"pads": np.zeros(4, np.int64)}),
+        "scatter_whole": ([n("ScatterElements", ["zeros", "idx", "x"], ["m"], axis=1)], {"x": [2, 3]}, [2, 3],
+                          {"zeros": np.zeros((2, 3), np.float32), "idx": np.tile(np.array([0, -2, 2]), (2, 1))}),
+        "resize_same": ([n("Resize", ["x", "", "scales"], ["m"], mode="nearest")], {"x": [1, 2, 3, 3]},
+                        [1, 2, 3, 3], {"scales": np.ones(4, np.float32)}),
+        "depth_to_space_1": ([n("DepthToSpace", ["x"], ["m"], blocksize=1)], {"x": [1, 4, 2, 2]}, [1, 4, 2, 2], {}),
+        "gather_size_one": ([n("Gather", ["x", "zero"], ["m"], axis=1)], {"x": [2, 1, 3]}, [2, 3],
+                            {"zero": np.asarray(0, np.int64)}),
+    }
+
+
+@pytest.mark.parametrize("case", list(_moves()))
+def test_a_movement_that_moves_nothing_goes(case):
+    nodes, inputs, shape, inits = _moves()[case]
+    m = model([*nodes, n("Relu", ["m"], ["y"])], inputs, {"y": shape}, inits)
+    irm, counts = rewritten(m, noops.drop_noop_moves)
+    assert counts["movements that move nothing dropped"] == 1
+    # the Gather of a size-1 axis is the Reshape that drops it; the others are gone
+    assert dict(ops(irm)) == ({"Reshape": 1, "Relu": 1} if case == "gather_size_one" else {"Relu": 1})
+
+
+@pytest.mark.parametrize("case", ["pad_that_pads", "scatter_half", "where_mixed"])
+def test_a_movement_that_moves_data_stays(case):
+    nodes, inits, shape = {
+        "pad_that_pads": ([n("Pad", ["x", "pads"], ["m"])], {"pads": np.array([0, 1, 0, 0])}, [2, 4]),
+        "scatter_half": ([n("ScatterElements", ["zeros", "idx", "u"], ["m"], axis=1)],
+                         {"zeros": np.zeros((2, 3), np.float32), "idx": np.array([[0], [2]])}, [2, 3]),
+        "where_mixed": ([n("Where", ["keep", "x", "pad"], ["m"])],
+                        {"keep": np.array([[True, False, True]] * 2), "pad": w(2, 3)}, [2, 3]),
+    }[case]
+    inputs = {"x": [2, 3]} | ({"u": [2, 1]} if case == "scatter_half" else {})
+    m = model([*nodes, n("Relu", ["m"], ["y"])], inputs, {"y": shape}, inits)
+    irm, counts = rewritten(m, noops.drop_noop_moves)
+    assert counts["movements that move nothing dropped"] == 0 and len(irm.graph) == 2
+
+
+# ---- a Where of constant rows -----------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("fill_first", [True, False])
+def test_a_where_over_constant_rows_is_a_mul_and_an_add(fill_first):
+    """Z-Image's caption padding: rows 1 and 3 of x are the pad token; the others are x's own."""
+    mask = np.zeros((1, 4, 1), bool)
+    mask[0, [1, 3]] = True
+    ins = ["mask", "token", "x"] if fill_first else ["keep", "x", "token"]
+    m = model([n("Where", ins, ["y"])], {"x": [1, 4, 3]}, {"y": [1, 4, 3]},
+              {"mask": mask, "keep": ~mask, "token": w(1, 1, 3)})
+    irm, counts = rewritten(m, noops.where_to_arithmetic, sweep)
+    assert counts["Where over constant rows -> Mul, Add"] == 1
+    assert dict(ops(irm)) == {"Mul": 2, "Add": 1}
+
+
+def test_a_where_of_two_constants_or_of_a_computed_mask_stays():
+    m = model([n("Greater", ["x", "zero"], ["keep"]), n("Where", ["keep", "x", "token"], ["a"]),
+               n("Where", ["mask", "t0", "t1"], ["b"]), n("Add", ["a", "b"], ["y"])], {"x": [1, 4, 3]},
+              {"y": [1, 4, 3]}, {"zero": np.asarray(0.0, np.float32), "token": w(1, 1, 3),
+                                 "mask": np.array([True, False, True, False]).reshape(1, 4, 1),
+                                 "t0": w(1, 1, 3), "t1": w(1, 1, 3)})
+    irm, counts = rewritten(m, noops.where_to_arithmetic, sweep)
+    assert counts["Where over constant rows -> Mul, Add"] == 0 and ops(irm)["Where"] == 2
+
+
+# ---- softmax NaN guards -----------------------------------------------------------------------------------------
+
+def _guarded(mask: str) -> onnx.ModelProto:
+    """q @ k^T scaled, maybe masked, Softmax, TorchScript's NaN guard ``Where(IsNaN(p), 0, p)``, times v."""
+    nodes = [n("MatMul", ["q", "kt"], ["s0"]), n("Mul", ["s0", "scale"], ["s"])]
+    inputs = {"q": [2, 3, 4], "kt": [2, 4, 5]}
+    scores = "s"
+    if mask == "constant":  # a finite offset: no row can be all masked
+        nodes.append(n("Add", ["s", "bias"], ["sm"]))
+        scores = "sm"
+    elif mask == "computed":  # -inf where an input says: a row can be
+        inputs["keep"] = [2, 1, 5]
+        nodes += [n("Greater", ["keep", "zero"], ["k"]), n("Where", ["k", "zero", "ninf"], ["bias_in"]),
+                  n("Add", ["s", "bias_in"], ["sm"])]
+        scores = "sm"
+    nodes += [n("Softmax", [scores], ["p"], axis=-1), n("IsNaN", ["p"], ["nan"]),
+              n("Where", ["nan", "zero", "p"], ["pg"]), n("MatMul", ["pg", "v"], ["y"])]
+    inits = {"scale": np.asarray(0.5, np.float32), "zero": np.asarray(0.0, np.float32), "v": w(5, 2)}
+    inits |= {"bias": w(1, 1, 5)} if mask == "constant" else {}
+    inits |= {"ninf": np.asarray(-np.inf, np.float32)} if mask == "computed" else {}
+    return model(nodes, inputs, {"y": [2, 3, 2]}, inits)
+
+
+@pytest.mark.parametrize("mask", ["none", "constant"])
+def test_a_softmax_guard_without_a_mask_goes(mask):
+    irm, counts = rewritten(_guarded(mask), noops.drop_softmax_guards)
+    assert counts["softmax NaN guards without a mask dropped"] == 1
+    assert ops(irm)["IsNaN"] == 0 and ops(irm)["Where"] == 0
+
+
+def test_a_softmax_guard_behind_a_computed_mask_stays():
+    m = _guarded("computed")
+    feeds = feeds_for(m) | {"keep": np.array([[[-1, -1, -1, -1, -1]], [[1, -1, 1, 1, -1]]], np.float32)}
+    y = run(m, feeds)[0]
+    assert not np.isnan(y).any() and not y[0].any()  # batch row 0 has no key: the guard gives it zeros
+    irm, counts = rewritten(m, noops.drop_softmax_guards, feeds=feeds)
+    assert counts["softmax NaN guards without a mask dropped"] == 0 and ops(irm)["IsNaN"] == 1
