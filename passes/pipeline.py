@@ -78,7 +78,7 @@ from sdnpu.passes.htp import (attention_head_groups, broadcast_into_layernorm, e
 from sdnpu.passes.joint import joint_attention
 from sdnpu.passes.layout import layout
 from sdnpu.passes.parallel import join_parallel
-from sdnpu.passes.manager import Entry, Group, PassRecord, PassResult, entry_name, pass_list_names, run_passes
+from sdnpu.passes.manager import Entry, Group, PassFn, PassRecord, PassResult, entry_name, pass_list_names, run_passes
 from sdnpu.passes.partition import partition
 from sdnpu.passes.precision import precision
 from sdnpu.passes.prologue import prologue_pass
