@@ -15,6 +15,7 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
+import onnx
 
 from sdnpu.convert.standard import compile_standard
 from sdnpu.convert.interface import (
@@ -124,8 +125,6 @@ def log_offload(name: str, report: dict[str, Any]) -> None:
 def validate_dispatch_model(path: Path, name: str, made: str, meanwhile: str, source: Path | None = None) -> None:
     """onnx's full check of a dispatch model just written; a failure is one line: the compiler's bug, or
     where ``source`` (the graph it was compiled from) fails the same check, the source's."""
-    import onnx
-
     errors = (onnx.checker.ValidationError, onnx.shape_inference.InferenceError)
     with step(log, f"[{name}] validating {path.name} (onnx.checker, full check)"):
         try:
@@ -204,8 +203,6 @@ _NUMPY_TYPES = frozenset(range(1, 14)) | {16}  # FLOAT ... UINT64 (no COMPLEX: 1
 def _check_runnable(*paths: Path) -> None:
     """``CannotFeed`` where a graph's inputs or outputs are of a type the check cannot hand over (float8,
     int4, complex, sequences): onnxruntime's Python API has no numpy type for them."""
-    import onnx
-
     for path in paths:
         graph = onnx.load(str(path), load_external_data=False).graph
         inits = {t.name for t in graph.initializer}
