@@ -236,7 +236,6 @@ _NUMPY_TYPES = frozenset(range(1, 14)) | {16}  # FLOAT ... UINT64 (no COMPLEX: 1
 def _check_runnable(*paths: Path) -> None:
     """``CannotFeed`` where a graph's inputs or outputs are of a type the check cannot hand over (float8,
     int4, complex, sequences): onnxruntime's Python API has no numpy type for them."""
-
     for path in paths:
         graph = onnx.load(str(path), load_external_data=False).graph
         inits = {t.name for t in graph.initializer}

@@ -20,6 +20,7 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
+import onnx_ir as ir
 
 from sdnpu.errors import SdnpuError
 from sdnpu.passes.modelfile import save
@@ -64,6 +65,7 @@ def export_module(wrapper: Any, args: tuple[Any, ...], input_names: list[str], o
                   path: Path, exporter: Exporter = Exporter()) -> None:
     """Export ``wrapper(*args)`` to ``path`` (and ``path.data`` past 2 GB). Complex rotary tables (Lumina 2,
     Z-Image) are exported in real arithmetic (``sdnpu.convert.realrope``)."""
+    # realrope imports torch: the CLI imports this module without it (about 1 s)
     from sdnpu.convert.realrope import real_rotary
 
     with real_rotary(wrapper):
@@ -72,8 +74,7 @@ def export_module(wrapper: Any, args: tuple[Any, ...], input_names: list[str], o
 
 def _export(wrapper: Any, args: tuple[Any, ...], input_names: list[str], output_names: list[str],
             path: Path, exporter: Exporter) -> None:
-    import onnx_ir as ir
-    import torch
+    import torch  # torch at first use: the CLI starts without it (about 1 s)
 
     opset = exporter.opset
     if exporter.name == "dynamo":
@@ -98,7 +99,7 @@ def _export(wrapper: Any, args: tuple[Any, ...], input_names: list[str], output_
 
 
 def torch_outputs(wrapper: Any, feeds: dict[str, np.ndarray]) -> list[np.ndarray]:
-    import torch
+    import torch  # torch at first use: the CLI starts without it (about 1 s)
 
     with torch.no_grad():
         outs = wrapper(*(torch.from_numpy(v) for v in feeds.values()))

@@ -9,6 +9,8 @@ import logging
 from pathlib import Path
 from typing import Any
 
+import onnx
+
 from sdnpu import families
 from sdnpu.components import COMPONENTS
 from sdnpu.errors import SdnpuError
@@ -58,8 +60,6 @@ def _pipeline_keeps(available: list[str], component: str, config: dict[str, Any]
 
 def dynamic_inputs(path: Path) -> dict[str, list[int | str]]:
     """The graph inputs with a dynamic (or unknown) axis, and their dims."""
-    import onnx
-
     try:
         model = onnx.load(str(path), load_external_data=False)
     except Exception as e:  # protobuf's DecodeError and friends: a truncated file, or not ONNX
@@ -129,6 +129,4 @@ def pipeline_kind(source: Path) -> str | None:
 
 
 def output_names(path: Path) -> list[str]:
-    import onnx
-
     return [o.name for o in onnx.load(str(path), load_external_data=False).graph.output]

@@ -10,6 +10,8 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
+import onnx
+
 from sdnpu import __version__
 from sdnpu.convert.options import ComponentResult, ConvertOptions
 from sdnpu.convert.sources import Source
@@ -118,8 +120,7 @@ def write_records(job: Job, stage: Path, result: ComponentResult, sources: dict[
 
 
 def _versions() -> dict[str, str]:
-    import onnx
-    import onnxruntime
-    import torch
+    import onnxruntime  # onnxruntime at first use: the CLI starts without it (20-30 ms)
+    import torch  # torch at first use: the CLI starts without it (about 1 s)
 
     return {"torch": torch.__version__, "onnx": onnx.__version__, "onnxruntime": onnxruntime.__version__}

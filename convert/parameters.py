@@ -22,6 +22,8 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
+import onnx
+from onnx import helper, numpy_helper
 
 from sdnpu import external
 from sdnpu.formats.parameters import make_record
@@ -43,8 +45,6 @@ def _array_samples(flat_at: Any, n: int) -> bytes:
 
 def _tensor_samples(t: Any, folder: Path) -> bytes | None:
     """The sampled values of an ONNX TensorProto, read from its external data file where it has one."""
-    from onnx import helper, numpy_helper
-
     dtype = np.dtype(helper.tensor_dtype_to_np_dtype(t.data_type))
     n = prod(t.dims)
     where = external.place(t)
@@ -77,8 +77,6 @@ def _transposed_samples(w: np.ndarray) -> bytes:
 def map_parameters(wrapper: Any, path: Path) -> dict[str, Any]:
     """The record for the graph at ``path`` exported from ``wrapper`` (a torch module whose only child is
     the component's module)."""
-    import onnx
-
     prefix = next(iter(name for name, _ in wrapper.named_children()), "")
     tensors = dict(wrapper.named_parameters())
     tensors.update(wrapper.named_buffers())

@@ -31,12 +31,12 @@ import contextlib
 from collections.abc import Iterator
 from typing import Any
 
+import torch
+
 from sdnpu.errors import SdnpuError
 
 
 def _real_view(t: Any) -> Any:
-    import torch
-
     return torch.view_as_real(t).flatten(-2).to(torch.float32)
 
 
@@ -47,8 +47,6 @@ class _Pairs:
         self.pairs = pairs
 
     def __mul__(self, table: Any) -> _Pairs:
-        import torch
-
         if isinstance(table, _Pairs) or not isinstance(table, torch.Tensor) or table.is_complex():
             raise SdnpuError("this model multiplies two complex values while exporting; sdnpu's real-valued "
                              "rotary embedding handles a complex activation times a rotary table only",
@@ -76,8 +74,6 @@ class _Pairs:
 def _complex_attributes(module: Any) -> list[tuple[Any, str, Any]]:
     """(submodule, attribute, value) for every complex tensor held as a plain attribute, alone or in a list or
     tuple."""
-    import torch
-
     found = []
     holders: list[Any] = []
     for sub in module.modules():  # the submodules, and plain objects they hold (Z-Image's rotary embedder)
@@ -103,8 +99,6 @@ def has_complex_tables(module: Any) -> bool:
 @contextlib.contextmanager
 def real_rotary(module: Any) -> Iterator[int]:
     """The context above; yields how many tables were replaced."""
-    import torch
-
     tables = _complex_attributes(module)
     original_complex, original_real = torch.view_as_complex, torch.view_as_real
 

@@ -19,11 +19,16 @@ it exists: ``write_sized`` writes a new size's own files (data first, then the g
 from __future__ import annotations
 
 import hashlib
+import json
 import logging
 import os
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
+
+import numpy as np
+import onnx
+from onnx import numpy_helper
 
 from sdnpu import external
 from sdnpu.errors import SdnpuError
@@ -66,9 +71,6 @@ def _read_external(folder: Path, t: Any, handles: dict[str, Any]) -> bytes:
         f = handles[location] = open(folder / location, "rb")  # noqa: SIM115 - closed by the caller
     f.seek(offset)
     if length is None:
-        import numpy as np
-        import onnx
-
         length = int(np.prod(t.dims, dtype=np.int64)) * onnx.helper.tensor_dtype_to_np_dtype(t.data_type).itemsize
     data = f.read(length)
     if len(data) != length:
@@ -78,8 +80,6 @@ def _read_external(folder: Path, t: Any, handles: dict[str, Any]) -> bytes:
 
 
 def _inline_bytes(t: Any) -> bytes:
-    from onnx import numpy_helper
-
     if t.HasField("raw_data"):
         return bytes(t.raw_data)
     return bytes(numpy_helper.to_array(t).tobytes())
@@ -98,8 +98,6 @@ def digests(graph: Path, cache: dict[str, Any] | None = None) -> dict[str, list[
     """``digest -> [offset, length]`` for the tensors that ``graph`` keeps in its own data file
     (``<graph>.data``); ``cache`` (``.digests.json``'s entry for that file) is used while the file's size and
     time match, and refreshed otherwise."""
-    import onnx
-
     data = graph.with_name(data_name(graph))
     if not data.is_file():
         return {}
@@ -122,8 +120,6 @@ def digests(graph: Path, cache: dict[str, Any] | None = None) -> dict[str, list[
 
 
 def _inline(t: Any, data: bytes) -> None:
-    import onnx
-
     del t.external_data[:]
     t.data_location = onnx.TensorProto.DEFAULT
     for name in external.VALUE_FIELDS:
@@ -145,8 +141,6 @@ def write_sized(src: Path, dest: Path, shared: dict[str, list[int]] | None, shar
     ``shared`` None, ``dest`` owns its data: every tensor above 1 KB goes to ``<dest>.data`` (how an inline
     primary graph is made shareable). The data file is written first and the graph last, each under a
     temporary name renamed into place, so a reader sees the old graph or the whole new one."""
-    import onnx
-
     proto = onnx.load(str(src), load_external_data=False)
     handles: dict[str, Any] = {}
 
@@ -189,8 +183,6 @@ def _write(proto: Any, dest: Path, place: Any) -> ShareStats:
     """The writer of ``write_sized`` and ``write_proto``: ``place(tensor, stats)`` points a tensor that
     stays where it is and returns None, or returns its bytes (kept in the graph up to 1 KB, else written to
     ``dest``'s own data file)."""
-    import onnx
-
     own = data_name(dest)
     stats = ShareStats()
     tmp_data = dest.with_name(own + ".partial")
@@ -237,8 +229,6 @@ def _write(proto: Any, dest: Path, place: Any) -> ShareStats:
 def owns_its_data(graph: Path) -> bool:
     """Whether every tensor of ``graph`` above 1 KB lies in its own ``<graph>.data`` (a graph others can
     share)."""
-    import onnx
-
     proto = onnx.load(str(graph), load_external_data=False)
     own = data_name(graph)
     for t in _initializers(proto):
@@ -265,8 +255,6 @@ DIGESTS = ".digests.json"  # cache: the shared data files' tensor digests (see `
 
 
 def read_digest_cache(comp_dir: Path) -> dict[str, Any]:
-    import json
-
     try:
         return json.loads((Path(comp_dir) / DIGESTS).read_text())  # type: ignore[no-any-return]
     except (OSError, ValueError):

@@ -13,6 +13,8 @@ import shutil
 from pathlib import Path
 from typing import Any
 
+import onnx
+
 from sdnpu.components import LORA_COMPONENTS, SIZED
 from sdnpu.convert import budget, shared, specialized
 from sdnpu.convert.compile import REPLACED, FidelityCheck
@@ -106,8 +108,6 @@ def add_sizes(src: Source, job: Job, comp_dir: Path, variants: list[Variant]) ->
 def convert_size(src: Source, job: Job, comp_dir: Path) -> tuple[ComponentResult, dict[str, Any]]:
     """Convert ``job`` (one more size of a component whose primary is in ``comp_dir``); its reports and records
     get their size's names. Returns its result and what its graphs share."""
-    import onnx
-
     files = files_of(comp_dir, job.variant)
     scratch = comp_dir / f".size-{files.tag}.partial"
     shutil.rmtree(scratch, ignore_errors=True)
@@ -244,8 +244,6 @@ def place_prologue(compiled: Path, dd_dir: Path, tag: str) -> None:
     (``sdnpu.formats.prologue``) from the component's ``dd/``: the primary's where the two compute the same (the
     same digest: one prologue serves every size), else its own copy under the size's name, which its model
     then names."""
-    import onnx
-
     model = onnx.load(str(compiled), load_external_data=False)
     spec = prologue.of_proto(model)
     if spec is None:

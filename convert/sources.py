@@ -203,7 +203,7 @@ class Source:
     def load_module(self, key: str) -> Any:
         """The torch module for pipeline module ``key`` in fp32 eval mode (seeded weights for presets; a single
         file's part read into the module its preset's config builds)."""
-        import torch
+        import torch  # torch at first use: the CLI starts without it (about 1 s)
 
         folder = self.modules[key]
         cls_name = self.classes[key]
@@ -318,7 +318,7 @@ def _unzero(module: Any) -> None:
     from the UNet's copy), so every residual it writes would be 0 and every comparison trivially exact. A
     seeded preset gets them drawn like any other convolution (torch's default init), as a trained one has
     them non-zero."""
-    import torch
+    import torch  # torch at first use: the CLI starts without it (about 1 s)
 
     for name, m in module.named_modules():
         zeroed = name.startswith(("controlnet_down_blocks.", "controlnet_mid_block")) or \
@@ -328,7 +328,7 @@ def _unzero(module: Any) -> None:
 
 
 def _load_pretrained(cls: Any, library: str, folder: Path) -> Any:
-    import torch
+    import torch  # torch at first use: the CLI starts without it (about 1 s)
 
     names = [f.name for f in folder.iterdir() if f.suffix in _WEIGHT_SUFFIXES or f.name.endswith(".index.json")]
     if not names:

@@ -10,6 +10,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import onnx
+
 from sdnpu.convert import shared
 from sdnpu.convert.compile import FidelityCheck, fidelity_run, validate_dispatch_model, write_report
 from sdnpu.formats import handoff, prologue, weights
@@ -34,8 +36,6 @@ class Specialization:
 def _io_dims(model: Any, primary: Path, source: Path) -> dict[str, list[int]]:
     """The shapes the re-derived model must have: the exported graph's inputs and outputs, in the form the
     dispatch model takes and gives them (handoff values in the NPU's layout, a step prologue's values)."""
-    import onnx
-
     src = onnx.load(str(source), load_external_data=False)
     inits = {t.name for t in src.graph.initializer}
     dims = {vi.name: [int(d.dim_value) for d in vi.type.tensor_type.shape.dim]
@@ -58,8 +58,6 @@ def plan_specialization(primary: Path, source: Path, target: DispatchTarget) -> 
     """The dispatch model ``primary`` (a compiled size of a component) re-derived for the input shapes of
     the exported graph ``source`` (another size of it), in memory; its outputs must have the shapes
     ``source``'s have. Raises CannotSpecialize with the reason."""
-    import onnx
-
     started = time.perf_counter()
     model = onnx.load(str(primary), load_external_data=False)
     dims = _io_dims(model, primary, source)

@@ -8,6 +8,8 @@ import logging
 from pathlib import Path
 from typing import Any
 
+import onnx
+
 from sdnpu.components import SIZED
 from sdnpu.convert.compile import FidelityCheck, compile_into, keep_outputs
 from sdnpu.convert.export import CHECK_RTOL
@@ -28,8 +30,6 @@ def export_component(job: Job, torch_stage: TorchStage, stage: Path, compile: bo
                      keep: dict[str, Any] | None = None) -> ComponentResult:
     """Check the exported graph in ``stage`` and, with ``compile`` (and the job's options), compile it into
     ``stage/dd``; ``keep`` (when given) receives what a later compile of the same graph needs."""
-    import onnx
-
     comp, res, options = job.component, job.res, job.options
     sig = job.signature()
     feeds = job.sample_inputs()

@@ -21,6 +21,7 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
+import onnx
 
 from sdnpu.backends import backend_of
 from sdnpu.convert import split
@@ -176,8 +177,6 @@ def compile_pieces(model: Path, out_dir: Path, name: str, backend: Any, arch: An
     room for (its own out-of-memory error; the compile's process killed, this machine's memory) is cut in two and
     compiled again. Returns the compiled units, the pieces (None for one unit) and the graph's structure (no
     weights, shapes inferred where it was cut)."""
-    import onnx
-
     structure = onnx.load(str(model), load_external_data=False)
     pieces = split.plan(structure, int(gb * 1e9)) if gb else []
     if len(pieces) <= 1:
@@ -267,6 +266,7 @@ def too_slow(backend: Any, macs: int) -> str:
 
 def run_compiled(context: Path, arch: Any, fallback: bool, feeds: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
     """(In a worker.) The compiled EPContext model on ``feeds`` (those it takes), its outputs by name."""
+    # the qnn-htp backend where its target runs (onnxruntime with it): the CLI starts without them (25-45 ms)
     from sdnpu.backends import qnn_htp
 
     with _onnxruntime_says(f"onnxruntime-qnn cannot run QNN's compile {context}",
@@ -292,8 +292,6 @@ def _onnxruntime_says(what: str, hint: str) -> Iterator[None]:
 
 
 def _validate(path: Path, name: str) -> None:
-    import onnx
-
     with step(log, f"[{name}] validating {path.name} (onnx.checker, full check)"):
         try:
             onnx.checker.check_model(str(path), full_check=True)

@@ -103,6 +103,7 @@ def t5_tokenizer_files(model_max_length: int = 77) -> dict[str, bytes]:
     CLIP's BPE tokens in CLIP's merge order (a word-final CLIP token ``xyz</w>`` becomes the word-initial
     piece ``▁xyz``), scored by that order. It tokenizes real text into plausible pieces, which is what seeded
     weights need; a local folder brings its own ``tokenizer_3``."""
+    # tokenizers for a T5 tokenizer only: the CLI starts without it (4 ms)
     from tokenizers import Tokenizer, decoders, models, normalizers, pre_tokenizers, processors
 
     vocab, _ = clip_vocab_and_merges()

@@ -117,6 +117,6 @@ def _torch_stage_from(source: str, job: Job, path: str) -> TorchStage:
 
 
 def _as_torch(feeds: dict[str, Any]) -> list[Any]:
-    import torch
+    import torch  # torch at first use: the CLI starts without it (about 1 s)
 
     return [torch.from_numpy(v) for v in feeds.values()]

@@ -19,11 +19,14 @@ from __future__ import annotations
 import hashlib
 import json
 import logging
+import warnings
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
+
+from safetensors import safe_open
 
 from sdnpu import families
 from sdnpu.components import LORA_MODULES, module_of
@@ -97,7 +100,7 @@ def family_of(family: FamilyName) -> families.Family:
 
 def _pipeline_class(family: FamilyName) -> Any:
     name = family_of(family).pipeline
-    import diffusers
+    import diffusers  # diffusers at first use: the CLI starts without it (2-3 s, torch with it)
 
     return getattr(diffusers, name)
 
@@ -105,8 +108,6 @@ def _pipeline_class(family: FamilyName) -> Any:
 def read_lora(spec: LoraSpec, family: FamilyName, unet_config: dict[str, Any] | None) -> LoraFile:
     """``spec``'s file read by diffusers for a pipeline of ``family`` (SDXL, SD 1.x, Flux.1) whose UNet has
     ``unet_config`` (it maps kohya's SDXL block names), or one line saying why it cannot be."""
-    from safetensors import safe_open
-
     path = spec.path
     if not path.is_file():
         raise SdnpuError(f"LoRA file {path} not found", hint="give the path of a .safetensors LoRA file")
@@ -163,15 +164,14 @@ def _brief(e: Exception, limit: int = 200) -> str:
 
 def _skeleton(folder: Path, component: str) -> Any:
     """The component's module tree on the meta device (no weights), from its config.json."""
-    import warnings
-
+    # accelerate at first use: the CLI starts without it (1-2 s, torch with it)
     from accelerate import init_empty_weights
 
     config = json.loads((folder / component / "config.json").read_text())
     with init_empty_weights(), warnings.catch_warnings():
         warnings.simplefilter("ignore")
         if module_of(component) in families.DENOISER_MODULES:
-            import diffusers
+            import diffusers  # diffusers at first use: the CLI starts without it (2-3 s, torch with it)
 
             cls_name = config.get("_class_name") or families.SD.denoiser_class  # a UNet's config may not say
             cls = getattr(diffusers, cls_name, None)
@@ -180,7 +180,7 @@ def _skeleton(folder: Path, component: str) -> Any:
                 raise SdnpuError(f"{folder / component} is a {cls_name}: sdnpu applies LoRAs to SDXL and SD 1.x "
                                  "UNets and Flux.1 transformers")
             return cls.from_config(config)
-        import transformers
+        import transformers  # transformers at first use: the CLI starts without it (about 2 s, torch with it)
 
         arch = (config.get("architectures") or ["CLIPTextModel"])[0]
         cls = getattr(transformers, arch)
@@ -189,7 +189,7 @@ def _skeleton(folder: Path, component: str) -> Any:
 
 def _peft_state_dict(state_dict: dict[str, Any], component: str) -> dict[str, Any]:
     """The component's keys as PEFT names them (the conversions diffusers' loaders apply)."""
-    from diffusers.utils import (
+    from diffusers.utils import (  # diffusers at first use: the CLI starts without it (2-3 s, torch with it)
         convert_state_dict_to_diffusers,
         convert_state_dict_to_peft,
         convert_unet_state_dict_to_peft,
@@ -215,7 +215,7 @@ def _load_adapter(module: Any, lora: LoraFile, component: str, adapter: str, fam
 
 
 def _lora_layers(module: Any) -> Iterator[tuple[str, Any]]:
-    from peft.tuners.lora import LoraLayer
+    from peft.tuners.lora import LoraLayer  # peft at first use: the CLI starts without it (3-6 s, torch with it)
 
     for name, m in module.named_modules():
         if isinstance(m, LoraLayer):
@@ -227,9 +227,7 @@ class Adapters:
     module's weight change per LoRA (PEFT's ``get_delta_weight``, scaled as ``set_adapters`` scales)."""
 
     def __init__(self, folder: Path, component: str, loras: Sequence[LoraFile], family: FamilyName) -> None:
-        import warnings
-
-        import torch
+        import torch  # torch at first use: the CLI starts without it (about 1 s)
 
         self.component = component
         module = module_of(component)
@@ -292,14 +290,14 @@ class Adapters:
 
     def merged(self, module: str, base: Any) -> Any:
         """``base`` (the module's fp32 weight, a torch tensor) plus each LoRA's change, in order: a copy."""
-        import torch
+        import torch  # torch at first use: the CLI starts without it (about 1 s)
 
         return self.merge_into(module, torch.as_tensor(base).clone())
 
     def merge_into(self, module: str, w: Any) -> Any:
         """Add each LoRA's change to the fp32 tensor ``w`` in place (a strided view works: the graph may hold
         the weight transposed), as PEFT's merge does: ``w += delta``, one LoRA after another."""
-        import torch
+        import torch  # torch at first use: the CLI starts without it (about 1 s)
 
         layer = self._layers[module]
         with torch.no_grad():
@@ -316,7 +314,7 @@ class Adapters:
 def _check_targets(sd: dict[str, Any], skeleton: Any, lora: LoraFile, component: str) -> None:
     """Every module the file names exists in the component, is one a LoRA can change, and takes the file's
     A and B matrices (their ranks agreeing): checked before diffusers loads anything, to say it in one line."""
-    import torch
+    import torch  # torch at first use: the CLI starts without it (about 1 s)
 
     modules = dict(skeleton.named_modules())
     shapes: dict[str, dict[str, list[int]]] = {}
@@ -352,8 +350,9 @@ def fuse_into(module: Any, component: str, loras: Sequence[LoraFile], family: Fa
     """Fuse ``loras`` into the loaded PyTorch ``module`` with diffusers (load each as an adapter, set the
     scales, ``fuse_lora``, unload the LoRA layers), as ``sdnpu convert --lora`` does before exporting.
     Returns how many modules changed."""
+    # diffusers at first use: the CLI starts without it (2-3 s, torch with it)
     from diffusers.loaders.lora_base import fuse_text_encoder_lora
-    from diffusers.utils.peft_utils import recurse_remove_peft_layers, set_weights_and_activate_adapters
+    from diffusers.utils.peft_utils import recurse_remove_peft_layers, set_weights_and_activate_adapters  # as above
 
     names, scales = [], []
     part = module_of(component)

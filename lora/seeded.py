@@ -22,6 +22,9 @@ import re
 from pathlib import Path
 from typing import Any
 
+import torch
+from safetensors.torch import load_file, save_file
+
 from sdnpu import families
 from sdnpu.components import LORA_MODULES
 from sdnpu.errors import SdnpuError
@@ -65,8 +68,6 @@ def _sgm_rest(kind: str, rest: str) -> str:
 
 
 def _targets(folder: Path, component: str, convs: bool) -> list[tuple[str, Any]]:
-    import torch
-
     pattern = {"unet": UNET_TARGETS, "transformer": FLUX_TARGETS}.get(component, TEXT_TARGETS)
     found = []
     for name, m in _skeleton(folder, component).named_modules():
@@ -84,9 +85,6 @@ def write_seeded_lora(folder: str | Path, out: str | Path, rank: int = 32, namin
                       strength: float = 0.1) -> dict[str, int]:
     """Write the LoRA to ``out`` (safetensors); returns the modules it covers per component. ``strength``:
     the change's size relative to a unit-variance input projection (each delta is about strength/sqrt(in))."""
-    import torch
-    from safetensors.torch import save_file
-
     folder = Path(folder)
     if naming not in ("diffusers", "kohya"):
         raise SdnpuError(f"unknown LoRA naming {naming!r}", hint="diffusers or kohya")
@@ -175,9 +173,6 @@ def _flux_groups(modules: dict[str, Any]) -> list[tuple[str, list[Any]]]:
 def write_summed_lora(paths: list[Path], scales: list[float], out: str | Path) -> None:
     """One diffusers-format LoRA whose change is the sum of ``paths``' at ``scales`` (files of the same
     modules, with no alphas: scaling 1): their A matrices stacked, their scaled B matrices side by side."""
-    import torch
-    from safetensors.torch import load_file, save_file
-
     parts = [load_file(str(p)) for p in paths]
     merged = {}
     for key in parts[0]:

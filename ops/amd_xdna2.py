@@ -24,6 +24,8 @@ from __future__ import annotations
 
 from typing import Any
 
+import numpy as np
+
 from sdnpu.ops.target import (FLOAT, INT, INTS, STRING, STRINGS, Attr, DispatchTarget, Input, Limit, OpSpec,
                               Params, prod, register)
 
@@ -210,8 +212,6 @@ def _resize_out(a: Params) -> list[int]:
 
 
 def _broadcast_out(a: Params) -> list[int]:
-    import numpy as np
-
     return [int(d) for d in np.broadcast_shapes(tuple(a["a_shape"]), tuple(a["b_shape"]))]
 
 

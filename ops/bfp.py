@@ -14,6 +14,7 @@ exactly representable in bf16, so BFP16-rounded weights are stored as bf16. 9 by
 from __future__ import annotations
 
 import numpy as np
+from onnx import TensorProto
 
 BLOCK = 8
 EXP_OFFSET = 133  # 127 (the fp32 bias) + 6: the block's largest value gets a mantissa in [64, 128)
@@ -40,8 +41,6 @@ def body(b: object, x: str) -> str:
     """ONNX nodes (through ``sdnpu.ops.bodies.Body``) rounding fp32 ``x`` to BFP16 along its last axis. The
     shared exponent is floor(log2 of the block's largest magnitude), exact at powers of two; an all-zero block
     stays zero."""
-    from onnx import TensorProto as T
-
     op = b.op  # type: ignore[attr-defined]
     ints = b.ints  # type: ignore[attr-defined]
 
@@ -52,8 +51,8 @@ def body(b: object, x: str) -> str:
     m = op("Max", op("ReduceMax", op("Abs", blocks), ints([1]), keepdims=1), f(float(np.finfo(np.float32).tiny)))
     e = op("Floor", op("Div", op("Log", m), f(float(np.log(2.0)))))
     r = op("Div", m, op("Pow", f(2.0), e))
-    e = op("Add", e, op("Sub", op("Cast", op("GreaterOrEqual", r, f(2.0)), to=T.FLOAT),
-                          op("Cast", op("Less", r, f(1.0)), to=T.FLOAT)))
+    e = op("Add", e, op("Sub", op("Cast", op("GreaterOrEqual", r, f(2.0)), to=TensorProto.FLOAT),
+                          op("Cast", op("Less", r, f(1.0)), to=TensorProto.FLOAT)))
     scale = op("Pow", f(2.0), op("Sub", e, f(6.0)))
     scaled = op("Div", blocks, scale)
     q = op("Mul", op("Sign", scaled), op("Floor", op("Abs", scaled)))  # trunc

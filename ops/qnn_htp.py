@@ -25,6 +25,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from sdnpu.errors import SdnpuError
 from sdnpu.ops.target import NodeInfo, NodeLimit, OpSupport, StandardTarget, register
 
 NAME = "qnn-htp"
@@ -61,8 +62,6 @@ DEFAULT_ARCH = 73
 
 def arch(value: int | str | None) -> Arch:
     """``--htp-arch``: 73, "v73" or None (the default, Snapdragon X Elite)."""
-    from sdnpu.errors import SdnpuError
-
     if value is None:
         return ARCHS[DEFAULT_ARCH]
     text = str(value).lower().removeprefix("v")

@@ -316,24 +316,19 @@ _CACHE: dict[str, Target] = {}
 
 
 def register(name: str, factory: Callable[[], Target]) -> None:
+    """A target's table module calls it as it loads; the package (``sdnpu.ops``) imports the built-in ones, so
+    they are here before any module of it is used."""
     _FACTORIES[name] = factory
 
 
 def target_names() -> list[str]:
-    _load_builtin()
     return sorted(_FACTORIES)
 
 
 def get_target(name: str = DEFAULT_TARGET) -> Target:
     """The target called ``name``; an unknown name is an SdnpuError listing the known ones."""
-    _load_builtin()
     if name not in _FACTORIES:
         raise SdnpuError(f"unknown target {name!r}", hint=f"choose one of: {', '.join(sorted(_FACTORIES))}")
     if name not in _CACHE:
         _CACHE[name] = _FACTORIES[name]()
     return _CACHE[name]
-
-
-def _load_builtin() -> None:
-    # the built-in targets register themselves; imported here, not at the top: they import this module
-    from sdnpu.ops import amd_xdna2, qnn_htp  # noqa: F401

@@ -33,6 +33,9 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+import ml_dtypes
+import onnx
+
 from sdnpu.formats.keys import SIZED_CONSTANTS_KEY, VIEWS_TAG
 from sdnpu.ops.target import DispatchTarget, attention_mask, prod
 
@@ -137,16 +140,11 @@ def _set_shape(vi: Any, shape: Sequence[int]) -> None:
 
 
 def _attrs(node: Any) -> dict[str, Any]:
-    import onnx
-
     return {a.name: onnx.helper.get_attribute_value(a) for a in node.attribute}
 
 
 def _mask(length: int, n: int, data_type: int) -> bytes:
     """The attention mask (0 for the ``n`` keys, -inf up to ``length``) as bytes of ``data_type``."""
-    import ml_dtypes
-    import onnx
-
     mask = attention_mask(length, n)
     if data_type == onnx.TensorProto.BFLOAT16:
         return mask.astype(ml_dtypes.bfloat16).tobytes()
@@ -301,8 +299,6 @@ class _Walk:
 
     def _onnx(self, node: Any) -> None:
         """A plain ONNX node: onnx's shape inference on the node alone, its small constants given."""
-        import onnx
-
         known = self.types
         inputs, inits = [], []
         for name in node.input:
@@ -339,8 +335,6 @@ def specialize(model: Any, target: DispatchTarget, inputs: Mapping[str, Sequence
     """``model`` (a compiled dispatch model, an onnx ModelProto, loaded without its weights) re-derived for
     graph inputs of ``inputs`` (name -> shape); ``read(tensor)``: a small initializer's bytes (the masks are
     checked against what the compiler writes). Raises CannotSpecialize with the reason (see the module doc)."""
-    import onnx
-
     sized = {p.key: p.value for p in model.metadata_props}.get(SIZED_CONSTANTS_KEY)
     if sized:
         raise CannotSpecialize(f"its constants {sized} were cut for the primary's size (SD3's position-embedding "

@@ -8,6 +8,10 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
+import onnx
+import onnx_ir as ir
+from onnx import numpy_helper
+from onnx_ir.passes import common
 
 from sdnpu import families
 from sdnpu.formats import prologue
@@ -87,8 +91,6 @@ def _test_data(path: Path, names: list[str]) -> dict[str, np.ndarray] | None:
     files = sorted(folder.glob("input_*.pb"), key=lambda f: int(f.stem.split("_")[1])) if folder.is_dir() else []
     if len(files) != len(names):
         return None
-    import onnx
-    from onnx import numpy_helper
 
     feeds = {}
     for name, f in zip(names, files, strict=True):
@@ -108,8 +110,6 @@ def generic_inputs(path: Path, seed: int = 0, shapes: dict[str, list[int]] | Non
     scale 1; an ONNX backend test's own inputs where they lie beside the model. An input that decides a shape
     (Reshape's, Slice's, a Resize's scales where the output shape is not known, ...) has no seeded value:
     ``CannotFeed`` says which."""
-    import onnx
-
     model = onnx.load(str(path), load_external_data=False)
     inits = {i.name for i in model.graph.initializer}
     graph_inputs = [vi for vi in model.graph.input if vi.name not in inits]
@@ -261,9 +261,6 @@ def pessimistic_model(path: Path, out: Path) -> Path:
     and each float value a body computes gets Cast(bf16) -> Cast(fp32) after it. The dispatch model itself
     rounds once per op, at its output (the optimistic number). Written to ``out`` (a folder); returns the
     model's path there."""
-    import onnx_ir as ir
-    from onnx_ir.passes import common
-
     model = ir.load(path)
     outer = {id(node) for node in model.graph}
     common.InlinePass()(model)

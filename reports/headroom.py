@@ -15,6 +15,8 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
+import onnx
+from onnx import TensorProto, helper
 
 FP16_MAX = 65504.0
 FACTOR = 4.0  # a tensor within 4x of fp16's largest value is listed: fp16's headroom is that thin there
@@ -31,9 +33,6 @@ def magnitudes(path: Path, feeds: dict[str, np.ndarray]) -> dict[str, float]:
 def measure(path: Path, feeds: dict[str, np.ndarray]) -> tuple[dict[str, float], dict[str, np.ndarray]]:
     """``magnitudes`` and the graph's own outputs, from the one run (a full-size graph's fp32 run is minutes and
     gigabytes: SD 3.5's transformer at 1024 px holds 3.5 GB of attention scores a layer)."""
-    import onnx
-    from onnx import TensorProto, helper
-
     model = onnx.load(str(path), load_external_data=False)
     graph = model.graph
     infos = {vi.name: vi for vi in [*graph.value_info, *graph.output]}
@@ -60,7 +59,7 @@ def measure(path: Path, feeds: dict[str, np.ndarray]) -> tuple[dict[str, float],
     # 11.8 GB against 4.3 GB for its plain fp32 run, 4.4 GB so; SDXL's at 1024 px was killed at 24 GB)
     del graph.node[:]
     graph.node.extend(nodes)
-    import onnxruntime as ort
+    import onnxruntime as ort  # onnxruntime at first use: the CLI starts without it (20-30 ms)
 
     with tempfile.NamedTemporaryFile(suffix=".onnx", dir=path.parent, delete=True) as tmp:
         onnx.save(model, tmp.name)  # beside the graph: its external data is found by the same relative name

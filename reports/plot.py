@@ -9,6 +9,8 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
+import onnx
+
 from sdnpu.errors import SdnpuError
 from sdnpu.formats.keys import REGION_TAG
 
@@ -18,8 +20,6 @@ _CPU_COLOR = "#d62828"
 
 def node_strip(model_path: Path) -> list[tuple[str, int | None]]:
     """(op_type, region or None for CPU) for each node of a dispatch model, in graph order."""
-    import onnx
-
     model = onnx.load(str(model_path), load_external_data=False)
     out = []
     for node in model.graph.node:
@@ -32,12 +32,12 @@ def plot(reports: list[tuple[str, dict[str, Any], Path]], out: Path) -> None:
     """Draw ``reports`` ((component, report, dispatch model path)) to ``out`` (.svg or .png)."""
     if out.suffix.lower() not in (".svg", ".png"):
         raise SdnpuError(f"cannot draw {out.name}", hint="use a .svg or .png file name")
-    import matplotlib
+    import matplotlib  # matplotlib at first use: the CLI starts without it (about 0.5 s)
 
     matplotlib.use("Agg")
     matplotlib.rcParams["svg.fonttype"] = "none"  # text stays text: searchable, and testable
-    import matplotlib.pyplot as plt
-    from matplotlib.patches import Patch
+    import matplotlib.pyplot as plt  # after use("Agg"): pyplot takes its backend as it loads
+    from matplotlib.patches import Patch  # matplotlib, as above
 
     rows = len(reports)
     fig, axes = plt.subplots(rows, 2, figsize=(14, 2.2 * rows + 0.6), squeeze=False,

@@ -6,6 +6,8 @@ import json
 from pathlib import Path
 from typing import Any
 
+import onnx
+
 from sdnpu.components import order_key, ordered
 from sdnpu.errors import SdnpuError
 from sdnpu.formats.keys import TARGET_KEY
@@ -16,7 +18,7 @@ SCHEMA = Path(__file__).with_name("report.schema.json")
 
 
 def validate(report: dict[str, Any], where: Path) -> None:
-    import jsonschema
+    import jsonschema  # jsonschema at first use: the CLI starts without it (40-60 ms)
 
     try:
         jsonschema.validate(report, json.loads(SCHEMA.read_text()))
@@ -36,8 +38,6 @@ def _read(path: Path) -> dict[str, Any]:
 
 def _from_onnx(path: Path) -> dict[str, Any]:
     """A report for a dispatch model that has none beside it (rebuilt from the model's own tags)."""
-    import onnx
-
     try:
         model = onnx.load(str(path), load_external_data=False)
     except Exception as e:  # protobuf's DecodeError and friends

@@ -88,7 +88,7 @@ def control_image(path: str | Path, size: tuple[int, int]) -> np.ndarray:
     """The control image for one row of the ControlNet's batch (the pipeline repeats it for each): [1, 3, H, W]
     float32 in [0, 1] for ``size`` (height, width). An image of another aspect ratio is refused (resizing would
     distort it); one of the same ratio is resized as diffusers does."""
-    from PIL import Image, UnidentifiedImageError
+    from PIL import Image, UnidentifiedImageError  # PIL at first use: the CLI starts without it (10 ms)
 
     h, w = size
     try:

@@ -40,6 +40,8 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
+import onnx
+from onnx import numpy_helper
 
 from sdnpu import families
 from sdnpu.errors import SdnpuError
@@ -117,14 +119,10 @@ class Package:
 
 
 def _dtype_name(elem_type: int) -> str:
-    import onnx
-
     return onnx.helper.tensor_dtype_to_string(elem_type).split(".")[-1].lower()  # as DD's extract_type
 
 
 def _size(elem_type: int, shape: list[int]) -> int:
-    import onnx
-
     item = 2 if elem_type == onnx.TensorProto.BFLOAT16 else np.dtype(
         onnx.helper.tensor_dtype_to_np_dtype(elem_type)).itemsize
     return int(math.prod(shape)) * item
@@ -132,8 +130,6 @@ def _size(elem_type: int, shape: list[int]) -> int:
 
 def _attr_json(attr: Any) -> dict[str, Any]:
     """An attribute as DD's ``extract_op_attrs`` writes it: a type name and a list of strings."""
-    import onnx
-
     kind = attr.type
     A = onnx.AttributeProto
     if kind == A.FLOAT:
@@ -186,9 +182,6 @@ def package_model(model: Any, folder: Path, stem: str, kernels: Kernels, prefix:
     AMD's loading format, its meta.json and constant files written to ``folder / CACHE``; ``stem`` is the name
     the model will be saved under (its constant files' names start with ``prefix`` + the node's name, so
     several models can share one cache). The caller saves the model."""
-    import onnx
-    from onnx import numpy_helper
-
     meta_props = {p.key: p.value for p in model.metadata_props}
     if TARGET_KEY not in meta_props:
         raise SdnpuError(f"{stem} is not a dispatch model (no target recorded)", hint="sdnpu compile it first")
@@ -350,9 +343,6 @@ def unpackage(path: Path, functions_from: Any = None) -> Any:
     meta.json names, at the sizes it records. Returns a model of standalone ``com.amd`` ops (with
     ``functions_from``'s reference bodies, it runs in stock onnxruntime); a missing or short file is an error,
     as it is in DD."""
-    import onnx
-    from onnx import numpy_helper
-
     path = Path(path)
     model = onnx.load(str(path))
     folder = path.parent
@@ -413,8 +403,6 @@ def unpackage(path: Path, functions_from: Any = None) -> Any:
 
 def is_package(path: Path) -> bool:
     """Whether the model at ``path`` is in this format (a DD cache beside it, and DynamicDispatch nodes)."""
-    import onnx
-
     path = Path(path)
     if not (path.parent / CACHE).is_dir() or not path.is_file():
         return False

@@ -14,12 +14,16 @@ at session open. Image-to-image, inpainting and ControlNets are refused with the
 
 from __future__ import annotations
 
+import inspect
 import logging
 from collections.abc import Callable
 from functools import cached_property
 from typing import Any
 
 import numpy as np
+import torch
+from diffusers.pipelines.flux.pipeline_flux import calculate_shift
+from transformers import AutoTokenizer, CLIPTokenizer
 
 from sdnpu import families
 from sdnpu.errors import SdnpuError
@@ -75,8 +79,6 @@ class FluxPipeline(TransformerStages):
 
     @cached_property
     def tokenizers(self) -> dict[str, Any]:
-        from transformers import AutoTokenizer, CLIPTokenizer
-
         for tok in ("tokenizer", "tokenizer_2"):
             if not (self.folder / tok).is_dir():
                 raise SdnpuError(f"{self.folder} has no {tok}/", hint="convert the pipeline again (it copies the "
@@ -131,10 +133,6 @@ class FluxPipeline(TransformerStages):
     def scheduler(self, name: str | None, steps: int) -> Any:
         """The folder's scheduler (or ``name``) set for ``steps`` as ``FluxPipeline`` sets it: sigmas from 1 to
         1/steps, ``mu`` from the image's token count (used where the scheduler shifts dynamically)."""
-        import inspect
-
-        from diffusers.pipelines.flux.pipeline_flux import calculate_shift
-
         scheduler = load_scheduler(self.folder, name)
         c = scheduler.config
         if "sigmas" not in inspect.signature(scheduler.set_timesteps).parameters:
@@ -153,8 +151,6 @@ class FluxPipeline(TransformerStages):
     def _denoise(self, opts: Any, feeds: dict[str, np.ndarray], seeds: list[int], batch: int,
                  progress: Callable[[int, int], None] | None) -> np.ndarray:
         """One transformer call's images through every step, each with its own scheduler and seeded noise."""
-        import torch
-
         schedulers = [self.scheduler(opts.scheduler, opts.steps) for _ in seeds]
         latents = [torch.from_numpy(pack(self.noise(seed))) for seed in seeds]
         timesteps = schedulers[0].timesteps

@@ -21,12 +21,18 @@ each component's ``dd/replaced.onnx`` is the package, everything else as in ``fo
 
 from __future__ import annotations
 
+import importlib
+import json
 import logging
+import os
 import shutil
 from pathlib import Path
 from typing import Any
 
+import ml_dtypes
 import numpy as np
+import onnx
+from onnx import numpy_helper
 
 from sdnpu import families
 from sdnpu.errors import SdnpuError
@@ -45,8 +51,6 @@ PACKED_DIR = "packed"
 
 def amd_packer() -> Any:
     """AMD's packer module (``ryzenai_dynamic_dispatch.sd``), or an SdnpuError saying it is not here."""
-    import importlib
-
     try:  # `sd` is an attribute of the package (a nanobind submodule of its _DynamicDispatch extension,
         # star-imported by its __init__: DD src/python/bindings.cpp:103, 174; ryzenai_dynamic_dispatch/__init__.py),
         # not a module of its own: AMD's test models write `from ryzenai_dynamic_dispatch import fuse, sd`
@@ -63,17 +67,12 @@ def amd_packer() -> Any:
 
 def _bits16(a: np.ndarray) -> np.ndarray:
     """bf16 values as the uint16 words AMD's test models store."""
-    import ml_dtypes
-
     return np.ascontiguousarray(np.asarray(a).astype(ml_dtypes.bfloat16)).view(np.uint16)
 
 
 def pack_model(source: Path, out_dir: Path, kernels: ddpackage.Kernels, prefix: str = "") -> dict[str, int]:
     """Pack ``source`` (a dd/replaced.onnx) into ``out_dir/<its name>``, in AMD's loading format for the
     model class ``kernels`` (its DynamicDispatch nodes' names start with ``prefix``); returns counts by kind."""
-    import onnx
-    from onnx import numpy_helper
-
     sd = amd_packer()
     model = onnx.load(str(source))
     meta = {p.key: p.value for p in model.metadata_props}
@@ -145,8 +144,6 @@ def pack_model(source: Path, out_dir: Path, kernels: ddpackage.Kernels, prefix: 
 def _family(folder: Path) -> str:
     """The pipeline family (``sdnpu.families``' name) of a converted folder (or of the folder a component folder
     lies in)."""
-    import json
-
     for where in (folder, folder.parent):
         index = where / "model_index.json"
         if index.is_file():
@@ -162,8 +159,6 @@ def _height(graph: Path, component: str) -> int:
     """The image height a dispatch model was compiled for, for the model class of SD 3's VAE (AMD's 1024-px
     kernels differ from its 512-px ones): the size recorded for it, else its first input's (the interface
     stays NCHW; a latent's times 8)."""
-    import onnx
-
     for f in sizes_of(graph.parent.parent):
         if graph.name == Path(f.dispatch).name:
             return f.size.height
@@ -245,8 +240,6 @@ def _log(graphs: list[tuple[str, Path, str]], results: dict[str, Any], where: Pa
 def _link_tree(src: Path, dst: Path, skip: set[Path]) -> None:
     """``src``'s files under ``dst``, hard-linked where the file system allows (copied otherwise), but the
     folders in ``skip`` (the dispatch models' folders that the packages replace) and earlier packed copies."""
-    import os
-
     for dirpath, dirnames, filenames in os.walk(src):
         here = Path(dirpath)
         if here.resolve() in skip:

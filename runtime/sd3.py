@@ -56,6 +56,7 @@ class SD3Pipeline(TransformerStages):
 
     @cached_property
     def tokenizers(self) -> dict[str, Any]:
+        # transformers at first use: the CLI starts without it (about 2 s, torch with it)
         from transformers import AutoTokenizer, CLIPTokenizer
 
         toks: dict[str, Any] = {name: CLIPTokenizer.from_pretrained(self.folder / tok)
@@ -127,6 +128,7 @@ class SD3Pipeline(TransformerStages):
         scheduler = load_scheduler(self.folder, name)
         kwargs = {}
         if scheduler.config.get("use_dynamic_shifting", False):  # as diffusers computes mu for the image size
+            # diffusers at first use: the CLI starts without it (2-3 s, torch with it)
             from diffusers.pipelines.stable_diffusion_3.pipeline_stable_diffusion_3 import calculate_shift
 
             patch = int(self.transformer_config.get("patch_size", 2))
@@ -139,7 +141,7 @@ class SD3Pipeline(TransformerStages):
     def _denoise(self, opts: Any, feeds: dict[str, np.ndarray], seeds: list[int], batch: int,
                  progress: Callable[[int, int], None] | None) -> Any:
         """One transformer call's images through every step, each with its own scheduler and seeded noise."""
-        import torch
+        import torch  # torch at first use: the CLI starts without it (about 1 s)
 
         k, cfg = len(seeds), batch == 2 * len(seeds)
         schedulers = []

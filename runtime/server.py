@@ -36,10 +36,21 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+import uvicorn
+from fastapi import FastAPI, File, Form, Request, UploadFile
+from fastapi.responses import JSONResponse
+from PIL import Image, UnidentifiedImageError
+from pydantic import BaseModel, Field
+
+from sdnpu import memory
 from sdnpu.components import COMPONENTS, module_of
 from sdnpu.errors import SdnpuError
 from sdnpu.formats import generation
+from sdnpu.formats.sizes import sizes_of
 from sdnpu.imagesize import Size
+from sdnpu.lora import LoraSpec
+from sdnpu.runtime.session import RuntimeOptions, component_path, weight_bytes
+from sdnpu.runtime.text2image import GenerateOptions, Pipeline
 
 log = logging.getLogger(__name__)
 
@@ -78,8 +89,6 @@ class Served:
         return self.pipe
 
     def info(self) -> dict[str, Any]:
-        from sdnpu.formats.sizes import sizes_of
-
         denoiser = "transformer" if (self.folder / "transformer").is_dir() else (
             "unet" if (self.folder / "unet").is_dir() else "unet_controlnet")
         files = sizes_of(self.folder / denoiser)
@@ -143,8 +152,6 @@ def _said(e: SdnpuError) -> str:
 
 
 def _png(image: Any) -> str:
-    from PIL import Image
-
     buf = io.BytesIO()
     Image.fromarray(image).save(buf, format="PNG")
     return base64.b64encode(buf.getvalue()).decode("ascii")
@@ -153,8 +160,6 @@ def _png(image: Any) -> str:
 def _mask_file(data: bytes, folder: Path) -> Path:
     """The uploaded mask as sdnpu takes it (white where to draw): an alpha channel is OpenAI's mask,
     transparent where to draw."""
-    from PIL import Image, UnidentifiedImageError
-
     try:
         mask = Image.open(io.BytesIO(data))
         mask.load()
@@ -174,16 +179,13 @@ def sessions_to_keep(folder: Path, size: Size | None, reference: bool) -> frozen
     the largest component not kept (opened for its stage of a request, then dropped, as ``generate`` does)
     stay within 80% of the memory available. Every one where all fit (the tiny folders); none where not
     even the largest fits beside the others' stages."""
-    from sdnpu.memory import available_bytes
-    from sdnpu.runtime.session import component_path, weight_bytes
-
     # every component a pipeline folder holds (a ControlNet has a folder of its own), in the table's order
     names = [c for c in COMPONENTS if module_of(c) != "controlnet" and (folder / c).is_dir()]
     try:
         sizes = {c: weight_bytes(component_path(folder, c, reference, size)) for c in names}
     except (SdnpuError, OSError):
         return frozenset()  # what is missing is refused where it is opened, with its fix
-    available = available_bytes()
+    available = memory.available_bytes()
     if available is None:
         return frozenset(names)
     kept: list[str] = []
@@ -199,8 +201,6 @@ def sessions_to_keep(folder: Path, size: Size | None, reference: bool) -> frozen
 
 def lora_specs(items: list[str] | None, lora_dir: Path | None) -> tuple[Any, ...]:
     """A request's ``lora`` entries (``NAME[:SCALE]``) as LoraSpecs of files in ``lora_dir``."""
-    from sdnpu.lora import LoraSpec
-
     if not items:
         return ()
     if lora_dir is None:
@@ -224,13 +224,6 @@ def build_app(folders: list[Path], *, queue: int = 8, reference: bool = False, r
               lora_dir: Path | None = None) -> Any:
     """The ASGI app serving ``folders`` (each a converted folder; its name is the model's id); ``lora_dir``:
     the LoRA files requests may name."""
-    from fastapi import FastAPI, File, Form, Request, UploadFile
-    from fastapi.responses import JSONResponse
-    from pydantic import BaseModel, Field
-
-    from sdnpu.runtime.session import RuntimeOptions
-    from sdnpu.runtime.text2image import GenerateOptions, Pipeline
-
     base = runtime or RuntimeOptions()
 
     def make(folder: Path, size: Size | None, loras: tuple[Any, ...]) -> Any:
@@ -361,8 +354,6 @@ def build_app(folders: list[Path], *, queue: int = 8, reference: bool = False, r
 
 def serve(folders: list[Path], host: str = "127.0.0.1", port: int = 8080, **kwargs: Any) -> None:
     """Serve ``folders`` until interrupted."""
-    import uvicorn
-
     app = build_app(folders, **kwargs)
     log.info("serving %s on http://%s:%d/v1", ", ".join(app.state.served), host, port)
     uvicorn.run(app, host=host, port=port, log_level="info")

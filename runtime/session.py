@@ -13,6 +13,7 @@ our ops. Where no library is given, nothing claims the ops and the CPU runs thei
 
 from __future__ import annotations
 
+import json
 import logging
 import os
 from dataclasses import dataclass
@@ -20,6 +21,8 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
+import onnx
+from onnx import TensorProto, numpy_helper
 
 from sdnpu import external, onnxrun
 from sdnpu.components import LORA_COMPONENTS, SIZED, TEXT_ENCODERS
@@ -28,6 +31,8 @@ from sdnpu.formats import handoff, prologue
 from sdnpu.formats.overlay import DATA, OVERLAY_DIR, overlay_initializers, read_manifest
 from sdnpu.formats.sizes import Variant, sizes_of
 from sdnpu.imagesize import Size
+from sdnpu.lora import overlay
+from sdnpu.lora.adapters import LoraSpec
 from sdnpu.memory import available_bytes
 from sdnpu.runtime import ddpackage
 from sdnpu.runtime.pack import PACKED_DIR
@@ -165,7 +170,7 @@ def dd_cache_dir(model: Path) -> Path | None:
 def session_options(model: Path, custom_ops: Path | None, optimize: bool, threads: int | None = None) -> Any:
     """SessionOptions for ``model``: with ``custom_ops``, AMD's recipe (graph optimizations off, the DD
     config entries, then the library); without, onnxruntime's optimizations as ``optimize`` says."""
-    import onnxruntime as ort
+    import onnxruntime as ort  # onnxruntime at first use: the CLI starts without it (20-30 ms)
 
     opts = ort.SessionOptions()
     opts.log_severity_level = 3
@@ -263,8 +268,6 @@ def _sized_components(folder: Path, first: str) -> list[str]:
 
 def _source_of(comp_dir: Path) -> str:
     """The --source a component folder was converted from (its export.json), for a hint."""
-    import json
-
     try:
         src = json.loads((comp_dir / "export.json").read_text())["source"]
         return str(src["name"] if src.get("kind") == "preset" else src["path"])
@@ -292,7 +295,7 @@ def _register_shared_arena() -> None:
     allocator between sessions)."""
     if _ARENA:
         return
-    import onnxruntime as ort
+    import onnxruntime as ort  # onnxruntime at first use: the CLI starts without it (20-30 ms)
 
     info = ort.OrtMemoryInfo("Cpu", ort.OrtAllocatorType.ORT_ARENA_ALLOCATOR, 0, ort.OrtMemType.DEFAULT)
     ort.create_and_register_allocator(info, ort.OrtArenaCfg(0, -1, -1, -1))
@@ -315,8 +318,7 @@ class SharedWeights:
     def add_to(self, path: Path, opts: Any, skip: set[str] | frozenset[str] = frozenset()) -> int:
         """Give ``opts`` the shared value of every external initializer of the model at ``path`` (but those in
         ``skip``); returns how many."""
-        import onnx
-        import onnxruntime as ort
+        import onnxruntime as ort  # onnxruntime at first use: the CLI starts without it (20-30 ms)
 
         proto = onnx.load(str(path), load_external_data=False)
         n = 0
@@ -358,7 +360,7 @@ def open_component_path(path: Path, component: str, reference: bool = False,
     """A session over the model at ``path``, the component ``component`` of a converted folder (at
     ``comp_dir``, whose LoRAs it gets; default: the folder ``path`` lies in); ``shared``: see
     ``SharedWeights``."""
-    import onnxruntime as ort
+    import onnxruntime as ort  # onnxruntime at first use: the CLI starts without it (20-30 ms)
 
     options = options or RuntimeOptions(optimize=False)
     if not reference and path.name == QNN_MODEL.name and path.parent.name == QNN_MODEL.parent.name:
@@ -421,8 +423,7 @@ def _open_qnn(path: Path, component: str, options: RuntimeOptions) -> Component:
     """A session over QNN's EPContext model (``--target qnn-htp``) on Qualcomm's HTP: the NPU on a Snapdragon
     machine, the emulator elsewhere (slow: seconds to minutes a call at test size, and nothing of the NPU's
     speed). It was compiled for one HTP generation, which the report beside it names."""
-    import json
-
+    # the qnn-htp backend where its target runs (onnxruntime with it): the CLI starts without them (25-45 ms)
     from sdnpu.backends import qnn_htp
 
     if options.loras:
@@ -463,8 +464,6 @@ def primary_names(primary: Path, path: Path) -> dict[str, str]:
     """For a graph of another size (``path``), which shares the primary graph's data file: the primary's name
     of each tensor -> its name in ``path``, matched by the place in the shared file (by name where a tensor
     is stored inside the graph)."""
-    import onnx
-
     def places(p: Path) -> dict[tuple[str, ...], str]:
         out = {}
         for t in onnx.load(str(p), load_external_data=False).graph.initializer:
@@ -485,8 +484,6 @@ def relocate_to_overlay(path: Path, opts: Any, manifest: dict[str, Any]) -> byte
     the model file becomes external too). onnxruntime then maps the overlay as it maps the base data, and
     loads neither twice: opening the SDXL UNet so peaks at 0.19 GB, against 9.57 GB with the same tensors
     given through ``add_external_initializers`` (``bench/bench_lora_open.py``)."""
-    import onnx
-
     proto = onnx.load(str(path), load_external_data=False)
     tensors = manifest["tensors"]
     found = 0
@@ -512,10 +509,6 @@ def lora_initializers(comp_dir: Path, component: str, reference: bool, specs: tu
     ``reference`` its fp32 graph) and the LoRAs: ``specs`` computed now, else the component's overlay
     (``sdnpu lora apply``: mapped from its file for a dispatch model; for the fp32 graph, computed again
     from the overlay's LoRA files, so that both carry the same LoRAs)."""
-    # here: computing LoRAs pulls the overlay's readers (onnx_ir) and diffusers in; a plain session needs neither
-    from sdnpu.lora import overlay
-    from sdnpu.lora.adapters import LoraSpec
-
     if component not in LORA_COMPONENTS:
         return {}, None
     if not specs:
@@ -548,9 +541,6 @@ def replace_initializers(path: Path, opts: Any, arrays: dict[str, np.ndarray]) -
     model is opened from its path. onnxruntime refuses that for an initializer stored inside the model
     file (a small model's, or a tensor under 1 KB), so those are written into a copy of the model's
     protobuf, opened from memory with its external data still read from beside ``path``."""
-    import onnx
-    from onnx import numpy_helper
-
     proto = onnx.load(str(path), load_external_data=False)
     inline = {t.name: t for t in proto.graph.initializer if t.data_location != onnx.TensorProto.EXTERNAL}
     missing = sorted(set(arrays) - {t.name for t in proto.graph.initializer})
@@ -572,8 +562,7 @@ def replace_initializers(path: Path, opts: Any, arrays: dict[str, np.ndarray]) -
 def add_initializers(opts: Any, arrays: dict[str, np.ndarray]) -> None:
     """``arrays`` replace the model's (external) initializers of the same names: onnxruntime's
     external-initializer API. The arrays are used in place and must outlive the session."""
-    import onnxruntime as ort
-    from onnx import TensorProto
+    import onnxruntime as ort  # onnxruntime at first use: the CLI starts without it (20-30 ms)
 
     names, values = [], []
     for name, a in arrays.items():

@@ -12,6 +12,7 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
+import onnx
 
 from sdnpu.errors import SdnpuError
 from sdnpu.families import Family
@@ -125,8 +126,6 @@ class TransformerStages(Stages):
 
 def graph_inputs(path: Path) -> dict[str, list[int]]:
     """The inputs of the graph at ``path`` and their dims, in order (read without its weights)."""
-    import onnx  # where it is used, as torch is: the CLI starts without it
-
     graph = onnx.load(str(path), load_external_data=False).graph
     return {i.name: [d.dim_value for d in i.type.tensor_type.shape.dim] for i in graph.input}
 
@@ -180,7 +179,7 @@ def halves(neg: np.ndarray | None, pos: np.ndarray | None, k: int) -> np.ndarray
 def load_scheduler(folder: Path, name: str | None) -> Any:
     """The folder's scheduler (``scheduler/scheduler_config.json``), or diffusers' scheduler class ``name``
     made from that config."""
-    import diffusers
+    import diffusers  # diffusers at first use: the CLI starts without it (2-3 s, torch with it)
 
     config = json.loads((folder / "scheduler" / "scheduler_config.json").read_text())
     cls_name = name or config["_class_name"]

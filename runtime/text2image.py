@@ -16,6 +16,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import inspect
+import io
 import json
 import logging
 from collections.abc import Callable, Iterator
@@ -25,6 +26,7 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
+import onnx
 
 from sdnpu import families
 from sdnpu.components import CLIP_ENCODERS
@@ -98,8 +100,6 @@ class Pipeline(Stages):
 
     def __init__(self, folder: str | Path, reference: bool = False, keep_sessions: bool | frozenset[str] = False,
                  runtime: RuntimeOptions | None = None, size: Any = None) -> None:
-        import onnx
-
         self._open(folder, reference, keep_sessions, runtime, size)
         self.family = families.detect(self.index)
         self.sdxl = self.family.text_encoders == CLIP_ENCODERS  # SDXL's prompt: both CLIP encoders'
@@ -129,6 +129,7 @@ class Pipeline(Stages):
 
     @cached_property
     def tokenizers(self) -> list[Any]:
+        # transformers at first use: the CLI starts without it (about 2 s, torch with it)
         from transformers import CLIPTokenizer
 
         names = ("tokenizer", "tokenizer_2") if self.sdxl else ("tokenizer",)
@@ -222,7 +223,7 @@ class Pipeline(Stages):
                  progress: Callable[[int, int], None] | None, inpainting: Inpainting | None = None) -> Any:
         """One denoiser call's images through every step: each image has its own scheduler and noise from its
         seed (so it equals its seed drawn alone); returns their latents, [k, C, h, w]."""
-        import torch
+        import torch  # torch at first use: the CLI starts without it (about 1 s)
 
         k, cfg = len(seeds), batch == 2 * len(seeds)
         schedulers = [self._scheduler(opts.scheduler) for _ in seeds]
@@ -338,7 +339,7 @@ class Pipeline(Stages):
         """Image-to-image: the picture's latents (the VAE encoder's mean, scaled; diffusers' pipelines draw a
         sample of the encoder's distribution with their generator: sdnpu takes its mean, the same every run).
         ``image``: a file, or pixels [1, 3, H, W] in [-1, 1]."""
-        import torch
+        import torch  # torch at first use: the CLI starts without it (about 1 s)
 
         pixels = self._pixels(image) if not isinstance(image, np.ndarray) else image
         with self._using("vae_encoder") as parts:
@@ -349,7 +350,7 @@ class Pipeline(Stages):
     def _picture(self, path: str | Path, mode: str) -> Any:
         """The picture at ``path`` in PIL ``mode``, resized to the image size as diffusers' image processor
         does (Lanczos)."""
-        from PIL import Image, UnidentifiedImageError
+        from PIL import Image, UnidentifiedImageError  # PIL at first use: the CLI starts without it (10 ms)
 
         h, w = self.image_size
         try:
@@ -372,7 +373,7 @@ class Pipeline(Stages):
         if opts.controlnets:
             raise SdnpuError("sdnpu does not inpaint with ControlNets", hint="drop --controlnet or --mask")
         component_path(self.folder, "vae_encoder", self.reference, self.size)  # refused, with the fix, if absent
-        import torch
+        import torch  # torch at first use: the CLI starts without it (about 1 s)
 
         # diffusers' mask processor: grayscale, resized, binarized at one half; 1 = draw, 0 = keep
         mask = (np.asarray(self._picture(opts.mask, "L"), np.float32) / 255.0 >= 0.5).astype(np.float32)
@@ -418,7 +419,7 @@ class Inpainting:
     def keep_outside(self, latents: Any, scheduler: Any, noise: Any, timesteps: Any, i: int) -> Any:
         """After step ``i``: outside the mask the picture's latents noised to the next step's level (at the
         last step, the picture's latents themselves); inside it what the UNet drew."""
-        import torch
+        import torch  # torch at first use: the CLI starts without it (about 1 s)
 
         proper = self.image_latents
         if i < len(timesteps) - 1:
@@ -443,9 +444,7 @@ def _penultimate(component: Component, config_path: Path) -> str:
 
 def save_png(image: np.ndarray, path: Path) -> None:
     """Write ``image`` ([H, W, 3] uint8) as a PNG, atomically."""
-    import io
-
-    from PIL import Image
+    from PIL import Image  # PIL at first use: the CLI starts without it (10 ms)
 
     buf = io.BytesIO()
     Image.fromarray(image).save(buf, format="PNG")

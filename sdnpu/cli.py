@@ -165,6 +165,7 @@ def _control_specs(args: argparse.Namespace) -> tuple[Any, ...]:
 
 
 def _qnn_how() -> str:
+    # the qnn-htp backend where its target runs (onnxruntime with it): the CLI starts without them (25-45 ms)
     from sdnpu.backends import qnn_htp
 
     return ("QNN models (--target qnn-htp) on Qualcomm's HTP emulator: this machine is not a Snapdragon, so the "
@@ -173,7 +174,7 @@ def _qnn_how() -> str:
 
 
 def _cmd_generate(args: argparse.Namespace) -> int:
-    from tqdm import tqdm
+    from tqdm import tqdm  # tqdm at first use: the CLI starts without it (4 ms)
 
 
     optimize = {"auto": None, "on": True, "off": False}[args.optimize]
@@ -285,6 +286,7 @@ def _print_packed(results: dict, out: str | None) -> None:
 
 
 def _cmd_serve(args: argparse.Namespace) -> int:
+    # fastapi, uvicorn and PIL with it: only `sdnpu serve` loads them (0.2-0.3 s)
     from sdnpu.runtime.server import serve
 
     if args.queue < 0:

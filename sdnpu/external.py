@@ -6,6 +6,8 @@ from __future__ import annotations
 
 from typing import Any
 
+import onnx
+
 # the fields a TensorProto may hold its values in, cleared when it is pointed at external data
 VALUE_FIELDS = ("raw_data", "float_data", "int32_data", "int64_data", "double_data", "uint64_data")
 
@@ -13,8 +15,6 @@ VALUE_FIELDS = ("raw_data", "float_data", "int32_data", "int64_data", "double_da
 def place(t: Any) -> tuple[str, int, int | None] | None:
     """``(location, offset, length)`` of a tensor's external data (length None where the entry has none),
     or None for a tensor stored in the model file."""
-    import onnx
-
     if t.data_location != onnx.TensorProto.EXTERNAL:
         return None
     info = {e.key: e.value for e in t.external_data}
@@ -25,8 +25,6 @@ def place(t: Any) -> tuple[str, int, int | None] | None:
 def point(t: Any, location: str, offset: int, length: int) -> None:
     """Make ``t`` read its ``length`` bytes at ``offset`` of ``location`` (relative to the model's folder),
     wherever it kept them before."""
-    import onnx
-
     for name in VALUE_FIELDS:
         t.ClearField(name)
     del t.external_data[:]

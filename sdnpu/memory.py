@@ -18,6 +18,8 @@ import math
 from dataclasses import dataclass
 from pathlib import Path
 
+import onnx
+
 from sdnpu.errors import SdnpuError
 
 ACTIVATION_COPIES = 2
@@ -46,8 +48,6 @@ def available_bytes() -> int | None:
 
 def estimate(path: Path) -> Estimate:
     """A lower bound of the peak of running the model at ``path`` (weight file sizes, static shapes)."""
-    import onnx
-
     model = onnx.load(str(path), load_external_data=False)
     weights = path.stat().st_size + sum(f.stat().st_size for f in path.parent.glob(f"{path.name}.data*"))
     try:

@@ -16,6 +16,7 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
+from onnx import TensorProto
 
 from sdnpu.errors import SdnpuError
 from sdnpu.formats import handoff, prologue
@@ -54,8 +55,7 @@ def _bind_input(io: Any, name: str, a: np.ndarray, inputs: Mapping[str, Any],
                 forms: Mapping[str, Sequence[int]]) -> Any:
     """Bind feed ``name`` (a bf16 input in its handoff form, converted where it is given in the fp32 graph's);
     returns the OrtValue, which must live until the run is done."""
-    import onnxruntime as ort
-    from onnx import TensorProto
+    import onnxruntime as ort  # onnxruntime at first use: the CLI starts without it (20-30 ms)
 
     if name in inputs and inputs[name].type == "tensor(bfloat16)":
         a = handoff.to_graph(a, forms[name]) if name in forms else np.asarray(a).astype(handoff.bf16())
@@ -69,8 +69,7 @@ def _bind_input(io: Any, name: str, a: np.ndarray, inputs: Mapping[str, Any],
 
 def _bind_output(io: Any, name: str, output: Any) -> np.ndarray | None:
     """Bind output ``name``: a bf16 output of static shape into a buffer of ours (returned), else to the CPU."""
-    import onnxruntime as ort
-    from onnx import TensorProto
+    import onnxruntime as ort  # onnxruntime at first use: the CLI starts without it (20-30 ms)
 
     if output.type == "tensor(bfloat16)" and all(isinstance(d, int) for d in output.shape):
         buffer = np.empty([int(d) for d in output.shape], np.uint16)
@@ -93,7 +92,7 @@ def _bf16_copy(value: Any) -> np.ndarray:
 
 def open_prologue(path: Path) -> Any:
     """A plain CPU session over a prologue (it is CPU work: the boundary cast runs its reference body)."""
-    import onnxruntime as ort
+    import onnxruntime as ort  # onnxruntime at first use: the CLI starts without it (20-30 ms)
 
     prologue.require(path)
     opts = ort.SessionOptions()
@@ -147,7 +146,7 @@ def run_onnx(path: Path, feeds: dict[str, np.ndarray], optimize: bool = False) -
     copy (twice the memory) and can reorder float math. Handoff values (``sdnpu.formats.handoff``) are taken
     and given in the fp32 graph's form; a step prologue (``sdnpu.formats.prologue``) runs first on the fp32
     graph's inputs."""
-    import onnxruntime as ort
+    import onnxruntime as ort  # onnxruntime at first use: the CLI starts without it (20-30 ms)
 
     opts = ort.SessionOptions()
     opts.graph_optimization_level = (ort.GraphOptimizationLevel.ORT_ENABLE_BASIC if optimize

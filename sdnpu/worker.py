@@ -14,7 +14,11 @@ writing.
 
 from __future__ import annotations
 
+import ctypes
 import logging
+import signal
+import traceback
+import warnings
 from collections.abc import Callable
 from typing import Any, TypeVar
 
@@ -42,7 +46,7 @@ class WorkerDied(SdnpuError):
 
 def run_in_worker(fn: Callable[..., T], *args: Any, what: str) -> T:
     """``fn(*args)`` in a spawned process; ``what`` names the work in errors (``"exporting unet"``)."""
-    import multiprocessing
+    import multiprocessing  # multiprocessing where a worker starts: the CLI starts without it (1 ms)
 
     ctx = multiprocessing.get_context("spawn")
     receiver, sender = ctx.Pipe(duplex=False)
@@ -68,11 +72,6 @@ def run_in_worker(fn: Callable[..., T], *args: Any, what: str) -> T:
 
 
 def _main(conn: Any, fn: Callable[..., Any], args: tuple[Any, ...], level: int) -> None:
-    import ctypes
-    import signal
-    import traceback
-    import warnings
-
     try:  # die with the parent
         ctypes.CDLL("libc.so.6").prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
     except (OSError, AttributeError):

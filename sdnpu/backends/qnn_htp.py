@@ -20,12 +20,18 @@ from __future__ import annotations
 
 import json
 import logging
+import os
+import platform
+import re
 import shutil
 import tempfile
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
+
+import onnx
+import onnxruntime as ort
 
 from sdnpu.errors import SdnpuError
 from sdnpu.ops.qnn_htp import Arch, arch as parse_arch
@@ -45,7 +51,7 @@ _registered = False
 def require() -> Any:
     """The ``onnxruntime_qnn`` module; missing, one line that names the install."""
     try:
-        import onnxruntime_qnn
+        import onnxruntime_qnn  # optional: onnxruntime-qnn may be missing (then one line names the install)
     except ImportError:
         raise SdnpuError("the qnn-htp target needs onnxruntime-qnn (Qualcomm's execution provider), which is not "
                          "installed", hint=INSTALL) from None
@@ -55,8 +61,6 @@ def require() -> Any:
 def versions() -> dict[str, str]:
     """onnxruntime-qnn's and QNN's versions (the report records them)."""
     q = require()
-    import onnxruntime as ort
-
     info = getattr(q, "build_and_package_info", None)
     return {"onnxruntime": ort.__version__, "onnxruntime_qnn": getattr(info, "__version__", "?"),
             "qnn": getattr(info, "qnn_version", "?")}
@@ -72,8 +76,6 @@ EMULATOR_MINUTES = 30.0
 def too_slow_to_emulate(macs: int) -> str:
     """Why a model of ``macs`` multiply-accumulates is not run on the emulator ("" where it is run): it would
     take longer than ``SDNPU_EMULATOR_MINUTES``."""
-    import os
-
     raw = os.environ.get(EMULATOR_MINUTES_ENV, "")
     try:
         minutes = float(raw) if raw else EMULATOR_MINUTES
@@ -92,8 +94,6 @@ def too_slow_to_emulate(macs: int) -> str:
 def _device() -> Any:
     global _registered
     q = require()
-    import onnxruntime as ort
-
     if not _registered:
         # QNN's refusals are the report's to name, with their reasons: not onnxruntime's log lines on stderr
         ort.set_default_logger_severity(3)
@@ -114,8 +114,6 @@ def _device() -> Any:
 def is_emulated() -> bool:
     """True where the HTP backend runs on the emulator (any machine that is not ARM64): slow, and its timings are
     not the NPU's."""
-    import platform
-
     return platform.machine().lower() not in ("arm64", "aarch64")
 
 
@@ -141,8 +139,6 @@ class HtpOptions:
 def session(path: Path, options: HtpOptions = HtpOptions()) -> Any:
     """An onnxruntime session of ``path`` on Qualcomm's HTP (its EPContext model, or any graph QNN compiles on
     load). Without ``options.fallback`` it fails unless QNN takes every node."""
-    import onnxruntime as ort
-
     dev = _device()
     so = ort.SessionOptions()
     so.log_severity_level = 3
@@ -198,8 +194,6 @@ def chain(parts: list[Compiled], graph: Any, out_dir: Path) -> Compiled:
     their nodes in order (each EPContext node reads its own binary), the inputs and outputs of ``graph`` (an
     ``onnx.GraphProto``: the graph that was cut). The pieces' own EPContext models go; their binaries and traces
     stay. QNN's count is the pieces' counts summed."""
-    import onnx
-
     nodes: list[Any] = []
     inits: dict[str, Any] = {}
     opsets: dict[str, int] = {}
@@ -290,7 +284,5 @@ def compile_context(model: Path, out_dir: Path, arch: Arch, stem: str = "ctx") -
 
 
 def _message(e: Exception) -> str:
-    import re
-
     text = " ".join(str(e).split())
     return re.sub(r"^\[ONNXRuntimeError\] : \d+ : \w+ : ", "", text)[:500]

@@ -42,7 +42,10 @@ from typing import Any
 
 import ml_dtypes
 import numpy as np
+import onnx
 import onnx_ir as ir
+from onnx import helper
+from onnx.reference import ReferenceEvaluator
 
 from sdnpu.errors import SdnpuError
 from sdnpu.ops.bfp import BLOCK, round_bfp16
@@ -182,10 +185,6 @@ def evaluate(expr: Expr, read: Callable[[str], np.ndarray]) -> np.ndarray:
 
 
 def _run_node(expr: Expr, arrays: list[np.ndarray | None]) -> np.ndarray:
-    import onnx
-    from onnx import helper
-    from onnx.reference import ReferenceEvaluator
-
     node = onnx.NodeProto()
     node.ParseFromString(base64.b64decode(expr["node"]))
     inputs = ["" if a is None else f"x{i}" for i, a in enumerate(arrays)]
