@@ -52,6 +52,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from safetensors import SafetensorError, safe_open
+
 from sdnpu import families
 from sdnpu.errors import SdnpuError
 
@@ -149,7 +151,6 @@ def read_shapes(path: Path) -> dict[str, tuple[int, ...]]:
             "pickle runs code from the file",
             hint="convert it once, where you trust it, to a .safetensors file (with safetensors.torch.save_file "
             "of torch.load(FILE, weights_only=True)['state_dict']), or use the model's .safetensors release")
-    from safetensors import SafetensorError, safe_open
 
     try:
         with safe_open(str(path), framework="pt") as f:
@@ -162,8 +163,7 @@ def read_shapes(path: Path) -> dict[str, tuple[int, ...]]:
 
 def read_tensors(path: Path, keys: list[str]) -> dict[str, Any]:
     """The file's tensors ``keys`` (a part's, or a group of them), in fp32, each read alone."""
-    import torch
-    from safetensors import safe_open
+    import torch  # torch at first use: the CLI starts without it (about 1 s)
 
     out = {}
     with safe_open(str(path), framework="pt") as f:
@@ -221,20 +221,20 @@ def summary(shapes: Mapping[str, Any], most: int = 6) -> str:
 # -- converting a part -------------------------------------------------------------------------------------------
 
 def _unet(tensors: dict[str, Any], prefix: str, config: dict[str, Any], module: Any) -> dict[str, Any]:
-    from diffusers.loaders.single_file_utils import convert_ldm_unet_checkpoint
+    from diffusers.loaders.single_file_utils import convert_ldm_unet_checkpoint  # diffusers at first use (with torch)
 
     return dict(convert_ldm_unet_checkpoint(tensors, config))
 
 
 def _vae(tensors: dict[str, Any], prefix: str, config: dict[str, Any], module: Any) -> dict[str, Any]:
-    from diffusers.loaders.single_file_utils import convert_ldm_vae_checkpoint
+    from diffusers.loaders.single_file_utils import convert_ldm_vae_checkpoint  # diffusers at first use (with torch)
 
     return dict(convert_ldm_vae_checkpoint(tensors, config))
 
 
 def _clip(tensors: dict[str, Any], prefix: str, config: dict[str, Any], module: Any) -> dict[str, Any]:
     """A CLIP text model saved with transformers' names under a prefix (SD 1.x's, SDXL's CLIP-L, SD3's)."""
-    from diffusers.loaders.single_file_utils import convert_ldm_clip_checkpoint
+    from diffusers.loaders.single_file_utils import convert_ldm_clip_checkpoint  # diffusers at first use (with torch)
 
     return _flat(module, convert_ldm_clip_checkpoint(tensors, remove_prefix=prefix))
 
@@ -243,7 +243,7 @@ def _clip_unprojected(tensors: dict[str, Any], prefix: str, config: dict[str, An
                       ) -> dict[str, Any]:
     """SD3's CLIP-L: its pooled output is read unprojected, so its projection is the identity (diffusers'
     ``create_diffusers_clip_model_from_ldm`` gives it so too)."""
-    import torch
+    import torch  # torch at first use: the CLI starts without it (about 1 s)
 
     state = _clip(tensors, prefix, config, module)
     if "text_projection.weight" in module.state_dict():
@@ -254,7 +254,7 @@ def _clip_unprojected(tensors: dict[str, Any], prefix: str, config: dict[str, An
 
 def _open_clip(tensors: dict[str, Any], prefix: str, config: dict[str, Any], module: Any) -> dict[str, Any]:
     """OpenCLIP's text tower (SDXL's bigG, SD 2.x's ViT-H): fused attention projections, its own names."""
-    from diffusers.loaders.single_file_utils import convert_open_clip_checkpoint
+    from diffusers.loaders.single_file_utils import convert_open_clip_checkpoint  # diffusers at first use (with torch)
 
     return _flat(module, convert_open_clip_checkpoint(module, tensors, prefix=prefix))
 
@@ -264,6 +264,7 @@ def _t5(tensors: dict[str, Any], prefix: str, config: dict[str, Any], module: An
 
 
 def _mmdit(tensors: dict[str, Any], prefix: str, config: dict[str, Any], module: Any) -> dict[str, Any]:
+    # diffusers at first use (with torch)
     from diffusers.loaders.single_file_utils import convert_sd3_transformer_checkpoint_to_diffusers
 
     return dict(convert_sd3_transformer_checkpoint_to_diffusers(dict(tensors)))  # it pops what it reads
@@ -271,7 +272,7 @@ def _mmdit(tensors: dict[str, Any], prefix: str, config: dict[str, Any], module:
 
 def _swap_halves(t: Any) -> Any:
     """The original code's (shift, scale) as diffusers' (scale, shift): the two halves swapped."""
-    import torch
+    import torch  # torch at first use: the CLI starts without it (about 1 s)
 
     shift, scale = t.chunk(2, dim=0)
     return torch.cat([scale, shift], dim=0)
@@ -300,7 +301,7 @@ def _take(sd: dict[str, Any], out: dict[str, Any], new: str, old: str) -> None:
 def _split(sd: dict[str, Any], out: dict[str, Any], new: tuple[str, ...], old: str,
            sizes: tuple[int, ...] | None = None) -> None:
     """``old``'s weight and bias cut along the rows into ``new`` (equal parts, or ``sizes``)."""
-    import torch
+    import torch  # torch at first use: the CLI starts without it (about 1 s)
 
     for leaf in ("weight", "bias"):
         t = sd.pop(f"{old}.{leaf}")
@@ -413,7 +414,7 @@ def mismatch(state: Mapping[str, Any], module: Any) -> str | None:
 def fits(shapes: Mapping[str, tuple[int, ...]], layout: Layout, part: Part, prefix: str,
          config: dict[str, Any], module: Any) -> str | None:
     """Why the file's part (its shapes alone, no tensor read) does not fill ``module``, or None."""
-    import torch
+    import torch  # torch at first use: the CLI starts without it (about 1 s)
 
     keys = part_keys(shapes, layout, prefix)
     meta = {k: torch.empty(shapes[k], device="meta") for k in keys}
@@ -427,7 +428,7 @@ def fits(shapes: Mapping[str, tuple[int, ...]], layout: Layout, part: Part, pref
 
 def load_part(path: Path, layout: Layout, part: Part, prefix: str, config: dict[str, Any], module: Any) -> Any:
     """``module`` (built with its parameters on the meta device) holding the file's part, in fp32."""
-    import torch
+    import torch  # torch at first use: the CLI starts without it (about 1 s)
 
     shapes = read_shapes(path)
     keys = part_keys(shapes, layout, prefix)
@@ -487,7 +488,7 @@ class PartReader:
     larger than this machine's memory; ``sdnpu.convert.blockwise.piece.Weights`` asks it)."""
 
     def __init__(self, path: Path, layout: Layout, part: Part, prefix: str, config: dict[str, Any]) -> None:
-        import torch
+        import torch  # torch at first use: the CLI starts without it (about 1 s)
 
         self.path, self.part, self.prefix, self.config = path, part, prefix, config
         shapes = read_shapes(path)

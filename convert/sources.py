@@ -447,7 +447,7 @@ def match_preset(shapes: dict[str, tuple[int, ...]], name: str
     its family whose modules its tensors fill exactly (``singlefile.fits``: the file's shapes through the
     converters, no tensor read), the presets that keep the family's own generation defaults first; else one
     line naming the closest preset and why it does not fit. ``name`` names the file in messages."""
-    import torch
+    import torch  # torch at first use: the CLI starts without it (about 1 s)
 
     layout = singlefile.detect(shapes, name)
     prefixes = layout.held(shapes)
