@@ -178,7 +178,7 @@ def test_a_stopped_block_by_block_run_goes_on_after_its_finished_pieces(blockwis
                                                                         caplog):
     """Stopped in its second piece (Ctrl-C), the run keeps the first beside the component's folder and the same
     command goes on after it: the graphs are the ones an unstopped run writes, byte for byte. A run with other
-    options starts again; a finished run leaves nothing behind."""
+    options starts again, as does one whose state this user's key did not sign; a finished run leaves nothing."""
     from sdnpu.convert import ConvertOptions, blockwise
     from sdnpu.convert.blockwise import driver
 
@@ -193,6 +193,9 @@ def test_a_stopped_block_by_block_run_goes_on_after_its_finished_pieces(blockwis
         done.append(p.i)
 
     monkeypatch.setattr(driver, "_piece", piece)
+    from sdnpu.convert.blockwise import state
+
+    monkeypatch.setattr(state, "KEY", tmp_path / "home" / "state.key")  # this test's own user key
     work = tmp_path / ".text_encoder_3.pieces"
     options = ConvertOptions(blockwise=True)
     stop = [True]
@@ -214,6 +217,17 @@ def test_a_stopped_block_by_block_run_goes_on_after_its_finished_pieces(blockwis
     with caplog.at_level(logging.INFO, logger="sdnpu"):
         convert("tiny-sd3", "text_encoder_3", out=tmp_path, options=ConvertOptions(blockwise=True, check=False))
     assert done == [0, 0, 1] and "another conversion's: starting again" in caplog.text and not work.exists()
+
+    stop[0], done[:] = True, []  # a state this user's key did not sign is not read (a pickle runs code)
+    with pytest.raises(KeyboardInterrupt):
+        convert("tiny-sd3", "text_encoder_3", out=tmp_path, options=options)
+    blob = bytearray((work / blockwise.STATE).read_bytes())
+    blob[-1] ^= 1
+    (work / blockwise.STATE).write_bytes(bytes(blob))
+    caplog.clear()
+    with caplog.at_level(logging.WARNING, logger="sdnpu"):
+        convert("tiny-sd3", "text_encoder_3", out=tmp_path, options=options)
+    assert done == [0, 0, 1] and "not signed by this user's sdnpu" in caplog.text
 
 
 def test_the_disk_check_counts_what_a_stopped_run_already_wrote(tmp_path, monkeypatch):

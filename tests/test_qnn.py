@@ -236,6 +236,9 @@ def test_block_by_block_each_piece_is_a_context_and_the_chain_computes_the_modul
         done.append(p.i)
 
     monkeypatch.setattr(driver, "_piece", piece)
+    from sdnpu.convert.blockwise import state
+
+    monkeypatch.setattr(state, "KEY", tmp_path / "home" / "state.key")  # this test's own user key
     if stop_at is not None:
         with pytest.raises(KeyboardInterrupt):
             convert(source, component, out=tmp_path, options=options)

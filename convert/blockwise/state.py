@@ -5,16 +5,21 @@ A run that stops (an error, Ctrl-C, the machine) keeps its finished pieces in ``
 component's folder (``work_dir``), with what the next run needs to go on after them (``STATE``: the chains'
 values, the records, the checks, the compiled contexts), written after each piece. The same command goes on
 there (Flux.1 dev at 1024 px for qnn-htp is hours of QNN's compiles); a run whose job differs in anything a piece
-depends on (``_fingerprint``) starts again. The state is a pickle of this module's ``Run``: sdnpu's own file, read
-back by the same version of sdnpu only (the fingerprint holds the version).
+depends on (``_fingerprint``) starts again. The state is a pickle of this module's ``Run``, signed with a key of the
+user's own (``KEY``, made on first use, readable by the user alone): a state the key does not sign (planted in a
+shared folder, say) is not unpickled, as sdnpu refuses a pickled checkpoint (it runs code); it is read back by the
+same version of sdnpu only (the fingerprint holds the version).
 """
 
 from __future__ import annotations
 
+import hashlib
+import hmac
 import json
 import logging
 import os
 import pickle
+import secrets
 import shutil
 import time
 from dataclasses import dataclass, field
@@ -72,6 +77,22 @@ class Run:
 
 
 STATE = "state.pkl"
+KEY = Path.home() / ".cache" / "sdnpu" / "state.key"  # this user's: a state it does not sign is not read
+
+
+def _key() -> bytes | None:
+    """This user's key for signing a state (made on first use, readable by the user alone); None where it cannot
+    be kept (no writable home): then no run leaves a state, and none goes on."""
+    try:
+        if not KEY.is_file():
+            KEY.parent.mkdir(parents=True, exist_ok=True)
+            fd = os.open(KEY, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+            with os.fdopen(fd, "wb") as f:
+                f.write(secrets.token_bytes(32))
+        return KEY.read_bytes()
+    except OSError as e:
+        log.warning("no key for the pieces' state (%s): a run that stops here starts again", e)
+        return None
 
 
 def _fingerprint(job: Job) -> str:
@@ -96,7 +117,7 @@ def fresh(job: Job, work: Path) -> Run:
     target = job.options.compile_options.target
     if job.options.compile and target.kind == "standard":
         run.qnn = qnn.start(work / target.out_dir, job.options.compile_options, run.feeds, run.out_names,
-                                      emulate=job.options.check)
+                            emulate=job.options.check)
     return run
 
 
@@ -106,9 +127,16 @@ def continued(job: Job, work: Path) -> Run | None:
     state = work / STATE
     if not state.is_file():
         return None
+    key = _key()
+    if key is None:
+        return None
+    blob = state.read_bytes()
+    if not hmac.compare_digest(blob[:32], hmac.new(key, blob[32:], hashlib.sha256).digest()):
+        log.warning("[%s] the state in %s is not signed by this user's sdnpu: starting again (it is not read: a "
+                    "pickle runs code)", job.component, work)
+        return None
     try:
-        with state.open("rb") as f:
-            saved = pickle.load(f)  # noqa: S301 -- our own file, written by checkpoint
+        saved = pickle.loads(blob[32:])  # noqa: S301 -- signed above with this user's key: written by checkpoint
     except Exception as e:  # written by another version of sdnpu, or torn: start again
         log.warning("[%s] the pieces left in %s cannot be read (%s): starting again", job.component, work,
                     type(e).__name__)
@@ -131,11 +159,15 @@ def continued(job: Job, work: Path) -> Run | None:
 
 
 def checkpoint(run: Run, running: bool = True) -> None:
-    """What a run that stops after this piece leaves for the next (written whole, then renamed into place)."""
+    """What a run that stops after this piece leaves for the next, signed with this user's key (written whole,
+    then renamed into place); nothing where there is no key."""
+    key = _key()
+    if key is None:
+        return
+    blob = pickle.dumps({"fingerprint": _fingerprint(run.job), "pid": os.getpid(), "running": running, "run": run},
+                        protocol=pickle.HIGHEST_PROTOCOL)
     tmp = run.work / f"{STATE}.tmp"
-    with tmp.open("wb") as f:
-        pickle.dump({"fingerprint": _fingerprint(run.job), "pid": os.getpid(), "running": running, "run": run}, f,
-                    protocol=pickle.HIGHEST_PROTOCOL)
+    tmp.write_bytes(hmac.new(key, blob, hashlib.sha256).digest() + blob)
     os.replace(tmp, run.work / STATE)
 
 
