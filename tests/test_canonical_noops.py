@@ -188,6 +188,16 @@ def test_a_where_of_two_constants_or_of_a_computed_mask_stays():
     assert counts["Where over constant rows -> Mul, Add"] == 0 and ops(irm)["Where"] == 2
 
 
+def test_a_where_whose_fill_is_not_finite_stays():
+    """A causal mask's -inf over constant rows (ONNX's FlexAttention test): x * keep + fill * mask would be NaN
+    where the mask is 0 (-inf * 0), so the Where stays."""
+    mask = np.triu(np.ones((4, 4), bool), 1)
+    m = model([n("Where", ["mask", "neg_inf", "x"], ["y"])], {"x": [1, 4, 4]}, {"y": [1, 4, 4]},
+              {"mask": mask, "neg_inf": np.asarray(-np.inf, np.float32)})
+    irm, counts = rewritten(m, noops.where_to_arithmetic, sweep)
+    assert counts["Where over constant rows -> Mul, Add"] == 0 and ops(irm)["Where"] == 1
+
+
 # ---- softmax NaN guards -----------------------------------------------------------------------------------------
 
 def _guarded(mask: str) -> onnx.ModelProto:

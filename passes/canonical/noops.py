@@ -203,6 +203,8 @@ def where_to_arithmetic(node: ir.Node) -> bool:
     if (a.const_value is None) == (b_.const_value is None) or c.all() or not c.any():
         return False  # both or neither constant; a mask that picks one side everywhere: drop_noop_moves
     fill, x, fill_where = (a, b_, c) if a.const_value is not None else (b_, a, ~c)
+    if not np.isfinite(fill.const_value.numpy()).all():  # type: ignore[union-attr]
+        return False  # -inf * 0 is NaN: a causal mask's fill stays a Where (ONNX's FlexAttention test)
     if fill_where.size > INLINE_LIMIT:
         return False  # its product with the fill could not be replayed from the record (LoRA overlays)
     graph = graph_of(node)
