@@ -149,7 +149,7 @@ def _split(graph: ir.Graph, anchor: ir.Node, v: ir.Value, axis: int, sizes: list
 
 
 def _rewrite(graph: ir.Graph, att: _Attention, sizes: list[int]) -> None:
-    axis, anchor = att.axis, att.qk
+    axis, anchor = att.axis, att.pv  # before the last node: every operand of the attention is defined by then
     name = att.softmax.name or "attention"
     parts: dict[ir.Value, list[ir.Value]] = {}  # a value computed over all heads -> its parts, group by group
 
