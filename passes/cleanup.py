@@ -50,7 +50,9 @@ def _merge_repeats(graph: ir.Graph, target: DispatchTarget) -> int:
     """A node that repeats an earlier one (the same movement or cast of the same values, with the same
     attributes) gives way to it: the layout writes one Transpose per reader of a value, and a value read by
     several dispatch ops was moved as many times (22 of a held-out decoder's 29 CPU nodes). The target's boundary
-    cast counts as a movement. The first in the graph's order stays, so it comes before every reader."""
+    cast counts as a movement. The first in the graph's order stays, so it comes before every reader. Not
+    onnx_ir's CommonSubexpressionEliminationPass: that merges any op (dispatch ops, whose provenance records name
+    them, among them); here only movements and casts, the repeats the passes themselves write."""
     seen: dict[tuple[object, ...], ir.Node] = {}
     done = 0
     for node in list(graph):

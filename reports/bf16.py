@@ -12,6 +12,7 @@ the max abs error and 0.01x-1.00x the 1 - cosine of its graph rounded op by op.
 from __future__ import annotations
 
 import copy
+from collections.abc import Callable
 from typing import Any
 
 import ml_dtypes
@@ -61,22 +62,31 @@ def rounded(model: onnx.ModelProto) -> onnx.ModelProto:
         for a in node.attribute:
             if a.type == onnx.AttributeProto.TENSOR and a.t.data_type in FLOAT_TYPES:
                 a.t.CopyFrom(onnx.numpy_helper.from_array(round_bf16(onnx.numpy_helper.to_array(a.t)), a.t.name))
-    floats = float_outputs(m)
-    for name in keep:
+    return after_each_output(m, lambda exact, name, elem, _: [
+        helper.make_node("Cast", [exact], [f"{name}__bf16"], to=T.BFLOAT16),
+        helper.make_node("Cast", [f"{name}__bf16"], [name], to=elem)])
+
+
+def after_each_output(model: onnx.ModelProto, wrap: Callable[[str, str, int, list[int]], list[onnx.NodeProto]]
+                      ) -> onnx.ModelProto:
+    """``model`` (changed in place) with ``wrap(exact, name, type, shape)`` nodes after every float node output
+    ``name``: the node now writes ``exact``, the inserted nodes write ``name``, so the readers see the changed
+    value (rounded, perturbed). Values that select rather than compute (``selectors``) are left alone."""
+    floats = float_outputs(model)
+    for name in selectors(model):
         floats.pop(name, None)
     nodes: list[onnx.NodeProto] = []
-    for node in m.graph.node:
+    for node in model.graph.node:
         after = []
         for i, name in enumerate(node.output):
             if name and name in floats:
                 node.output[i] = f"{name}__exact"
-                after += [helper.make_node("Cast", [f"{name}__exact"], [f"{name}__bf16"], to=T.BFLOAT16),
-                          helper.make_node("Cast", [f"{name}__bf16"], [name], to=floats[name][0])]
+                after += wrap(f"{name}__exact", name, *floats[name])
         nodes += [node, *after]
-    del m.graph.node[:]
-    m.graph.node.extend(nodes)
-    del m.graph.value_info[:]
-    return m
+    del model.graph.node[:]
+    model.graph.node.extend(nodes)
+    del model.graph.value_info[:]
+    return model
 
 
 def _cosine(a: np.ndarray, b: np.ndarray) -> float:

@@ -94,7 +94,7 @@ import onnxruntime as ort
 from onnx import TensorProto as T
 from onnx import helper
 
-from sdnpu.reports.bf16 import float_outputs as _float_outputs
+from sdnpu.reports.bf16 import after_each_output as _after_each_output
 from sdnpu.reports.bf16 import round_bf16 as _round_bf16
 from sdnpu.reports.bf16 import rounded as bf16_everywhere  # weights and every float output rounded to bf16
 from sdnpu.reports.bf16 import selectors as _selectors
@@ -215,28 +215,6 @@ def _has_fp16(model: onnx.ModelProto) -> bool:
     g = model.graph
     return any(_elem(vi) == T.FLOAT16 for vi in [*g.input, *g.output]) or any(
         t.data_type == T.FLOAT16 for t in g.initializer)
-
-
-def _after_each_output(model: onnx.ModelProto, wrap: Callable[[str, str, int, list[int]], list[onnx.NodeProto]]
-                       ) -> onnx.ModelProto:
-    """Insert ``wrap(exact, name, type, shape)`` nodes after every float node output ``name`` (the node now
-    writes ``exact``; the inserted nodes write ``name``, so the readers see the changed value). Values that
-    select rather than compute (Resize's scales, even from a Constant node) are left alone."""
-    floats = _float_outputs(model)
-    for name in _selectors(model):
-        floats.pop(name, None)
-    nodes: list[onnx.NodeProto] = []
-    for node in model.graph.node:
-        after = []
-        for i, name in enumerate(node.output):
-            if name and name in floats:
-                node.output[i] = f"{name}__exact"
-                after += wrap(f"{name}__exact", name, *floats[name])
-        nodes += [node, *after]
-    del model.graph.node[:]
-    model.graph.node.extend(nodes)
-    del model.graph.value_info[:]
-    return model
 
 
 def perturbed(model: onnx.ModelProto, feeds: dict[str, np.ndarray], rel: float, seed: int

@@ -49,6 +49,15 @@ def scalar_const(graph: ir.Graph, value: float, dtype: ir.DataType, name: str) -
     return constant(graph, np.asarray(value, dtype=np.float16 if dtype == ir.DataType.FLOAT16 else np.float32), name)
 
 
+def node_name(graph: ir.Graph, hint: str) -> str:
+    """A node name the graph does not use yet (onnxruntime refuses two nodes of one name)."""
+    taken = {n.name for n in graph}
+    name, i = hint, 1
+    while name in taken:
+        name, i = f"{hint}_{i}", i + 1
+    return name
+
+
 def unique_name(graph: ir.Graph, hint: str) -> str:
     taken = set(graph.initializers) | {o.name for n in graph for o in n.outputs} | {v.name for v in graph.inputs}
     name, i = hint, 1

@@ -27,7 +27,7 @@ import numpy as np
 import onnx_ir as ir
 
 from sdnpu.formats.keys import RULE_TAG
-from sdnpu.passes.htp.common import RULE, constant, unique_name
+from sdnpu.passes.htp.common import RULE, constant, node_name, unique_name
 from sdnpu.passes.manager import PassResult
 
 # a score tensor past this many bytes (as the graph holds it, float32) is computed in head groups: SDXL's largest
@@ -113,15 +113,6 @@ def _match(softmax: ir.Node) -> _Attention | None:
     return _Attention(qk, list(reversed(between)), softmax, pv, axis)
 
 
-def _node_name(graph: ir.Graph, hint: str) -> str:
-    """A node name the graph does not use yet (onnxruntime refuses two nodes of one name)."""
-    taken = {n.name for n in graph}
-    name, i = hint, 1
-    while name in taken:
-        name, i = f"{hint}_{i}", i + 1
-    return name
-
-
 def _groups(heads: int, per_head: int) -> list[int]:
     """The fewest even groups of ``heads`` whose scores each take at most ``SCORES_LIMIT`` bytes."""
     count = min(heads, max(1, math.ceil(heads * per_head / SCORES_LIMIT)))
@@ -138,7 +129,7 @@ def _split(graph: ir.Graph, anchor: ir.Node, v: ir.Value, axis: int, sizes: list
     assert shape is not None
     split = constant(graph, np.asarray(sizes, np.int64), f"{hint}_sizes")
     node = ir.node("Split", [v, split], attributes={"axis": axis}, num_outputs=len(sizes),
-                   name=_node_name(graph, f"{hint}_split"))
+                   name=node_name(graph, f"{hint}_split"))
     node.metadata_props[RULE_TAG] = RULE
     graph.insert_before(anchor, node)
     for i, (out, size) in enumerate(zip(node.outputs, sizes, strict=True)):
@@ -183,7 +174,7 @@ def _rewrite(graph: ir.Graph, att: _Attention, sizes: list[int]) -> None:
                 got = sliced(x, rank, heads)
                 ins.append(x if got is None else got[g])
             copy = ir.Node(node.domain, node.op_type, ins, attributes=list(node.attributes.values()),
-                           name=_node_name(graph, f"{node.name or node.op_type}_heads{g}"))
+                           name=node_name(graph, f"{node.name or node.op_type}_heads{g}"))
             copy.metadata_props[RULE_TAG] = RULE
             graph.insert_before(att.pv, copy)
             y, orig = copy.outputs[0], node.outputs[0]
@@ -194,7 +185,7 @@ def _rewrite(graph: ir.Graph, att: _Attention, sizes: list[int]) -> None:
             y.shape = ir.Shape([sizes[g] if d == axis else s for d, s in enumerate(full)])
             made[orig] = y
         results.append(made[out])
-    concat = ir.node("Concat", results, attributes={"axis": axis}, name=_node_name(graph, f"{name}_heads"))
+    concat = ir.node("Concat", results, attributes={"axis": axis}, name=node_name(graph, f"{name}_heads"))
     concat.metadata_props[RULE_TAG] = RULE
     graph.insert_before(att.pv, concat)
     y = concat.outputs[0]
