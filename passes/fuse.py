@@ -16,24 +16,24 @@ import onnx_ir as ir
 
 from sdnpu.ops.target import DispatchTarget
 from sdnpu.passes.manager import PassResult
-from sdnpu.passes.rules.activation import SDGeGLUFusion
-from sdnpu.passes.rules.attention import SDMHAFusion
+from sdnpu.passes.rules.activation import GeGLUFusion
+from sdnpu.passes.rules.attention import AttentionFusion
 from sdnpu.passes.rules.base import Rule, RuleStats, apply_rules
-from sdnpu.passes.rules.conv import SDConvFusion, SDPoolFusion
-from sdnpu.passes.rules.gemm import SDGemmFusion
-from sdnpu.passes.rules.norm import SDGroupNormFusion, SDLayerNormFusion, SDRMSNormFusion
-from sdnpu.passes.rules.resize import SDResizeFusion
+from sdnpu.passes.rules.conv import ConvFusion, PoolFusion
+from sdnpu.passes.rules.gemm import GemmFusion
+from sdnpu.passes.rules.norm import GroupNormFusion, LayerNormFusion, RMSNormFusion
+from sdnpu.passes.rules.resize import ResizeFusion
 
 FUSION_RULES: tuple[type[Rule], ...] = (
-    SDMHAFusion,
-    SDGroupNormFusion,
-    SDConvFusion,
-    SDPoolFusion,
-    SDLayerNormFusion,
-    SDRMSNormFusion,
-    SDGeGLUFusion,
-    SDGemmFusion,
-    SDResizeFusion,
+    AttentionFusion,
+    GroupNormFusion,
+    ConvFusion,
+    PoolFusion,
+    LayerNormFusion,
+    RMSNormFusion,
+    GeGLUFusion,
+    GemmFusion,
+    ResizeFusion,
 )
 
 

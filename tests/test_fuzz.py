@@ -233,7 +233,7 @@ def group_norm_batch_folded() -> onnx.ModelProto:
     """GroupNorm (B = 2, G = 3) whose first Reshape folds the batch into the groups, [1, B*G, -1]: an earlier
     version took the Reshape's second axis (6) as the group count and fused it, max |diff| 0.28 at an output
     scale of 2.58 on the graph the fuzzer found (1.07 at 2.55 on this one with the batch check taken out of
-    SDGroupNormFusion). It fuses now as what it is, a GroupNorm of rows / B = 3 groups."""
+    GroupNormFusion). It fuses now as what it is, a GroupNorm of rows / B = 3 groups."""
     return _group_norm_regrouped([1, 6, -1])
 
 
@@ -325,7 +325,7 @@ def resize_scales_with_axes() -> onnx.ModelProto:
 def resize_scales_near_two() -> onnx.ModelProto:
     """Found by the mutation family: nearest Resize (asymmetric, floor) with scales [1, 1, 2.4, 2.4] on a 2x2
     image writes floor(2 * 2.4) = 4 rows and columns, the shape of a 2x upsampling, but reads rows i / 2.4 = 0, 0,
-    0, 1 where 2x reads 0, 0, 1, 1. SDResizeFusion checked the shapes only and fused it: max |diff| 0.145 at an
+    0, 1 where 2x reads 0, 0, 1, 1. ResizeFusion checked the shapes only and fused it: max |diff| 0.145 at an
     output scale of 0.149 (after fuse). It declines scales other than [1, 1, 2, 2] now
     (passes/rules/resize.py)."""
     n = helper.make_node
@@ -433,7 +433,7 @@ def linear_product_also_output() -> onnx.ModelProto:
 
 def group_norm_one_channel_per_group() -> onnx.ModelProto:
     """GroupNorm of [B, C, L] with G = C: the Reshape back to [B, C, L] changes nothing, the canonical steps
-    drop it, and SDGroupNormFusion (which wanted Reshape -> InstanceNormalization -> Reshape) did not match."""
+    drop it, and GroupNormFusion (which wanted Reshape -> InstanceNormalization -> Reshape) did not match."""
     n = helper.make_node
     return _model([n("Reshape", ["x", "grouped"], ["r"]), n("InstanceNormalization", ["r", "ones", "zeros"], ["i"]),
                    n("Reshape", ["i", "back"], ["r2"]), n("Mul", ["r2", "gamma"], ["m"]),
@@ -463,7 +463,7 @@ def test_a_refused_match_names_its_reason_on_every_node() -> None:
     irm = ir.serde.deserialize_model(m)
     compile_model(irm)
     inorm = next(node for node in irm.graph if node.op_type == "InstanceNormalization")
-    assert inorm.metadata_props[REASON_TAG] == "SDGroupNormFusion: intermediate 'i' is also used outside the pattern"
+    assert inorm.metadata_props[REASON_TAG] == "GroupNormFusion: intermediate 'i' is also used outside the pattern"
 
 
 def test_a_wrong_result_is_reported_with_its_reproducer(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:

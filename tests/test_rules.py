@@ -176,7 +176,7 @@ def test_groupnorm_takes_the_silu_after_it_and_stores_gamma_then_beta():
     m = group_norm(True)
     irm = lowered(m)
     node = next(x for x in irm.graph if x.op_type == "SDGroupNorm")
-    assert node.attributes["nonlinear"].value == "Silu" and node.metadata_props[RULE_TAG] == "SDGroupNormFusion"
+    assert node.attributes["nonlinear"].value == "Silu" and node.metadata_props[RULE_TAG] == "GroupNormFusion"
     assert node.attributes["groups"].value == 4 and list(node.attributes["wts_shape"].value) == [16]
     gamma = onnx.numpy_helper.to_array(next(i for i in m.graph.initializer if i.name == "gamma")).reshape(-1)
     np.testing.assert_array_equal(node.inputs[1].const_value.numpy()[:8], gamma)

@@ -96,8 +96,8 @@ def _linear_producer(rule: Rule, x: ir.Value) -> Match | str | None:
     return None
 
 
-class SDGeGLUFusion(Rule):
-    name = "SDGeGLUFusion"
+class GeGLUFusion(Rule):
+    name = "GeGLUFusion"
     anchors = ("Mul",)
 
     def match(self, node: ir.Node) -> Match | str | None:

@@ -153,8 +153,8 @@ def _own_nodes(nodes: list[ir.Node], chains: set[ir.Node]) -> list[ir.Node]:
     return [n for n in nodes if n in inside]
 
 
-class SDMHAFusion(Rule):
-    name = "SDMHAFusion"
+class AttentionFusion(Rule):
+    name = "AttentionFusion"
     anchors = ("MatMul",)
 
     def match(self, node: ir.Node) -> Match | str | None:
@@ -410,7 +410,7 @@ def _key_channel_operands(b: Builder, p: MHAParams, q: ir.Value, k: ir.Value, v:
         row = b.op("Expand", [row, b.const(np.asarray([bq, n, h, 1], np.int64), "shape")], dtype=dtype,
                    shape=[bq, n, h, 1]).outputs[0]
         row.producer().metadata_props[DECLINED_TAG] = (  # type: ignore[union-attr]
-            "SDMHAFusion: spreads the computed key mask over the heads (the channel it rides in Q and K)")
+            "AttentionFusion: spreads the computed key mask over the heads (the channel it rides in Q and K)")
         if key is not None:
             made[key] = row
     q_extra = np.zeros((bq, m, h, 3 * d), np_dtype)

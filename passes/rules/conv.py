@@ -40,8 +40,8 @@ def nhwc_shape(shape: tuple[int, ...] | list[int]) -> list[int]:
     return [shape[i] for i in NCHW_TO_NHWC]
 
 
-class SDConvFusion(Rule):
-    name = "SDConvFusion"
+class ConvFusion(Rule):
+    name = "ConvFusion"
     anchors = ("Conv",)
 
     def match(self, node: ir.Node) -> Match | str | None:
@@ -90,13 +90,13 @@ class SDConvFusion(Rule):
 _DENSE_LIMIT = 1 << 22  # elements of the dense weight an average pool becomes (8 MB in bf16)
 
 
-class SDPoolFusion(Rule):
+class PoolFusion(Rule):
     """An average pool over k x k windows as an SDConv with a constant weight: each output channel the mean of
     its own input channel's window (OHWI weight, 1/k^2 on the channel diagonal, exact in bf16 for k = 2),
     Kandinsky's resnet downsampling. The NPU multiplies C times the pool's adds for it (C x C x k x k
     weights); past ``_DENSE_LIMIT`` weight elements the pool stays on the CPU with that reason."""
 
-    name = "SDPoolFusion"
+    name = "PoolFusion"
     anchors = ("AveragePool",)
 
     def match(self, node: ir.Node) -> Match | str | None:

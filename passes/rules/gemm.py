@@ -310,8 +310,8 @@ def follow(value: ir.Value, start: int, stop: int, rows: int, extra: list[tuple[
         leaves.append(Leaf(value, start, stop, extra))
 
 
-class SDGemmFusion(Rule):
-    name = "SDGemmFusion"
+class GemmFusion(Rule):
+    name = "GemmFusion"
     anchors = ("MatMul", "Gemm")
 
     def match(self, node: ir.Node) -> Match | str | None:

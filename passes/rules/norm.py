@@ -45,8 +45,8 @@ def _per_channel(v: ir.Value | None, c: int, rank: int) -> np.ndarray | None:
     return a.reshape(c).astype(np.float32)
 
 
-class SDGroupNormFusion(Rule):
-    name = "SDGroupNormFusion"
+class GroupNormFusion(Rule):
+    name = "GroupNormFusion"
     anchors = ("Add",)
 
     def match(self, node: ir.Node) -> Match | str | None:
@@ -122,8 +122,8 @@ class SDGroupNormFusion(Rule):
         return [y]
 
 
-class SDLayerNormFusion(Rule):
-    name = "SDLayerNormFusion"
+class LayerNormFusion(Rule):
+    name = "LayerNormFusion"
     anchors = ("LayerNormalization",)
 
     def match(self, node: ir.Node) -> Match | str | None:
@@ -208,8 +208,8 @@ def _per_last_axis(a: np.ndarray | None, k: int) -> bool:
     return a is not None and a.size == k and a.ndim >= 1 and a.shape[-1] == k
 
 
-class SDRMSNormFusion(Rule):
-    name = "SDRMSNormFusion"
+class RMSNormFusion(Rule):
+    name = "RMSNormFusion"
     anchors = ("Mul", "Div")
 
     def match(self, node: ir.Node) -> Match | str | None:

@@ -45,8 +45,8 @@ def _not_twice(node: ir.Node, rank: int) -> str | None:
     return f"scales {full} are not [1, 1, 2, 2] (output index i reads i / scale)"
 
 
-class SDResizeFusion(Rule):
-    name = "SDResizeFusion"
+class ResizeFusion(Rule):
+    name = "ResizeFusion"
     anchors = ("Resize",)
 
     def match(self, node: ir.Node) -> Match | str | None:
