@@ -17,6 +17,7 @@ from typing import Any
 import numpy as np
 import onnx
 
+from sdnpu.convert.kept import folder_for as units_folder
 from sdnpu.convert.standard import compile_standard
 from sdnpu.convert.interface import (
     OUTPUT_CHOICES,
@@ -68,13 +69,15 @@ class FidelityCheck:
 
 
 def compile_into(source: Path, dd_dir: Path, info: dict[str, Any], options: CompileOptions, *,
-                 outputs: list[str] | None = None, check: FidelityCheck | None = FidelityCheck()) -> dict[str, Any]:
+                 outputs: list[str] | None = None, check: FidelityCheck | None = FidelityCheck(),
+                 keep: Path | None = None) -> dict[str, Any]:
     """Compile ``source`` into the folder ``dd_dir`` (which the caller stages). Returns the report.
     ``options.shapes`` fixes dynamic input axes (see ``static_shapes``); ``outputs``: the graph outputs the
-    dispatch model keeps (None: all; see ``keep_outputs``); ``check`` None: no fidelity run."""
+    dispatch model keeps (None: all; see ``keep_outputs``); ``check`` None: no fidelity run; ``keep``: where a
+    vendor's compile cut into pieces keeps its finished units until it is complete (``sdnpu.convert.kept``)."""
     if options.target.kind == "standard":  # the vendor compiles: sdnpu rewrites, then hands the graph over
         return compile_standard(source, dd_dir, info, options, outputs=outputs, check=check,
-                                drop_outputs=_drop_outputs)
+                                drop_outputs=_drop_outputs, keep=keep)
     name = info.get("component", source.parent.name)
     shapes = options.input_shapes
     with step(log, f"[{name}] compiling for {options.target.name} ({', '.join(pass_names(options, steps=False))})"):
@@ -316,4 +319,5 @@ def compile_file(source: Path, out: Path | None = None, options: CompileOptions 
     _refuse_shared_dd(dd_dir)
     with staged_dir(dd_dir) as stage:
         info = {"component": source.resolve().parent.name, "source": {"name": str(source), "kind": "onnx"}}
-        return compile_into(source, stage, info, options, outputs=keep, check=FidelityCheck() if verify else None)
+        return compile_into(source, stage, info, options, outputs=keep, check=FidelityCheck() if verify else None,
+                            keep=units_folder(dd_dir))

@@ -14,9 +14,11 @@ from sdnpu.components import SIZED
 from sdnpu.convert.compile import FidelityCheck, compile_into, keep_outputs
 from sdnpu.convert.export import CHECK_RTOL
 from sdnpu.convert.job import MODEL_FILE, Job, compile_info, write_records
+from sdnpu.convert.kept import folder_for as units_folder
 from sdnpu.convert.options import ComponentResult
 from sdnpu.convert.torch_stage import TorchStage
 from sdnpu.errors import SdnpuError
+from sdnpu.fileio import staging_target
 from sdnpu.memory import check_fits
 from sdnpu.onnxrun import run_onnx
 from sdnpu.progress import peak_rss_bytes, release_memory, step
@@ -72,8 +74,10 @@ def compile_stage(job: Job, stage: Path, feeds: dict[str, Any], actual: dict[str
     keep = keep_outputs(options.outputs, list(job.signature().outputs), job.component, spec.config, spec.family)
     check = FidelityCheck(feeds, reference=actual) if options.check else None
     compile_options = dataclasses.replace(options.compile_options, handoff=spec.handoff, prologue=spec.prologue)
+    target = staging_target(stage)  # the component's folder: its vendor units are kept beside it
     return compile_into(stage / MODEL_FILE, stage / compile_options.target.out_dir, compile_info(job, lora),
-                        compile_options, outputs=keep, check=check)
+                        compile_options, outputs=keep, check=check,
+                        keep=units_folder(target) if target is not None else None)
 
 
 def check_outputs(comp: str, sig: Signature, reference: list[Any], actual: dict[str, Any]) -> dict[str, Any]:

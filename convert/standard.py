@@ -25,6 +25,7 @@ import onnx
 
 from sdnpu.backends import backend_of
 from sdnpu.convert import split
+from sdnpu.convert.kept import Kept, fingerprint
 from sdnpu.errors import SdnpuError
 from sdnpu.memory import check_fits
 from sdnpu.onnxrun import is_ort_error, ort_message
@@ -45,10 +46,12 @@ MODEL = "model.onnx"
 
 
 def compile_standard(source: Path, out_dir: Path, info: dict[str, Any], options: CompileOptions, *,
-                     outputs: list[str] | None, check: Any, drop_outputs: Any) -> dict[str, Any]:
+                     outputs: list[str] | None, check: Any, drop_outputs: Any, keep: Path | None = None
+                     ) -> dict[str, Any]:
     """Compile ``source`` for ``options.target`` (a standard target) into ``out_dir`` (which the caller stages).
     ``check`` (a ``FidelityCheck`` or None) runs the vendor's model against the fp32 graph; ``drop_outputs``
-    removes the outputs not kept. Returns the report."""
+    removes the outputs not kept; ``keep``: where the vendor's units are kept until the compile is complete, for
+    a run that stops to go on (``sdnpu.convert.kept``). Returns the report."""
     target = options.target
     name = info.get("component", source.parent.name)
     shapes = options.input_shapes
@@ -94,7 +97,7 @@ def compile_standard(source: Path, out_dir: Path, info: dict[str, Any], options:
     _validate(out, name)
     emulated = " on the HTP emulator (x86-64)" if backend.is_emulated() else ""
     gb = options.unit_gb or getattr(target, "unit_gb", None)
-    compiled = _compile(out, out_dir, name, backend, arch, gb)
+    compiled = _compile(out, out_dir, name, backend, arch, gb, keep)
     qnn = {**compiled.to_json(), "arch": f"v{arch.arch}", "soc_model": arch.soc_model, "chips": arch.chips,
            "context_gb": gb,
            "versions": backend.versions(), "emulated": bool(emulated)}
@@ -150,6 +153,8 @@ def compile_standard(source: Path, out_dir: Path, info: dict[str, Any], options:
                              vendor_taken=trace.get("supported_nodes", 0),
                              vendor_whole=compiled.whole)
     reports.write(out_dir, report)
+    if keep is not None:  # complete: the units kept for a run that stopped go
+        Kept(keep, "").drop()
     s = report["summary"]
     log.info("[%s] sdnpu's count: %d of %d nodes on %s; QNN's: %d of %d (%d QNN partitions)%s", name,
              s["offloaded_nodes"], s["total_nodes"], target.name, qnn["trace"].get("supported_nodes", 0),
@@ -158,10 +163,11 @@ def compile_standard(source: Path, out_dir: Path, info: dict[str, Any], options:
     return report
 
 
-def _compile(model: Path, out_dir: Path, name: str, backend: Any, arch: Any, gb: float | None) -> Any:
+def _compile(model: Path, out_dir: Path, name: str, backend: Any, arch: Any, gb: float | None,
+             keep: Path | None) -> Any:
     """The vendor's compile of ``model`` (written in ``out_dir``): one unit, or where its weights pass ``gb``
     (what one unit holds), one per piece (``sdnpu.convert.split``), chained in one model."""
-    parts, pieces, structure = compile_pieces(model, out_dir, name, backend, arch, gb)
+    parts, pieces, structure = compile_pieces(model, out_dir, name, backend, arch, gb, keep=keep)
     if pieces is None:
         return parts[0]
     compiled = backend.chain(parts, structure.graph, out_dir)
@@ -171,14 +177,25 @@ def _compile(model: Path, out_dir: Path, name: str, backend: Any, arch: Any, gb:
 
 
 def compile_pieces(model: Path, out_dir: Path, name: str, backend: Any, arch: Any, gb: float | None, *,
-                   stem: str = "ctx", piece_stem: str = "ctx") -> tuple[list[Any], list[split.Piece] | None, Any]:
+                   stem: str = "ctx", piece_stem: str = "ctx", keep: Path | None = None
+                   ) -> tuple[list[Any], list[split.Piece] | None, Any]:
     """The vendor's compile of ``model`` into ``out_dir``: ``[<stem>]`` where it is one unit (``gb`` None, or its
     weights within ``gb``), else one unit per piece (``<piece_stem>1``, ...), in order. A unit the vendor has no
     room for (its own out-of-memory error; the compile's process killed, this machine's memory) is cut in two and
-    compiled again. Returns the compiled units, the pieces (None for one unit) and the graph's structure (no
-    weights, shapes inferred where it was cut)."""
+    compiled again. With ``keep`` (a folder, ``sdnpu.convert.kept``), the plan and each finished piece are kept
+    there, and a run that stopped goes on after them. Returns the compiled units, the pieces (None for one unit)
+    and the graph's structure (no weights, shapes inferred where it was cut)."""
     structure = onnx.load(str(model), load_external_data=False)
-    pieces = split.plan(structure, int(gb * 1e9)) if gb else []
+    kept = Kept(None)
+    if keep is not None:
+        with step(log, f"[{name}] fingerprinting {model.name} (to go on from units an earlier run compiled)"):
+            kept = Kept.open(keep, fingerprint(model, arch=arch.arch, soc_model=arch.soc_model, unit_gb=gb,
+                                               vendor=backend.versions()), name)
+    if len(kept.plan) > 1:  # an earlier run's pieces, as it had cut them
+        structure = onnx.shape_inference.infer_shapes(structure)
+        pieces = [split.piece_of(structure, a, b) for a, b in kept.plan]
+    else:
+        pieces = split.plan(structure, int(gb * 1e9)) if gb else []
     if len(pieces) <= 1:
         try:
             return [compile_unit(backend, model, out_dir, arch, stem, name)], None, structure
@@ -190,21 +207,30 @@ def compile_pieces(model: Path, out_dir: Path, name: str, backend: Any, arch: An
                         memory)
             structure = onnx.shape_inference.infer_shapes(structure)
             pieces = _halve(structure, split.piece_of(structure, 0, len(structure.graph.node)), e, memory)
-    else:
+    elif not kept.plan:
         structure = onnx.shape_inference.infer_shapes(structure)  # the types of the values handed across a cut
         log.info("[%s] %.2f GB of fp16 weights: more than one QNN context holds (%.1f GB), so %d contexts, "
                  "chained in one model", name, sum(p.weight_bytes for p in pieces) / 1e9, gb, len(pieces))
+    kept.replan([(p.start, p.end) for p in pieces])
     parts, done, queue = [], [], list(pieces)
     while queue:
-        p = queue.pop(0)
+        p = dataclasses.replace(queue.pop(0), index=len(parts))  # its QNN graph named by its place
         k = len(parts) + 1
+        what = (f"{name} piece {k} of {len(parts) + len(queue) + 1} ({p.end - p.start} nodes, "
+                f"{p.weight_bytes / 1e9:.2f} GB)")
+        record = kept.unit(p.start, p.end)
+        if record is not None:
+            parts.append(_restored(backend, kept, p, out_dir))
+            done.append(p)
+            log.info("[%s] compiled by an earlier run (%s)", what, kept.folder)
+            continue
         path = model.parent / f".{model.stem}.piece{k}.onnx"  # beside the graph: it points into its data file
         try:
             split.write_piece(structure, p, path)
-            parts.append(compile_unit(backend, path, out_dir, arch, f"{piece_stem}{k}",
-                                      f"{name} piece {k} of {len(parts) + len(queue) + 1} ({p.end - p.start} "
-                                      f"nodes, {p.weight_bytes / 1e9:.2f} GB)"))
+            part = compile_unit(backend, path, out_dir, arch, f"{piece_stem}{k}", what)
+            parts.append(part)
             done.append(p)
+            kept.add(p.start, p.end, part)
         except SdnpuError as e:
             memory = _no_room(backend, e)
             if not memory:
@@ -212,9 +238,15 @@ def compile_pieces(model: Path, out_dir: Path, name: str, backend: Any, arch: An
             log.warning("[%s] QNN's compile ran out of %s memory on piece %d (%.2f GB of weights and its "
                         "activations): cutting it in two", name, memory, k, p.weight_bytes / 1e9)
             queue[:0] = _halve(structure, p, e, memory)
+            kept.replan([(q.start, q.end) for q in [*done, *queue]])
         finally:
             path.unlink(missing_ok=True)
     return parts, done, structure
+
+
+def _restored(backend: Any, kept: Kept, piece: split.Piece, out_dir: Path) -> Any:
+    """A unit an earlier run compiled, its files linked back into ``out_dir``."""
+    return backend.Compiled.from_record(kept.restore(piece.start, piece.end, out_dir), out_dir)
 
 
 _HTP = "the HTP's"

@@ -108,6 +108,12 @@ def pid_alive(pid: int) -> bool:
     return True
 
 
+def staging_target(stage: Path) -> Path | None:
+    """The folder a staging folder (``staged_dir``) will replace; None where ``stage`` is not one."""
+    m = _STAGING.match(stage.name)
+    return stage.parent / m["name"] if m and m["kind"] == "staging" else None
+
+
 def recover_staging(parent: Path) -> None:
     """Sweep what interrupted runs left in ``parent``: drop unfinished staging folders and temp
     files, and put back a previous output that a crash left set aside."""

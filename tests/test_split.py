@@ -226,3 +226,66 @@ def test_a_compile_that_fails_otherwise_is_not_cut(monkeypatch, tmp_path):
     with pytest.raises(SdnpuError, match=r"died \(exit code -6\)"):
         standard.compile_pieces(source, tmp_path, "chain", qnn_htp, qnn_htp.parse_arch(None), None)
     assert len(calls) == 1
+
+
+def test_a_compile_in_pieces_that_stops_goes_on_after_the_pieces_it_finished(monkeypatch, tmp_path):
+    """A compile in pieces stopped in its fourth compile (Ctrl-C, after a unit was cut in two for memory) keeps its
+    plan and finished units in ``keep``: the same compile again compiles only the pieces not done (not the whole
+    graph, not the unit that was cut), and the pieces it hands back compute the graph. Once the caller drops the
+    folder, nothing is left."""
+    from sdnpu.backends import qnn_htp
+    from sdnpu.convert import kept, standard
+    from sdnpu.worker import WorkerDied
+
+    model = _chain([64] * 8, skip=True)
+    source = tmp_path / "model.onnx"
+    onnx.save(model, str(source), save_as_external_data=True, all_tensors_to_one_file=True, location="model.data",
+              size_threshold=0)
+    calls: list[int] = []
+    stop_at: list[int] = [4]
+
+    def fake(fn, model_path, out_dir, arch, stem, *, what):
+        n = len(onnx.load(str(model_path), load_external_data=False).graph.node)
+        calls.append(n)
+        if len(calls) == stop_at[0]:
+            raise KeyboardInterrupt
+        if n > 5:
+            raise WorkerDied(f"the worker process {what} died (exit code -9)", None, -9)
+        dest = Path(out_dir) / f"{stem}.onnx"
+        onnx.save(onnx.load(str(model_path)), str(dest))
+        return qnn_htp.Compiled(whole=True, context=dest, binaries=[], trace={"supported_nodes": n}, seconds=1.0)
+
+    monkeypatch.setattr(standard, "run_in_worker", fake)
+    units = tmp_path / ".out.units"
+    first = tmp_path / "first"
+    first.mkdir()
+    with pytest.raises(KeyboardInterrupt):
+        standard.compile_pieces(source, first, "chain", qnn_htp, qnn_htp.parse_arch(None), None, keep=units)
+    assert calls[0] == 17  # the whole graph, killed
+    record = kept.Kept.open(units, "", "chain")  # another fingerprint: it starts again
+    assert record.units == {} and record.plan == []
+    # again, interrupted the same way, then the same command with nothing in its way
+    calls.clear()
+    with pytest.raises(KeyboardInterrupt):
+        standard.compile_pieces(source, first, "chain", qnn_htp, qnn_htp.parse_arch(None), None, keep=units)
+    done_before = sum(1 for n in calls[:-1] if n <= 5)
+    assert done_before >= 1
+    calls.clear()
+    stop_at[0] = 0
+    second = tmp_path / "second"
+    second.mkdir()
+    parts, pieces, _ = standard.compile_pieces(source, second, "chain", qnn_htp, qnn_htp.parse_arch(None), None,
+                                               keep=units)
+    compiled = [n for n in calls if n <= 5]  # the others were killed and cut
+    assert 17 not in calls and len(compiled) == len(pieces) - done_before  # only the pieces not done
+    assert [(p.start, p.end) for p in pieces] == list(zip([0, *(p.end for p in pieces[:-1])],
+                                                          [p.end for p in pieces]))
+    values = {"x": np.random.default_rng(1).standard_normal((1, 64)).astype(np.float32)}
+    expected = _session(source).run(None, values)[0]
+    for part in parts:
+        sess = _session(part.context)
+        values.update(zip([o.name for o in sess.get_outputs()],
+                          sess.run(None, {i.name: values[i.name] for i in sess.get_inputs()}), strict=True))
+    np.testing.assert_array_equal(values[model.graph.output[0].name], expected)
+    kept.Kept(units).drop()
+    assert not units.exists()

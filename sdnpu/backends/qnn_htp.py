@@ -179,6 +179,22 @@ class Compiled:
     failure: str = ""  # what QNN said when it would not take the graph whole
     pieces: list[dict[str, Any]] = field(default_factory=list)  # one per context, where the graph was cut
 
+    def files(self) -> list[Path]:
+        """What QNN wrote for it: the EPContext model, its binaries, the op trace (where there is one)."""
+        trace = self.context.with_name(TRACE if self.context.name == CONTEXT else f"{self.context.stem}_{TRACE}")
+        return [self.context, *self.binaries, *([trace] if trace.is_file() else [])]
+
+    def record(self) -> dict[str, Any]:
+        """What ``from_record`` needs, the files by name (``sdnpu.convert.kept``)."""
+        return {"whole": self.whole, "context": self.context.name, "binaries": [b.name for b in self.binaries],
+                "trace": self.trace, "seconds": self.seconds, "failure": self.failure}
+
+    @classmethod
+    def from_record(cls, record: dict[str, Any], folder: Path) -> Compiled:
+        return cls(whole=bool(record["whole"]), context=folder / record["context"],
+                   binaries=[folder / b for b in record["binaries"]], trace=dict(record["trace"]),
+                   seconds=float(record["seconds"]), failure=str(record.get("failure", "")))
+
     def to_json(self) -> dict[str, Any]:
         return {"whole": self.whole, "context": self.context.name, "binaries": [b.name for b in self.binaries],
                 "context_bytes": sum(b.stat().st_size for b in self.binaries) + self.context.stat().st_size,
