@@ -74,7 +74,8 @@ from sdnpu.passes.glue import lower_glue
 from sdnpu.passes.handoff import handoff_pass
 from sdnpu.passes.htp import common as htp_common
 from sdnpu.passes.htp import (attention_head_groups, broadcast_into_layernorm, exact_angles, float32_tables,
-                              fp16_headroom, pixel_shuffles, rank6_movements, reciprocal_products)
+                              fp16_headroom, pad_attention_tokens, pixel_shuffles, rank6_movements,
+                              reciprocal_products)
 from sdnpu.passes.joint import joint_attention
 from sdnpu.passes.layout import layout
 from sdnpu.passes.parallel import join_parallel
@@ -283,6 +284,7 @@ def standard_pipeline(options: CompileOptions) -> list[Entry]:
         ("htp_recip", reciprocal_products),
         ("htp_angles", exact_angles),
         ("htp_rank6", lambda m: _both(pixel_shuffles(m), rank6_movements(m))),
+        ("htp_tokens", pad_attention_tokens),  # before the head groups, which then split the padded form
         ("htp_heads", attention_head_groups),
         ("partition", lambda m: partition(m, t)),
     ]

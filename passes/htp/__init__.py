@@ -24,6 +24,9 @@ and outputs, so a runtime can swap the QNN model for the fp32 graph.
   RmsNorm that fails to compile or computes wrong, is written with a division.
 - **Rank-6 pixel shuffles** (``pixel_shuffles``): DiT's unpatchify, in rank 4.
 - **fp16's range** (``fp16_headroom``): masks' minus infinity, and values near 65504 scaled into their norms.
+- **An attention's tokens padded** (``pad_attention_tokens``): a token count that is not a multiple of 64 (SD 3.5's
+  4429 at 1024 px) padded to one, the padded keys masked and the padded queries dropped: QNN compiles it in seconds
+  rather than many minutes and gigabytes.
 - **An attention's scores in head groups** (``attention_head_groups``): scores past 1 GiB (SD 3.5's at 1024 px,
   3.5 GB) computed over groups of heads, concatenated: QNN's compile of such a piece did not fit this machine.
 """
@@ -34,6 +37,7 @@ from sdnpu.passes.htp.heads import attention_head_groups
 from sdnpu.passes.htp.headroom import MASK_FLOOR, clamp_masks, fp16_headroom, guards_of, scale_into_norms
 from sdnpu.passes.htp.movement import pixel_shuffles, rank6_movements
 from sdnpu.passes.htp.norms import broadcast_into_layernorm, reciprocal_products
+from sdnpu.passes.htp.tokens import pad_attention_tokens
 
 __all__ = ["MASK_FLOOR", "attention_head_groups", "broadcast_into_layernorm", "clamp_masks", "exact_angles", "float32_tables", "fp16_headroom",
-           "guards_of", "pixel_shuffles", "rank6_movements", "reciprocal_products", "scale_into_norms"]
+           "guards_of", "pad_attention_tokens", "pixel_shuffles", "rank6_movements", "reciprocal_products", "scale_into_norms"]

@@ -38,7 +38,7 @@ SCORES_LIMIT = 1 << 30
 _ELEMENTWISE = ("Mul", "Div", "Add", "Sub")
 
 
-def _static(v: ir.Value | None) -> list[int] | None:
+def static_shape(v: ir.Value | None) -> list[int] | None:
     if v is None or v.shape is None or not v.shape.is_static():
         return None
     return [int(d) for d in v.shape]
@@ -55,7 +55,7 @@ def _from_product(v: ir.Value | None, scores: list[int], depth: int = 4) -> bool
     """Whether ``v`` is the scores' product (a MatMul of their shape), or computed from it by the element-wise
     ops between it and the softmax."""
     p = v.producer() if v is not None else None
-    if p is None or p.domain not in ("", "ai.onnx") or _static(p.outputs[0]) != scores:
+    if p is None or p.domain not in ("", "ai.onnx") or static_shape(p.outputs[0]) != scores:
         return False
     if p.op_type == "MatMul":
         return True
@@ -73,9 +73,9 @@ class _Attention:
         return [self.qk, *self.between, self.softmax, self.pv]
 
 
-def _match(softmax: ir.Node) -> _Attention | None:
+def match_attention(softmax: ir.Node) -> _Attention | None:
     """The attention around ``softmax``, where it is in the form the module's docstring names."""
-    scores = _static(softmax.inputs[0])
+    scores = static_shape(softmax.inputs[0])
     if scores is None or len(scores) not in (3, 4):
         return None
     rank = len(scores)
@@ -102,12 +102,12 @@ def _match(softmax: ir.Node) -> _Attention | None:
         side = sides[0]
         v = p.inputs[side]
     qk = p
-    if _only_reader(qk.outputs[0]) is None or _static(qk.outputs[0]) != scores:
+    if _only_reader(qk.outputs[0]) is None or static_shape(qk.outputs[0]) != scores:
         return None
     axis = rank - 3  # the heads: the last of the products' batch axes
     for m in (qk, pv):
         for x in m.inputs:
-            s = _static(x)
+            s = static_shape(x)
             if s is None or len(s) != rank or s[axis] != scores[axis]:
                 return None
     return _Attention(qk, list(reversed(between)), softmax, pv, axis)
@@ -125,7 +125,7 @@ def _groups(heads: int, per_head: int) -> list[int]:
 def _split(graph: ir.Graph, anchor: ir.Node, v: ir.Value, axis: int, sizes: list[int], hint: str
            ) -> list[ir.Value]:
     """``v`` split along ``axis`` into ``sizes`` (a Split before ``anchor``)."""
-    shape = _static(v)
+    shape = static_shape(v)
     assert shape is not None
     split = constant(graph, np.asarray(sizes, np.int64), f"{hint}_sizes")
     node = ir.node("Split", [v, split], attributes={"axis": axis}, num_outputs=len(sizes),
@@ -148,7 +148,7 @@ def _rewrite(graph: ir.Graph, att: _Attention, sizes: list[int]) -> None:
         """``v``'s parts along the heads (None: ``v`` is broadcast along them, every group reads it whole)."""
         if v in parts:
             return parts[v]
-        shape = _static(v)
+        shape = static_shape(v)
         assert shape is not None
         aligned = [1] * (rank - len(shape)) + shape
         if aligned[axis] == 1:
@@ -158,7 +158,7 @@ def _rewrite(graph: ir.Graph, att: _Attention, sizes: list[int]) -> None:
         return parts[v]
 
     out = att.pv.outputs[0]
-    shape = _static(out)
+    shape = static_shape(out)
     assert shape is not None
     rank, heads = len(shape), shape[axis]
     results: list[ir.Value] = []
@@ -180,7 +180,7 @@ def _rewrite(graph: ir.Graph, att: _Attention, sizes: list[int]) -> None:
             y, orig = copy.outputs[0], node.outputs[0]
             y.name = unique_name(graph, f"{orig.name}_heads{g}")
             y.dtype = orig.dtype
-            full = _static(orig)
+            full = static_shape(orig)
             assert full is not None
             y.shape = ir.Shape([sizes[g] if d == axis else s for d, s in enumerate(full)])
             made[orig] = y
@@ -204,10 +204,10 @@ def attention_head_groups(model: ir.Model) -> PassResult:
     for node in list(graph):
         if node.graph is None or node.op_type != "Softmax" or node.domain not in ("", "ai.onnx"):
             continue
-        att = _match(node)
+        att = match_attention(node)
         if att is None:
             continue
-        scores = _static(node.inputs[0])
+        scores = static_shape(node.inputs[0])
         assert scores is not None
         dtype = node.inputs[0].dtype
         itemsize = dtype.itemsize if dtype is not None else 4

@@ -3,7 +3,6 @@ product with a reciprocal. See ``sdnpu.passes.htp``."""
 
 from __future__ import annotations
 
-import numpy as np
 import onnx_ir as ir
 
 from sdnpu.formats.keys import RULE_TAG

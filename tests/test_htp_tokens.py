@@ -1,0 +1,72 @@
+"""An attention's tokens padded to a multiple of ``ALIGN`` (``sdnpu.passes.htp.tokens``): on small graphs, with the
+alignment lowered to 16, the padded attention computes the same numbers in float32 (the padded keys' weights are
+exactly 0, the padded queries' rows dropped), passes onnx's full check, and keeps the graph's interface."""
+
+from __future__ import annotations
+
+import numpy as np
+import onnx
+import pytest
+from onnx import TensorProto as T
+from onnx import helper
+
+from sdnpu.passes.htp import tokens
+
+from .graphs import feeds_for, ops, run, to_ir, to_proto
+
+
+def _attention(m: int, n: int, heads: int = 3, mask_rows: bool = True) -> onnx.ModelProto:
+    """softmax((Q Kᵀ) s + bias + mask) V over [2, heads, m, n] scores, as diffusers' eager attentions export it: a
+    scale, a per-head bias over the scores and a mask ([1, 1, m, n], or [1, 1, 1, n] a key mask)."""
+    rng = np.random.default_rng(0)
+    b, d = 2, 8
+    mask = np.where(rng.random((1, 1, m if mask_rows else 1, n)) > 0.2, 0, -1e4).astype(np.float32)
+    inits = [onnx.numpy_helper.from_array(mask, "mask"),
+             onnx.numpy_helper.from_array(rng.standard_normal((1, heads, m, n)).astype(np.float32), "bias"),
+             onnx.numpy_helper.from_array(np.asarray(0.35, np.float32), "scale")]
+    nodes = [helper.make_node("Transpose", ["k"], ["kt"], perm=[0, 1, 3, 2]),
+             helper.make_node("MatMul", ["q", "kt"], ["s"]),
+             helper.make_node("Mul", ["s", "scale"], ["s2"]),
+             helper.make_node("Add", ["bias", "s2"], ["s3"]),
+             helper.make_node("Add", ["s3", "mask"], ["s4"]),
+             helper.make_node("Softmax", ["s4"], ["p"], axis=-1),
+             helper.make_node("MatMul", ["p", "v"], ["o"]),
+             helper.make_node("Transpose", ["o"], ["y"], perm=[0, 2, 1, 3])]
+    outs = [helper.make_tensor_value_info("o", T.FLOAT, [b, heads, m, d]),
+            helper.make_tensor_value_info("y", T.FLOAT, [b, m, heads, d])]
+    ins = [helper.make_tensor_value_info(x, T.FLOAT, [b, heads, m if x == "q" else n, d]) for x in "qkv"]
+    g = helper.make_graph(nodes, "attention", ins, outs, initializer=inits)
+    return onnx.shape_inference.infer_shapes(helper.make_model(g, opset_imports=[helper.make_opsetid("", 18)]))
+
+
+@pytest.mark.parametrize(("m", "n", "pads"), [(16, 20, 2), (20, 16, 1), (20, 20, 3), (20, 24, 3)])
+@pytest.mark.parametrize("mask_rows", [True, False])
+def test_an_attention_over_tokens_not_aligned_computes_the_same_over_padded_ones(monkeypatch, m, n, pads, mask_rows):
+    monkeypatch.setattr(tokens, "ALIGN", 16)
+    monkeypatch.setattr(tokens, "PAD_FROM", 0)
+    proto = _attention(m, n, mask_rows=mask_rows)
+    g = to_ir(proto)
+    result = tokens.pad_attention_tokens(g)
+    out = to_proto(g)
+    onnx.checker.check_model(out, full_check=True)
+    assert result.counts == {"attentions over padded tokens": 1}
+    counted = ops(out)
+    assert counted["Pad"] == pads  # Q's rows where m is padded; Kᵀ's columns and V's rows where n is
+    assert counted.get("Slice", 0) == (m % 16 != 0)  # the padded queries' rows dropped
+    assert [(o.name, [d.dim_value for d in o.type.tensor_type.shape.dim]) for o in out.graph.output] == \
+        [(o.name, [d.dim_value for d in o.type.tensor_type.shape.dim]) for o in proto.graph.output]
+    scores = next(n for n in out.graph.node if n.op_type == "Softmax").input[0]
+    dims = {v.name: [d.dim_value for d in v.type.tensor_type.shape.dim]
+            for v in onnx.shape_inference.infer_shapes(out).graph.value_info}
+    assert dims[scores][-2:] == [-(-m // 16) * 16, -(-n // 16) * 16]
+    feeds = feeds_for(proto)
+    for a, b in zip(run(proto, feeds), run(out, feeds), strict=True):
+        np.testing.assert_allclose(b, a, rtol=1e-5, atol=1e-6)  # float32: the softmax's sum in another order
+
+
+def test_an_attention_over_aligned_or_few_tokens_keeps_its_form(monkeypatch):
+    monkeypatch.setattr(tokens, "ALIGN", 16)
+    monkeypatch.setattr(tokens, "PAD_FROM", 0)
+    assert not tokens.pad_attention_tokens(to_ir(_attention(16, 32))).modified  # aligned already
+    monkeypatch.setattr(tokens, "PAD_FROM", 21)
+    assert not tokens.pad_attention_tokens(to_ir(_attention(20, 20))).modified  # too few tokens to matter
