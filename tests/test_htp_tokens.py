@@ -15,11 +15,11 @@ from sdnpu.passes.htp import tokens
 from .graphs import feeds_for, ops, run, to_ir, to_proto
 
 
-def _attention(m: int, n: int, heads: int = 3, mask_rows: bool = True) -> onnx.ModelProto:
+def _attention(m: int, n: int, heads: int = 3, mask_rows: bool = True, d: int = 8) -> onnx.ModelProto:
     """softmax((Q Kᵀ) s + bias + mask) V over [2, heads, m, n] scores, as diffusers' eager attentions export it: a
     scale, a per-head bias over the scores and a mask ([1, 1, m, n], or [1, 1, 1, n] a key mask)."""
     rng = np.random.default_rng(0)
-    b, d = 2, 8
+    b = 2
     mask = np.where(rng.random((1, 1, m if mask_rows else 1, n)) > 0.2, 0, -1e4).astype(np.float32)
     inits = [onnx.numpy_helper.from_array(mask, "mask"),
              onnx.numpy_helper.from_array(rng.standard_normal((1, heads, m, n)).astype(np.float32), "bias"),
@@ -70,3 +70,22 @@ def test_an_attention_over_aligned_or_few_tokens_keeps_its_form(monkeypatch):
     assert not tokens.pad_attention_tokens(to_ir(_attention(16, 32))).modified  # aligned already
     monkeypatch.setattr(tokens, "PAD_FROM", 21)
     assert not tokens.pad_attention_tokens(to_ir(_attention(20, 20))).modified  # too few tokens to matter
+
+
+def test_qnn_computes_the_padded_attention_right(tmp_path):
+    """On Qualcomm's compiler and its HTP emulator, at the defaults (1030 tokens padded to 1088): taken whole with
+    CPU fallback off, and its fp16 numbers agree with the fp32 graph."""
+    qnn = pytest.importorskip("sdnpu.backends.qnn_htp")
+    proto = _attention(1030, 1030, heads=1, d=64)
+    g = to_ir(proto)
+    assert tokens.pad_attention_tokens(g).modified
+    out = to_proto(g)
+    path = tmp_path / "padded.onnx"
+    onnx.save(out, str(path))
+    feeds = feeds_for(proto)
+    ref = run(proto, feeds)
+    got = qnn.session(path).run(None, feeds)
+    for a, b in zip(ref, got, strict=True):
+        a, b = a.ravel().astype(np.float64), b.ravel().astype(np.float64)
+        assert np.isfinite(b).all()
+        assert a @ b / (np.linalg.norm(a) * np.linalg.norm(b)) > 0.999
