@@ -22,6 +22,7 @@ allow, the fewest whose scores each fit the limit.
 from __future__ import annotations
 
 import math
+from collections.abc import Iterator
 
 import numpy as np
 import onnx_ir as ir
@@ -113,6 +114,18 @@ def match_attention(softmax: ir.Node) -> _Attention | None:
     return _Attention(qk, list(reversed(between)), softmax, pv, axis)
 
 
+def attentions(graph: ir.Graph) -> Iterator[tuple[ir.Node, _Attention, list[int]]]:
+    """Each attention of ``graph`` in the form ``match_attention`` takes: its softmax, its nodes, its scores'
+    shape (the graph may be rewritten between one and the next: a softmax already replaced is passed over)."""
+    for node in list(graph):
+        if node.graph is None or node.op_type != "Softmax" or node.domain not in ("", "ai.onnx"):
+            continue
+        att = match_attention(node)
+        scores = static_shape(node.inputs[0])
+        if att is not None and scores is not None:
+            yield node, att, scores
+
+
 def _groups(heads: int, per_head: int) -> list[int]:
     """The fewest even groups of ``heads`` whose scores each take at most ``SCORES_LIMIT`` bytes."""
     count = min(heads, max(1, math.ceil(heads * per_head / SCORES_LIMIT)))
@@ -201,14 +214,7 @@ def attention_head_groups(model: ir.Model) -> PassResult:
     """Every attention whose scores pass ``SCORES_LIMIT`` in head groups (see the module's docstring)."""
     graph = model.graph
     done = groups = 0
-    for node in list(graph):
-        if node.graph is None or node.op_type != "Softmax" or node.domain not in ("", "ai.onnx"):
-            continue
-        att = match_attention(node)
-        if att is None:
-            continue
-        scores = static_shape(node.inputs[0])
-        assert scores is not None
+    for node, att, scores in attentions(graph):
         dtype = node.inputs[0].dtype
         itemsize = dtype.itemsize if dtype is not None else 4
         heads = scores[att.axis]

@@ -25,7 +25,7 @@ import onnx_ir as ir
 from sdnpu.formats.keys import RULE_TAG
 from sdnpu.passes.htp.common import RULE, constant, node_name, unique_name
 from sdnpu.passes.htp.headroom import MASK_FLOOR
-from sdnpu.passes.htp.heads import match_attention, static_shape
+from sdnpu.passes.htp.heads import attentions, static_shape
 from sdnpu.passes.manager import PassResult
 
 ALIGN = 64  # tokens: a multiple compiles fast (4096, 4480), 4429 did not
@@ -72,14 +72,7 @@ def pad_attention_tokens(model: ir.Model) -> PassResult:
     (see the module's docstring)."""
     graph = model.graph
     done = 0
-    for node in list(graph):
-        if node.graph is None or node.op_type != "Softmax" or node.domain not in ("", "ai.onnx"):
-            continue
-        att = match_attention(node)
-        if att is None:
-            continue
-        scores = static_shape(node.inputs[0])
-        assert scores is not None
+    for node, att, scores in attentions(graph):
         m, n = scores[-2:]
         m2, n2 = _up(m), _up(n)
         if (m2, n2) == (m, n) or max(m, n) < PAD_FROM:
