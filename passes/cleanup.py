@@ -112,7 +112,7 @@ def attach_functions(model: ir.Model, target: DispatchTarget) -> int:
     return len(before ^ needed.keys())
 
 
-def cleanup(model: ir.Model, target: DispatchTarget) -> PassResult:
+def clean_up(model: ir.Model, target: DispatchTarget) -> PassResult:
     graph = model.graph
     counts: Counter[str] = Counter()
     counts["cast pairs cancelled"] = _cancel_casts(graph, target)

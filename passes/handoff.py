@@ -103,7 +103,7 @@ def _drop(graph: ir.Graph, nodes: Iterable[ir.Node]) -> None:
         graph.remove(node, safe=True)
 
 
-def handoff_pass(model: ir.Model, target: DispatchTarget, names: frozenset[str]) -> PassResult:
+def drop_handoff_edges(model: ir.Model, target: DispatchTarget, names: frozenset[str]) -> PassResult:
     graph = model.graph
     counts: Counter[str] = Counter()
     forms = handoff.decode(model.metadata_props.get(handoff.KEY))

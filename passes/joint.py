@@ -27,10 +27,12 @@ from collections import Counter
 
 import numpy as np
 import onnx_ir as ir
+import onnx_ir.passes.common as common
 
 from sdnpu.passes.streams import split_rows
 from sdnpu.passes.provenance import step
 from sdnpu.passes.irutil import Builder, attr, const, remove_dead_nodes, replace, scalar, static_shape
+from sdnpu.passes.manager import PassResult
 
 RULE = "JointAttention"
 HEADS = (0, 2, 1, 3)  # [B, S, H, D] <-> [B, H, S, D]; its own inverse
@@ -170,8 +172,12 @@ def sink_head_transposes(graph: ir.Graph) -> int:
     return done
 
 
-def joint_attention(graph: ir.Graph) -> Counter[str]:
+def split_joint_attention(model: ir.Model) -> PassResult:
+    """SD3's MMDiT attention in SDMHA's form: one attention per query part, the head Transposes below the
+    per-head norms; a graph without joint attention is left as it is."""
+    graph = model.graph
     counts: Counter[str] = Counter()
     counts["sequence cuts computed as their parts"] = split_rows(graph)
     counts["head transposes moved below row ops"] = sink_head_transposes(graph)
-    return counts
+    common.RemoveUnusedNodesPass()(model)
+    return PassResult(modified=bool(sum(counts.values())), counts=dict(counts))

@@ -270,7 +270,7 @@ def push_transposes(graph: ir.Graph) -> int:
     return done
 
 
-def layout(model: ir.Model) -> PassResult:
+def lay_out_nhwc(model: ir.Model) -> PassResult:
     graph = model.graph
     counts: Counter[str] = Counter()
     for _ in range(100):

@@ -67,27 +67,27 @@ from sdnpu.ops import qnn_htp
 from sdnpu.ops.target import DEFAULT_TARGET, DispatchTarget, Target, get_target
 from sdnpu.passes.canonical import activations, constants, loops, movement, noops, rotary, sinusoids, tables
 from sdnpu.passes.canonical.driver import sweep
-from sdnpu.passes.cleanup import cleanup
+from sdnpu.passes.cleanup import clean_up
 from sdnpu.passes.cuts import gather_cuts
 from sdnpu.passes.fuse import fuse
 from sdnpu.passes.glue import lower_glue
-from sdnpu.passes.handoff import handoff_pass
+from sdnpu.passes.handoff import drop_handoff_edges
 from sdnpu.passes.htp import common as htp_common
-from sdnpu.passes.htp import (attention_head_groups, broadcast_into_layernorm, exact_angles, float32_tables,
-                              fp16_headroom, pad_attention_tokens, pixel_shuffles, rank6_movements,
-                              reciprocal_products)
-from sdnpu.passes.joint import joint_attention
-from sdnpu.passes.layout import layout
+from sdnpu.passes.htp import (demote_float64, divide_reciprocal_products, group_attention_heads, guard_fp16_range,
+                              lower_pixel_shuffles, lower_rank6_movements, pad_attention_tokens, reduce_angles_exactly,
+                              rewrite_broadcast_into_layernorm)
+from sdnpu.passes.joint import split_joint_attention
+from sdnpu.passes.layout import lay_out_nhwc
 from sdnpu.passes.parallel import join_parallel
 from sdnpu.passes.manager import Entry, Group, PassFn, PassRecord, PassResult, entry_name, pass_list_names, run_passes
 from sdnpu.passes.partition import partition
-from sdnpu.passes.precision import precision
-from sdnpu.passes.prologue import prologue_pass
+from sdnpu.passes.precision import set_precision
+from sdnpu.passes.prologue import cut_prologue
 from sdnpu.passes.views import absorb_views
 
 log = logging.getLogger(__name__)
 
-__all__ = ["CANONICAL", "CompileOptions", "canonicalize", "compile_model", "joint", "pass_names", "pipeline",
+__all__ = ["CANONICAL", "CompileOptions", "canonicalize", "compile_model", "pass_names", "pipeline",
            "standard_pipeline"]
 
 Shapes = tuple[tuple[str, tuple[int, ...]], ...]
@@ -149,7 +149,7 @@ CANONICAL = Group("canonical", [
     ("shapes", constants.infer_shapes),  # TorchScript's graphs carry no intermediate shapes; the folder needs them
     ("fold", constants.fold_constants),
     ("shapes", constants.infer_shapes),
-    ("where_rows", noops.where_to_arithmetic),  # before the small folder, which folds its fill * mask
+    ("where_rows", noops.rewrite_where_as_arithmetic),  # before the small folder, which folds its fill * mask
     Group("fold_rounds", [  # folding one node can make the next one's inputs constant, or its shapes known
         ("shapes", constants.infer_shapes),
         ("fold_small", constants.fold_small),
@@ -157,37 +157,37 @@ CANONICAL = Group("canonical", [
     ("identities", noops.drop_identities),
     ("names", constants.name_nodes),  # every node named: CPU reasons and regions refer to nodes by name
     ("shapes", constants.infer_shapes),
-    ("to_reshape", movement.to_reshape),
-    ("perm", movement.explicit_perm),
+    ("to_reshape", movement.reshape_squeezes),
+    ("perm", movement.write_out_perms),
     ("neutral", noops.drop_neutral),
     ("casts", noops.drop_noop_casts),
     ("expands", noops.drop_noop_expands),
     ("moves", noops.drop_noop_moves),  # where_rows leaves it the masks that pick one side everywhere
     ("softmax_guards", noops.drop_softmax_guards),
-    ("tiles", movement.tile_repeats),
-    ("reciprocals", activations.reciprocals),
-    ("erf_gelu", activations.erf_gelu),
-    ("tanh_gelu", activations.tanh_gelu),
-    ("pad_conv", movement.pad_into_conv),
-    ("einsum", movement.einsum),
-    ("assembled", loops.assembled),  # per-item loops written out, as the batched movement they are
-    ("stacked", loops.stacked),
+    ("tiles", movement.concat_tiles),
+    ("reciprocals", activations.use_reciprocals),
+    ("erf_gelu", activations.collapse_erf_gelu),
+    ("tanh_gelu", activations.collapse_tanh_gelu),
+    ("pad_conv", movement.merge_pad_into_conv),
+    ("einsum", movement.lower_einsum),
+    ("assembled", loops.concat_assembled_values),  # per-item loops written out, as the batched movement they are
+    ("stacked", loops.batch_stacked_chains),
     ("sweep", sweep),
-    ("scatter_rows", movement.scatter_rows),
+    ("scatter_rows", movement.concat_row_scatters),
     ("unflip", sinusoids.unflip_concat),  # before sincos, which then reads Concat(Cos, Sin) as it is
-    ("sincos", sinusoids.sincos),
+    ("sincos", sinusoids.merge_sinusoids),
     ("column_chains", sinusoids.merge_column_chains),  # after sincos, whose one-Sin chains it merges
-    ("broadcasts", movement.scalar_broadcast),
+    ("broadcasts", movement.merge_broadcast_chains),
     ("sweep", sweep),  # the sinusoids' old halves still read the timestep's Expand
-    ("expand_consts", movement.expand_into_constant),  # after broadcasts: one Expand of the timestep
+    ("expand_consts", movement.fold_expands_into_constants),  # after broadcasts: one Expand of the timestep
     ("sweep", sweep),
     ("tables", tables.simplify),  # the CPU work on the inputs alone, in as few nodes as it takes
-    ("rotary", rotary.signed_permutations),  # after tables: the edge region it leaves alone is the tables' form
+    ("rotary", rotary.write_rotations_as_matmuls),  # after tables: the edge region it leaves alone is the tables' form
     Group("crop_rounds", [  # again until a round crops nothing: a crop can make another node's input constant
         ("crop", constants.crop_constants),
         ("sweep", sweep),
     ], rounds=8, until="crop"),
-    ("finish", constants.finish),  # last: the output names, the crops' record, unused nodes and weights
+    ("finish", constants.finish_canonical_form),  # last: the output names, the crops' record, unused nodes and weights
 ])
 
 
@@ -200,14 +200,6 @@ def canonicalize(model: ir.Model) -> PassResult:
         for k, v in r.result.counts.items():
             counts[k] = counts.get(k, 0) + v
     return PassResult(modified=any(r.result.modified for r in records), counts=counts)
-
-
-def joint(model: ir.Model) -> PassResult:
-    """SD3's MMDiT attention in SDMHA's form (``sdnpu.passes.joint``: one attention per query part, the head
-    Transposes below the per-head norms); a graph without joint attention is left as it is."""
-    counts = joint_attention(model.graph)
-    common.RemoveUnusedNodesPass()(model)
-    return PassResult(modified=bool(sum(counts.values())), counts=dict(counts))
 
 
 def prepare(model: ir.Model, target: Target) -> PassResult:
@@ -278,14 +270,14 @@ def standard_pipeline(options: CompileOptions) -> list[Entry]:
     t = options.target
     return [
         ("prepare", lambda m: prepare(m, t)),
-        ("htp_f32", float32_tables),
-        ("htp_fp16", lambda m: fp16_headroom(m, dict(options.fp16_risks))),
-        ("htp_norms", broadcast_into_layernorm),
-        ("htp_recip", reciprocal_products),
-        ("htp_angles", exact_angles),
-        ("htp_rank6", lambda m: _both(pixel_shuffles(m), rank6_movements(m))),
+        ("htp_f32", demote_float64),
+        ("htp_fp16", lambda m: guard_fp16_range(m, dict(options.fp16_risks))),
+        ("htp_norms", rewrite_broadcast_into_layernorm),
+        ("htp_recip", divide_reciprocal_products),
+        ("htp_angles", reduce_angles_exactly),
+        ("htp_rank6", lambda m: _both(lower_pixel_shuffles(m), lower_rank6_movements(m))),
         ("htp_tokens", pad_attention_tokens),  # before the head groups, which then split the padded form
-        ("htp_heads", attention_head_groups),
+        ("htp_heads", group_attention_heads),
         ("partition", lambda m: partition(m, t)),
     ]
 
@@ -297,17 +289,17 @@ def pipeline(options: CompileOptions) -> list[Entry]:
     assert isinstance(t, DispatchTarget)
     return [
         CANONICAL,
-        ("joint", joint),
+        ("joint", split_joint_attention),
         ("fuse", lambda m: fuse(m, t)),
-        ("layout", layout),
+        ("layout", lay_out_nhwc),
         ("glue", lambda m: lower_glue(m, t)),
         ("views", lambda m: absorb_views(m, t)),
         ("parallel", lambda m: join_parallel(m, t)),
-        ("precision", lambda m: precision(m, t, options.precision)),
+        ("precision", lambda m: set_precision(m, t, options.precision)),
         ("cuts", lambda m: gather_cuts(m, t)),
-        *([("handoff", lambda m: handoff_pass(m, t, options.handoff))] if options.handoff else []),
-        ("cleanup", lambda m: cleanup(m, t)),
-        *([("prologue", lambda m: prologue_pass(m, t, options.prologue))] if options.prologue else []),
+        *([("handoff", lambda m: drop_handoff_edges(m, t, options.handoff))] if options.handoff else []),
+        ("cleanup", lambda m: clean_up(m, t)),
+        *([("prologue", lambda m: cut_prologue(m, t, options.prologue))] if options.prologue else []),
         ("partition", lambda m: partition(m, t)),
     ]
 
@@ -342,6 +334,6 @@ def stitched_pipeline(options: CompileOptions) -> list[tuple[str, PassFn]]:
     assert isinstance(t, DispatchTarget), "a standard target's pieces are compiled one by one, not stitched"
     return [
         ("seams", lambda m: absorb_views(m, t)),
-        *([("prologue", lambda m: prologue_pass(m, t, options.prologue))] if options.prologue else []),
+        *([("prologue", lambda m: cut_prologue(m, t, options.prologue))] if options.prologue else []),
         ("partition", lambda m: partition(m, t)),
     ]

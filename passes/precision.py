@@ -138,7 +138,7 @@ def _entry(graph: ir.Graph, target: DispatchTarget, v: ir.Value, entries: dict[i
     return entries[id(v)]
 
 
-def precision(model: ir.Model, target: DispatchTarget, mode: str = "bf16") -> PassResult:
+def set_precision(model: ir.Model, target: DispatchTarget, mode: str = "bf16") -> PassResult:
     if mode not in PRECISIONS:
         raise SdnpuError(f"unknown precision {mode!r}", hint=f"choose one of: {', '.join(PRECISIONS)}")
     graph = model.graph

@@ -65,7 +65,7 @@ def _canonical_digest(model: ir.Model) -> str:
     return hashlib.sha256(proto.SerializeToString(deterministic=True)).hexdigest()[:16]
 
 
-def prologue_pass(model: ir.Model, target: DispatchTarget, names: frozenset[str]) -> PassResult:
+def cut_prologue(model: ir.Model, target: DispatchTarget, names: frozenset[str]) -> PassResult:
     graph = model.graph
     moved, sources = _cut(graph, target, names)
     inside = set(moved)

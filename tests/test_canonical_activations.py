@@ -43,7 +43,7 @@ def erf_gelu(divide: bool = True, root2: float = 2**0.5, half_shape: tuple[int, 
 def test_an_erf_gelu_is_one_gelu(divide, dtype):
     """fp16 stores sqrt 2 as 1.4140625, 1.5e-4 off: still GELU (a fuzz regression)."""
     m = erf_gelu(divide, dtype=dtype)
-    irm, counts = rewritten(m, activations.erf_gelu, ulps=ULPS)
+    irm, counts = rewritten(m, activations.collapse_erf_gelu, ulps=ULPS)
     assert counts["Erf GELU -> Gelu"] == 1 and dict(ops(irm)) == {"Gelu": 1}
     gelu = next(iter(irm.graph))
     assert gelu.attributes["approximate"].value == "none"
@@ -54,7 +54,7 @@ def test_an_erf_gelu_near_miss_stays(miss):
     """erf(x / 1.5) is no GELU; a 0.5 of shape [1, 1, 1] makes the output [1, 2, 8], not x's [2, 8] (a fuzz
     regression: it became Gelu(x) of the wrong rank)."""
     m = erf_gelu(root2=1.5) if miss == "other_divisor" else erf_gelu(half_shape=(1, 1, 1))
-    irm, counts = rewritten(m, activations.erf_gelu)
+    irm, counts = rewritten(m, activations.collapse_erf_gelu)
     assert counts["Erf GELU -> Gelu"] == 0 and ops(irm)["Erf"] == 1 and "Gelu" not in ops(irm)
 
 
@@ -80,7 +80,7 @@ def tanh_gelu(spelling: str, coeff: float = 0.044715, also_read: bool = False) -
 
 @pytest.mark.parametrize("spelling", ["half_last", "half_first", "half_of_sum", "cube_mul"])
 def test_a_written_out_tanh_gelu_is_one_gelu(spelling):
-    irm, counts = rewritten(tanh_gelu(spelling), activations.tanh_gelu, sweep, ulps=ULPS)
+    irm, counts = rewritten(tanh_gelu(spelling), activations.collapse_tanh_gelu, sweep, ulps=ULPS)
     assert counts["tanh GELU -> Gelu"] == 1 and dict(ops(irm)) == {"Relu": 1, "Gelu": 1}
     gelu = next(x for x in irm.graph if x.op_type == "Gelu")
     assert gelu.attributes["approximate"].value == "tanh"
@@ -89,7 +89,7 @@ def test_a_written_out_tanh_gelu_is_one_gelu(spelling):
 @pytest.mark.parametrize(("coeff", "also_read"), [(0.04, False), (0.044715, True)])
 def test_a_tanh_gelu_near_miss_stays(coeff, also_read):
     """Another cube coefficient is not GELU; a tanh read elsewhere too must stay to be read."""
-    irm, counts = rewritten(tanh_gelu("half_first", coeff, also_read), activations.tanh_gelu, sweep)
+    irm, counts = rewritten(tanh_gelu("half_first", coeff, also_read), activations.collapse_tanh_gelu, sweep)
     assert counts["tanh GELU -> Gelu"] == 0 and ops(irm)["Tanh"] == 1 and "Gelu" not in ops(irm)
 
 
@@ -100,6 +100,6 @@ def test_one_over_x_is_a_reciprocal(numerator, fires):
                n("Sqrt", ["v"], ["s"]), n("Div", ["num", "s"], ["r"]), n("Mul", ["x", "r"], ["y"])],
               {"x": [2, 8]}, {"y": [2, 8]}, {"axes": np.array([-1]), "eps": np.asarray(1e-6, np.float32),
                                              "num": np.asarray(numerator, np.float32)})
-    irm, counts = rewritten(m, activations.reciprocals, sweep)
+    irm, counts = rewritten(m, activations.use_reciprocals, sweep)
     assert counts["1 / x -> Reciprocal"] == int(fires)
     assert (ops(irm)["Reciprocal"], ops(irm)["Div"]) == ((1, 0) if fires else (0, 1))

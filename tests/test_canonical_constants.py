@@ -142,7 +142,7 @@ def test_crops_of_a_constant_are_constants_and_are_recorded(step, crops):
     reads the derived crop in the same walk); ``finish`` records the table as cropped for this size. Near miss:
     a Slice with step 2 (a crop is a contiguous range) stays, and nothing is recorded."""
     m = _crops(step)
-    irm, counts = rewritten(m, constants.raise_opset, constants.crop_constants, sweep, constants.finish)
+    irm, counts = rewritten(m, constants.raise_opset, constants.crop_constants, sweep, constants.finish_canonical_form)
     assert counts["crops of constants folded"] == crops
     assert dict(ops(irm)) == ({"Add": 1} if crops else {"Slice": 1, "Reshape": 1, "Add": 1})
     assert irm.metadata_props.get(SIZED_CONSTANTS_KEY) == ("table" if crops else None)
@@ -166,7 +166,7 @@ def test_finish_keeps_the_output_names_and_removes_what_nobody_reads():
     irm = to_ir(m)
     constants.raise_opset(irm)  # notes the outputs' names and the node count
     irm.graph.outputs[0].name = "renamed"  # as a folded If hands its branch's output name up
-    result = constants.finish(irm)
+    result = constants.finish_canonical_form(irm)
     assert result.modified and result.counts == {"nodes removed": 1}
     assert [v.name for v in irm.graph.outputs] == ["y"] and "unused" not in irm.graph.initializers
     assert dict(ops(irm)) == {"Relu": 1}

@@ -93,6 +93,6 @@ def test_each_loop_rewrite_alone(miss, assembled, stacked):
     """The two rewrites by themselves on the exported form (shapes inferred, as the canonical steps before them
     leave it): the same counts, a valid graph, the same numbers bit for bit."""
     m = onnx.shape_inference.infer_shapes(_loops(miss), strict_mode=True, data_prop=True)
-    _, counts = rewritten(m, loops.assembled, loops.stacked, sweep)
+    _, counts = rewritten(m, loops.concat_assembled_values, loops.batch_stacked_chains, sweep)
     assert counts["assembled by movement -> Concat"] == assembled, counts
     assert counts["stacked per-item chains -> batched"] == stacked, counts

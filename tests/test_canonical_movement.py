@@ -34,7 +34,7 @@ def w(*shape: int) -> np.ndarray:
 ])
 def test_squeeze_unsqueeze_and_flatten_are_a_reshape(node, inits, shape):
     m = model([node, n("Relu", ["m"], ["y"])], {"x": [2, 1, 3]}, {"y": shape}, inits)
-    irm, counts = rewritten(m, movement.to_reshape, sweep)
+    irm, counts = rewritten(m, movement.reshape_squeezes, sweep)
     assert counts["squeeze/unsqueeze/flatten -> reshape"] == 1 and dict(ops(irm)) == {"Reshape": 1, "Relu": 1}
 
 
@@ -45,7 +45,7 @@ def test_a_squeeze_of_an_unknown_shape_stays():
                           [helper.make_tensor_value_info("y", T.FLOAT, ["batch", 3])],
                           [onnx.numpy_helper.from_array(np.array([1]), "ax")])
     m = helper.make_model(g, opset_imports=[helper.make_opsetid("", 20)])
-    irm, counts = rewritten(m, movement.to_reshape, feeds={"x": w(2, 1, 3)})
+    irm, counts = rewritten(m, movement.reshape_squeezes, feeds={"x": w(2, 1, 3)})
     assert counts["squeeze/unsqueeze/flatten -> reshape"] == 0 and dict(ops(irm)) == {"Squeeze": 1}
 
 
@@ -56,7 +56,7 @@ def test_a_transpose_without_perm_gets_it_written_out(perm):
     attrs = {"perm": perm} if perm else {}
     out = [4, 3, 2] if perm is None else [2, 4, 3]
     m = model([n("Transpose", ["x"], ["y"], **attrs)], {"x": [2, 3, 4]}, {"y": out})
-    irm, counts = rewritten(m, movement.explicit_perm)
+    irm, counts = rewritten(m, movement.write_out_perms)
     assert counts["transpose perm written out"] == int(perm is None)
     assert list(next(iter(irm.graph)).attributes["perm"].value) == (perm or [2, 1, 0])
 
@@ -68,7 +68,7 @@ def test_a_tile_of_a_size_one_axis_is_a_concat(shape, reps, fires):
     the repeated axis has two elements (a Concat of the view would interleave them)."""
     out = [s * r for s, r in zip(shape, reps, strict=True)]
     m = model([n("Tile", ["x", "reps"], ["y"])], {"x": list(shape)}, {"y": out}, {"reps": np.array(reps)})
-    irm, counts = rewritten(m, movement.tile_repeats)
+    irm, counts = rewritten(m, movement.concat_tiles)
     assert counts["tiles of a size-1 axis -> Concat"] == int(fires)
     assert dict(ops(irm)) == ({"Reshape": 2, "Concat": 1} if fires else {"Tile": 1})
 
@@ -84,7 +84,7 @@ def test_a_zero_pad_before_a_conv_becomes_its_pads(pads, mode, fires):
     h, wd = 6 + p[2] + p[6], 6 + p[3] + p[7]
     m = model([n("Pad", ["x", "pads"], ["p"], mode=mode), n("Conv", ["p", "k"], ["y"], pads=[0, 0, 0, 0])],
               {"x": [1, 2, 6, 6]}, {"y": [1, 3, int(h) - 2, int(wd) - 2]}, {"pads": p, "k": w(3, 2, 3, 3)})
-    irm, counts = rewritten(m, movement.pad_into_conv, sweep)
+    irm, counts = rewritten(m, movement.merge_pad_into_conv, sweep)
     assert counts["Pad merged into Conv"] == int(fires)
     conv = next(x for x in irm.graph if x.op_type == "Conv")
     if fires:
@@ -103,7 +103,7 @@ def test_an_einsum_that_moves_or_multiplies_is_those_ops(eq, shapes, out, expect
     names = [f"x{i}" for i in range(len(shapes))]
     m = model([n("Einsum", names, ["y"], equation=eq)], {k: list(s) for k, s in zip(names, shapes, strict=True)},
               {"y": list(out)})
-    irm, counts = rewritten(m, movement.einsum)  # bit for bit: onnxruntime's Einsum sums as its MatMul does
+    irm, counts = rewritten(m, movement.lower_einsum)  # bit for bit: onnxruntime's Einsum sums as its MatMul does
     assert counts["Einsum -> Transpose / MatMul"] == 1 and dict(ops(irm)) == expect
 
 
@@ -114,7 +114,7 @@ def test_another_einsum_stays(eq, shapes, out):
     names = [f"x{i}" for i in range(len(shapes))]
     m = model([n("Einsum", names, ["y"], equation=eq)], {k: list(s) for k, s in zip(names, shapes, strict=True)},
               {"y": list(out)})
-    irm, counts = rewritten(m, movement.einsum)
+    irm, counts = rewritten(m, movement.lower_einsum)
     assert counts["Einsum -> Transpose / MatMul"] == 0 and dict(ops(irm)) == {"Einsum": 1}
 
 
@@ -125,7 +125,7 @@ def test_a_scatter_of_a_block_of_rows_is_a_concat(rows, fires):
     idx = np.stack(np.meshgrid([0, 1], rows, indexing="ij"), -1)  # [2, k, 2]: (batch, row) of each update row
     m = model([n("Relu", ["u"], ["r"]), n("ScatterND", ["x", "idx", "r"], ["y"])],
               {"x": [2, 5, 3], "u": [2, len(rows), 3]}, {"y": [2, 5, 3]}, {"idx": idx})
-    irm, counts = rewritten(m, movement.scatter_rows)
+    irm, counts = rewritten(m, movement.concat_row_scatters)
     assert counts["row-block ScatterND -> Concat"] == int(fires)
     assert dict(ops(irm)) == ({"Relu": 1, "Slice": 2, "Concat": 1} if fires else {"Relu": 1, "ScatterND": 1})
 
@@ -156,7 +156,7 @@ def test_a_broadcast_chain_is_one_expand():
                n("Reshape", ["v", "s1"], ["va"]), n("Expand", ["va", "b"], ["ve"]), n("Relu", ["ve"], ["z"])],
               {"t": [1], "v": [1, 2]}, {"y": [2, 1], "z": [2, 2]},
               {"s1": np.array([1, -1]), "b": np.array([2, 1]), "s2": np.array([2, 1])})
-    irm, counts = rewritten(m, movement.scalar_broadcast, sweep)
+    irm, counts = rewritten(m, movement.merge_broadcast_chains, sweep)
     assert counts["broadcast chains -> Expand"] == 1
     assert dict(ops(irm)) == {"Expand": 2, "Reshape": 1, "Relu": 1}
 
@@ -167,6 +167,6 @@ def test_an_expand_that_meets_a_constant_is_folded_into_it(shared):
     nodes = [n("Expand", ["t", "b"], ["e"]), n("Mul", ["e", "f"], ["y"])]
     outputs = {"y": [2, 3]} | ({"e": [2, 1]} if shared else {})
     m = model(nodes, {"t": [1, 1]}, outputs, {"b": np.array([2, 1]), "f": w(1, 3)})
-    irm, counts = rewritten(m, movement.expand_into_constant, sweep)
+    irm, counts = rewritten(m, movement.fold_expands_into_constants, sweep)
     assert counts["expands folded into constants"] == int(not shared)
     assert dict(ops(irm)) == ({"Expand": 1, "Mul": 1} if shared else {"Mul": 1})

@@ -173,7 +173,7 @@ def test_a_where_over_constant_rows_is_a_mul_and_an_add(fill_first):
     ins = ["mask", "token", "x"] if fill_first else ["keep", "x", "token"]
     m = model([n("Where", ins, ["y"])], {"x": [1, 4, 3]}, {"y": [1, 4, 3]},
               {"mask": mask, "keep": ~mask, "token": w(1, 1, 3)})
-    irm, counts = rewritten(m, noops.where_to_arithmetic, sweep)
+    irm, counts = rewritten(m, noops.rewrite_where_as_arithmetic, sweep)
     assert counts["Where over constant rows -> Mul, Add"] == 1
     assert dict(ops(irm)) == {"Mul": 2, "Add": 1}
 
@@ -184,7 +184,7 @@ def test_a_where_of_two_constants_or_of_a_computed_mask_stays():
               {"y": [1, 4, 3]}, {"zero": np.asarray(0.0, np.float32), "token": w(1, 1, 3),
                                  "mask": np.array([True, False, True, False]).reshape(1, 4, 1),
                                  "t0": w(1, 1, 3), "t1": w(1, 1, 3)})
-    irm, counts = rewritten(m, noops.where_to_arithmetic, sweep)
+    irm, counts = rewritten(m, noops.rewrite_where_as_arithmetic, sweep)
     assert counts["Where over constant rows -> Mul, Add"] == 0 and ops(irm)["Where"] == 2
 
 
@@ -194,7 +194,7 @@ def test_a_where_whose_fill_is_not_finite_stays():
     mask = np.triu(np.ones((4, 4), bool), 1)
     m = model([n("Where", ["mask", "neg_inf", "x"], ["y"])], {"x": [1, 4, 4]}, {"y": [1, 4, 4]},
               {"mask": mask, "neg_inf": np.asarray(-np.inf, np.float32)})
-    irm, counts = rewritten(m, noops.where_to_arithmetic, sweep)
+    irm, counts = rewritten(m, noops.rewrite_where_as_arithmetic, sweep)
     assert counts["Where over constant rows -> Mul, Add"] == 0 and ops(irm)["Where"] == 1
 
 

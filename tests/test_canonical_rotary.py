@@ -54,7 +54,7 @@ def roped(spelling: str, projected: bool = True) -> onnx.ModelProto:
 @pytest.mark.parametrize("spelling", ["rotate_half", "pairs", "swap"])
 def test_a_rotation_is_a_matmul_by_a_signed_permutation(spelling):
     """The swapped halves are a permutation too (a Concat moves them), so they are one MatMul as well."""
-    irm, counts = rewritten(roped(spelling), rotary.signed_permutations, sweep)
+    irm, counts = rewritten(roped(spelling), rotary.write_rotations_as_matmuls, sweep)
     assert counts["signed permutations (rotary embeddings) -> MatMul"] == 1
     assert dict(ops(irm)) == {"MatMul": 2, "Mul": 2, "Add": 1}
     rotation = next(x for x in irm.graph if x.op_type == "MatMul" and x.inputs[1].name != "wq").inputs[1]
@@ -66,12 +66,12 @@ def test_a_rotation_is_a_matmul_by_a_signed_permutation(spelling):
 def test_a_rotation_of_the_edge_region_stays():
     """q computed from the graph's input alone (no weight-bearing op between): a table the CPU makes, where a
     MatMul would cost MACs; it stays as it is."""
-    irm, counts = rewritten(roped("rotate_half", projected=False), rotary.signed_permutations, sweep)
+    irm, counts = rewritten(roped("rotate_half", projected=False), rotary.write_rotations_as_matmuls, sweep)
     assert counts["signed permutations (rotary embeddings) -> MatMul"] == 0
     assert ops(irm)["Neg"] == 1 and ops(irm)["MatMul"] == 0
 
 
 def test_a_movement_across_the_rows_stays():
-    irm, counts = rewritten(roped("roll"), rotary.signed_permutations, sweep)
+    irm, counts = rewritten(roped("roll"), rotary.write_rotations_as_matmuls, sweep)
     assert counts["signed permutations (rotary embeddings) -> MatMul"] == 0
     assert ops(irm)["Neg"] == 1 and ops(irm)["MatMul"] == 1

@@ -60,14 +60,15 @@ def _ulps_of_the_argument(t: np.ndarray) -> float:
 def test_sin_and_cos_of_one_argument_are_one_sin_with_a_phase(flip):
     t = {"t": np.array([[3.5], [-1.25]], np.float32)}
     # (the flipped graph's first Concat, left unread by unflip, swept: the pipeline rewrites it too, then sweeps)
-    steps = (sinusoids.unflip_concat, sweep, sinusoids.sincos, sweep) if flip else (sinusoids.sincos, sweep)
+    steps = ((sinusoids.unflip_concat, sweep, sinusoids.merge_sinusoids, sweep) if flip
+             else (sinusoids.merge_sinusoids, sweep))
     irm, counts = rewritten(embedding(flip), *steps, feeds=t, ulps=_ulps_of_the_argument(t["t"]))
     assert counts["sinusoids -> one Sin"] == 1 and dict(ops(irm)) == {"Mul": 1, "Add": 1, "Sin": 1}
 
 
 def test_sin_and_cos_of_frequencies_that_are_no_constant_stay():
     m = embedding(False, both_const=False)
-    irm, counts = rewritten(m, sinusoids.sincos, sweep, feeds={"t": np.ones((2, 1), np.float32),
+    irm, counts = rewritten(m, sinusoids.merge_sinusoids, sweep, feeds={"t": np.ones((2, 1), np.float32),
                                                               "f": FREQS.copy()})
     assert counts["sinusoids -> one Sin"] == 0 and ops(irm)["Cos"] == 1
 

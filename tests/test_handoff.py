@@ -17,7 +17,7 @@ from onnx import helper
 from sdnpu import onnxrun
 from sdnpu.formats import handoff
 from sdnpu.ops.target import get_target
-from sdnpu.passes.handoff import handoff_pass
+from sdnpu.passes.handoff import drop_handoff_edges
 from sdnpu.passes.manager import entry_name, run_passes
 from sdnpu.passes.pipeline import CompileOptions, compile_model, pipeline
 
@@ -173,7 +173,7 @@ def test_a_spread_shared_by_an_op_lowered_later_keeps_the_graph_in_order():
         np.testing.assert_allclose(b, a, rtol=BF16_TOL, atol=BF16_TOL * np.abs(a).max())
 
 
-# ---- the pass by itself (``sdnpu.passes.handoff.handoff_pass``), on what the passes before it leave -------------
+# ---- the pass by itself (``sdnpu.passes.handoff.drop_handoff_edges``), on what the passes before it leave ----
 
 def through(m: onnx.ModelProto, last: str):
     """``m`` through the pipeline up to and including the pass ``last``."""
@@ -190,7 +190,7 @@ def test_the_pass_removes_each_named_outputs_edge_and_records_its_form():
     irm = through(m, "precision")
     before = Counter(n.op_type for n in irm.graph)
     names = frozenset({"y1", "y2", "y3"})
-    result = handoff_pass(irm, TARGET, names)
+    result = drop_handoff_edges(irm, TARGET, names)
     assert result.modified and result.counts == {"outputs kept bf16": 3, "CPU nodes removed": 6}
     assert before - Counter(n.op_type for n in irm.graph) == {"CastAvx": 3, "Transpose": 3}  # one pair each
     assert handoff.decode(irm.metadata_props[handoff.KEY]) == {f"y{i}": (0, 3, 1, 2) for i in (1, 2, 3)}
@@ -200,13 +200,13 @@ def test_the_pass_removes_each_named_outputs_edge_and_records_its_form():
     feeds = {**feeds_for(m), "scale": np.asarray(0.7, np.float32)}
     for a, b in zip(run(m, feeds), onnxrun.run(session(out), ["y1", "y2", "y3"], feeds), strict=True):
         np.testing.assert_allclose(b, a, rtol=BF16_TOL, atol=BF16_TOL * np.abs(a).max())
-    again = handoff_pass(irm, TARGET, names)  # bf16 already: nothing left to do
+    again = drop_handoff_edges(irm, TARGET, names)  # bf16 already: nothing left to do
     assert not again.modified and not again.counts
 
 
 def test_the_pass_takes_a_named_input_in_the_npus_form():
     irm = through(residual_in(), "precision")
-    result = handoff_pass(irm, TARGET, frozenset({"res"}))
+    result = drop_handoff_edges(irm, TARGET, frozenset({"res"}))
     assert result.counts == {"inputs kept bf16": 1, "CPU nodes removed": 2}
     res = next(v for v in irm.graph.inputs if v.name == "res")
     assert res.dtype == ir.DataType.BFLOAT16 and list(res.shape) == [2, 6, 6, 8]
@@ -214,5 +214,5 @@ def test_the_pass_takes_a_named_input_in_the_npus_form():
 
 def test_the_pass_leaves_a_model_without_named_values_as_it_is():
     irm = through(residuals_out(), "precision")
-    result = handoff_pass(irm, TARGET, frozenset({"not_an_output"}))
+    result = drop_handoff_edges(irm, TARGET, frozenset({"not_an_output"}))
     assert not result.modified and handoff.KEY not in irm.metadata_props

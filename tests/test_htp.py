@@ -59,7 +59,7 @@ def patch_embed(batch: int = 2, c: int = 4, side: int = 16, d: int = 32) -> onnx
 def test_a_broadcast_add_before_a_layer_norm_becomes_a_sub_of_its_negation():
     m = patch_embed()
     after = to_ir(m)
-    result = htp.broadcast_into_layernorm(after)
+    result = htp.rewrite_broadcast_into_layernorm(after)
     assert result.counts["broadcast Add -> Sub before LayerNorm"] == 1
     assert ops(after)["Add"] == 0 and ops(after)["Sub"] == 1 and ops(after)["LayerNormalization"] == 1
     _same(m, after)
@@ -73,7 +73,7 @@ def test_a_broadcast_mul_before_a_layer_norm_writes_the_norm_out():
                                                      "g": rng.standard_normal(16).astype(np.float32),
                                                      "b": rng.standard_normal(16).astype(np.float32)})
     after = to_ir(m)
-    assert htp.broadcast_into_layernorm(after).counts["LayerNorm after a broadcast Mul written out"] == 1
+    assert htp.rewrite_broadcast_into_layernorm(after).counts["LayerNorm after a broadcast Mul written out"] == 1
     assert ops(after)["LayerNormalization"] == 0 and ops(after)["ReduceMean"] == 2
     _same(m, after)
 
@@ -86,7 +86,7 @@ def test_an_add_broadcast_only_along_the_last_axis_is_left_alone(addend):
              helper.make_node("LayerNormalization", ["h", "g"], ["y"], axis=-1)]
     m = model(nodes, {"x": [2, 8, 16]}, {"y": None}, {"k": np.ones(addend, np.float32), "g": np.ones(16, np.float32)})
     after = to_ir(m)
-    assert not htp.broadcast_into_layernorm(after).modified
+    assert not htp.rewrite_broadcast_into_layernorm(after).modified
     assert ops(after)["Add"] == 1
 
 
@@ -114,7 +114,7 @@ def rotary_in_float64() -> onnx.ModelProto:
 def test_float64_inside_the_graph_becomes_float32():
     m = rotary_in_float64()
     after = to_ir(m)
-    counts = htp.float32_tables(after).counts
+    counts = htp.demote_float64(after).counts
     assert counts["casts to float64 -> float32"] == 1 and counts["float64 constants -> float32"] == 1
     proto = to_proto(after)
     onnx.checker.check_model(proto, full_check=True)
@@ -130,7 +130,7 @@ def test_a_float64_graph_input_and_output_keep_their_type():
                           [onnx.numpy_helper.from_array(np.full(4, 3.0), "k")])
     m = onnx.shape_inference.infer_shapes(helper.make_model(g, opset_imports=[helper.make_opsetid("", 20)]))
     after = to_ir(m)
-    htp.float32_tables(after)
+    htp.demote_float64(after)
     proto = to_proto(after)
     onnx.checker.check_model(proto, full_check=True)
     assert proto.graph.input[0].type.tensor_type.elem_type == T.DOUBLE
@@ -214,7 +214,7 @@ def test_a_rank6_unpatchify_becomes_depth_to_space(spelling):
     m = model(nodes, {"x": [n, h * w, p * p * c]}, {"y": None},
               {"s6": np.asarray([n, h, w, p, p, c], np.int64), "s4": np.asarray([n, c, h * p, w * p], np.int64)})
     after = to_ir(m)
-    assert htp.pixel_shuffles(after).counts["rank-6 pixel shuffles -> DepthToSpace"] == 1
+    assert htp.lower_pixel_shuffles(after).counts["rank-6 pixel shuffles -> DepthToSpace"] == 1
     assert ops(after) == {"Reshape": 1, "Transpose": 1, "DepthToSpace": 1}
     _same(m, after, tol=dict(rtol=0, atol=0))  # data movement: the same values exactly
 
@@ -248,7 +248,7 @@ def test_qnn_computes_the_patch_embedding_wrong_and_its_rewrite_right(tmp_path):
     ref = run(m, feeds)[0]
     assert _cosine(_on_htp(m, tmp_path / "raw.onnx", feeds), ref) < 0.99
     after = to_ir(m)
-    htp.broadcast_into_layernorm(after)
+    htp.rewrite_broadcast_into_layernorm(after)
     assert _cosine(_on_htp(to_proto(after), tmp_path / "fixed.onnx", feeds), ref) > 0.9999
 
 
@@ -272,7 +272,7 @@ def test_qnn_refuses_float64_and_takes_the_float32_tables(tmp_path):
     with pytest.raises(Exception):
         qnn.session(tmp_path / "raw.onnx")
     after = to_ir(m)
-    htp.float32_tables(after)
+    htp.demote_float64(after)
     ids = np.arange(64, dtype=np.float32)
     got = _on_htp(to_proto(after), tmp_path / "fixed.onnx", {"ids": ids})
     # the bound: the HTP computes in fp16, whose rounding of an angle up to 63 rad is up to 63 * 2**-11 = 0.031
@@ -301,7 +301,7 @@ def rms_norm(d: int = 16) -> onnx.ModelProto:
 def test_a_product_with_a_reciprocal_becomes_a_division():
     m = rms_norm()
     after = to_ir(m)
-    assert htp.reciprocal_products(after).counts["x * (1 / d) -> x / d"] == 1
+    assert htp.divide_reciprocal_products(after).counts["x * (1 / d) -> x / d"] == 1
     assert ops(after)["Reciprocal"] == 0 and ops(after)["Div"] == 1
     _same(m, after)
 
@@ -323,7 +323,7 @@ def timestep_embedding(t: float) -> tuple[onnx.ModelProto, dict[str, np.ndarray]
 def test_sinusoids_are_reduced_exactly_in_float32():
     m, feeds = timestep_embedding(0.987)
     after = to_ir(m)
-    assert htp.exact_angles(after).counts["sin/cos of x * W reduced exactly"] == 1
+    assert htp.reduce_angles_exactly(after).counts["sin/cos of x * W reduced exactly"] == 1
     proto = to_proto(after)
     onnx.checker.check_model(proto, full_check=True)
     assert ops(proto)["Sin"] == 1 and ops(proto)["Cos"] == 1 and ops(proto)["Gather"] == 6
@@ -345,7 +345,7 @@ def test_qnn_computes_large_angles_wrong_and_their_reduction_right(tmp_path):
     ref = run(m, {k: v.astype(np.float16).astype(np.float32) for k, v in feeds.items()})[0]
     raw = _on_htp(m, tmp_path / "raw.onnx", feeds)
     after = to_ir(m)
-    htp.exact_angles(after)
+    htp.reduce_angles_exactly(after)
     fixed = _on_htp(to_proto(after), tmp_path / "fixed.onnx", feeds)
     assert np.abs(raw - ref).max() > 0.05
     assert np.abs(fixed - ref).max() < 0.01
@@ -362,7 +362,7 @@ def test_a_cast_to_the_same_type_between_the_add_and_the_norm_is_looked_through(
     norm.input[0] = "h_float"
     m.graph.node.insert(list(m.graph.node).index(add) + 1, cast)
     after = to_ir(m)
-    assert htp.broadcast_into_layernorm(after).counts["broadcast Add -> Sub before LayerNorm"] == 1
+    assert htp.rewrite_broadcast_into_layernorm(after).counts["broadcast Add -> Sub before LayerNorm"] == 1
     _same(m, after)
 
 
@@ -375,7 +375,7 @@ def test_any_rank6_permutation_between_reshapes_becomes_rank4_steps(perm):
     m = model(nodes, {"x": [n, c, h * p, h * p]}, {"y": None},
               {"s6": np.asarray([n, c, h, p, h, p], np.int64), "s3": np.asarray([n, h * h, c * p * p], np.int64)})
     after = to_ir(m)
-    assert htp.rank6_movements(after).counts["rank-6 permutations -> rank-4 steps"] == 1
+    assert htp.lower_rank6_movements(after).counts["rank-6 permutations -> rank-4 steps"] == 1
     proto = to_proto(after)
     ranks = [len(v.type.tensor_type.shape.dim) for v in onnx.shape_inference.infer_shapes(proto).graph.value_info]
     assert max(ranks) <= 4
@@ -460,7 +460,7 @@ def test_a_scale_after_the_frequencies_is_folded_too():
     m = model(nodes, {"t": [2]}, {"y": None}, {"thousand": np.float32(1000.0), "last": np.asarray([1], np.int64),
                                                "freqs": freqs})
     after = to_ir(m)
-    assert htp.exact_angles(after).counts["sin/cos of x * W reduced exactly"] == 1
+    assert htp.reduce_angles_exactly(after).counts["sin/cos of x * W reduced exactly"] == 1
     feeds = {"t": np.asarray([0.987, 0.25], np.float32)}
     np.testing.assert_allclose(run(to_proto(after), feeds)[0], run(m, feeds)[0], atol=1e-4)
 
@@ -516,7 +516,7 @@ def test_an_attention_past_the_scores_limit_is_computed_in_head_groups(monkeypat
     proto = _attention()
     monkeypatch.setattr(heads, "SCORES_LIMIT", limit_heads * 2 * 16 * 20 * 4)
     m = to_ir(proto)
-    result = htp.attention_head_groups(m)
+    result = htp.group_attention_heads(m)
     out = to_proto(m)
     onnx.checker.check_model(out, full_check=True)
     assert result.counts == {"attentions in head groups": 1, "head groups": len(groups)}
@@ -533,6 +533,6 @@ def test_an_attention_within_the_limit_or_whose_probabilities_are_read_keeps_its
 
     monkeypatch.setattr(heads, "SCORES_LIMIT", 2 * 2 * 16 * 20 * 4)
     m = to_ir(_attention(read_probs=True))
-    assert not htp.attention_head_groups(m).modified  # the probabilities are a graph output: nothing to split
+    assert not htp.group_attention_heads(m).modified  # the probabilities are a graph output: nothing to split
     monkeypatch.setattr(heads, "SCORES_LIMIT", 6 * 2 * 16 * 20 * 4)
-    assert not htp.attention_head_groups(to_ir(_attention())).modified  # all six heads' scores fit
+    assert not htp.group_attention_heads(to_ir(_attention())).modified  # all six heads' scores fit

@@ -1,4 +1,4 @@
-"""The joint pass (``sdnpu.passes.joint`` through ``sdnpu.passes.pipeline.joint``) on small graphs: SD3's joint
+"""The joint pass (``sdnpu.passes.joint.split_joint_attention``) on small graphs: SD3's joint
 attention split by query part and its head Transposes moved below the per-head norms, the numbers kept
 (plain ONNX, fp32), and the graphs it must leave as they are."""
 
@@ -11,7 +11,8 @@ import onnx
 import onnx_ir as ir
 import pytest
 
-from sdnpu.passes.pipeline import CompileOptions, canonicalize, joint, pass_names
+from sdnpu.passes.joint import split_joint_attention
+from sdnpu.passes.pipeline import CompileOptions, canonicalize, pass_names
 
 from .graphs import feeds_for, model, ops, run, to_ir, to_proto
 from .test_mmdit import S1, S2, B, C, H, joint_attention, n, w
@@ -25,7 +26,7 @@ def jointed(m: onnx.ModelProto):
     irm = to_ir(m)
     canonicalize(irm)
     before = Counter(ops(irm))
-    return joint(irm), irm, before
+    return split_joint_attention(irm), irm, before
 
 
 def assert_same(m: onnx.ModelProto, irm: ir.Model) -> onnx.ModelProto:
@@ -90,7 +91,7 @@ def test_a_graph_without_joint_attention_is_left_as_it_is():
     irm = to_ir(m)
     canonicalize(irm)
     before = to_proto(irm).SerializeToString(deterministic=True)
-    result = joint(irm)
+    result = split_joint_attention(irm)
     assert not result.modified and not any(result.counts.values())
     assert to_proto(irm).SerializeToString(deterministic=True) == before
 

@@ -10,7 +10,7 @@ import pytest
 
 from sdnpu.ops.target import get_target
 from sdnpu.passes.fuse import fuse
-from sdnpu.passes.layout import layout
+from sdnpu.passes.layout import lay_out_nhwc
 from sdnpu.passes.pipeline import canonicalize
 
 from .graphs import feeds_for, model, ops, run, to_ir, with_functions
@@ -48,7 +48,7 @@ def test_the_boundary_between_two_nhwc_ops_cancels():
     m = two_convs()
     irm = fused(m)
     assert ops(irm)["Transpose"] == 4  # each SDConv wrapped: NCHW->NHWC before, NHWC->NCHW after
-    result = layout(irm)
+    result = lay_out_nhwc(irm)
     assert result.modified and result.counts["transposes cancelled"] >= 1
     assert ops(irm)["Transpose"] == 2 and ops(irm)["SDConv"] == 2  # only the graph's own edge
     assert_same(m, irm)
@@ -60,7 +60,7 @@ def test_transposes_travel_through_elementwise_ops_and_permute_their_constants()
     m = two_convs([n("Add", ["h", "bias"], ["a"]), n("Mul", ["a", "k"], ["g"])],
                   {"bias": w(1, 8, 1, 1), "k": np.array(0.5, np.float32)})
     irm = fused(m)
-    result = layout(irm)
+    result = lay_out_nhwc(irm)
     assert result.counts["transposes pushed"] >= 2
     assert ops(irm)["Transpose"] == 2
     add = next(node for node in irm.graph if node.op_type == "Add")
@@ -77,7 +77,7 @@ def test_a_4d_graph_input_meeting_nhwc_values_turns_nhwc_at_the_edge():
     m = model([c1, n("Add", ["h", "r"], ["g"]), c2], {"x": [1, 8, 6, 6], "r": [1, 8, 6, 6]}, {"y": [1, 8, 6, 6]},
               {**i1, **i2})
     irm = fused(m)
-    layout(irm)
+    lay_out_nhwc(irm)
     readers = [node for node in irm.graph if node.op_type == "Transpose" and node.inputs[0].name == "r"]
     assert len(readers) == 1 and list(readers[0].attributes["perm"].value) == [0, 2, 3, 1]
     assert ops(irm)["Transpose"] == 3  # x in, r in, y out
@@ -92,7 +92,7 @@ def test_transpose_pairs_compose(perms, left):
     shape = list(np.transpose(np.zeros((1, 2, 3, 4)), perms[0]).transpose(perms[1]).shape)
     m = model(nodes, {"x": [1, 2, 3, 4]}, {"y": shape})
     irm = to_ir(m)
-    layout(irm)
+    lay_out_nhwc(irm)
     assert ops(irm)["Transpose"] == left and ops(irm)["Relu"] == 1
     assert_same(m, irm)
 
@@ -105,7 +105,7 @@ def test_a_reshape_transpose_chain_that_only_reshapes_becomes_one_reshape():
     m = model(nodes, {"x": [1, 24]}, {"y": [1, 6, 4]},
               {"s1": np.array([1, 6, 1, 4]), "s2": np.array([1, 6, 4])})
     irm = to_ir(m)
-    result = layout(irm)
+    result = lay_out_nhwc(irm)
     assert result.counts["chains simplified"] == 1
     assert ops(irm)["Transpose"] == 0 and ops(irm)["Reshape"] == 1
     assert_same(m, irm)
@@ -113,5 +113,5 @@ def test_a_reshape_transpose_chain_that_only_reshapes_becomes_one_reshape():
 
 def test_nothing_to_do_is_reported_as_no_change():
     m = model([n("Relu", ["x"], ["y"])], {"x": [1, 8, 6, 6]}, {"y": [1, 8, 6, 6]})
-    result = layout(to_ir(m))
+    result = lay_out_nhwc(to_ir(m))
     assert not result.modified and not any(result.counts.values())

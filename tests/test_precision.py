@@ -11,7 +11,7 @@ import pytest
 
 from sdnpu.errors import SdnpuError
 from sdnpu.ops.target import get_target
-from sdnpu.passes.precision import precision
+from sdnpu.passes.precision import set_precision
 
 from .graphs import feeds_for, model, ops, run, to_ir, with_functions
 from .test_rules import lowered, n, w
@@ -53,7 +53,7 @@ def test_dispatch_ops_take_bf16_and_constants_are_stored_as_the_table_says():
     m = convs()
     irm = lowered(m)
     assert ops(irm)["CastAvx"] == 0
-    result = precision(irm, TARGET)
+    result = set_precision(irm, TARGET)
     assert result.modified
     assert result.counts["CastAvx in"] == 1 and result.counts["CastAvx out"] == 1  # none between the two convs
     for node in irm.graph:
@@ -69,7 +69,7 @@ def test_an_input_read_by_two_dispatch_ops_is_cast_once():
     m = two_projections()
     irm = lowered(m)
     assert ops(irm)["SDGemm"] == 2
-    result = precision(irm, TARGET)
+    result = set_precision(irm, TARGET)
     assert result.counts["CastAvx in"] == 1 and result.counts["CastAvx out"] == 2
     assert_close(m, irm)
 
@@ -78,7 +78,7 @@ def test_an_input_read_by_two_dispatch_ops_is_cast_once():
 def test_bfp16_takes_the_bfp_variant_where_the_activations_are_in_blocks_of_8(channels, bfp):
     m = convs(channels, side=8)
     irm = lowered(m)
-    result = precision(irm, TARGET, "bfp16")
+    result = set_precision(irm, TARGET, "bfp16")
     kinds = ops(irm)
     if bfp:
         assert result.counts["ops -> _bfp"] == 2 and kinds["SDConv_bfp"] == 2 and kinds["SDConv"] == 0
@@ -91,10 +91,10 @@ def test_bfp16_takes_the_bfp_variant_where_the_activations_are_in_blocks_of_8(ch
 def test_a_graph_without_dispatch_ops_is_left_as_it_is():
     m = model([n("Sin", ["x"], ["y"])], {"x": [2, 3]}, {"y": [2, 3]})
     irm = to_ir(m)
-    result = precision(irm, TARGET)
+    result = set_precision(irm, TARGET)
     assert not result.modified and ops(irm) == {"Sin": 1}
 
 
 def test_an_unknown_precision_is_refused():
     with pytest.raises(SdnpuError, match="unknown precision 'fp8'"):
-        precision(lowered(convs()), TARGET, "fp8")
+        set_precision(lowered(convs()), TARGET, "fp8")

@@ -22,7 +22,7 @@ from sdnpu.formats import prologue
 from sdnpu.ops.target import get_target
 from sdnpu.passes.manager import entry_name, run_passes
 from sdnpu.passes.pipeline import CompileOptions, pipeline
-from sdnpu.passes.prologue import prologue_pass
+from sdnpu.passes.prologue import cut_prologue
 
 from .graphs import feeds_for, model, run
 
@@ -195,7 +195,7 @@ def test_pack_carries_the_prologue(tmp_path, monkeypatch):
     assert (tmp_path / "packed" / prologue.FILE).read_bytes() == path.with_name(prologue.FILE).read_bytes()
 
 
-# ---- the pass by itself (``sdnpu.passes.prologue.prologue_pass``), on what the passes before it leave -----------
+# ---- the pass by itself (``sdnpu.passes.prologue.cut_prologue``), on what the passes before it leave -----------
 
 def after_cleanup(m: onnx.ModelProto) -> ir.Model:
     irm = ir.serde.deserialize_model(m)
@@ -209,7 +209,7 @@ def test_the_pass_cuts_the_step_inputs_cpu_work_into_a_model_of_its_own():
     m = step_graph()
     irm = after_cleanup(m)
     before = Counter(n.op_type for n in irm.graph)
-    result = prologue_pass(irm, get_target(), frozenset({"x", "t"}))
+    result = cut_prologue(irm, get_target(), frozenset({"x", "t"}))
     assert result.modified and result.counts == {"CPU nodes moved": 5, "values handed over": 2}
     pro = result.prologue
     moved = Counter(n.op_type for n in pro.graph)
@@ -234,6 +234,6 @@ def test_the_pass_cuts_the_step_inputs_cpu_work_into_a_model_of_its_own():
 
 def test_the_pass_leaves_a_graph_without_such_work_as_it_is():
     irm = after_cleanup(step_graph())
-    result = prologue_pass(irm, get_target(), frozenset({"not_an_input"}))
+    result = cut_prologue(irm, get_target(), frozenset({"not_an_input"}))
     assert not result.modified and prologue.KEY not in irm.metadata_props
     assert [v.name for v in irm.graph.inputs] == ["x", "t"]

@@ -199,7 +199,7 @@ def test_a_rewrite_that_breaks_a_graphs_numbers_fails_the_compile(tmp_path, monk
                           [onnx.numpy_helper.from_array(rng.standard_normal((64, 64)).astype(np.float32), "w")])
     (tmp_path / "m").mkdir()
     onnx.save(helper.make_model(g, opset_imports=[helper.make_opsetid("", 17)]), str(tmp_path / "m" / "model.onnx"))
-    real = pipeline.cleanup
+    real = pipeline.clean_up
 
     def broken(model, target):
         result = real(model, target)
@@ -213,7 +213,7 @@ def test_a_rewrite_that_breaks_a_graphs_numbers_fails_the_compile(tmp_path, monk
                 init.const_value = ir.tensor(arr, name=init.name)
         return result
 
-    monkeypatch.setattr(pipeline, "cleanup", broken)
+    monkeypatch.setattr(pipeline, "clean_up", broken)
     from sdnpu.cli import main
 
     assert main(["compile", str(tmp_path / "m" / "model.onnx"), "--out", str(tmp_path / "dd")]) == 2

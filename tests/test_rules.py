@@ -12,8 +12,9 @@ from sdnpu.formats.keys import DECLINED_TAG, RULE_TAG, VIEWS_TAG
 from sdnpu.ops.target import get_target
 from sdnpu.passes.fuse import fuse
 from sdnpu.passes.glue import lower_glue
-from sdnpu.passes.layout import layout
-from sdnpu.passes.pipeline import canonicalize, joint
+from sdnpu.passes.layout import lay_out_nhwc
+from sdnpu.passes.joint import split_joint_attention
+from sdnpu.passes.pipeline import canonicalize
 from sdnpu.passes.views import absorb_views
 
 from .graphs import feeds_for, model, ops, run, to_ir, with_functions
@@ -34,9 +35,9 @@ def lowered(m: onnx.ModelProto):
     """The canonical steps, joint, fuse, layout, glue and views: every dispatch op in place, still fp32."""
     irm = to_ir(m)
     canonicalize(irm)
-    joint(irm)
+    split_joint_attention(irm)
     fuse(irm, TARGET)
-    layout(irm)
+    lay_out_nhwc(irm)
     lower_glue(irm, TARGET)
     absorb_views(irm, TARGET)
     return irm

@@ -149,7 +149,7 @@ def test_the_transformer_is_offloaded_but_for_its_boundary(tiny_sd3):
     # the image tokens only (context_pre_only): one query part
     assert ops["SDMHA"] + ops.get("SDFlatMHA", 0) == 4 and ops["SDRMSNorm"] == 9 and ops["SDConv"] == 1
     cpu = sorted(n["op_type"] for n in report["cpu_nodes"])
-    # the unpatchify's Einsum is the Transpose it is (canonical.movement.einsum)
+    # the unpatchify's Einsum is the Transpose it is (canonical.movement.lower_einsum)
     assert cpu == sorted(["CastAvx"] * 5 + ["Transpose", "Mul", "Add", "Sin"] + ["Reshape"] * 3 + ["Transpose"]), cpu
     # measured: 90.37% (122 dispatch ops, 13 CPU nodes; the AdaLayerNorms' `1 +` folded into their SDGemm biases)
     assert summary["offload_rate"] > 0.90

@@ -382,8 +382,9 @@ def test_every_size_pair_is_rederived_as_a_full_compile_writes_it_or_compiled_in
 
 # (preset, denoiser, primary batch, other batch, why it is refused): 1 <-> 2, a dimension of 1 against one of
 # more (the passes may decide differently there); 2 -> 4, the timestep's sinusoid frequencies broadcast to the
-# batch offline (``canonical.movement.expand_into_constant``) are a constant of the primary's batch; SD3's transformer,
-# its position embedding cut for the primary (sized components it is compiled per size). All compile in full.
+# batch offline (``canonical.movement.fold_expands_into_constants``) are a constant of the primary's batch; SD3's
+# transformer, its position embedding cut for the primary (sized components it is compiled per size). All compile
+# in full.
 BATCHES = [pytest.param("tiny-sdxl-turbo", "unet", 1, 2, "a dimension of 1", id="tiny-sdxl-turbo-1-2"),
            pytest.param("tiny-sdxl", "unet", 2, 4, "the table's shape rule refuses", marks=_SWEEP,
                         id="tiny-sdxl-2-4"),

@@ -54,7 +54,7 @@ def _cube_of(v: ir.Value | None, x: ir.Value) -> list[ir.Node] | None:
 
 
 @node_rewrite("Erf GELU -> Gelu", "Mul")
-def erf_gelu(half: ir.Node) -> bool:
+def collapse_erf_gelu(half: ir.Node) -> bool:
     """x * (erf(x / sqrt 2) + 1) * 0.5, as TorchScript writes GELU below opset 20 (optimum: opset 18) -> Gelu.
     Anchored at the halving Mul."""
     for y in half.inputs:
@@ -90,7 +90,7 @@ def erf_gelu(half: ir.Node) -> bool:
 
 
 @node_rewrite("tanh GELU -> Gelu", "Tanh")
-def tanh_gelu(tanh: ir.Node) -> bool:
+def collapse_tanh_gelu(tanh: ir.Node) -> bool:
     """0.5 * x * (1 + tanh(sqrt(2/pi) * (x + 0.044715 * x^3))), as transformers' ``NewGELUActivation`` (T5's
     ``gelu_new``) exports, -> Gelu(approximate='tanh'). The cube may be Pow(x, 3) or x*x*x; the halving may
     come first (HF's ``0.5 * x * ...``) or last. Every intermediate must be read by the chain alone. Anchored
@@ -144,7 +144,7 @@ def tanh_gelu(tanh: ir.Node) -> bool:
 
 
 @node_rewrite("1 / x -> Reciprocal", "Div")
-def reciprocals(node: ir.Node) -> bool:
+def use_reciprocals(node: ir.Node) -> bool:
     """Div(1, x) is Reciprocal(x): TorchScript writes an RMSNorm's 1 / sqrt(mean + eps) so, where dynamo and
     torch's own RMSNorm write Reciprocal (or x / sqrt), and the norm rule reads one form."""
     if scalar(node.inputs[0]) != 1.0:

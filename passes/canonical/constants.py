@@ -268,7 +268,7 @@ def crop_constants(node: ir.Node) -> bool:
     return True
 
 
-def finish(model: ir.Model) -> PassResult:
+def finish_canonical_form(model: ir.Model) -> PassResult:
     """The end of the canonical form: the constants cropped for this graph's size recorded in the model's
     metadata (``SIZED_CONSTANTS_KEY``: the size specializer cannot re-derive them from another size's dispatch
     model), the unused nodes and initializers removed, the graph outputs under the names they came with (a

@@ -145,7 +145,7 @@ def _labels(sources: Sequence[ir.Value]) -> dict[ir.Value, np.ndarray] | None:
 
 
 @node_rewrite("assembled by movement -> Concat", "ScatterND")
-def assembled(node: ir.Node) -> bool:
+def concat_assembled_values(node: ir.Node) -> bool:
     """A value that data movement alone builds from a few sources (writing over constants it overwrites whole),
     which is the Concat of those sources along one axis, is that Concat (Lumina 2's joint sequence). Anchored
     at the last ScatterND of the chain."""
@@ -249,7 +249,7 @@ def _lift(b: Builder, x: ir.Value, chain: list[ir.Node], out: tuple[int, ...]) -
 
 
 @node_rewrite("stacked per-item chains -> batched", "Concat")
-def stacked(node: ir.Node) -> bool:
+def batch_stacked_chains(node: ir.Node) -> bool:
     """A Concat along axis 0 of one movement chain run on each item of a tensor, in order, is that chain run once
     on the whole batch (Lumina 2's unpatchify, one image at a time)."""
     if int(attr(node, "axis", 0)) != 0:

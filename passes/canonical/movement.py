@@ -26,7 +26,7 @@ _CHAIN_OPS = ("Reshape", "Expand")
 
 
 @node_rewrite("squeeze/unsqueeze/flatten -> reshape", "Squeeze", "Unsqueeze", "Flatten")
-def to_reshape(node: ir.Node) -> bool:
+def reshape_squeezes(node: ir.Node) -> bool:
     """Squeeze, Unsqueeze and Flatten with static shapes are a Reshape to the output's shape."""
     shape = static_shape(node.outputs[0])
     if shape is None or static_shape(node.inputs[0]) is None:
@@ -40,7 +40,7 @@ def to_reshape(node: ir.Node) -> bool:
 
 
 @node_rewrite("transpose perm written out", "Transpose")
-def explicit_perm(node: ir.Node) -> bool:
+def write_out_perms(node: ir.Node) -> bool:
     """Transpose's perm defaults to reversing the axes; the layout and glue passes read it, so write it out."""
     if "perm" in node.attributes:
         return False
@@ -52,7 +52,7 @@ def explicit_perm(node: ir.Node) -> bool:
 
 
 @node_rewrite("tiles of a size-1 axis -> Concat", "Tile")
-def tile_repeats(node: ir.Node) -> bool:
+def concat_tiles(node: ir.Node) -> bool:
     """A Tile that repeats one axis of size 1 (grouped-query attention's ``k.unsqueeze(3).repeat(1, 1, 1,
     r, 1)`` for Lumina 2's key and value heads, as TorchScript writes it) is the Concat of r copies: of the input
     viewed without that axis, along the last axis of the view, which is the Tile's output in memory. The
@@ -78,7 +78,7 @@ def tile_repeats(node: ir.Node) -> bool:
 
 
 @node_rewrite("Pad merged into Conv", "Pad")
-def pad_into_conv(node: ir.Node) -> bool:
+def merge_pad_into_conv(node: ir.Node) -> bool:
     """Pad(x, zeros on H and W) -> Conv becomes one Conv with those pads (the VAE encoder's downsampler
     pads right and bottom by one; dynamo already writes it this way). Not a cropping (negative) Pad. The Pad
     is left unread (the rewrites after sweep it)."""
@@ -103,7 +103,7 @@ def pad_into_conv(node: ir.Node) -> bool:
 
 
 @node_rewrite("Einsum -> Transpose / MatMul", "Einsum")
-def einsum(node: ir.Node) -> bool:
+def lower_einsum(node: ir.Node) -> bool:
     """An Einsum that moves data or multiplies matrices, written as those ops: one operand with every index
     once (``nhwpqc->nchpwq``, the DiTs' unpatchify) is a Transpose; two operands with no index summed alone
     or repeated are a batched MatMul between Transposes and Reshapes (``bij,bjk->bik``, ``bhqd,bhkd->bhqk``),
@@ -169,7 +169,7 @@ def _einsum_matmul(b: Builder, node: ir.Node, terms: list[str], out: str, shapes
 
 
 @node_rewrite("row-block ScatterND -> Concat", "ScatterND")
-def scatter_rows(node: ir.Node) -> bool:
+def concat_row_scatters(node: ir.Node) -> bool:
     """ScatterND with constant indices that write a block of whole rows along one axis (an in-place slice
     assignment: CogView4's ``query[:, :, text:] = rope(query[:, :, text:])``) is the Concat it is: the rows
     before the block, the updates, the rows after, whose parts the streams pass then reads apart. Found by
@@ -223,7 +223,7 @@ def scatter_rows(node: ir.Node) -> bool:
 
 
 @node_rewrite("broadcast chains -> Expand", *_CHAIN_OPS)
-def scalar_broadcast(node: ir.Node) -> bool:
+def merge_broadcast_chains(node: ir.Node) -> bool:
     """A chain of Reshape/Expand nodes from a one-element tensor (the timestep) -> one Expand. Anchored at the
     chain's last node."""
     out = node.outputs[0]
@@ -246,7 +246,7 @@ def scalar_broadcast(node: ir.Node) -> bool:
 
 
 @node_rewrite("expands folded into constants", "Mul", "Add")
-def expand_into_constant(node: ir.Node) -> bool:
+def fold_expands_into_constants(node: ir.Node) -> bool:
     """Mul/Add(Expand(s), c) with ``s`` one value and ``c`` a small constant -> Mul/Add(s, c broadcast to the
     result's shape), the broadcast done once offline: the UNet's timestep expanded to the batch, times the
     sinusoid's frequencies, is one CPU node instead of two. The same numbers (each element is s op c). A

@@ -189,7 +189,7 @@ def drop_noop_moves(node: ir.Node) -> bool:
 
 
 @node_rewrite("Where over constant rows -> Mul, Add", "Where")
-def where_to_arithmetic(node: ir.Node) -> bool:
+def rewrite_where_as_arithmetic(node: ir.Node) -> bool:
     """``Where(mask, fill, x)`` with a constant mask and a constant fill (a pad token written over the padded
     rows: Z-Image's and Lumina 2's captions) is ``x * keep + fill * mask``, with ``keep = 1 - mask``: a Mul
     and an Add that go to the NPU, where a Where stays on the CPU with a cast each way. ``fill * mask`` is

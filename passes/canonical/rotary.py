@@ -87,7 +87,7 @@ def _probe(x: ir.Value, y: ir.Value, nodes: list[ir.Node]) -> np.ndarray | None:
     return np.asarray(out)
 
 
-def signed_permutations(model: ir.Model) -> PassResult:
+def write_rotations_as_matmuls(model: ir.Model) -> PassResult:
     """Every rotation outside the edge region as a MatMul by its signed permutation (``_rotations``)."""
     graph = model.graph
     done = _rotations(graph, edge_values(graph))

@@ -63,7 +63,7 @@ def unflip_concat(node: ir.Node) -> bool:
 
 
 @node_rewrite("sinusoids -> one Sin", "Concat")
-def sincos(node: ir.Node) -> bool:
+def merge_sinusoids(node: ir.Node) -> bool:
     """Concat(Sin(a) | Cos(a), ...) along the last axis with a = Mul(x, f), f a constant along that axis ->
     Sin(Mul(x, f') + phase), f' the parts' f side by side and phase pi/2 where a part is a cosine."""
     out_shape = static_shape(node.outputs[0])

@@ -20,24 +20,25 @@ and outputs, so a runtime can swap the QNN model for the fp32 graph.
   Measured on the HTP emulator (``tests/test_htp.py`` keeps the repro): broadcast sizes 2-7 fail, 8 and more
   pass; the rule takes every operand that varies along one leading axis and is broadcast along another, as the
   fault's bounds are this compiler's and not documented.
-- **A product with a reciprocal** (``reciprocal_products``): the RMS norm as exported, which QNN fuses into an
+- **A product with a reciprocal** (``divide_reciprocal_products``): the RMS norm as exported, which QNN fuses into an
   RmsNorm that fails to compile or computes wrong, is written with a division.
-- **Rank-6 pixel shuffles** (``pixel_shuffles``): DiT's unpatchify, in rank 4.
-- **fp16's range** (``fp16_headroom``): masks' minus infinity, and values near 65504 scaled into their norms.
+- **Rank-6 pixel shuffles** (``lower_pixel_shuffles``): DiT's unpatchify, in rank 4.
+- **fp16's range** (``guard_fp16_range``): masks' minus infinity, and values near 65504 scaled into their norms.
 - **An attention's tokens padded** (``pad_attention_tokens``): a token count that is not a multiple of 64 (SD 3.5's
   4429 at 1024 px) padded to one, the padded keys masked and the padded queries dropped: QNN compiles it in seconds
   rather than many minutes and gigabytes.
-- **An attention's scores in head groups** (``attention_head_groups``): scores past 1 GiB (SD 3.5's at 1024 px,
+- **An attention's scores in head groups** (``group_attention_heads``): scores past 1 GiB (SD 3.5's at 1024 px,
   3.5 GB) computed over groups of heads, concatenated: QNN's compile of such a piece did not fit this machine.
 """
 
-from sdnpu.passes.htp.angles import exact_angles
-from sdnpu.passes.htp.dtypes import float32_tables
-from sdnpu.passes.htp.heads import attention_head_groups
-from sdnpu.passes.htp.headroom import MASK_FLOOR, clamp_masks, fp16_headroom, guards_of, scale_into_norms
-from sdnpu.passes.htp.movement import pixel_shuffles, rank6_movements
-from sdnpu.passes.htp.norms import broadcast_into_layernorm, reciprocal_products
+from sdnpu.passes.htp.angles import reduce_angles_exactly
+from sdnpu.passes.htp.dtypes import demote_float64
+from sdnpu.passes.htp.heads import group_attention_heads
+from sdnpu.passes.htp.headroom import MASK_FLOOR, clamp_masks, guard_fp16_range, guards_of, scale_into_norms
+from sdnpu.passes.htp.movement import lower_pixel_shuffles, lower_rank6_movements
+from sdnpu.passes.htp.norms import divide_reciprocal_products, rewrite_broadcast_into_layernorm
 from sdnpu.passes.htp.tokens import pad_attention_tokens
 
-__all__ = ["MASK_FLOOR", "attention_head_groups", "broadcast_into_layernorm", "clamp_masks", "exact_angles", "float32_tables", "fp16_headroom",
-           "guards_of", "pad_attention_tokens", "pixel_shuffles", "rank6_movements", "reciprocal_products", "scale_into_norms"]
+__all__ = ["MASK_FLOOR", "clamp_masks", "demote_float64", "divide_reciprocal_products", "group_attention_heads",
+           "guard_fp16_range", "guards_of", "lower_pixel_shuffles", "lower_rank6_movements", "pad_attention_tokens",
+           "reduce_angles_exactly", "rewrite_broadcast_into_layernorm", "scale_into_norms"]

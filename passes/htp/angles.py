@@ -73,7 +73,7 @@ def _site(angle: ir.Value) -> _Site | None:
     return site
 
 
-def exact_angles(model: ir.Model) -> PassResult:
+def reduce_angles_exactly(model: ir.Model) -> PassResult:
     """``Sin`` / ``Cos`` of ``x * W`` (a sinusoidal embedding: timesteps, guidance, sizes, positions times
     frequencies), with the angle reduced exactly. The HTP computes ``x * W`` in fp16, whose rounding of an angle
     of 500 rad is 0.25 rad, and its Sin and Cos drift with the argument (0.09 rad off at 500, 0.19 at 1000;

@@ -37,7 +37,7 @@ def _edge_casts(graph: ir.Graph) -> None:
             graph.outputs[i] = cast.outputs[0]
 
 
-def float32_tables(model: ir.Model) -> PassResult:
+def demote_float64(model: ir.Model) -> PassResult:
     """float64 inside the graph -> float32 (see the module's docstring)."""
     graph = model.graph
     _edge_casts(graph)

@@ -178,7 +178,7 @@ def scale_into_norms(model: ir.Model, risky: dict[str, float]) -> PassResult:
     return PassResult(modified=bool(done), counts={"linear -> norm scaled into fp16": done})
 
 
-def fp16_headroom(model: ir.Model, risky: dict[str, float]) -> PassResult:
+def guard_fp16_range(model: ir.Model, risky: dict[str, float]) -> PassResult:
     """The guards against fp16 overflow: attention masks clamped (always), and the values the fp32 check run
     found near fp16's limit scaled into the norms that read them (``risky``; empty without a check run)."""
     a, b = clamp_masks(model), scale_into_norms(model, risky)

@@ -1,4 +1,4 @@
-"""An attention's scores in head groups (``attention_head_groups``): an attention whose score tensor passes
+"""An attention's scores in head groups (``group_attention_heads``): an attention whose score tensor passes
 ``SCORES_LIMIT`` is computed as several attentions over groups of its heads, concatenated.
 
 Each head's attention is independent of the others', so ``softmax(Q Kᵀ s + mask) V`` over ``[B, H, M, N]``
@@ -210,7 +210,7 @@ def _rewrite(graph: ir.Graph, att: _Attention, sizes: list[int]) -> None:
     y.name = keep
 
 
-def attention_head_groups(model: ir.Model) -> PassResult:
+def group_attention_heads(model: ir.Model) -> PassResult:
     """Every attention whose scores pass ``SCORES_LIMIT`` in head groups (see the module's docstring)."""
     graph = model.graph
     done = groups = 0

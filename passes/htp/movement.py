@@ -28,7 +28,7 @@ def _permutation(node: ir.Node) -> tuple[int, ...] | None:
     return None
 
 
-def pixel_shuffles(model: ir.Model) -> PassResult:
+def lower_pixel_shuffles(model: ir.Model) -> PassResult:
     """Unpatchify spelled in rank 6 (DiT's ``einsum("nhwpqc->nchpwq")``, or the same permutation as a Transpose):
     QNN has no rank-6 Reshape or Transpose. A Reshape to ``[n, h, w, p, p, c]``, that permutation and a Reshape
     to ``[n, c, h*p, w*p]`` are ``DepthToSpace`` (DCR; CRD for the channel-first order ``[n, h, w, c, p, p]``)
@@ -76,7 +76,7 @@ def pixel_shuffles(model: ir.Model) -> PassResult:
     return PassResult(modified=bool(done), counts={"rank-6 pixel shuffles -> DepthToSpace": done})
 
 
-def rank6_movements(model: ir.Model) -> PassResult:
+def lower_rank6_movements(model: ir.Model) -> PassResult:
     """Any other rank-6 permutation between two Reshapes (patchify ``[n, c, h, p, w, q] -> [n, h, w, c, p, q]``,
     AuraFlow's, CogView4's, Lumina 2's and Z-Image's) as a few rank-4 ones: each step moves one axis to its
     place, the axes before it, between, and after merged into one each (``[A, B, x, D] -> [A, x, B, D]``), so no

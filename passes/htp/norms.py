@@ -91,7 +91,7 @@ def _through_noops(x: ir.Value | None) -> ir.Node | None:
     return node
 
 
-def broadcast_into_layernorm(model: ir.Model) -> PassResult:
+def rewrite_broadcast_into_layernorm(model: ir.Model) -> PassResult:
     """The HTP's fault on a broadcast Add or Mul feeding a LayerNormalization avoided (see the module's
     docstring)."""
     graph = model.graph
@@ -114,7 +114,7 @@ def broadcast_into_layernorm(model: ir.Model) -> PassResult:
     return PassResult(modified=any(counts.values()), counts=counts)
 
 
-def reciprocal_products(model: ir.Model) -> PassResult:
+def divide_reciprocal_products(model: ir.Model) -> PassResult:
     """``Mul(x, Reciprocal(d))`` -> ``Div(x, d)``. QNN 2.51 fuses the RMS norm as exported (Pow, ReduceMean, Add,
     Sqrt, Reciprocal, Mul, then a Mul by its weight) into its own RmsNorm, which fails to compile with the
     weight as the first operand (``QNN_COMMON_ERROR_MEM_ALLOC``: every T5 encoder) and computes some shapes

@@ -71,7 +71,7 @@ def _as_rank3(shape: tuple[int, ...] | None, target: tuple[int, ...] | None, kin
     """A source's [B, S, C]: its own, or a 4-D [B, S, h, d] read as one where the heads the attention reads
     (``target``: [B, H, S, D], K's [B, H, D, S]) hold its h * d channels per token: heads already apart
     ([B, S, H, D]), or grouped-query attention's key and value heads repeated ([B, S, Hkv, r * D], the Concat
-    a Tile of the heads is, ``canonical.movement.tile_repeats``). The split itself is checked on index tensors."""
+    a Tile of the heads is, ``canonical.movement.concat_tiles``). The split itself is checked on index tensors."""
     if shape is None or len(shape) != 4 or target is None or len(target) != 4:
         return shape
     b, s, h, d = shape
