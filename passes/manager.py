@@ -37,20 +37,28 @@ PassFn = Callable[[ir.Model], PassResult]
 class Group:
     """Passes under one name, run in order; their records are named ``<group>/<pass>``. With ``rounds`` above
     one it is a fixpoint loop: the steps run again, in order, until a round in which the step named ``until``
-    changed nothing, at most ``rounds`` times; a round's records are named ``<group>[<round>]/<pass>``, and
-    ``pass_names`` shows the bound (``<group>[<=rounds]/<pass>``)."""
+    changed nothing (or, where ``until`` names several, none of them did), at most ``rounds`` times; a round's
+    records are named ``<group>[<round>]/<pass>``, and ``pass_names`` shows the bound
+    (``<group>[<=rounds]/<pass>``)."""
 
     name: str
     steps: Sequence[Entry]
     rounds: int = 1
-    until: str = ""
+    until: str | tuple[str, ...] = ""
 
     def __post_init__(self) -> None:
         names = [entry_name(s) for s in self.steps]
-        if self.rounds > 1 and self.until not in names:
-            raise ValueError(f"group {self.name!r}: until={self.until!r} names none of its steps {names}")
+        missing = [u for u in self.until_steps if u not in names]
+        if self.rounds > 1 and (missing or not self.until_steps):
+            raise ValueError(f"group {self.name!r}: until={self.until!r} names "
+                             f"{', '.join(map(repr, missing)) or 'nothing'}, none of its steps {names}")
         if self.rounds < 1:
             raise ValueError(f"group {self.name!r}: rounds must be at least 1, not {self.rounds}")
+
+    @property
+    def until_steps(self) -> tuple[str, ...]:
+        """The steps whose change keeps the loop going (``until`` as a tuple)."""
+        return (self.until,) if isinstance(self.until, str) else tuple(self.until)
 
 
 Entry = tuple[str, PassFn] | Group  # a pass, or a group of them
@@ -100,7 +108,7 @@ def _run(model: ir.Model, passes: Sequence[Entry], prefix: str, records: list[Pa
                 label = f"{entry.name}[{round_}]" if entry.rounds > 1 else entry.name
                 inner = _run(model, entry.steps, f"{prefix}{label}/", records, after_each)
                 changed |= any(r.modified for r in inner.values())
-                if entry.rounds > 1 and not inner[entry.until].modified:
+                if entry.rounds > 1 and not any(inner[u].modified for u in entry.until_steps):
                     break
             results[entry.name] = PassResult(modified=changed)
             continue

@@ -87,7 +87,7 @@ from sdnpu.passes.views import absorb_views
 
 log = logging.getLogger(__name__)
 
-__all__ = ["CANONICAL", "CompileOptions", "canonicalize", "compile_model", "pass_names", "pipeline",
+__all__ = ["CANONICAL", "TABLES", "CompileOptions", "canonicalize", "compile_model", "pass_names", "pipeline",
            "standard_pipeline"]
 
 Shapes = tuple[tuple[str, tuple[int, ...]], ...]
@@ -141,8 +141,24 @@ class CompileOptions:
         return {k: list(v) for k, v in self.shapes}
 
 
+# The tables' steps (passes/canonical/tables.py): the CPU work on the graph's inputs alone, in as few nodes as it
+# takes. Each step reads the edge region afresh.
+TABLES = Group("tables", [
+    Group("rounds", [  # again until a round changes neither: sinking one Concat's unary ops can leave two
+        ("sink_unary", tables.sink_unary_ops),  # nodes the same, and a repeat gone can free a chain to sink
+        ("once", tables.compute_repeats_once),
+        ("sweep", sweep),
+    ], rounds=16, until=("sink_unary", "once")),
+    ("chains", tables.collapse_table_chains),
+    ("sweep", sweep),
+    ("once", tables.compute_repeats_once),  # what collapsed chains compute twice, once (the rounds left none else)
+    ("sweep", sweep),
+    ("float32", tables.demote_float64_tables),
+    ("sweep", sweep),
+])
+
 # The canonical steps, in the order they run (the order constraints beside them). Each is a pass of its own:
-# timed and recorded as ``canonical/<step>``; the two fixpoint loops are groups with their bound.
+# timed and recorded as ``canonical/<step>``; the fixpoint loops are groups with their bound.
 CANONICAL = Group("canonical", [
     ("opset", constants.raise_opset),  # first: the converter may write a new graph; notes its outputs for finish
     ("constants", constants.lift_constants),
@@ -181,7 +197,7 @@ CANONICAL = Group("canonical", [
     ("sweep", sweep),  # the sinusoids' old halves still read the timestep's Expand
     ("expand_consts", movement.fold_expands_into_constants),  # after broadcasts: one Expand of the timestep
     ("sweep", sweep),
-    ("tables", tables.simplify),  # the CPU work on the inputs alone, in as few nodes as it takes
+    TABLES,  # the CPU work on the inputs alone, in as few nodes as it takes
     ("rotary", rotary.write_rotations_as_matmuls),  # after tables: the edge region it leaves alone is the tables' form
     Group("crop_rounds", [  # again until a round crops nothing: a crop can make another node's input constant
         ("crop", constants.crop_constants),

@@ -17,7 +17,9 @@ from onnx import helper
 
 from sdnpu.onnxrun import run_onnx
 from sdnpu.passes.canonical import tables
-from sdnpu.passes.canonical.tables import simplify_tables
+from sdnpu.passes.canonical.driver import sweep
+from sdnpu.passes.manager import run_passes
+from sdnpu.passes.pipeline import TABLES
 
 from .graphs import model, ops, rewritten
 
@@ -47,7 +49,9 @@ def test_the_rotary_tables_collapse_at_any_token_count(tokens, tmp_path):
     path = tmp_path / "angles.onnx"
     torch.onnx.export(_Angles().eval(), (ids,), str(path), input_names=["ids"], output_names=["table"], dynamo=True)
     model = ir.load(path)
-    counts = simplify_tables(model.graph)
+    counts: Counter[str] = Counter()
+    for record in run_passes(model, [TABLES]):  # the tables' steps, as CANONICAL runs them
+        counts.update(record.result.counts)
     assert counts["table chains -> gather and scale"] == 1, counts
     ops = Counter(n.op_type for n in model.graph)
     assert ops["Gather"] == 1 and ops["Mul"] == 1 and ops["Cos"] == 1 and ops["Expand"] == 0, ops
@@ -67,7 +71,7 @@ def test_the_same_unary_op_on_every_part_runs_once_below_the_concat(second, sink
     m = model([helper.make_node("Reshape", ["a", "flat"], ["fa"]), helper.make_node("Cos", ["fa"], ["ca"]),
                helper.make_node(second, ["b"], ["cb"]), helper.make_node("Concat", ["ca", "cb"], ["y"], axis=-1)],
               {"a": [2, 3, 1], "b": [2, 3]}, {"y": [2, 6]}, {"flat": np.array([2, 3])})
-    irm, counts = rewritten(m, tables.simplify)
+    irm, counts = rewritten(m, tables.sink_unary_ops, sweep)
     assert counts["unary ops moved below data movement"] == int(sinks)
     assert dict(ops(irm)) == ({"Reshape": 1, "Concat": 1, "Cos": 1} if sinks else
                               {"Reshape": 1, "Cos": 1, "Sin": 1, "Concat": 1})
@@ -79,6 +83,6 @@ def test_a_value_computed_twice_is_computed_once(other, once):
     miss: the second reads another input."""
     m = model([helper.make_node("Sin", ["ids"], ["s1"]), helper.make_node("Sin", [other], ["s2"]),
                helper.make_node("Mul", ["s1", "s2"], ["y"])], {"ids": [4], "ids2": [4]}, {"y": [4]})
-    irm, counts = rewritten(m, tables.simplify)
+    irm, counts = rewritten(m, tables.compute_repeats_once, sweep)
     assert counts["repeated table ops computed once"] == int(once)
     assert dict(ops(irm)) == {"Sin": 1 if once else 2, "Mul": 1}

@@ -46,12 +46,24 @@ def test_a_group_names_its_steps_and_a_loop_its_rounds():
                                                  "g/loop[2]/d", "g/loop[3]/c", "g/loop[3]/d", "e"]
 
 
+def test_a_loop_until_several_steps_goes_on_while_any_of_them_changes():
+    """``until`` naming several steps: a round in which none of them changed anything ends the loop (the tables'
+    rounds: sinking unary ops and computing repeats once, either of which can give the other work)."""
+    passes = [Group("loop", [("a", counting(1)), ("b", counting(3)), ("c", busy)], rounds=6, until=("a", "b"))]
+    assert list(pass_list_names(passes)) == ["loop[<=6]/a", "loop[<=6]/b", "loop[<=6]/c"]
+    records = run_passes(_model(), passes)
+    # a changes in round 1, b in rounds 1-3; round 4 changes neither (c always changes: it is not asked)
+    assert [r.name for r in records if r.name.endswith("/a")] == [f"loop[{i}]/a" for i in range(1, 5)]
+
+
 def test_a_loop_stops_at_its_bound():
     records = run_passes(_model(), [Group("loop", [("x", busy)], rounds=3, until="x")])
     assert [r.name for r in records] == ["loop[1]/x", "loop[2]/x", "loop[3]/x"]
 
 
-@pytest.mark.parametrize(("rounds", "until", "message"), [(3, "nothing", "names none of its steps"),
+@pytest.mark.parametrize(("rounds", "until", "message"), [(3, "nothing", "names 'nothing', none of its steps"),
+                                                          (3, ("x", "y"), "names 'y', none of its steps"),
+                                                          (3, (), "names nothing, none of its steps"),
                                                           (0, "", "at least 1")])
 def test_a_loop_must_say_when_it_ends(rounds, until, message):
     with pytest.raises(ValueError, match=message):
@@ -73,4 +85,5 @@ def test_pass_names_lists_every_canonical_step_and_its_loops():
     assert names[:len(canonical)] == canonical == list(pass_list_names([CANONICAL]))
     assert canonical[0] == "canonical/opset" and canonical[-1] == "canonical/finish"
     assert "canonical/fold_rounds[<=10]/fold_small" in canonical and "canonical/crop_rounds[<=8]/crop" in canonical
+    assert "canonical/tables/rounds[<=16]/sink_unary" in canonical
     assert pass_names(CompileOptions(), steps=False)[:2] == ["canonical", "joint"]

@@ -18,18 +18,22 @@ make them the few ops they are, each exact:
   each element's constant, 1, 2, 3, ... which element it reads; a random input checks the result).
 
 Only values in the edge region change: nothing that a dispatch op computes, nothing a rule matches.
+
+Each rewrite is a step of its own (``sink_unary_ops``, ``compute_repeats_once``, ``collapse_table_chains``, and
+``demote_float64_tables`` for the float64 islands), declared in order with their fixpoint loop in
+``sdnpu.passes.pipeline`` (the ``tables`` group of ``CANONICAL``). Each reads the edge region afresh
+(``edge_values``): the region is a function of the graph, and a rewrite only puts edge values in the place of
+edge values, so reading it again finds what one reading kept up to date would.
 """
 
 from __future__ import annotations
-
-from collections import Counter
 
 import numpy as np
 import onnx_ir as ir
 from onnx import helper
 from onnx.reference import ReferenceEvaluator
 
-from sdnpu.passes.irutil import Builder, attr, remove_dead_nodes, reroute, static_shape
+from sdnpu.passes.irutil import Builder, attr, reroute, static_shape
 from sdnpu.passes.manager import PassResult
 from sdnpu.passes.provenance import step
 
@@ -366,30 +370,26 @@ def _single_precision(graph: ir.Graph, edge: set[ir.Value]) -> int:
     return done
 
 
-def simplify(model: ir.Model) -> PassResult:
-    """The tables' rewrites as a canonical step (``simplify_tables``)."""
-    counts = simplify_tables(model.graph)
-    return PassResult(modified=bool(sum(counts.values())), counts=dict(counts))
+def sink_unary_ops(model: ir.Model) -> PassResult:
+    """Concat(u(move(a)), u(move(b)), ...) -> u(Concat(move(a), move(b), ...)) in the edge region
+    (``_sink_unary``)."""
+    done = _sink_unary(model.graph, edge_values(model.graph))
+    return PassResult(modified=bool(done), counts={"unary ops moved below data movement": done})
 
 
-def simplify_tables(graph: ir.Graph) -> Counter[str]:
-    """The three rewrites over the edge region, which is read once (``edge_values``; the nodes the first rewrite
-    makes join it): unary ops sunk below Concats and repeated ops computed once, in rounds until neither changes
-    anything (at most 16), then the per-row gathers and scales, then the float64 islands in float32."""
-    counts: Counter[str] = Counter()
-    edge = edge_values(graph)
-    for _ in range(16):
-        done = Counter({"unary ops moved below data movement": _sink_unary(graph, edge),
-                        "repeated table ops computed once": _once(graph, edge)})
-        remove_dead_nodes(graph)
-        counts += done
-        if not sum(done.values()):
-            break
-    counts["table chains -> gather and scale"] = _gather_scale(graph, edge)
-    if counts["table chains -> gather and scale"]:
-        remove_dead_nodes(graph)
-        counts["repeated table ops computed once"] += _once(graph, edge)
-        remove_dead_nodes(graph)
-    counts["float64 tables computed in float32"] = _single_precision(graph, edge)
-    remove_dead_nodes(graph)
-    return counts
+def compute_repeats_once(model: ir.Model) -> PassResult:
+    """The same op on the same inputs in the edge region computed once (``_once``)."""
+    done = _once(model.graph, edge_values(model.graph))
+    return PassResult(modified=bool(done), counts={"repeated table ops computed once": done})
+
+
+def collapse_table_chains(model: ir.Model) -> PassResult:
+    """A per-row gather and scale written as one (``_gather_scale``)."""
+    done = _gather_scale(model.graph, edge_values(model.graph))
+    return PassResult(modified=bool(done), counts={"table chains -> gather and scale": done})
+
+
+def demote_float64_tables(model: ir.Model) -> PassResult:
+    """A float64 island of the edge region computed in float32 (``_single_precision``)."""
+    done = _single_precision(model.graph, edge_values(model.graph))
+    return PassResult(modified=bool(done), counts={"float64 tables computed in float32": done})
