@@ -14,7 +14,7 @@ from sdnpu.passes.layout import lay_out_nhwc
 from sdnpu.passes.pipeline import canonicalize
 
 from .graphs import feeds_for, model, ops, run, to_ir, with_functions
-from .test_rules import n, w
+from .lowering import n, w
 
 TARGET = get_target()
 

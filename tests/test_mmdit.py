@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 
 from .graphs import model, ops
-from .test_rules import assert_same, declined, dispatch_ops, lowered, n, w
+from .lowering import assert_same, declined, dispatch_ops, lowered, n, w
 
 B, S1, S2, H, D = 2, 6, 3, 2, 4
 C = H * D

@@ -12,7 +12,7 @@ from onnx import TensorProto, helper
 from sdnpu.passes import movement
 
 from .graphs import model, run, to_ir
-from .test_rules import n, w
+from .lowering import n, w
 
 
 def chain_graph() -> onnx.ModelProto:

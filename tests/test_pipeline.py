@@ -1,5 +1,6 @@
 """The whole compiler on tiny-sdxl: the expected dispatch-op table per component, the CPU nodes and why,
-every pass keeping the numbers, and the bf16 fidelity against PyTorch's own bf16 run."""
+every pass keeping the numbers, and the bf16 fidelity against PyTorch's own bf16 run; the standard pipeline
+(qnn-htp) on small graphs: the graph's signature kept, and its first step's (``prepare``) constants."""
 
 from __future__ import annotations
 
@@ -11,6 +12,8 @@ import numpy as np
 import onnx
 import pytest
 import torch
+from onnx import TensorProto as T
+from onnx import helper
 
 from sdnpu.convert import resolve_source
 from sdnpu.convert.compile import fidelity, run_onnx
@@ -20,7 +23,8 @@ from sdnpu.passes.modelfile import load
 from sdnpu.passes.pipeline import CompileOptions, compile_model, pass_names
 from sdnpu.signatures import sample_inputs, signature
 
-from .graphs import run, to_proto
+from .graphs import ops, run, to_ir, to_proto
+from .htp_graphs import patch_embed, same
 
 # Dispatch ops per component for tiny-sdxl exported by dynamo (opset 20) under amd-xdna2, and the CPU nodes left.
 # The UNet's CPU nodes: the two sinusoidal embeddings (Mul, Add, Sin each in fp32; the time_ids' Reshape; the
@@ -331,3 +335,39 @@ def test_every_pass_reports_modified_truthfully(tiny_conversion):
     assert [n for r, n, c in seen if r == 0 and c] == ["fuse", "layout", "glue", "views", "precision", "cleanup",
                                                       "partition"]
     assert [n for r, n, c in seen if r == 1 and c] == ["canonical/fold", "canonical/finish"]
+
+
+# --- the standard pipeline (qnn-htp) on small graphs: its signature, its prepare step -----------------------------
+
+def test_the_standard_pipeline_keeps_the_graphs_signature():
+    m = patch_embed()
+    after = to_ir(m)
+    compile_model(after, CompileOptions.named("qnn-htp"))
+    proto = to_proto(after)
+    assert [(i.name, i.type) for i in proto.graph.input] == [(i.name, i.type) for i in m.graph.input]
+    assert [o.name for o in proto.graph.output] == [o.name for o in m.graph.output]
+    same(m, proto)
+
+
+def test_a_constant_of_a_constant_shape_becomes_the_initializer_it_makes():
+    """onnxruntime folds it before QNN sees the graph (ONNX's expanded LayerNorm counts its axes so: QNN took those
+    node tests whole while the table refused the ConstantOfShape); onnxscript's folder leaves it. One whose shape
+    is not a constant stays."""
+    fill = onnx.numpy_helper.from_array(np.asarray([0.5], np.float32))
+    nodes = [helper.make_node("ConstantOfShape", ["dims"], ["half"], value=fill),
+             helper.make_node("Add", ["x", "half"], ["y"]),
+             helper.make_node("Shape", ["x"], ["xs"]),
+             helper.make_node("ConstantOfShape", ["xs"], ["zeros"]), helper.make_node("Add", ["y", "zeros"], ["z"])]
+    g = helper.make_graph(nodes, "g", [helper.make_tensor_value_info("x", T.FLOAT, ["n", 4])],
+                          [helper.make_tensor_value_info("z", T.FLOAT, ["n", 4])],
+                          [onnx.numpy_helper.from_array(np.asarray([4], np.int64), "dims")])
+    m = helper.make_model(g, opset_imports=[helper.make_opsetid("", 20)])
+    after = to_ir(m)
+    records = compile_model(after, CompileOptions.named("qnn-htp"))
+    assert records[0].result.counts["ConstantOfShape of a constant shape -> initializer"] == 1
+    assert ops(after)["ConstantOfShape"] == 1  # the dynamic one
+    proto = to_proto(after)
+    onnx.checker.check_model(proto, full_check=True)
+    x = {"x": np.random.default_rng(0).standard_normal((3, 4)).astype(np.float32)}
+    np.testing.assert_array_equal(run(proto, x)[0], x["x"] + 0.5)
+    np.testing.assert_array_equal(run(m, x)[0], run(proto, x)[0])

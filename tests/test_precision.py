@@ -14,7 +14,7 @@ from sdnpu.ops.target import get_target
 from sdnpu.passes.precision import set_precision
 
 from .graphs import feeds_for, model, ops, run, to_ir, with_functions
-from .test_rules import lowered, n, w
+from .lowering import lowered, n, w
 
 TARGET = get_target()
 # a few bf16 roundings (operands and outputs of two convolutions) on values of order 1: measured under 2**-7

@@ -222,38 +222,6 @@ def test_a_rewrite_that_breaks_a_graphs_numbers_fails_the_compile(tmp_path, monk
     assert not (tmp_path / "dd").exists()
 
 
-def test_one_value_moved_for_several_readers_is_moved_once(tmp_path):
-    """An input read by three convolutions: precision and layout cast it and move it into NHWC for each reader,
-    and the three identical casts and Transposes are one each after cleanup; the dispatch model computes what the
-    graph computes."""
-    import numpy as np
-    from onnx import TensorProto as T
-    from onnx import helper
-    from onnx import numpy_helper as nh
-
-    from sdnpu.convert.compile import compile_file
-
-    rng = np.random.default_rng(0)
-    nodes, inits = [], []
-    for i in range(3):
-        inits += [nh.from_array(rng.standard_normal((8, 4, 3, 3)).astype(np.float32), f"w{i}"),
-                  nh.from_array(rng.standard_normal(8).astype(np.float32), f"b{i}")]
-        nodes.append(helper.make_node("Conv", ["x", f"w{i}", f"b{i}"], [f"c{i}"], pads=[1, 1, 1, 1]))
-    nodes += [helper.make_node("Add", ["c0", "c1"], ["s"]), helper.make_node("Add", ["s", "c2"], ["y"])]
-    graph = helper.make_graph(nodes, "three_readers", [helper.make_tensor_value_info("x", T.FLOAT, [1, 4, 16, 16])],
-                              [helper.make_tensor_value_info("y", T.FLOAT, [1, 8, 16, 16])], initializer=inits)
-    (tmp_path / "m").mkdir()
-    onnx.save(helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)]), str(tmp_path / "m" / "model.onnx"))
-    report = compile_file(tmp_path / "m" / "model.onnx", tmp_path / "dd")
-    dd = onnx.load(str(tmp_path / "dd" / "replaced.onnx"))
-    moves = [n for n in dd.graph.node if n.op_type == "Transpose"]
-    assert len(moves) == 2 and len({tuple(n.input) for n in moves}) == 2  # the input's once, the output's once
-    cleanup = next(p for p in report["passes"] if p["name"] == "cleanup")
-    assert cleanup["counts"]["repeated nodes merged"] == 4  # its CastAvx and its Transpose, two repeats each
-    assert sum(n.op_type == "CastAvx" and "x" in n.input for n in dd.graph.node) == 1
-    assert report["fidelity"]["min_cosine"] > 0.999
-
-
 def test_an_attention_left_on_the_cpu_names_its_mask_and_its_heads(tmp_path):
     """A decoder-only text encoder (transformers' Llama, as HiDream's: grouped-query heads, a causal mask computed
     in the graph), exported with dynamo: its attentions stay on the CPU, and their products and softmax say why

@@ -17,7 +17,7 @@ and outputs, so a runtime can swap the QNN model for the fp32 graph.
   wrong, and a ``Sub`` of the same broadcast is exact. So ``Add(x, k)`` becomes ``Sub(x, -k)`` (the constant
   negated offline, a computed one through ``Neg``: exact), and under a ``Mul`` the norm is written out
   (ReduceMean, Sub, Mul, ReduceMean, Add, Sqrt, Div, then its scale and bias): the same to fp16's rounding.
-  Measured on the HTP emulator (``tests/test_htp.py`` keeps the repro): broadcast sizes 2-7 fail, 8 and more
+  Measured on the HTP emulator (``tests/test_htp_norms.py`` keeps the repro): broadcast sizes 2-7 fail, 8 and more
   pass; the rule takes every operand that varies along one leading axis and is broadcast along another, as the
   fault's bounds are this compiler's and not documented.
 - **A product with a reciprocal** (``divide_reciprocal_products``): the RMS norm as exported, which QNN fuses into an

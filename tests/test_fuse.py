@@ -1,5 +1,6 @@
-"""Each fusion rule and glue lowering on tiny graphs: what must become the target's ops (and compute the same),
-what must not (and the reason it gives), in the spellings the exporters write."""
+"""The fuse pass (``sdnpu.passes.fuse``): each fusion rule on tiny graphs, through the passes up to views: what
+must become the target's ops (and compute the same), what must not (and the reason it gives), in the spellings
+the exporters write."""
 
 from __future__ import annotations
 
@@ -8,57 +9,15 @@ import onnx
 import pytest
 from onnx import helper
 
-from sdnpu.formats.keys import DECLINED_TAG, RULE_TAG, VIEWS_TAG
-from sdnpu.ops.target import get_target
+from sdnpu.formats.keys import RULE_TAG
 from sdnpu.passes.fuse import fuse
-from sdnpu.passes.glue import lower_glue
-from sdnpu.passes.layout import lay_out_nhwc
-from sdnpu.passes.joint import split_joint_attention
 from sdnpu.passes.pipeline import canonicalize
-from sdnpu.passes.views import absorb_views
 
-from .graphs import feeds_for, model, ops, run, to_ir, with_functions
-
-R = np.random.default_rng(0)
-TARGET = get_target()
+from .graphs import model, ops, to_ir
+from .lowering import TARGET, assert_same, declined, dispatch_ops, lowered, n, w
 
 
-def w(*shape: int) -> np.ndarray:
-    return (R.standard_normal(shape) * 0.2).astype(np.float32)
-
-
-def n(op: str, ins: list[str], outs: list[str], **attrs) -> onnx.NodeProto:
-    return helper.make_node(op, ins, outs, **attrs)
-
-
-def lowered(m: onnx.ModelProto):
-    """The canonical steps, joint, fuse, layout, glue and views: every dispatch op in place, still fp32."""
-    irm = to_ir(m)
-    canonicalize(irm)
-    split_joint_attention(irm)
-    fuse(irm, TARGET)
-    lay_out_nhwc(irm)
-    lower_glue(irm, TARGET)
-    absorb_views(irm, TARGET)
-    return irm
-
-
-def assert_same(m: onnx.ModelProto, irm, atol: float = 1e-5) -> None:
-    """The lowered model computes what the original did (fp32: no pass before precision changes precision)."""
-    feeds = feeds_for(m)
-    for a, b in zip(run(m, feeds), run(with_functions(irm, TARGET), feeds), strict=True):
-        np.testing.assert_allclose(b, a, rtol=1e-5, atol=atol)
-
-
-def dispatch_ops(irm) -> dict[str, int]:
-    return {k: v for k, v in ops(irm).items() if TARGET.is_dispatch(TARGET.domain, k)}
-
-
-def declined(irm) -> list[str]:
-    return [node.metadata_props[DECLINED_TAG] for node in irm.graph if DECLINED_TAG in node.metadata_props]
-
-
-# ---- graphs as the exporters write them ----------------------------------------------------------------
+# --- graphs as the exporters write them ---------------------------------------------------------------------------
 
 def conv_silu():
     return model([n("Conv", ["x", "w", "b"], ["c"], pads=[1, 1, 1, 1]), n("Sigmoid", ["c"], ["s"]),
@@ -217,28 +176,7 @@ def test_geglu_from_no_linear_layer_is_written_with_registry_ops():
     assert_same(m, irm)
 
 
-def test_views_are_absorbed_by_the_op_that_reads_them():
-    """GroupNorm [B, C, H, W] -> [B, H*W, C] -> Linear: the Reshape between them goes; SDGemm reads the NHWC
-    tensor as [B, H*W, C] (its input_shape) and records the view."""
-    nodes = [n("Reshape", ["x", "g_shape"], ["r"]), n("InstanceNormalization", ["r", "ones", "zeros"], ["i"]),
-             n("Reshape", ["i", "x_shape"], ["r2"]), n("Mul", ["r2", "gamma"], ["m"]), n("Add", ["m", "beta"], ["gn"]),
-             n("Transpose", ["gn"], ["t"], perm=[0, 2, 3, 1]), n("Reshape", ["t", "flat"], ["f"]),
-             n("MatMul", ["f", "wl"], ["y"])]
-    m = model(nodes, {"x": [2, 8, 4, 4]}, {"y": [2, 16, 6]},
-              {"g_shape": np.array([0, 4, -1]), "x_shape": np.array([2, 8, 4, 4]), "ones": np.ones(4, np.float32),
-               "zeros": np.zeros(4, np.float32), "gamma": w(8, 1, 1) + 1, "beta": w(8, 1, 1),
-               "flat": np.array([2, 16, 8]), "wl": w(8, 6)})
-    irm = lowered(m)
-    assert dispatch_ops(irm) == {"SDGroupNorm": 1, "SDGemm": 1}
-    assert "Reshape" not in ops(irm)
-    gemm = next(x for x in irm.graph if x.op_type == "SDGemm")
-    assert list(gemm.attributes["input_shape"].value) == [2, 16, 8]
-    assert gemm.inputs[0].producer().op_type == "SDGroupNorm"  # reads [2, 4, 4, 8] through its view
-    assert gemm.metadata_props[VIEWS_TAG] == "0:2x4x4x8>2x16x8"
-    assert_same(m, irm)
-
-
-# ---- near misses: must not fuse, and say why ---------------------------------------------------------
+# --- near misses: must not fuse, and say why ----------------------------------------------------------------------
 
 def conv_dynamic_weight():
     return model([n("Conv", ["x", "w"], ["y"])], {"x": [1, 4, 6, 6], "w": [8, 4, 3, 3]}, {"y": [1, 8, 4, 4]})
@@ -324,61 +262,4 @@ def test_near_miss_does_not_fuse_and_says_why(build, anchor_op, reason):
     irm = lowered(m)
     assert any(reason in why for why in declined(irm)), declined(irm)
     assert ops(irm)[anchor_op] >= 1
-    assert_same(m, irm)
-
-
-def test_arithmetic_among_cpu_values_stays_fp32_on_the_cpu():
-    """The sinusoid's argument t * f reaches ~1000 rad, where bf16's step is 4 rad: the Mul feeding only Sin
-    must not become an SDMul, and says why."""
-    m = model([n("Mul", ["t", "f"], ["a"]), n("Sin", ["a"], ["s"]), n("MatMul", ["s", "wl"], ["y"])],
-              {"t": [2, 1]}, {"y": [2, 6]}, {"f": np.exp(-np.arange(8, dtype=np.float32))[None], "wl": w(8, 6)})
-    irm = lowered(m)
-    assert dispatch_ops(irm) == {"SDGemm": 1} and ops(irm)["Mul"] == 1
-    mul = next(x for x in irm.graph if x.op_type == "Mul")
-    assert "computes on CPU values only" in mul.metadata_props[DECLINED_TAG]
-
-
-def test_sub_and_div_by_constants_become_add_and_mul():
-    m = model([n("MatMul", ["x", "wl"], ["g"]), n("Gelu", ["g"], ["h"]), n("Sub", ["h", "c"], ["d"]),
-               n("Div", ["d", "k"], ["y"])],
-              {"x": [2, 5, 8]}, {"y": [2, 5, 6]}, {"wl": w(8, 6), "c": w(6), "k": np.array(2.5, np.float32)})
-    irm = lowered(m)
-    assert dispatch_ops(irm) == {"SDGemm": 1, "SDGelu": 1, "SDAdd": 1, "SDMul": 1}
-    add = next(x for x in irm.graph if x.op_type == "SDAdd")
-    assert add.attributes["is_bias_add"].value == 1 and list(add.attributes["b_shape"].value) == [6]
-    assert_same(m, irm)
-
-
-def tanh_gelu(spelling: str, coeff: float = 0.044715, also_read: bool = False) -> onnx.ModelProto:
-    """0.5 x (1 + tanh(sqrt(2/pi) (x + c x^3))) after a linear layer, in the spellings exporters write."""
-    c = {"half": np.array(0.5, np.float32), "one": np.array(1.0, np.float32), "three": np.array(3.0, np.float32),
-         "k": np.array(coeff, np.float32), "r": np.array(np.sqrt(2 / np.pi), np.float32), "wl": w(8, 6)}
-    cube = [n("Pow", ["h", "three"], ["h3"])] if spelling != "cube_mul" else \
-        [n("Mul", ["h", "h"], ["h2"]), n("Mul", ["h2", "h"], ["h3"])]
-    body = [n("MatMul", ["x", "wl"], ["h"]), *cube, n("Mul", ["h3", "k"], ["kc"]), n("Add", ["h", "kc"], ["in"]),
-            n("Mul", ["r", "in"], ["arg"]), n("Tanh", ["arg"], ["t"]), n("Add", ["t", "one"], ["u"])]
-    if spelling == "half_last":  # TorchScript's approximate='tanh'
-        body += [n("Mul", ["h", "u"], ["hu"]), n("Mul", ["hu", "half"], ["y"])]
-    else:  # transformers' gelu_new (T5): 0.5 * x * (1 + tanh(...))
-        body += [n("Mul", ["h", "half"], ["hh"]), n("Mul", ["hh", "u"], ["y"])]
-    outs = {"y": [2, 5, 6]} | ({"t": [2, 5, 6]} if also_read else {})
-    return model(body, {"x": [2, 5, 8]}, outs, c)
-
-
-@pytest.mark.parametrize("spelling", ["half_last", "half_first", "cube_mul"])
-def test_a_written_out_tanh_gelu_is_sdgelu(spelling):
-    m = tanh_gelu(spelling)
-    irm = lowered(m)
-    assert dispatch_ops(irm) == {"SDGemm": 1, "SDGelu": 1}
-    gelu = next(x for x in irm.graph if x.op_type == "SDGelu")
-    assert gelu.attributes["approximate"].value == "tanh"
-    assert_same(m, irm)
-
-
-@pytest.mark.parametrize("coeff,also_read", [(0.04, False), (0.044715, True)])
-def test_a_tanh_gelu_near_miss_stays_as_written(coeff, also_read):
-    """Another cube coefficient is not GELU; a tanh read elsewhere too must stay to be read."""
-    m = tanh_gelu("half_first", coeff, also_read)
-    irm = lowered(m)
-    assert "SDGelu" not in dispatch_ops(irm) and ops(irm).get("Tanh") == 1
     assert_same(m, irm)

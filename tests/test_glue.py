@@ -1,0 +1,72 @@
+"""The glue pass (``sdnpu.passes.glue``) on tiny graphs, through the passes up to views: the element-wise ops
+between the fused families as the target's ops where they touch the NPU (a Sub or Div by a constant as an Add
+or Mul, a written-out tanh GELU as SDGelu), computing the same; arithmetic among CPU values left on the CPU,
+saying why."""
+
+from __future__ import annotations
+
+import numpy as np
+import onnx
+import pytest
+
+from sdnpu.formats.keys import DECLINED_TAG
+
+from .graphs import model, ops
+from .lowering import assert_same, dispatch_ops, lowered, n, w
+
+
+def test_arithmetic_among_cpu_values_stays_fp32_on_the_cpu():
+    """The sinusoid's argument t * f reaches ~1000 rad, where bf16's step is 4 rad: the Mul feeding only Sin
+    must not become an SDMul, and says why."""
+    m = model([n("Mul", ["t", "f"], ["a"]), n("Sin", ["a"], ["s"]), n("MatMul", ["s", "wl"], ["y"])],
+              {"t": [2, 1]}, {"y": [2, 6]}, {"f": np.exp(-np.arange(8, dtype=np.float32))[None], "wl": w(8, 6)})
+    irm = lowered(m)
+    assert dispatch_ops(irm) == {"SDGemm": 1} and ops(irm)["Mul"] == 1
+    mul = next(x for x in irm.graph if x.op_type == "Mul")
+    assert "computes on CPU values only" in mul.metadata_props[DECLINED_TAG]
+
+
+def test_sub_and_div_by_constants_become_add_and_mul():
+    m = model([n("MatMul", ["x", "wl"], ["g"]), n("Gelu", ["g"], ["h"]), n("Sub", ["h", "c"], ["d"]),
+               n("Div", ["d", "k"], ["y"])],
+              {"x": [2, 5, 8]}, {"y": [2, 5, 6]}, {"wl": w(8, 6), "c": w(6), "k": np.array(2.5, np.float32)})
+    irm = lowered(m)
+    assert dispatch_ops(irm) == {"SDGemm": 1, "SDGelu": 1, "SDAdd": 1, "SDMul": 1}
+    add = next(x for x in irm.graph if x.op_type == "SDAdd")
+    assert add.attributes["is_bias_add"].value == 1 and list(add.attributes["b_shape"].value) == [6]
+    assert_same(m, irm)
+
+
+def tanh_gelu(spelling: str, coeff: float = 0.044715, also_read: bool = False) -> onnx.ModelProto:
+    """0.5 x (1 + tanh(sqrt(2/pi) (x + c x^3))) after a linear layer, in the spellings exporters write."""
+    c = {"half": np.array(0.5, np.float32), "one": np.array(1.0, np.float32), "three": np.array(3.0, np.float32),
+         "k": np.array(coeff, np.float32), "r": np.array(np.sqrt(2 / np.pi), np.float32), "wl": w(8, 6)}
+    cube = [n("Pow", ["h", "three"], ["h3"])] if spelling != "cube_mul" else \
+        [n("Mul", ["h", "h"], ["h2"]), n("Mul", ["h2", "h"], ["h3"])]
+    body = [n("MatMul", ["x", "wl"], ["h"]), *cube, n("Mul", ["h3", "k"], ["kc"]), n("Add", ["h", "kc"], ["in"]),
+            n("Mul", ["r", "in"], ["arg"]), n("Tanh", ["arg"], ["t"]), n("Add", ["t", "one"], ["u"])]
+    if spelling == "half_last":  # TorchScript's approximate='tanh'
+        body += [n("Mul", ["h", "u"], ["hu"]), n("Mul", ["hu", "half"], ["y"])]
+    else:  # transformers' gelu_new (T5): 0.5 * x * (1 + tanh(...))
+        body += [n("Mul", ["h", "half"], ["hh"]), n("Mul", ["hh", "u"], ["y"])]
+    outs = {"y": [2, 5, 6]} | ({"t": [2, 5, 6]} if also_read else {})
+    return model(body, {"x": [2, 5, 8]}, outs, c)
+
+
+@pytest.mark.parametrize("spelling", ["half_last", "half_first", "cube_mul"])
+def test_a_written_out_tanh_gelu_is_sdgelu(spelling):
+    m = tanh_gelu(spelling)
+    irm = lowered(m)
+    assert dispatch_ops(irm) == {"SDGemm": 1, "SDGelu": 1}
+    gelu = next(x for x in irm.graph if x.op_type == "SDGelu")
+    assert gelu.attributes["approximate"].value == "tanh"
+    assert_same(m, irm)
+
+
+@pytest.mark.parametrize("coeff,also_read", [(0.04, False), (0.044715, True)])
+def test_a_tanh_gelu_near_miss_stays_as_written(coeff, also_read):
+    """Another cube coefficient is not GELU; a tanh read elsewhere too must stay to be read."""
+    m = tanh_gelu("half_first", coeff, also_read)
+    irm = lowered(m)
+    assert "SDGelu" not in dispatch_ops(irm) and ops(irm).get("Tanh") == 1
+    assert_same(m, irm)
