@@ -209,3 +209,22 @@ def test_every_relative_link_resolves(page):
             headings = {re.sub(r"[^\w\- ]", "", h).strip().lower().replace(" ", "-")
                         for h in re.findall(r"^#+ (.+)$", dest.read_text(), re.M)}
             assert anchor in headings, f"{page.name}: {target}: no heading #{anchor} in {dest.name}"
+
+
+MAPPED = ("sdnpu", "sdnpu/formats", "sdnpu/backends", "convert", "convert/blockwise", "passes", "passes/canonical",
+          "passes/htp", "passes/rules", "reports", "runtime", "ops", "lora")
+
+
+def test_the_module_map_names_every_module():
+    """docs/design.md's module map: each module of these folders (``__init__.py`` aside) is named in a row whose
+    first column names its folder (the folder itself, or a module in it)."""
+    text = (ROOT / "docs" / "design.md").read_text()
+    section = text.split("## Module map", 1)[1].split("\n## ", 1)[0]
+    rows = [line for line in section.splitlines() if line.startswith("| `")]
+    folders = [{t.rstrip("/") if t.endswith("/") else t.rpartition("/")[0]
+                for t in re.findall(r"`([\w/.]+)`", row.split(" | ", 1)[0])} for row in rows]
+    missing = [f"{folder}/{path.name}" for folder in MAPPED for path in sorted((ROOT / folder).glob("*.py"))
+               if path.name != "__init__.py" and not any(
+                   folder in fs and any(f"`{n}`" in row for n in (path.stem, path.name, f"{folder}/{path.name}"))
+                   for fs, row in zip(folders, rows))]
+    assert not missing, f"docs/design.md's module map leaves out {missing}"
