@@ -54,3 +54,35 @@ def patch_embed(batch: int = 2, c: int = 4, side: int = 16, d: int = 32) -> onnx
              "shape": np.asarray([batch, d, n], np.int64), "pos": pos.astype(np.float32),
              "one": np.ones(d, np.float32), "zero": np.zeros(d, np.float32)}
     return model(nodes, {"x": [batch, c, side, side]}, {"y": None}, inits)
+
+
+def attention(m: int = 16, n: int = 20, heads: int = 6, *, d: int = 8, mask_rows: bool = True,
+              read_probs: bool = False, transposed: bool = False) -> onnx.ModelProto:
+    """softmax((Q Kᵀ) s + bias + mask) V over [2, heads, m, n] scores, as diffusers' eager attentions export it: a
+    scale, a per-head bias ([1, heads, m, n]) and a mask broadcast along the heads ([1, 1, m, n], or [1, 1, 1, n]
+    a key mask, without ``mask_rows``); the probabilities a graph output too with ``read_probs``, the output
+    also read through a Transpose to [2, m, heads, d] with ``transposed``."""
+    from onnx import TensorProto as T
+
+    rng = np.random.default_rng(0)
+    b = 2
+    mask = np.where(rng.random((1, 1, m if mask_rows else 1, n)) > 0.2, 0, -1e4).astype(np.float32)
+    inits = [onnx.numpy_helper.from_array(mask, "mask"),
+             onnx.numpy_helper.from_array(rng.standard_normal((1, heads, m, n)).astype(np.float32), "bias"),
+             onnx.numpy_helper.from_array(np.asarray(0.35, np.float32), "scale")]
+    nodes = [helper.make_node("Transpose", ["k"], ["kt"], perm=[0, 1, 3, 2]),
+             helper.make_node("MatMul", ["q", "kt"], ["s"]),
+             helper.make_node("Mul", ["s", "scale"], ["s2"]),
+             helper.make_node("Add", ["bias", "s2"], ["s3"]),
+             helper.make_node("Add", ["s3", "mask"], ["s4"]),
+             helper.make_node("Softmax", ["s4"], ["p"], axis=-1),
+             helper.make_node("MatMul", ["p", "v"], ["o"])]
+    outs = [helper.make_tensor_value_info("o", T.FLOAT, [b, heads, m, d])]
+    if read_probs:
+        outs.append(helper.make_tensor_value_info("p", T.FLOAT, [b, heads, m, n]))
+    if transposed:
+        nodes.append(helper.make_node("Transpose", ["o"], ["y"], perm=[0, 2, 1, 3]))
+        outs.append(helper.make_tensor_value_info("y", T.FLOAT, [b, m, heads, d]))
+    ins = [helper.make_tensor_value_info(x, T.FLOAT, [b, heads, m if x == "q" else n, d]) for x in "qkv"]
+    g = helper.make_graph(nodes, "attention", ins, outs, initializer=inits)
+    return onnx.shape_inference.infer_shapes(helper.make_model(g, opset_imports=[helper.make_opsetid("", 18)]))

@@ -6,36 +6,15 @@ from __future__ import annotations
 import numpy as np
 import onnx
 import pytest
-from onnx import TensorProto as T
-from onnx import helper
 
 from sdnpu.passes import htp
 
 from .graphs import feeds_for, ops, run, to_ir, to_proto
+from .htp_graphs import attention
 
 
 def _attention(read_probs: bool = False, heads: int = 6) -> onnx.ModelProto:
-    """softmax((Q Kᵀ) s + bias + mask) V over [2, heads, 16, 20] scores, as diffusers' eager attentions export it:
-    a scale, a per-head bias (sliced with the heads) and a mask broadcast along them (read whole by each group)."""
-    rng = np.random.default_rng(0)
-    b, m, n, d = 2, 16, 20, 8
-    inits = [onnx.numpy_helper.from_array(np.where(rng.random((1, 1, m, n)) > 0.2, 0, -1e4).astype(np.float32),
-                                          "mask"),
-             onnx.numpy_helper.from_array(rng.standard_normal((1, heads, m, n)).astype(np.float32), "bias"),
-             onnx.numpy_helper.from_array(np.asarray(0.35, np.float32), "scale")]
-    nodes = [helper.make_node("Transpose", ["k"], ["kt"], perm=[0, 1, 3, 2]),
-             helper.make_node("MatMul", ["q", "kt"], ["s"]),
-             helper.make_node("Mul", ["s", "scale"], ["s2"]),
-             helper.make_node("Add", ["bias", "s2"], ["s3"]),
-             helper.make_node("Add", ["s3", "mask"], ["s4"]),
-             helper.make_node("Softmax", ["s4"], ["p"], axis=-1),
-             helper.make_node("MatMul", ["p", "v"], ["o"])]
-    outs = [helper.make_tensor_value_info("o", T.FLOAT, [b, heads, m, d])]
-    if read_probs:
-        outs.append(helper.make_tensor_value_info("p", T.FLOAT, [b, heads, m, n]))
-    ins = [helper.make_tensor_value_info(x, T.FLOAT, [b, heads, m if x == "q" else n, d]) for x in "qkv"]
-    g = helper.make_graph(nodes, "attention", ins, outs, initializer=inits)
-    return onnx.shape_inference.infer_shapes(helper.make_model(g, opset_imports=[helper.make_opsetid("", 18)]))
+    return attention(16, 20, heads, read_probs=read_probs)
 
 
 @pytest.mark.parametrize(("limit_heads", "groups"), [(2, [2, 2, 2]), (4, [3, 3]), (1, [1] * 6), (5, [3, 3])])

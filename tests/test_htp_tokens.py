@@ -7,36 +7,15 @@ from __future__ import annotations
 import numpy as np
 import onnx
 import pytest
-from onnx import TensorProto as T
-from onnx import helper
 
 from sdnpu.passes.htp import tokens
 
 from .graphs import feeds_for, ops, run, to_ir, to_proto
+from .htp_graphs import attention
 
 
 def _attention(m: int, n: int, heads: int = 3, mask_rows: bool = True, d: int = 8) -> onnx.ModelProto:
-    """softmax((Q Kᵀ) s + bias + mask) V over [2, heads, m, n] scores, as diffusers' eager attentions export it: a
-    scale, a per-head bias over the scores and a mask ([1, 1, m, n], or [1, 1, 1, n] a key mask)."""
-    rng = np.random.default_rng(0)
-    b = 2
-    mask = np.where(rng.random((1, 1, m if mask_rows else 1, n)) > 0.2, 0, -1e4).astype(np.float32)
-    inits = [onnx.numpy_helper.from_array(mask, "mask"),
-             onnx.numpy_helper.from_array(rng.standard_normal((1, heads, m, n)).astype(np.float32), "bias"),
-             onnx.numpy_helper.from_array(np.asarray(0.35, np.float32), "scale")]
-    nodes = [helper.make_node("Transpose", ["k"], ["kt"], perm=[0, 1, 3, 2]),
-             helper.make_node("MatMul", ["q", "kt"], ["s"]),
-             helper.make_node("Mul", ["s", "scale"], ["s2"]),
-             helper.make_node("Add", ["bias", "s2"], ["s3"]),
-             helper.make_node("Add", ["s3", "mask"], ["s4"]),
-             helper.make_node("Softmax", ["s4"], ["p"], axis=-1),
-             helper.make_node("MatMul", ["p", "v"], ["o"]),
-             helper.make_node("Transpose", ["o"], ["y"], perm=[0, 2, 1, 3])]
-    outs = [helper.make_tensor_value_info("o", T.FLOAT, [b, heads, m, d]),
-            helper.make_tensor_value_info("y", T.FLOAT, [b, m, heads, d])]
-    ins = [helper.make_tensor_value_info(x, T.FLOAT, [b, heads, m if x == "q" else n, d]) for x in "qkv"]
-    g = helper.make_graph(nodes, "attention", ins, outs, initializer=inits)
-    return onnx.shape_inference.infer_shapes(helper.make_model(g, opset_imports=[helper.make_opsetid("", 18)]))
+    return attention(m, n, heads, d=d, mask_rows=mask_rows, transposed=True)
 
 
 @pytest.mark.parametrize(("m", "n", "pads"), [(16, 20, 2), (20, 16, 1), (20, 20, 3), (20, 24, 3)])
