@@ -7,17 +7,20 @@ from __future__ import annotations
 import numpy as np
 import onnx
 import pytest
+import torch
+import torch.nn.functional as F
 from onnx import helper
 
 from sdnpu.formats.keys import RULE_TAG
 from sdnpu.passes.fuse import fuse
 from sdnpu.passes.pipeline import canonicalize
 
+from .fuzz_repro import check
 from .graphs import model, ops, to_ir
 from .lowering import TARGET, assert_same, declined, dispatch_ops, lowered, n, w
 
 
-# --- graphs as the exporters write them ---------------------------------------------------------------------------
+# --- graphs as the exporters write them -------------------------------------------------------------------------------
 
 def conv_silu():
     return model([n("Conv", ["x", "w", "b"], ["c"], pads=[1, 1, 1, 1]), n("Sigmoid", ["c"], ["s"]),
@@ -26,8 +29,8 @@ def conv_silu():
 
 
 def group_norm(silu: bool, rank: int = 4, grouping: list[int] | None = None):
-    shape = [2, 8, 4, 4] if rank == 4 else [2, 8, 16]
-    bshape = [8, 1, 1] if rank == 4 else [8, 1]
+    shape = {3: [2, 8, 16], 4: [2, 8, 4, 4], 5: [2, 8, 2, 3, 4]}[rank]  # 5: a video UNet's [B, C, F, H, W]
+    bshape = [8] + [1] * (rank - 2)
     nodes = [n("Reshape", ["x", "g_shape"], ["r"]),
              n("InstanceNormalization", ["r", "ones", "zeros"], ["i"], epsilon=1e-5),
              n("Reshape", ["i", "x_shape"], ["r2"]), n("Mul", ["r2", "gamma"], ["m"]), n("Add", ["m", "beta"], ["y0"])]
@@ -109,6 +112,7 @@ def upsample(factor: int = 2, mode: str = "nearest"):
      (lambda: group_norm(True), {"SDGroupNorm": 1}),
      (lambda: group_norm(False), {"SDGroupNorm": 1}),
      (lambda: group_norm(True, rank=3), {"SDGroupNorm": 1}),
+     (lambda: group_norm(True, rank=5), {"SDGroupNorm": 1}),
      # the batch folded into the rows, [1, B*G, -1], and the groups' channels on an axis of their own: the same
      # GroupNorm (4 groups); an earlier version read the first as 8 groups, 0.28 off at an output scale of 2.6
      (lambda: group_norm(False, grouping=[1, 8, -1]), {"SDGroupNorm": 1}),
@@ -176,7 +180,7 @@ def test_geglu_from_no_linear_layer_is_written_with_registry_ops():
     assert_same(m, irm)
 
 
-# --- near misses: must not fuse, and say why ----------------------------------------------------------------------
+# --- near misses: must not fuse, and say why --------------------------------------------------------------------------
 
 def conv_dynamic_weight():
     return model([n("Conv", ["x", "w"], ["y"])], {"x": [1, 4, 6, 6], "w": [8, 4, 3, 3]}, {"y": [1, 8, 4, 4]})
@@ -207,19 +211,6 @@ def group_norm_shared_intermediate():
     return m
 
 
-def group_norm_learned_instance_scale():
-    m = group_norm(False)
-    for init in m.graph.initializer:
-        if init.name == "ones":
-            init.CopyFrom(onnx.numpy_helper.from_array(np.full(4, 2.0, np.float32), "ones"))
-    return m
-
-
-def group_norm_across_samples():
-    """[2, C, H, W] -> [1, 1, -1] normalizes the whole batch as one row: no GroupNorm computes that."""
-    return group_norm(False, grouping=[1, 1, -1])
-
-
 def sub_from_a_constant():
     """1 - conv(x) between two convolutions: x - k maps onto SDAdd, k - x would need a negation."""
     return model([n("Conv", ["x", "w", "b"], ["c"], pads=[1, 1, 1, 1]), n("Sub", ["one", "c"], ["d"]),
@@ -245,9 +236,6 @@ def attention_wrong_heads():
      (conv_dilated, "Conv", "SDConv has none"),
      (conv_stride_three, "Conv", "stride 3: AMD's conv shapes have strides 1 and 2"),
      (group_norm_shared_intermediate, "InstanceNormalization", "is also used outside the pattern"),
-     (group_norm_learned_instance_scale, "InstanceNormalization", "learned scale/bias"),
-     (group_norm_across_samples, "InstanceNormalization", "does not cut [2, 8, 4, 4] into whole (sample, group)"),
-     (lambda: group_norm(False, grouping=[2, 16, -1]), "InstanceNormalization", "does not cut"),  # half channels
      (attention_wrong_heads, "Softmax", "not merged back"),
      (sub_from_a_constant, "Sub", "Sub with the constant first (k - x)"),
      (lambda: attention("torchscript", mask="causal"), "MultiHeadAttention", "a causal mask varies per query"),
@@ -263,3 +251,131 @@ def test_near_miss_does_not_fuse_and_says_why(build, anchor_op, reason):
     assert any(reason in why for why in declined(irm)), declined(irm)
     assert ops(irm)[anchor_op] >= 1
     assert_same(m, irm)
+
+
+# --- InstanceNormalization as the GroupNorm it is ---------------------------------------------------------------------
+
+def group_norm_learned_instance_scale():
+    """The GroupNorm spelling with a learned scale on the InstanceNormalization (no exporter writes one)."""
+    m = group_norm(False)
+    for init in m.graph.initializer:
+        if init.name == "ones":
+            init.CopyFrom(onnx.numpy_helper.from_array(np.full(4, 2.0, np.float32), "ones"))
+    return m
+
+
+@pytest.mark.parametrize("build", [
+    group_norm_learned_instance_scale,
+    lambda: group_norm(False, grouping=[1, 1, -1]),  # one row over the whole batch: no GroupNorm of x
+    lambda: group_norm(False, grouping=[2, 16, -1]),  # rows of half a channel
+])
+def test_the_instance_norm_goes_alone_where_the_affine_form_does_not_hold(build):
+    """Where Reshape -> InstanceNormalization -> Reshape -> Mul -> Add is no GroupNorm of x with that affine, the
+    InstanceNormalization is still the GroupNorm of its rows (a group a row, its own scale and bias repeated over
+    a group's channels): SDGroupNorm, and the Mul and Add are element-wise ops (the glue's, or the CPU's where a
+    Reshape of the rows stands between)."""
+    m = build()
+    irm = lowered(m)
+    assert dispatch_ops(irm)["SDGroupNorm"] == 1 and not {"InstanceNormalization", "SDGemm"} & set(ops(irm))
+    assert_same(m, irm)
+
+
+def instance_norm(shape: list[int], scale: np.ndarray, bias: np.ndarray, silu: bool = False):
+    nodes = [n("InstanceNormalization", ["x", "s", "b"], ["i" if silu else "y"], epsilon=1e-5)]
+    if silu:
+        nodes += [n("Sigmoid", ["i"], ["g"]), n("Mul", ["i", "g"], ["y"])]
+    return model(nodes, {"x": shape}, {"y": shape}, {"s": scale, "b": bias})
+
+
+def test_an_instance_norm_is_a_group_norm_of_one_group_a_channel():
+    m = instance_norm([2, 8, 3, 5], w(8) + 1, w(8), silu=True)
+    irm = lowered(m)
+    assert dispatch_ops(irm) == {"SDGroupNorm": 1} and ops(irm)["Transpose"] == 2
+    node = next(x for x in irm.graph if x.op_type == "SDGroupNorm")
+    assert node.attributes["groups"].value == 8 and node.attributes["nonlinear"].value == "Silu"
+    assert list(node.attributes["input_shape"].value) == [2, 3, 5, 8]
+    assert_same(m, irm)
+
+
+def test_an_instance_norm_of_one_channel_moves_nothing():
+    """[B, 1, H, W] in NHWC is the same memory: a Reshape, not a Transpose, each side."""
+    m = instance_norm([2, 1, 3, 5], np.ones(1, np.float32), np.zeros(1, np.float32))
+    irm = lowered(m)
+    assert dispatch_ops(irm) == {"SDGroupNorm": 1} and "Transpose" not in ops(irm)
+    assert_same(m, irm)
+
+
+# --- the norms as torch's exporters write them ------------------------------------------------------------------------
+
+class _Fn(torch.nn.Module):
+    def __init__(self, fn, **params: torch.Tensor) -> None:
+        super().__init__()
+        self.fn = fn
+        self.p = torch.nn.ParameterDict({k: torch.nn.Parameter(v) for k, v in params.items()})
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.fn(x, self.p)
+
+
+def _gamma(c: int, rank: int) -> torch.Tensor:
+    return 1 + 0.3 * torch.randn(c, *[1] * (rank - 2), generator=torch.Generator().manual_seed(1))
+
+
+TORCH_NORMS = {  # name: (module, input shape, the dispatch ops, or a reason)
+    "InstanceNorm2d(affine)": (lambda: torch.nn.InstanceNorm2d(8, affine=True), (2, 8, 4, 4), {"SDGroupNorm": 1}),
+    "InstanceNorm2d": (lambda: torch.nn.InstanceNorm2d(8), (2, 8, 4, 4), {"SDGroupNorm": 1}),
+    "InstanceNorm1d(affine) of a flattened image": (
+        lambda: _Fn(lambda x, p: F.instance_norm(x.flatten(2), weight=p["w"], bias=p["b"]),
+                    w=_gamma(8, 2), b=0.3 * torch.ones(8)), (2, 8, 4, 4), {"SDGroupNorm": 1}),
+    "InstanceNorm3d(affine)": (lambda: torch.nn.InstanceNorm3d(8, affine=True), (1, 8, 2, 4, 4), {"SDGroupNorm": 1}),
+    "GroupNorm + SiLU": (lambda: torch.nn.Sequential(torch.nn.GroupNorm(4, 8), torch.nn.SiLU()), (2, 8, 4, 4),
+                         {"SDGroupNorm": 1}),
+    "GroupNorm of frames (SVD's temporal resnets)": (lambda: torch.nn.GroupNorm(4, 8), (1, 8, 2, 4, 4),
+                                                     {"SDGroupNorm": 1}),
+}
+
+
+def _seeded(module: torch.nn.Module) -> torch.nn.Module:
+    """Every affine parameter drawn (torch starts them at ones and zeros, which would hide a lost weight)."""
+    g = torch.Generator().manual_seed(2)
+    with torch.no_grad():
+        for p in module.parameters():
+            p.add_(0.3 * torch.randn(p.shape, generator=g))
+    return module.eval()
+
+
+def _export(name: str, exporter: str, path) -> onnx.ModelProto:
+    """The module exported, every value's shape inferred (the bf16 check perturbs each value, so it needs them;
+    TorchScript writes none)."""
+    build, shape, _ = TORCH_NORMS[name]
+    module, x = _seeded(build()), torch.randn(shape, generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        if exporter == "dynamo":
+            torch.onnx.export(module, (x,), dynamo=True, opset_version=18, input_names=["x"], output_names=["y"],
+                              verbose=False, report=False).save(str(path))
+        else:
+            torch.onnx.export(module, (x,), str(path), dynamo=False, opset_version=17, input_names=["x"],
+                              output_names=["y"])
+    return onnx.shape_inference.infer_shapes(onnx.load(str(path)), strict_mode=True, data_prop=True)
+
+
+@pytest.mark.parametrize("exporter", ["dynamo", "torchscript"])
+@pytest.mark.parametrize("name", list(TORCH_NORMS))
+def test_the_norms_torch_exports_fuse_or_say_why(name, exporter, tmp_path):
+    """Each module exported by torch (dynamo at opset 18, TorchScript at 17): the norm is one dispatch op whose
+    numbers are the graph's (fp32 before the precision pass; the whole compile within bf16's tolerance, onnx's
+    full check at every stage), or it stays as written with the reason. (Qwen-Image's ``+ self.bias`` of 0.0 is an
+    Add of its own, the glue's.)"""
+    m = _export(name, exporter, tmp_path / "m.onnx")
+    expected = TORCH_NORMS[name][2]
+    irm = lowered(m)
+    norms = {k: v for k, v in dispatch_ops(irm).items() if k in ("SDRMSNorm", "SDGroupNorm")}
+    if isinstance(expected, str):
+        assert not norms, ops(irm)
+        assert any(expected in why for why in declined(irm)), declined(irm)
+    else:
+        assert norms == expected and not {"SDGemm", "SDMul"} & set(ops(irm)), ops(irm)
+        norms = {"InstanceNormalization", "ReduceL2", "ReduceMean", "ReduceSum", "Clip", "Max", "Div", "Sqrt", "Pow"}
+        assert not norms & set(ops(irm)), ops(irm)
+    assert_same(m, irm)
+    check(m, "bf16")

@@ -245,15 +245,18 @@ def group_norm_groups_on_two_axes() -> onnx.ModelProto:
 
 def group_norm_rows_across_samples() -> onnx.ModelProto:
     """A Reshape whose rows straddle two samples, [1, 1, -1] over B = 2: one InstanceNormalization row
-    over the whole batch, which no GroupNorm computes: declined (the differential check proves the numbers)."""
+    over the whole batch, which no GroupNorm of x computes: the affine form is declined, and the
+    InstanceNormalization is taken alone, as the one-group norm of its row it is; its Mul and Add stay
+    element-wise ops (the differential check proves the numbers)."""
     return _group_norm_regrouped([1, 1, -1])
 
 
-@pytest.mark.parametrize("build,fused", [(group_norm_batch_folded, True), (group_norm_groups_on_two_axes, True),
-                                         (group_norm_rows_across_samples, False)])
-def test_group_norm_regrouped_fuses_exactly_when_it_is_one(build: Any, fused: bool) -> None:
+@pytest.mark.parametrize("build,affine", [(group_norm_batch_folded, True), (group_norm_groups_on_two_axes, True),
+                                          (group_norm_rows_across_samples, False)])
+def test_group_norm_regrouped_takes_the_affine_exactly_when_it_is_one(build: Any, affine: bool) -> None:
     outcome = check(build(), "bf16")
-    assert ("InstanceNormalization" not in outcome.cpu_ops) == fused, outcome
+    assert "InstanceNormalization" not in outcome.cpu_ops and outcome.dispatch_ops["SDGroupNorm"] == 1, outcome
+    assert ("Mul" in outcome.cpu_ops or "SDMul" in outcome.dispatch_ops) != affine, outcome
 
 
 def clip_pooling_non_legacy() -> onnx.ModelProto:
