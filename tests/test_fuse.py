@@ -305,6 +305,84 @@ def test_an_instance_norm_of_one_channel_moves_nothing():
     assert_same(m, irm)
 
 
+# --- L2 and RMS norms written out -------------------------------------------------------------------------------------
+
+def l2_norm(shape: list[int], axes: list[int], root: str = "ReduceL2", clamp: str = "Clip", eps: float = 1e-12,
+            expand: bool = True, after: list[tuple[str, np.ndarray]] = (), numerator: str = "x"):
+    """x / clamp(||x||, eps) as F.normalize exports it (ReduceL2, Clip, Expand, Div), and its neighbours: the root
+    as Sqrt(ReduceSum(x * x)) or Sqrt(ReduceMean(x * x)) (an RMS norm), eps by Max or added, constants after."""
+    red = [1 if i in [a % len(shape) for a in axes] else d for i, d in enumerate(shape)]
+    inits = {"axes": np.array(axes), "eps": np.array(eps, np.float32), "shape": np.array(shape)}
+    if root == "ReduceL2":
+        nodes = [n("ReduceL2", ["x", "axes"], ["r"], keepdims=1)]
+    else:
+        nodes = [n("Mul", ["x", "x"], ["sq"]), n(root, ["sq", "axes"], ["m"], keepdims=1), n("Sqrt", ["m"], ["r"])]
+    nodes.append(n(clamp, ["r", "eps"], ["c"]))
+    nodes += [n("Expand", ["c", "shape"], ["d"])] if expand else [n("Identity", ["c"], ["d"])]
+    nodes.append(n("Div", [numerator, "d"], ["y0"]))
+    for i, (op, value) in enumerate(after):
+        inits[f"k{i}"] = value
+        nodes.append(n(op, [f"y{i}", f"k{i}"], [f"y{i + 1}"]))
+    nodes.append(n("Identity", [f"y{len(after)}"], ["y"]))
+    inputs = {"x": shape} | ({numerator: shape} if numerator != "x" else {})
+    return model(nodes, inputs, {"y": shape}, inits)
+
+
+@pytest.mark.parametrize(("build", "expected"), [
+    (lambda: l2_norm([2, 5, 8], [-1]), {"SDRMSNorm": 1}),
+    (lambda: l2_norm([2, 8, 3, 5], [1]), {"SDRMSNorm": 1}),  # over the channels: NHWC's last axis
+    (lambda: l2_norm([2, 8, 3, 5], [1], root="ReduceSum", clamp="Max", expand=False), {"SDRMSNorm": 1}),
+    (lambda: l2_norm([2, 5, 8], [2], clamp="Add", eps=1e-8), {"SDRMSNorm": 1}),  # eps outside, small
+    (lambda: l2_norm([2, 5, 8], [-1], root="ReduceMean", clamp="Add", eps=1e-6), {"SDRMSNorm": 1}),
+    # Qwen-Image's RMS_norm: F.normalize(x, dim=1) * sqrt(C) * gamma [C, 1, 1, 1], one SDRMSNorm scaled by gamma
+    (lambda: l2_norm([1, 8, 1, 3, 5], [1], after=[("Mul", np.array(8 ** 0.5, np.float32)),
+                                                  ("Mul", w(8, 1, 1, 1) + 1)]), {"SDRMSNorm": 1}),
+    # another scalar, or a gamma without sqrt(D): the norm alone (its 1/sqrt(D) as its weight) and SDMul
+    (lambda: l2_norm([2, 5, 8], [-1], after=[("Mul", np.array(3.0, np.float32))]), {"SDRMSNorm": 1, "SDMul": 1}),
+    (lambda: l2_norm([2, 5, 8], [-1], after=[("Mul", w(8) + 1)]), {"SDRMSNorm": 1, "SDMul": 1}),
+])
+def test_an_l2_norm_is_an_rms_norm_scaled_by_the_root_of_its_width(build, expected):
+    m = build()
+    irm = lowered(m)
+    assert dispatch_ops(irm) == expected, ops(irm)
+    assert not {"ReduceL2", "ReduceSum", "ReduceMean", "Clip", "Max", "Expand", "Div", "Sqrt"} & set(ops(irm))
+    assert_same(m, irm)
+
+
+def test_qwen_images_scale_and_gamma_are_the_rms_norms_weight():
+    m = l2_norm([1, 8, 1, 3, 5], [1], after=[("Mul", np.array(8 ** 0.5, np.float32)), ("Mul", w(8, 1, 1, 1) + 1)])
+    irm = lowered(m)
+    node = next(x for x in irm.graph if x.op_type == "SDRMSNorm")
+    gamma = onnx.numpy_helper.to_array(next(i for i in m.graph.initializer if i.name == "k1")).reshape(8)
+    np.testing.assert_array_equal(node.inputs[1].const_value.numpy(), gamma)
+    assert list(node.attributes["input_shape"].value) == [1, 3, 5, 8]  # [B, T*H, W, C]
+    assert node.attributes["epsilon"].value == pytest.approx(1e-24 / 8, rel=1e-6)  # (1e-12)^2 / D: no underflow
+
+
+@pytest.mark.parametrize(("build", "anchor_op", "reason"), [
+    (lambda: l2_norm([2, 8, 3, 5], [2]), "ReduceL2", "normalizes axis 2 of [2, 8, 3, 5]"),
+    (lambda: l2_norm([2, 8, 3, 5], [1, 2]), "ReduceL2", "the norm reduces axes [1, 2]"),
+    # eps outside the root where it is not negligible: sqrt(mean) + 0.1 vs sqrt(mean + 0.01)
+    (lambda: l2_norm([2, 5, 8], [-1], root="ReduceMean", clamp="Add", eps=0.1), "Sqrt", "outside the square root"),
+    (lambda: l2_norm([2, 5, 8], [-1], eps=0.5), "Clip", "outside the square root"),
+    (lambda: l2_norm([2, 5, 8], [-1], eps=1e-30), "Clip", "below float32's range"),
+])
+def test_a_norm_sdrmsnorm_does_not_compute_says_why(build, anchor_op, reason):
+    m = build()
+    irm = lowered(m)
+    assert "SDRMSNorm" not in dispatch_ops(irm) and ops(irm)[anchor_op] == 1
+    assert any(reason in why for why in declined(irm)), declined(irm)
+    assert_same(m, irm)
+
+
+def test_a_norm_of_another_tensor_is_no_norm():
+    """y / ||x||: the numerator is not what was reduced."""
+    m = l2_norm([2, 5, 8], [-1], numerator="z")
+    irm = lowered(m)
+    assert "SDRMSNorm" not in dispatch_ops(irm) and ops(irm)["ReduceL2"] == 1
+    assert_same(m, irm)
+
+
 # --- the norms as torch's exporters write them ------------------------------------------------------------------------
 
 class _Fn(torch.nn.Module):
@@ -315,6 +393,12 @@ class _Fn(torch.nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.fn(x, self.p)
+
+
+def _qwen_rms(images: bool) -> torch.nn.Module:
+    from diffusers.models.autoencoders.autoencoder_kl_qwenimage import QwenImageRMS_norm  # diffusers: only here
+
+    return QwenImageRMS_norm(8, images=images)
 
 
 def _gamma(c: int, rank: int) -> torch.Tensor:
@@ -332,6 +416,23 @@ TORCH_NORMS = {  # name: (module, input shape, the dispatch ops, or a reason)
                          {"SDGroupNorm": 1}),
     "GroupNorm of frames (SVD's temporal resnets)": (lambda: torch.nn.GroupNorm(4, 8), (1, 8, 2, 4, 4),
                                                      {"SDGroupNorm": 1}),
+    "F.normalize(dim=1)": (lambda: _Fn(lambda x, p: F.normalize(x, dim=1)), (2, 8, 4, 4), {"SDRMSNorm": 1}),
+    "F.normalize(dim=-1)": (lambda: _Fn(lambda x, p: F.normalize(x, dim=-1)), (2, 5, 8), {"SDRMSNorm": 1}),
+    "QwenImageRMS_norm (video)": (lambda: _qwen_rms(False), (1, 8, 1, 4, 4), {"SDRMSNorm": 1}),
+    "QwenImageRMS_norm (image)": (lambda: _qwen_rms(True), (1, 8, 4, 4), {"SDRMSNorm": 1}),
+    "RMS norm over channels": (
+        lambda: _Fn(lambda x, p: x * torch.rsqrt(x.pow(2).mean(1, keepdim=True) + 1e-6) * p["g"], g=_gamma(8, 4)),
+        (2, 8, 4, 4), {"SDRMSNorm": 1}),
+    "x / max(|x|, eps)": (lambda: _Fn(lambda x, p: x / torch.maximum(x.norm(dim=-1, keepdim=True),
+                                                                     torch.tensor(1e-8))), (2, 5, 8), {"SDRMSNorm": 1}),
+    "x / (|x| + eps)": (lambda: _Fn(lambda x, p: x / (x.norm(dim=-1, keepdim=True) + 1e-8)), (2, 5, 8),
+                        {"SDRMSNorm": 1}),
+    # near misses
+    "F.normalize(dim=2)": (lambda: _Fn(lambda x, p: F.normalize(x, dim=2)), (2, 8, 4, 4), "normalizes axis 2"),
+    "x / |x| over two axes": (lambda: _Fn(lambda x, p: x / x.norm(dim=(1, 2), keepdim=True).clamp_min(1e-12)),
+                              (2, 8, 4, 4), "the norm reduces axes [1, 2]"),
+    "x / (rms(x) + 0.1)": (lambda: _Fn(lambda x, p: x / (x.pow(2).mean(-1, keepdim=True).sqrt() + 0.1)), (2, 5, 8),
+                           "outside the square root"),
 }
 
 

@@ -146,7 +146,8 @@ def test_joint_attention_keeps_the_streams_apart_and_records_the_assumed_norm():
     [(lambda: joint_attention(parts="misaligned"), "Slice", "SDSlice has no start/end attributes"),
      # normalized over the queries: the rows are not independent, no split (and no SDMHA)
      (lambda: joint_attention(softmax_axis=2), "Softmax", "softmax is not over the last axis"),
-     (lambda: rms_norm(axis=1), "ReduceMean", "ReduceMean: not in the amd-xdna2 registry"),
+     # over the heads of [B, S, H, D]: neither the last axis nor the channels (axis 1, last in NHWC)
+     (lambda: rms_norm(rank=4, axis=2), "ReduceMean", "normalizes axis 2 of [2, 6, 2, 4]"),
      (lambda: adaln_chunks(alpha=0.5), "Split", "Gemm with transA, alpha or beta other than the defaults")],
 )
 def test_mmdit_near_miss_does_not_fuse_and_says_why(build, anchor_op, reason):

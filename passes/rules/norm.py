@@ -28,11 +28,28 @@ over its channels and every position, are the same).
 LayerNorm: one ``LayerNormalization`` over the last axis (opset >= 17) ==> SDLayerNorm on the [B, M, K] view
 of its input, then a view back to the input's rank where that differs.
 
-RMSNorm as the exporters spell torch's (SD3.5's per-head Q/K norms, T5's layer norms):
+RMSNorm and the L2 norm: SDRMSNorm(x, w, eps') = x / sqrt(mean(x^2) + eps') * w over x's last axis (D values).
+Spelled as the exporters write torch's RMSNorm (SD3.5's per-head Q/K norms, T5), a hand-written RMS norm and
+``F.normalize`` (Qwen-Image's and Wan's VAEs: ``F.normalize(x, dim=1) * sqrt(C) * gamma``):
 
-    x * Reciprocal(Sqrt(ReduceMean(Pow(x, 2) | x * x, last axis, keepdims) + eps))  [* scale [K]]
-    (or x / Sqrt(...))
-    ==> SDRMSNorm(x, scale [K], epsilon)   (a scale of ones where the norm has none)
+    x * Reciprocal(D) | x / D, where the denominator D is
+      Sqrt(ReduceMean(x^2) [+ e])                 an RMS norm (x^2: Pow(x, 2) or x * x), eps inside
+      Sqrt(ReduceSum(x^2) [+ e]), ReduceL2(x)     an L2 norm: sqrt(D) times the RMS norm
+      Clip(L, min=e) | Max(L, e) | L + e          for a root L of the two above: eps outside the root
+      [Expand(..., x's shape)]                    F.normalize's broadcast back
+    [* c]  a scalar c = sqrt(D) after an L2 norm: the RMS norm itself (Qwen-Image's ``* self.scale``)
+    [* w]  one weight per normalized channel       ==> SDRMSNorm(x, w | ones, eps')
+
+With k = 1 for a mean and k = D for a sum, sqrt(k * mean + e) = sqrt(k) * sqrt(mean + e / k): eps' = e / k and
+the output scaled by 1 / sqrt(k) (a weight of 1/sqrt(D) where no c = sqrt(D) follows; a weight w after such an
+unscaled L2 norm stays an element-wise Mul). Eps outside the root is not the op's formula: max(L, e) and L + e
+are taken as sqrt(L^2 + e^2) (eps' = e^2 / k), which differs from either by a factor in [1, sqrt 2], more than
+bf16's rounding (2^-9) only where L < 16 e, the output there being under L / e in size. So it is taken where e
+<= 1e-6 (F.normalize's default is 1e-12: every vector but one that is 0 at bf16's resolution), and declined with
+that reason above it; a zero vector stays 0 either way (e^2 / k is at least float32's smallest normal, else
+declined). The normalized axis is the last one, or the channels (axis 1 of a [B, C, *S] tensor: Qwen-Image's
+VAE), which the NHWC layout puts last: the same view and Transposes as SDGroupNorm's. Any other axis, or several,
+is declined with its reason.
 """
 
 from __future__ import annotations
@@ -297,45 +314,134 @@ def _vector(b: Builder, v: ir.Value, k: int) -> ir.Value:
                      dtype=ir.DataType.FLOAT)
 
 
-def _rms_chain(v: ir.Value | None) -> tuple[ir.Value, float, list[ir.Node]] | None:
-    """(x, eps, nodes) when ``v`` is x normalized by its root mean square over the last axis."""
-    node = v.producer() if v is not None else None
-    if node is None or node.op_type not in ("Mul", "Div") or len(node.inputs) != 2:
+EPS_OUTSIDE = 1e-6  # the largest eps outside the root taken as inside it (the module docstring says why)
+
+
+@dataclass
+class _Root:
+    """The denominator of a norm of ``x``: sqrt(k * mean(x^2 over axes) + eps_in) [max'd or added with eps_out],
+    k = D for a sum of squares (an L2 norm), 1 for a mean."""
+
+    x: ir.Value
+    axes: list[int]
+    summed: bool
+    eps_in: float
+    eps_out: float
+    nodes: list[ir.Node]  # in graph order
+
+
+def _squared(v: ir.Value | None) -> tuple[ir.Value, ir.Node] | None:
+    """(x, node) where ``v`` is x^2: Pow(x, 2) or x * x."""
+    sq = producer(v)
+    if sq is None or sq.domain not in ("", "ai.onnx"):
         return None
-    for x, r in ((node.inputs[0], node.inputs[1]), (node.inputs[1], node.inputs[0])):
-        if node.op_type == "Div" and r is not node.inputs[1]:
-            continue
-        chain = [node]
-        if node.op_type == "Mul":
-            rec = producer(r, "Reciprocal")
-            if rec is None:
-                continue
-            chain.append(rec)
-            r = rec.inputs[0]
-        sqrt = producer(r, "Sqrt")
-        add = producer(sqrt.inputs[0], "Add") if sqrt is not None else None
-        if add is None:
-            continue
-        for m, e in (add.inputs, reversed(add.inputs)):
-            eps, mean = scalar(e), producer(m, "ReduceMean")
-            if eps is None or mean is None or attr(mean, "keepdims", 1) != 1:
-                continue
-            rank = len(static_shape(x) or ())
-            axes = const(mean.inputs[1]) if len(mean.inputs) > 1 else np.asarray(attr(mean, "axes", []))
-            if axes is None or axes.size != 1 or int(axes.reshape(-1)[0]) % max(rank, 1) != rank - 1:
-                continue
-            sq = mean.inputs[0].producer() if mean.inputs[0] is not None else None
-            squares = sq is not None and sq.inputs[0] is x and (
-                (sq.op_type == "Pow" and scalar(sq.inputs[1]) == 2.0)
-                or (sq.op_type == "Mul" and sq.inputs[1] is x))
-            if squares:
-                return x, float(eps), [sq, mean, add, sqrt, *reversed(chain)]  # type: ignore[list-item,arg-type]
+    if sq.op_type == "Pow" and scalar(sq.inputs[1]) == 2.0:
+        return sq.inputs[0], sq  # type: ignore[return-value]
+    if sq.op_type == "Mul" and sq.inputs[0] is sq.inputs[1]:
+        return sq.inputs[0], sq  # type: ignore[return-value]
     return None
 
 
-def _per_last_axis(a: np.ndarray | None, k: int) -> bool:
-    """One value per channel of the last axis: [K] or [1, .., 1, K]."""
-    return a is not None and a.size == k and a.ndim >= 1 and a.shape[-1] == k
+def _with_scalar(node: ir.Node | None, *op_types: str) -> tuple[ir.Value, float] | None:
+    """(v, e) where ``node`` is op(v, e) or op(e, v) for a one-value constant e."""
+    if node is None or node.op_type not in op_types or len(node.inputs) != 2:
+        return None
+    for v, e in (node.inputs, reversed(node.inputs)):
+        value = scalar(e)
+        if value is not None and const(v) is None:
+            return v, value  # type: ignore[return-value]
+    return None
+
+
+def _root(d: ir.Value | None) -> _Root | None:
+    nodes: list[ir.Node] = []
+    node = producer(d)
+    if node is not None and node.op_type == "Expand":  # F.normalize's broadcast back to x's shape
+        nodes.append(node)
+        node = producer(node.inputs[0])
+    eps_out = 0.0
+    clip = node if node is not None and node.op_type == "Clip" and len(node.inputs) >= 2 and (
+        len(node.inputs) == 2 or node.inputs[2] is None) else None
+    outside = _with_scalar(node, "Max", "Add")
+    if clip is not None and scalar(clip.inputs[1]) is not None:  # Clip(L, min=e): clamp_min, F.normalize
+        nodes.append(clip)
+        eps_out, node = float(scalar(clip.inputs[1])), producer(clip.inputs[0])  # type: ignore[arg-type]
+    elif outside is not None:  # Max(L, e), L + e
+        nodes.append(node)  # type: ignore[arg-type]
+        eps_out, node = outside[1], producer(outside[0])
+    if node is None or node.domain not in ("", "ai.onnx"):
+        return None
+    eps_in, summed = 0.0, True
+    if node.op_type == "ReduceL2":
+        reduce, x = node, node.inputs[0]
+        nodes.append(node)
+    elif node.op_type == "Sqrt":
+        nodes.append(node)
+        inner = producer(node.inputs[0])
+        inside = _with_scalar(inner, "Add")
+        if inside is not None:
+            nodes.append(inner)  # type: ignore[arg-type]
+            eps_in, inner = inside[1], producer(inside[0])
+        if inner is None or inner.domain not in ("", "ai.onnx"):
+            return None
+        reduce = inner
+        if inner.op_type == "ReduceSumSquare":
+            x = inner.inputs[0]
+            nodes.append(inner)
+        elif inner.op_type in ("ReduceMean", "ReduceSum"):
+            sq = _squared(inner.inputs[0])
+            if sq is None:
+                return None
+            x = sq[0]
+            nodes += [inner, sq[1]]
+            summed = inner.op_type == "ReduceSum"
+        else:
+            return None
+    else:
+        return None
+    if attr(reduce, "keepdims", 1) != 1 or x is None:
+        return None
+    given = const(reduce.inputs[1]) if len(reduce.inputs) > 1 and reduce.inputs[1] is not None \
+        else attr(reduce, "axes")
+    rank = len(static_shape(x) or ())
+    axes = list(range(rank)) if given is None or np.size(given) == 0 else [int(a) for a in np.ravel(given)]
+    return _Root(x, axes, summed, eps_in, eps_out, list(reversed(nodes)))
+
+
+def _norm(node: ir.Node) -> _Root | None:
+    """The norm ``node`` ends: x / D or x * Reciprocal(D), D a root of x's squares (``_root``)."""
+    if node.op_type == "Div":
+        pairs = [(node.inputs[0], node.inputs[1], [])]
+    else:
+        pairs = []
+        for x, r in (node.inputs, reversed(node.inputs)):
+            rec = producer(r, "Reciprocal")
+            if rec is not None:
+                pairs.append((x, rec.inputs[0], [rec]))
+    for x, d, chain in pairs:
+        root = _root(d)
+        if root is not None and root.x is x and static_shape(node.outputs[0]) == static_shape(x):
+            root.nodes += [*chain, node]
+            return root
+    return None
+
+
+def _the_other(node: ir.Node, v: ir.Value) -> np.ndarray | None:
+    """The constant ``node`` multiplies ``v`` by, where it keeps ``v``'s shape."""
+    if static_shape(node.outputs[0]) != static_shape(v) or len(node.inputs) != 2:
+        return None
+    other = node.inputs[1] if node.inputs[0] is v else node.inputs[0]
+    return const(other) if other is not v else None
+
+
+@dataclass(frozen=True)
+class RMSNormParams:
+    x: ir.Value
+    axis: int  # the last axis, or 1: the channels, last in NHWC
+    scale: ir.Value | None  # a weight per channel, or None: ``unit`` for each
+    unit: float  # 1, or 1 / sqrt(D) for an L2 norm no sqrt(D) scales
+    eps: float
+    assumed: list[str]
 
 
 class RMSNormFusion(Rule):
@@ -343,44 +449,73 @@ class RMSNormFusion(Rule):
     anchors = ("Mul", "Div")
 
     def match(self, node: ir.Node) -> Match | str | None:
-        found, scale = None, None
-        if node.op_type == "Mul":
-            for y, w in (node.inputs, reversed(node.inputs)):
-                a = const(w)
-                if a is not None and (y.producer() if y is not None else None) is not None:
-                    found = _rms_chain(y)
-                    if found is not None:
-                        scale = w
-                        break
-        if found is None:
-            found = _rms_chain(node.outputs[0])
-            if found is None:
-                return None
-            out = node.outputs[0]
-            uses = list(out.uses())
-            k = (static_shape(out) or (0,))[-1]
-            if len(uses) == 1 and not out.is_graph_output() and uses[0].node.op_type == "Mul" and any(
-                    _per_last_axis(const(v), k) for v in uses[0].node.inputs):
-                return None  # the Mul by the scale after it takes the whole norm
-        x, eps, nodes = found
+        root = _norm(node)
+        if root is None:
+            return None
+        nodes, x = root.nodes, root.x
         shape = static_shape(x)
-        if shape is None or not 2 <= len(shape) <= 4:
-            return "the input is not a static tensor of rank 2-4"
-        k = shape[-1]
-        if scale is not None:
-            if not _per_last_axis(const(scale), k):
-                return None  # a Mul by something else: the norm before it matches alone
-            nodes = [*nodes, node]
-        reason, assumed = self.target.op("rms_norm").check({"x": shape})
+        if shape is None:
+            return Declined("the input shape is not static", nodes)
+        rank = len(shape)
+        axes = sorted({a % rank for a in root.axes})
+        if len(axes) != 1:
+            return Declined(f"the norm reduces axes {axes} of {list(shape)}: SDRMSNorm normalizes one", nodes)
+        axis = axes[0]
+        if axis != rank - 1 and not (axis == 1 and rank >= 3):
+            return Declined(f"normalizes axis {axis} of {list(shape)}: SDRMSNorm normalizes the last axis, or the "
+                            "channels (axis 1) through the NHWC layout", nodes)
+        if root.eps_out > EPS_OUTSIDE:
+            return Declined(f"eps {root.eps_out:g} is added outside the square root, SDRMSNorm's inside: the two "
+                            "differ by more than bf16's rounding where the norm is below 16 x eps", nodes)
+        k = shape[axis] if root.summed else 1
+        eps = (root.eps_in + root.eps_out ** 2) / k
+        if (root.eps_in or root.eps_out) and eps < np.finfo(np.float32).tiny:
+            return Declined(f"eps {root.eps_out or root.eps_in:g} is below float32's range as SDRMSNorm's epsilon: a "
+                            "zero vector would give 0 / 0", nodes)
+        unit, out, scale = float(k) ** -0.5, node.outputs[0], None
+        after = _one_use(out, "Mul")
+        c = _the_other(after, out) if after is not None and unit != 1 else None
+        if c is not None and c.size == 1 and c.dtype.kind == "f" and \
+                abs(float(c.reshape(())) * unit - 1) <= 4 * float(np.finfo(c.dtype).eps):  # c = sqrt(D)
+            nodes, out, unit = [*nodes, after], after.outputs[0], 1.0  # type: ignore[union-attr]
+            after = _one_use(out, "Mul")
+        if after is not None and unit == 1:
+            w = after.inputs[1] if after.inputs[0] is out else after.inputs[0]
+            a = _the_other(after, out)
+            if a is not None and (_per_channel(w, shape[axis], rank) is not None if axis != rank - 1
+                                  else a.ndim <= rank and _per_last_axis(a, shape[axis])):
+                nodes, out, scale = [*nodes, after], after.outputs[0], w
+        view = _rms_view(shape, axis)
+        reason, assumed = self.target.op("rms_norm").check({"x": view})
         if reason:
-            return reason
-        return Match(nodes, [node.outputs[0]], (x, scale, eps, list(shape), assumed))
+            return Declined(reason, nodes)
+        return Match(nodes, [out], RMSNormParams(x, axis, scale, unit, eps, assumed))
 
     def rewrite(self, b: Builder, m: Match) -> list[ir.Value]:
-        x, scale, eps, shape, assumed = m.params
-        k = shape[-1]
-        w = b.const(np.ones(k, np.float32), "rms_norm_ones") if scale is None else _vector(b, scale, k)
+        p: RMSNormParams = m.params
+        shape = static_shape(p.x)
+        assert shape is not None
+        k, view = shape[p.axis], _rms_view(shape, p.axis)
+        if p.scale is not None:
+            w = _vector(b, p.scale, k)
+        else:
+            w = b.const(np.full(k, p.unit, np.float32), "rms_norm_ones" if p.unit == 1 else "l2_norm_unit")
+        x = unview(b, p.x, tuple(view)) if p.axis == len(shape) - 1 else channels_last(b, p.x, shape)
         node = b.dispatch(self.target.op("rms_norm").op_type, [x, w],
-                          {"input_shape": shape, "output_shape": shape, "beta_shape": [k], "epsilon": eps, "axis": -1},
-                          dtype=x.dtype, shape=shape, assumed=assumed)
-        return [node.outputs[0]]
+                          {"input_shape": view, "output_shape": view, "beta_shape": [k], "epsilon": p.eps,
+                           "axis": -1}, dtype=p.x.dtype, shape=view, assumed=p.assumed)
+        y = node.outputs[0]
+        return [unview(b, y, shape) if p.axis == len(shape) - 1 else channels_first(b, y, shape)]
+
+
+def _rms_view(shape: tuple[int, ...], axis: int) -> list[int]:
+    """What SDRMSNorm reads: x itself (rank 2-4) or its [B, M, K] view for the last axis; [B, S1, S2, C] for
+    the channels."""
+    if axis != len(shape) - 1:
+        return nhwc_shape(channels_view(shape))
+    return list(shape) if 2 <= len(shape) <= 4 else bmk_view(shape)
+
+
+def _per_last_axis(a: np.ndarray | None, k: int) -> bool:
+    """One value per channel of the last axis: [K] or [1, .., 1, K]."""
+    return a is not None and a.size == k and a.ndim >= 1 and a.shape[-1] == k
