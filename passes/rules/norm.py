@@ -43,13 +43,13 @@ Spelled as the exporters write torch's RMSNorm (SD3.5's per-head Q/K norms, T5),
 With k = 1 for a mean and k = D for a sum, sqrt(k * mean + e) = sqrt(k) * sqrt(mean + e / k): eps' = e / k and
 the output scaled by 1 / sqrt(k) (a weight of 1/sqrt(D) where no c = sqrt(D) follows; a weight w after such an
 unscaled L2 norm stays an element-wise Mul). Eps outside the root is not the op's formula: max(L, e) and L + e
-are taken as sqrt(L^2 + e^2) (eps' = e^2 / k), which differs from either by a factor in [1, sqrt 2], more than
-bf16's rounding (2^-9) only where L < 16 e, the output there being under L / e in size. So it is taken where e
-<= 1e-6 (F.normalize's default is 1e-12: every vector but one that is 0 at bf16's resolution), and declined with
-that reason above it; a zero vector stays 0 either way (e^2 / k is at least float32's smallest normal, else
-declined). The normalized axis is the last one, or the channels (axis 1 of a [B, C, *S] tensor: Qwen-Image's
-VAE), which the NHWC layout puts last: the same view and Transposes as SDGroupNorm's. Any other axis, or several,
-is declined with its reason.
+are taken as sqrt(L^2 + e^2) (eps' = e^2 / k), which is max(L, e) within a factor 1 + (e / L)^2 / 2 and L + e
+within 1 + e / L: within bf16's rounding (2^-9) but for norms L below 16 e, or 512 e. Both are taken where that
+norm is at most TINY_NORM = 1.6e-5, nothing but a vector that is 0 at bf16's resolution: e <= 1e-6 clamping
+(F.normalize's 1e-12), e <= 3.1e-8 added (1e-8); declined with that reason above it. A zero vector stays 0
+either way (e^2 / k is at least float32's smallest normal, else declined). The normalized axis is the last one,
+or the channels (axis 1 of a [B, C, *S] tensor: Qwen-Image's VAE), which the NHWC layout puts last: the same view
+and Transposes as SDGroupNorm's. Any other axis, or several, is declined with its reason.
 """
 
 from __future__ import annotations
@@ -314,7 +314,7 @@ def _vector(b: Builder, v: ir.Value, k: int) -> ir.Value:
                      dtype=ir.DataType.FLOAT)
 
 
-EPS_OUTSIDE = 1e-6  # the largest eps outside the root taken as inside it (the module docstring says why)
+TINY_NORM = 1.6e-5  # an eps outside the root may change the norm beyond bf16's rounding only below it (docstring)
 
 
 @dataclass
@@ -327,6 +327,7 @@ class _Root:
     summed: bool
     eps_in: float
     eps_out: float
+    added: bool  # eps_out added to the root (L + e), not clamping it (max(L, e))
     nodes: list[ir.Node]  # in graph order
 
 
@@ -359,7 +360,7 @@ def _root(d: ir.Value | None) -> _Root | None:
     if node is not None and node.op_type == "Expand":  # F.normalize's broadcast back to x's shape
         nodes.append(node)
         node = producer(node.inputs[0])
-    eps_out = 0.0
+    eps_out, added = 0.0, False
     clip = node if node is not None and node.op_type == "Clip" and len(node.inputs) >= 2 and (
         len(node.inputs) == 2 or node.inputs[2] is None) else None
     outside = _with_scalar(node, "Max", "Add")
@@ -368,7 +369,7 @@ def _root(d: ir.Value | None) -> _Root | None:
         eps_out, node = float(scalar(clip.inputs[1])), producer(clip.inputs[0])  # type: ignore[arg-type]
     elif outside is not None:  # Max(L, e), L + e
         nodes.append(node)  # type: ignore[arg-type]
-        eps_out, node = outside[1], producer(outside[0])
+        eps_out, added, node = outside[1], node.op_type == "Add", producer(outside[0])  # type: ignore[union-attr]
     if node is None or node.domain not in ("", "ai.onnx"):
         return None
     eps_in, summed = 0.0, True
@@ -405,7 +406,7 @@ def _root(d: ir.Value | None) -> _Root | None:
         else attr(reduce, "axes")
     rank = len(static_shape(x) or ())
     axes = list(range(rank)) if given is None or np.size(given) == 0 else [int(a) for a in np.ravel(given)]
-    return _Root(x, axes, summed, eps_in, eps_out, list(reversed(nodes)))
+    return _Root(x, axes, summed, eps_in, eps_out, added, list(reversed(nodes)))
 
 
 def _norm(node: ir.Node) -> _Root | None:
@@ -464,9 +465,11 @@ class RMSNormFusion(Rule):
         if axis != rank - 1 and not (axis == 1 and rank >= 3):
             return Declined(f"normalizes axis {axis} of {list(shape)}: SDRMSNorm normalizes the last axis, or the "
                             "channels (axis 1) through the NHWC layout", nodes)
-        if root.eps_out > EPS_OUTSIDE:
-            return Declined(f"eps {root.eps_out:g} is added outside the square root, SDRMSNorm's inside: the two "
-                            "differ by more than bf16's rounding where the norm is below 16 x eps", nodes)
+        factor = 512 if root.added else 16  # where sqrt(L^2 + e^2) leaves L + e, or max(L, e), by 2^-9
+        if root.eps_out * factor > TINY_NORM:
+            return Declined(f"eps {root.eps_out:g} {'added to' if root.added else 'clamping'} the norm outside the "
+                            f"square root (SDRMSNorm's is inside): the two differ by more than bf16's rounding for "
+                            f"norms below {factor} x eps = {factor * root.eps_out:.2g}", nodes)
         k = shape[axis] if root.summed else 1
         eps = (root.eps_in + root.eps_out ** 2) / k
         if (root.eps_in or root.eps_out) and eps < np.finfo(np.float32).tiny:
