@@ -20,7 +20,10 @@ Families (``FAMILIES``):
   attention    self/cross attention, 1-4 heads, dynamo / TorchScript / plain spellings of the head split and
                the scale, causal mask, k and v sharing one projection
   norm         GroupNorm as exported (Reshape, InstanceNormalization, Reshape, Mul, Add [+ SiLU]),
-               LayerNormalization, LayerNorm decomposed
+               LayerNormalization, LayerNorm decomposed, InstanceNormalization (InstanceNorm1d/2d, affine or
+               not, after TorchScript's flattening Reshape, + SiLU), L2 norms (F.normalize: ReduceL2 or the root
+               of a sum or mean of squares, eps by Clip, Max or Add, Expand or not, Div or * Reciprocal, Qwen-
+               Image's * sqrt(D) * gamma) over the last axis or the channels, an RMS norm over the channels
   activation   SiLU, Gelu (none / tanh), Erf GELU (three spellings), tanh GELU decomposed, QuickGelu, GEGLU
                (Split or Slices), Sigmoid, Softmax; constants 0-d, [1] or rank-raising [1, 1, ..]
   resize       nearest Resize, integer factors, scales or sizes, every coordinate mode and rounding
@@ -42,7 +45,8 @@ Families (``FAMILIES``):
                v or per head, 1.7 for 1.702, erf(x / 1.5), GEGLU's halves swapped or uneven, a reflect /
                non-zero / cropping Pad before a Conv, a neutral constant that raises the rank, an RMSNorm over
                another axis or scaled per row, a joint attention cut where the streams do not meet or whose
-               softmax is over the queries, a projection chunked along the batch).
+               softmax is over the queries, a projection chunked along the batch, an L2 norm over a middle axis
+               or two axes, with eps 0.1 / 0.5 outside the root, of another tensor than the one reduced).
   generality   rotary embeddings (rotate-half and interleaved pairs, near misses), AdaLN modulation (chunks,
                tables, scale-shift), streams cut back along the sequence, Einsum, a modulation table read a
                few rows at a time (Slice, flatten + chunk, one Split; overlapping rows, step 2, a row output),
@@ -59,10 +63,13 @@ Families (``FAMILIES``):
                axis, gamma [1, K], statistics read; GEGLU over an odd width (TorchScript's chunk Slices, a
                dropped column), Split sizes or num_outputs; Gemm alpha/beta/transA/transB and every bias
                shape, MatMul on ranks 1-5 or with the weight first; Resize given scales (near 2 too) or sizes,
-               with or without axes; SiLU / quick_gelu / Gelu, Add/Sub/Mul/Div in every broadcast, Concat on
-               any axis of ranks 1-5; CLIP's end-of-text pooling (legacy, and ArgMax(Cast(Equal(ids, eos),
-               int)) with GatherND or Gather); a standalone Softmax over logits around 1e4. Intermediates
-               of the pattern are now and then graph outputs or read by another node.
+               with or without axes; InstanceNormalization on ranks 3-5 (batches 1-3, affine or not,
+               flattened, + SiLU); L2 and RMS norms on ranks 2-5 over any axis or two, every root and eps
+               spelling, eps 1e-30 to 0.5, a scalar (sqrt(D) or not), channel, row or no weight after; SiLU /
+               quick_gelu / Gelu, Add/Sub/Mul/Div in every broadcast, Concat on any axis of ranks 1-5; CLIP's
+               end-of-text pooling (legacy, and ArgMax(Cast(Equal(ids, eos), int)) with GatherND or Gather); a
+               standalone Softmax over logits around 1e4. Intermediates of the pattern are now and then graph
+               outputs or read by another node.
 """
 
 from __future__ import annotations
@@ -501,6 +508,96 @@ def step_layer_norm_decomposed(g: G, x: str) -> str:
                      g.weight((shape[-1],), 0.3, "beta")], shape)
     g.desc.append("LayerNorm(decomposed)")
     return y
+
+
+def instance_norm(g: G, x: str, *, affine: bool, eps: float, silu: bool, flatten: bool = False) -> str:
+    """InstanceNormalization as torch writes InstanceNorm1d/2d/3d (affine: learned scale and bias; not: ones
+    and zeros), after TorchScript's flattening Reshape [B, C, *S] -> [B, C, L] with ``flatten``."""
+    shape = g.shape[x]
+    if flatten and len(shape) > 3:
+        flat = (shape[0], shape[1], _size(shape[2:]))
+        x = g.op("Reshape", [x, g.ints(g.pick([list(flat), [0, 0, -1]]))], flat)
+        shape = flat
+    c = shape[1]
+    # a row of one value normalizes to 0, the output is the bias: onnxruntime's kernel computes a x + (b - a mean),
+    # a = scale / sqrt(eps), rounding at |a x| (~1e3 |x|): 4e-6 off a bias of 0.04, an error of the reference graph
+    # itself that no sensitivity run sees (the output does not depend on x). Such rows get ones and zeros.
+    affine = affine and _size(shape[2:]) > 1
+    scale = g.weight((c,), 0.3, "in_scale", offset=1.0) if affine else g.fconst(np.ones(c))
+    bias = g.weight((c,), 0.3, "in_bias") if affine else g.fconst(np.zeros(c))
+    y = g.op("InstanceNormalization", [x, scale, bias], shape, epsilon=eps)
+    return _silu(g, y) if silu else y
+
+
+def step_instance_norm(g: G, x: str) -> str:
+    affine, eps, silu, flatten = g.flag(), g.pick([1e-5, 1e-6, 1e-3]), g.flag(), g.num(0, 3) == 0
+    g.desc.append(f"InstanceNorm(affine={affine}, eps={eps}{', flattened' if flatten else ''})"
+                  f"{'+SiLU' if silu else ''}")
+    return instance_norm(g, x, affine=affine, eps=eps, silu=silu, flatten=flatten)
+
+
+def l2_norm(g: G, x: str, *, axes: list[int], root: str, clamp: str, eps: float, expand: bool, divide: bool,
+            sqrt_d: bool, gamma: str | None = None, numerator: str | None = None) -> str:
+    """x / clamp(||x||, eps) over ``axes`` as F.normalize exports it (ReduceL2, Clip, Expand, Div) and its
+    neighbours: the root as Sqrt(ReduceSum(x^2)), Sqrt(ReduceSumSquare(x)) or Sqrt(ReduceMean(x^2)) (an RMS
+    norm), eps by Clip, Max or Add, no Expand, x * Reciprocal; then * sqrt(D) (Qwen-Image's RMS_norm) and
+    * ``gamma``. ``numerator``: divide another tensor than x (a near miss)."""
+    shape = g.shape[x]
+    red = tuple(1 if i in [a % len(shape) for a in axes] else d for i, d in enumerate(shape))
+    ax = g.ints(axes, "axes")
+    if root == "ReduceL2":
+        r = g.op("ReduceL2", [x, ax], red, keepdims=1)
+    elif root == "ReduceSumSquare":
+        r = g.op("Sqrt", [g.op("ReduceSumSquare", [x, ax], red, keepdims=1)], red)
+    else:
+        sq = g.op("Pow", [x, g.scalar(2.0, "two")], shape) if g.flag() else g.op("Mul", [x, x], shape)
+        r = g.op("Sqrt", [g.op(root, [sq, ax], red, keepdims=1)], red)
+    e = g.fconst(eps, "eps")  # Clip's min is a scalar
+    d = g.op("Clip", [r, e], red) if clamp == "Clip" else g.bin(clamp, r, e) if g.flag() else g.bin(clamp, e, r)
+    if expand:
+        d = g.op("Expand", [d, g.ints(list(shape))], shape)
+    num = numerator or x
+    y = g.bin("Div", num, d) if divide else g.bin("Mul", num, g.op("Reciprocal", [d], g.shape[d]))
+    if sqrt_d:
+        y = g.bin("Mul", y, g.scalar(math.sqrt(_size([shape[a] for a in axes])), "sqrt_d"))
+    if gamma is not None:
+        y = g.bin("Mul", y, gamma) if g.flag() else g.bin("Mul", gamma, y)
+    return y
+
+
+def _norm_axis_weight(g: G, shape: tuple[int, ...], axis: int) -> str:
+    """A weight per channel of ``axis``: [C, 1, ..] or [1, C, 1, ..] for the channels (axis 1), [K] or [1, K]
+    for the last axis."""
+    rank, k = len(shape), shape[axis]
+    if axis % rank == rank - 1:
+        return g.weight(g.pick([(k,), (1, k)]), 0.3, "gamma", offset=1.0)
+    ones = (1,) * (rank - 2)
+    return g.weight(g.pick([(k, *ones), (1, k, *ones)]), 0.3, "gamma", offset=1.0)
+
+
+def step_l2_norm(g: G, x: str) -> str:
+    """F.normalize over the last axis or the channels, in each spelling, now and then Qwen-Image's * sqrt(C) *
+    gamma."""
+    shape = g.shape[x]
+    axes = [a for a in [-1] + ([1] if len(shape) >= 3 else []) if shape[a] > 1]
+    if not axes:  # the norm of one value is its sign (ill-conditioned at 0): an RMS norm, eps inside, instead
+        g.desc.append("RMSNorm (of one value)")
+        return rms_norm(g, x, scale=None)
+    axis = g.pick(axes)
+    p = {"root": g.pick(["ReduceL2", "ReduceL2", "ReduceSum", "ReduceSumSquare", "ReduceMean"]),
+         "clamp": g.pick(["Clip", "Clip", "Max", "Add"]), "eps": g.pick([1e-12, 1e-12, 1e-8, 1e-6]),
+         "expand": g.flag(), "divide": g.num(0, 3) > 0, "sqrt_d": g.flag()}
+    gamma = _norm_axis_weight(g, shape, axis) if g.flag() else None
+    g.desc.append(f"L2Norm(axis={axis}, " + ", ".join(f"{k}={v}" for k, v in p.items()) +
+                  f"{', gamma' if gamma else ''})")
+    return l2_norm(g, x, axes=[axis], gamma=gamma, **p)
+
+
+def step_channel_rms_norm(g: G, x: str) -> str:
+    """An RMS norm over the channels of [B, C, *S], scaled per channel (a Qwen-style norm written out)."""
+    shape = g.shape[x]
+    g.desc.append("RMSNorm(channels)")
+    return rms_norm(g, x, axis=1, scale=_norm_axis_weight(g, shape, 1) if g.num(0, 3) else None)
 
 
 # ---- activations ---------------------------------------------------------------------------------------------
@@ -1689,6 +1786,30 @@ def nm_group_norm_variants(g: G, x: str) -> str:
     return group_norm(g, x, groups=groups, eps=1e-5, silu=g.flag(), **kw)
 
 
+def nm_norm_reductions(g: G, x: str) -> str:
+    """An L2 norm over an axis that is neither the last nor the channels, over two axes, with an eps outside
+    the root far from negligible (0.1, 0.5), or of another tensor than the one reduced."""
+    shape = g.shape[x]
+    kinds = ["two_axes", "eps_outside", "other_numerator"] + (["middle_axis"] if len(shape) == 4 else [])
+    kind = g.pick(kinds)
+    p = {"root": g.pick(["ReduceL2", "ReduceMean"]), "clamp": g.pick(["Clip", "Add"]), "eps": 1e-12,
+         "expand": g.flag(), "divide": True, "sqrt_d": False}
+    axes = [-1]
+    numerator = None
+    if kind == "middle_axis":
+        axes = [2]
+    elif kind == "two_axes":
+        axes = g.pick([[1, 2], [-2, -1]]) if len(shape) >= 3 else [-2, -1]
+    elif kind == "eps_outside":
+        p["eps"] = g.pick([0.1, 0.5])
+    else:
+        numerator = g.op("Mul", [x, g.weight(shape[-1:], 0.3, "k", offset=1.0)], shape)
+    if _size([shape[a] for a in axes]) == 1:  # one value: x / |x| is its sign, ill-conditioned at 0
+        p["eps"] = 0.5
+    g.desc.append(f"near-miss: L2Norm {kind} (axes={axes}, {p})")
+    return l2_norm(g, x, axes=axes, numerator=numerator, **p)
+
+
 def nm_layer_norm_variants(g: G, x: str) -> str:
     shape = g.shape[x]
     kinds = ["stats_used", "gamma_input"] + (["axis"] if len(shape) >= 3 else [])
@@ -2037,6 +2158,56 @@ def mut_layer_norm(g: G, _: Any) -> str:
     return _drain(g, g.op("LayerNormalization", ins, shape, axis=axis, epsilon=eps))
 
 
+def mut_instance_norm(g: G, _: Any) -> str:
+    """InstanceNormalization on ranks 3 to 5 (InstanceNorm1d/2d/3d), odd and size-1 sizes (a position of its
+    own: the variance is 0), batches 1-3, affine or not, after a flattening Reshape, + SiLU, an intermediate
+    shared."""
+    rank = g.pick([3, 4, 4, 5])
+    b, c = g.pick([1, 2, 3]), g.pick([1, 2, 3, 4, 5, 7, 8, 12])
+    spatial = list(_mshape(g, rank - 1, hi=7, budget=MAX_ELEMS // (b * c)))[1:]
+    shape = (b, c, *spatial)
+    x = _feed(g, shape)
+    affine, eps, silu, flatten = g.flag(), g.pick([1e-5, 1e-6, 1e-3]), g.flag(), g.num(0, 3) == 0
+    y = instance_norm(g, x, affine=affine, eps=eps, silu=silu, flatten=flatten)
+    g.desc.append(f"mutation: InstanceNorm(x {list(shape)}, affine={affine}, eps={eps}"
+                  f"{', flattened' if flatten else ''}){'+SiLU' if silu else ''}")
+    inside = [v for v in g.activations if v not in (x, y)]
+    return _drain(g, _share(g, inside, y))
+
+
+def mut_l2_norm(g: G, _: Any) -> str:
+    """L2 and RMS norms on ranks 2 to 5 over any axis or two (the channels and the last taken, the others
+    declined), every root and eps spelling, eps from 1e-30 (below float32's range as e^2 / D) to 0.5 (outside
+    the root: declined above 1e-6), a scalar after (sqrt(D) or another), a weight per channel or per row, an
+    intermediate shared."""
+    rank = g.pick([2, 3, 4, 4, 5])
+    axes = g.pick([[-1], [-1], [1], [1], [rank - 1]] + ([[rank - 2]] if rank >= 3 else []) + [[0, rank - 1]])
+    shape = list(_mshape(g, rank))
+    if _size([shape[a] for a in axes]) == 1:  # a norm of one value is its sign: no norm, and ill-conditioned at 0
+        shape[axes[-1]] = g.pick([2, 3, 5])
+    shape = tuple(shape)
+    x = _feed(g, shape)
+    p = {"root": g.pick(["ReduceL2", "ReduceSum", "ReduceSumSquare", "ReduceMean"]),
+         "clamp": g.pick(["Clip", "Max", "Add"]), "eps": g.pick([1e-12, 1e-12, 1e-8, 1e-6, 1e-30, 1e-3, 0.5]),
+         "expand": g.flag(), "divide": g.flag(), "sqrt_d": g.num(0, 2) == 0}
+    if g.dtype == F16:
+        p["eps"] = max(p["eps"], 1e-6)  # fp16's smallest subnormal is 6e-8
+    axis = axes[0] % rank
+    weight = g.pick(["none", "channel", "row", "scalar"])
+    gamma = None
+    if weight == "channel" and len(axes) == 1 and (axis == rank - 1 or (axis == 1 and rank >= 3)):
+        gamma = _norm_axis_weight(g, shape, axis)
+    elif weight == "row":
+        gamma = g.weight((*shape[:-1], 1), 0.3, "row_w", offset=1.0)
+    elif weight == "scalar":
+        gamma = g.scalar(g.pick([3.0, 0.5]), "k")
+    y = l2_norm(g, x, axes=axes, gamma=gamma, **p)
+    g.desc.append(f"mutation: L2Norm(x {list(shape)}, axes={axes}, " + ", ".join(f"{k}={v}" for k, v in p.items()) +
+                  f", weight={weight if gamma else 'none'})")
+    inside = [v for v in g.activations if v not in (x, y) and g.shape[v] == shape]
+    return _drain(g, _share(g, inside, y))
+
+
 def mut_geglu(g: G, _: Any) -> str:
     """GEGLU with an odd projection width (TorchScript's Slices of torch.chunk: [0, n+1) and [n+1, end), or the
     last column dropped), Split with sizes or num_outputs, slice ends written n, 2n or INT64_MAX, positive axes,
@@ -2333,6 +2504,9 @@ STEPS: dict[str, Step] = {
     "group_norm": Step(step_group_norm, (3, 4)),
     "layer_norm": Step(step_layer_norm, (2, 3, 4)),
     "layer_norm_decomposed": Step(step_layer_norm_decomposed, (2, 3)),
+    "instance_norm": Step(step_instance_norm, (3, 4)),
+    "l2_norm": Step(step_l2_norm, (2, 3, 4)),
+    "channel_rms_norm": Step(step_channel_rms_norm, (3, 4)),
     "silu": Step(step_silu, (2, 3, 4)),
     "gelu": Step(step_gelu, (2, 3, 4)),
     "erf_gelu": Step(step_erf_gelu, (2, 3, 4)),
@@ -2388,6 +2562,7 @@ NEAR_MISSES: dict[str, Step] = {
     "resize_unsupported": Step(nm_resize_unsupported, (4,)),
     "group_norm_variants": Step(nm_group_norm_variants, (3, 4)),
     "layer_norm_variants": Step(nm_layer_norm_variants, (2, 3)),
+    "norm_reductions": Step(nm_norm_reductions, (2, 3, 4)),
     "attention_variants": Step(nm_attention_variants, (3,)),
     "activation_constants": Step(nm_activation_constants, (2, 3)),
     "neutral_broadcast": Step(nm_neutral_broadcast, (1, 2, 3)),
@@ -2400,6 +2575,8 @@ MUTATIONS: dict[str, Step] = {  # each makes its own input: ranks (0,)
     "conv": Step(mut_conv, (0,), chain=False),
     "attention": Step(mut_attention, (0,), chain=False),
     "layer_norm": Step(mut_layer_norm, (0,), chain=False),
+    "instance_norm": Step(mut_instance_norm, (0,), chain=False),
+    "l2_norm": Step(mut_l2_norm, (0,), chain=False),
     "geglu": Step(mut_geglu, (0,), chain=False),
     "gemm": Step(mut_gemm, (0,), chain=False),
     "resize": Step(mut_resize, (0,), chain=False),
@@ -2414,7 +2591,7 @@ FAMILIES: dict[str, list[str]] = {
     "conv": ["conv"],
     "gemm": ["linear", "gemm", "tied_linear", "matmul_act"],
     "attention": ["attention"],
-    "norm": ["group_norm", "layer_norm", "layer_norm_decomposed"],
+    "norm": ["group_norm", "layer_norm", "layer_norm_decomposed", "instance_norm", "l2_norm", "channel_rms_norm"],
     "activation": ["silu", "gelu", "erf_gelu", "tanh_gelu", "quick_gelu", "geglu", "sigmoid", "softmax"],
     "resize": ["resize"],
     "elementwise": ["binary_const", "binary_branch", "concat", "slice", "split", "expand"],
