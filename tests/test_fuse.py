@@ -255,17 +255,20 @@ def test_near_miss_does_not_fuse_and_says_why(build, anchor_op, reason):
 
 # --- InstanceNormalization as the GroupNorm it is ---------------------------------------------------------------------
 
-def group_norm_learned_instance_scale():
-    """The GroupNorm spelling with a learned scale on the InstanceNormalization (no exporter writes one)."""
-    m = group_norm(False)
+def group_norm_learned_instance_scale(grouping: list[int] | None = None):
+    """The GroupNorm spelling with a learned scale and bias on the InstanceNormalization (no exporter writes
+    one)."""
+    m = group_norm(False, grouping=grouping)
     for init in m.graph.initializer:
-        if init.name == "ones":
-            init.CopyFrom(onnx.numpy_helper.from_array(np.full(4, 2.0, np.float32), "ones"))
+        if init.name in ("ones", "zeros"):
+            init.CopyFrom(onnx.numpy_helper.from_array(w(init.dims[0]) + (init.name == "ones"), init.name))
     return m
 
 
 @pytest.mark.parametrize("build", [
     group_norm_learned_instance_scale,
+    # [2, 8, 4, 4] as [4, 4, -1]: 8 groups of a channel, row r reading the scale's r % 4
+    lambda: group_norm_learned_instance_scale([4, 4, -1]),
     lambda: group_norm(False, grouping=[1, 1, -1]),  # one row over the whole batch: no GroupNorm of x
     lambda: group_norm(False, grouping=[2, 16, -1]),  # rows of half a channel
 ])

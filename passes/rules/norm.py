@@ -65,6 +65,7 @@ from sdnpu.passes.rules.activation import silu_after
 from sdnpu.passes.rules.base import Declined, Match, Rule
 from sdnpu.passes.rules.conv import NCHW_TO_NHWC, NHWC_TO_NCHW, nhwc_shape
 
+
 def _per_channel(v: ir.Value | None, c: int, rank: int) -> np.ndarray | None:
     """A constant that scales the channels (axis 1) of a rank-``rank`` tensor: [C, 1, ..] or [1, C, 1, ..]."""
     a = const(v)
@@ -214,10 +215,10 @@ class GroupNormFusion(Rule):
             nodes += [mul, add]
             out, name = add.outputs[0], add.name
         else:
-            lead = grouped[1]  # the InstanceNormalization's scale: one value per row of a sample, [G] or [B*G]
-            if lead != groups and not all(np.all(a.reshape(-1, groups) == a.reshape(-1, groups)[0]) for a in (s, bs)):
+            per_row = [np.tile(a.reshape(-1), grouped[0]).reshape(x_shape[0], groups) for a in (s, bs)]
+            if not all(np.all(a == a[0]) for a in per_row):
                 return "InstanceNormalization's scale/bias differ between the samples folded into its rows"
-            weights = (_group_weights(scale, lead, groups, c), _group_weights(bias, lead, groups, c))
+            weights = (_group_weights(scale, grouped, x_shape[0], c), _group_weights(bias, grouped, x_shape[0], c))
             out, name = nodes[-1].outputs[0], inorm.name
         silu = silu_after(out)
         if silu is not None:
@@ -257,11 +258,17 @@ def _inputs(inorm: ir.Node, alone: bool = False) -> list[tuple[ir.Node | None, i
     return [*([(r1, r1.inputs[0])] if r1 is not None else []), (None, inorm.inputs[0])]
 
 
-def _group_weights(v: ir.Value, lead: int, groups: int, c: int) -> tuple[ir.Value, list[Step]]:
-    """An InstanceNormalization's scale or bias ([lead] = [G], or [B*G] with every sample's equal) as the
-    GroupNorm's per-channel [C]: each group's value repeated over its C / G channels."""
+def _group_weights(v: ir.Value, grouped: tuple[int, ...], b: int, c: int) -> tuple[ir.Value, list[Step]]:
+    """An InstanceNormalization's scale or bias, one value per row of each of its grouped[0] blocks (row r of
+    the B * G reads value r % grouped[1]), as the GroupNorm's per-channel [C]: the first sample's G values
+    (every sample's are the same), each repeated over its group's C / G channels."""
+    lead, rows = grouped[1], grouped[0] * grouped[1]
+    groups = rows // b
     steps: list[Step] = [step("astype", dtype="float32"), step("reshape", shape=[lead])]
-    if lead != groups:
+    if grouped[0] != 1:
+        steps += [step("reshape", shape=[1, lead]), step("broadcast", shape=[grouped[0], lead]),
+                  step("reshape", shape=[rows])]
+    if b != 1:
         steps.append(step("slice", axis=0, start=0, stop=groups))
     if c != groups:
         steps += [step("reshape", shape=[groups, 1]), step("broadcast", shape=[groups, c // groups]),
