@@ -21,8 +21,9 @@ from sdnpu.passes.rules.attention import AttentionFusion
 from sdnpu.passes.rules.base import Rule, RuleStats, apply_rules
 from sdnpu.passes.rules.conv import ConvFusion, PoolFusion
 from sdnpu.passes.rules.gemm import GemmFusion
-from sdnpu.passes.rules.norm import GroupNormFusion, LayerNormFusion, RMSNormFusion
+from sdnpu.passes.rules.norm import GroupNormFusion, LayerNormFusion
 from sdnpu.passes.rules.resize import ResizeFusion
+from sdnpu.passes.rules.rms_norm import RMSNormFusion
 
 FUSION_RULES: tuple[type[Rule], ...] = (
     AttentionFusion,

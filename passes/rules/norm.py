@@ -1,4 +1,4 @@
-"""SDGroupNorm, SDLayerNorm and SDRMSNorm: the normalizations in the spellings the exporters write.
+"""SDGroupNorm and SDLayerNorm: the normalizations in the spellings the exporters write.
 
 GroupNorm as the exporters write it (both torch exporters, opset 17-20):
 
@@ -12,7 +12,8 @@ InstanceNormalization normalizes each row of its input's first two axes, so any 
 whole (sample, group) blocks is a GroupNorm: [B, G, -1], the batch folded in ([1, B*G, -1]), the groups'
 channels on an axis of their own ([B, G, C/G, H*W]). The group count is rows / B, never the Reshape's second
 axis alone (an earlier version read [1, B*G, -1] as B*G groups and was 0.28 off at an output scale of 2.58).
-A row that straddles two samples or splits a channel is declined.
+Rows that straddle two samples or split a channel are no GroupNorm of x: that form is declined (and the
+InstanceNormalization taken alone, below).
 
 InstanceNormalization is itself the GroupNorm with one group per channel: ``InstanceNormalization(x [N, C, *S],
 scale [C], bias [C])`` is SDGroupNorm(groups=C, wts = scale ++ bias). torch writes it so for InstanceNorm1d/2d/3d
@@ -28,28 +29,7 @@ over its channels and every position, are the same).
 LayerNorm: one ``LayerNormalization`` over the last axis (opset >= 17) ==> SDLayerNorm on the [B, M, K] view
 of its input, then a view back to the input's rank where that differs.
 
-RMSNorm and the L2 norm: SDRMSNorm(x, w, eps') = x / sqrt(mean(x^2) + eps') * w over x's last axis (D values).
-Spelled as the exporters write torch's RMSNorm (SD3.5's per-head Q/K norms, T5), a hand-written RMS norm and
-``F.normalize`` (Qwen-Image's and Wan's VAEs: ``F.normalize(x, dim=1) * sqrt(C) * gamma``):
-
-    x * Reciprocal(D) | x / D, where the denominator D is
-      Sqrt(ReduceMean(x^2) [+ e])                 an RMS norm (x^2: Pow(x, 2) or x * x), eps inside
-      Sqrt(ReduceSum(x^2) [+ e]), ReduceL2(x)     an L2 norm: sqrt(D) times the RMS norm
-      Clip(L, min=e) | Max(L, e) | L + e          for a root L of the two above: eps outside the root
-      [Expand(..., x's shape)]                    F.normalize's broadcast back
-    [* c]  a scalar c = sqrt(D) after an L2 norm: the RMS norm itself (Qwen-Image's ``* self.scale``)
-    [* w]  one weight per normalized channel       ==> SDRMSNorm(x, w | ones, eps')
-
-With k = 1 for a mean and k = D for a sum, sqrt(k * mean + e) = sqrt(k) * sqrt(mean + e / k): eps' = e / k and
-the output scaled by 1 / sqrt(k) (a weight of 1/sqrt(D) where no c = sqrt(D) follows; a weight w after such an
-unscaled L2 norm stays an element-wise Mul). Eps outside the root is not the op's formula: max(L, e) and L + e
-are taken as sqrt(L^2 + e^2) (eps' = e^2 / k), which is max(L, e) within a factor 1 + (e / L)^2 / 2 and L + e
-within 1 + e / L: within bf16's rounding (2^-9) but for norms L below 16 e, or 512 e. Both are taken where that
-norm is at most TINY_NORM = 1.6e-5, nothing but a vector that is 0 at bf16's resolution: e <= 1e-6 clamping
-(F.normalize's 1e-12), e <= 3.1e-8 added (1e-8); declined with that reason above it. A zero vector stays 0
-either way (e^2 / k is at least float32's smallest normal, else declined). The normalized axis is the last one,
-or the channels (axis 1 of a [B, C, *S] tensor: Qwen-Image's VAE), which the NHWC layout puts last: the same view
-and Transposes as SDGroupNorm's. Any other axis, or several, is declined with its reason.
+RMS and L2 norms (SDRMSNorm) are rms_norm.py's.
 """
 
 from __future__ import annotations
@@ -59,14 +39,14 @@ from dataclasses import dataclass
 import numpy as np
 import onnx_ir as ir
 
-from sdnpu.passes.irutil import Builder, attr, bmk_view, const, producer, scalar, static_shape, unview
+from sdnpu.passes.irutil import Builder, attr, bmk_view, const, producer, static_shape, unview
 from sdnpu.passes.provenance import Step, step
 from sdnpu.passes.rules.activation import silu_after
 from sdnpu.passes.rules.base import Declined, Match, Rule
 from sdnpu.passes.rules.conv import NCHW_TO_NHWC, NHWC_TO_NCHW, nhwc_shape
 
 
-def _per_channel(v: ir.Value | None, c: int, rank: int) -> np.ndarray | None:
+def per_channel(v: ir.Value | None, c: int, rank: int) -> np.ndarray | None:
     """A constant that scales the channels (axis 1) of a rank-``rank`` tensor: [C, 1, ..] or [1, C, 1, ..]."""
     a = const(v)
     ones = (1,) * (rank - 2)
@@ -119,7 +99,7 @@ class GroupNormParams:
     assumed: list[str]
 
 
-def _one_use(v: ir.Value, op_type: str) -> ir.Node | None:
+def only_reader(v: ir.Value, op_type: str) -> ir.Node | None:
     """The node of ``op_type`` that alone reads ``v`` (which is no graph output)."""
     uses = list(v.uses())
     if v.is_graph_output() or len(uses) != 1:
@@ -180,7 +160,7 @@ class GroupNormFusion(Rule):
                 return None
         reasons = []
         for r1, x in _inputs(inorm, alone=True):
-            found = self._check(inorm, r1, _one_use(out, "Reshape"), x, None)
+            found = self._check(inorm, r1, only_reader(out, "Reshape"), x, None)
             if isinstance(found, Match):
                 return found
             reasons.append(found)
@@ -208,10 +188,10 @@ class GroupNormFusion(Rule):
             mul, add, gamma, beta = affine
             if not (np.all(s == 1) and np.all(bs == 0)):
                 return "InstanceNormalization has a learned scale/bias (not the GroupNorm form)"
-            if _per_channel(gamma, c, len(x_shape)) is None or _per_channel(beta, c, len(x_shape)) is None:
+            if per_channel(gamma, c, len(x_shape)) is None or per_channel(beta, c, len(x_shape)) is None:
                 return "gamma/beta are not constant per-channel vectors"
-            per_channel: list[Step] = [step("reshape", shape=[c]), step("astype", dtype="float32")]  # as _per_channel
-            weights = ((gamma, per_channel), (beta, per_channel))
+            to_c: list[Step] = [step("reshape", shape=[c]), step("astype", dtype="float32")]  # as per_channel reads it
+            weights = ((gamma, to_c), (beta, to_c))
             nodes += [mul, add]
             out, name = add.outputs[0], add.name
         else:
@@ -253,7 +233,7 @@ def _inputs(inorm: ir.Node, alone: bool = False) -> list[tuple[ir.Node | None, i
     GroupNorm's spelling; ``alone``: only where nothing else reads the rows), then its own input (one group
     per channel)."""
     r1 = producer(inorm.inputs[0], "Reshape")
-    if r1 is not None and alone and _one_use(r1.outputs[0], "InstanceNormalization") is None:
+    if r1 is not None and alone and only_reader(r1.outputs[0], "InstanceNormalization") is None:
         r1 = None
     return [*([(r1, r1.inputs[0])] if r1 is not None else []), (None, inorm.inputs[0])]
 
@@ -306,226 +286,17 @@ class LayerNormFusion(Rule):
     def rewrite(self, b: Builder, m: Match) -> list[ir.Value]:
         x, gamma, beta, view, eps, assumed = m.params
         k = view[-1]
-        gamma = _vector(b, gamma, k)
-        beta = b.const(np.zeros(k, np.float32), f"{gamma.name}_zero_beta") if beta is None else _vector(b, beta, k)
+        gamma = as_vector(b, gamma, k)
+        beta = b.const(np.zeros(k, np.float32), f"{gamma.name}_zero_beta") if beta is None else as_vector(b, beta, k)
         ln = b.dispatch(self.target.op("layer_norm").op_type, [x, gamma, beta],
                         {"input_shape": view, "output_shape": view, "gamma_shape": [k], "beta_shape": [k],
                          "epsilon": eps, "axis": -1}, dtype=x.dtype, shape=view, assumed=assumed)
         return [unview(b, ln.outputs[0], static_shape(m.outputs[0]))]
 
 
-def _vector(b: Builder, v: ir.Value, k: int) -> ir.Value:
+def as_vector(b: Builder, v: ir.Value, k: int) -> ir.Value:
+    """A constant of K values as the [K] float32 weight a norm op takes (itself where it is one)."""
     if static_shape(v) == (k,):
         return v
     return b.derived(v, [step("astype", dtype="float32"), step("reshape", shape=[k])], [k], f"{v.name}_k",
                      dtype=ir.DataType.FLOAT)
-
-
-TINY_NORM = 1.6e-5  # an eps outside the root may change the norm beyond bf16's rounding only below it (docstring)
-
-
-@dataclass
-class _Root:
-    """The denominator of a norm of ``x``: sqrt(k * mean(x^2 over axes) + eps_in) [max'd or added with eps_out],
-    k = D for a sum of squares (an L2 norm), 1 for a mean."""
-
-    x: ir.Value
-    axes: list[int]
-    summed: bool
-    eps_in: float
-    eps_out: float
-    added: bool  # eps_out added to the root (L + e), not clamping it (max(L, e))
-    nodes: list[ir.Node]  # in graph order
-
-
-def _squared(v: ir.Value | None) -> tuple[ir.Value, ir.Node] | None:
-    """(x, node) where ``v`` is x^2: Pow(x, 2) or x * x."""
-    sq = producer(v)
-    if sq is None or sq.domain not in ("", "ai.onnx"):
-        return None
-    if sq.op_type == "Pow" and scalar(sq.inputs[1]) == 2.0:
-        return sq.inputs[0], sq  # type: ignore[return-value]
-    if sq.op_type == "Mul" and sq.inputs[0] is sq.inputs[1]:
-        return sq.inputs[0], sq  # type: ignore[return-value]
-    return None
-
-
-def _with_scalar(node: ir.Node | None, *op_types: str) -> tuple[ir.Value, float] | None:
-    """(v, e) where ``node`` is op(v, e) or op(e, v) for a one-value constant e."""
-    if node is None or node.op_type not in op_types or len(node.inputs) != 2:
-        return None
-    for v, e in (node.inputs, reversed(node.inputs)):
-        value = scalar(e)
-        if value is not None and const(v) is None:
-            return v, value  # type: ignore[return-value]
-    return None
-
-
-def _root(d: ir.Value | None) -> _Root | None:
-    nodes: list[ir.Node] = []
-    node = producer(d)
-    if node is not None and node.op_type == "Expand":  # F.normalize's broadcast back to x's shape
-        nodes.append(node)
-        node = producer(node.inputs[0])
-    eps_out, added = 0.0, False
-    clip = node if node is not None and node.op_type == "Clip" and len(node.inputs) >= 2 and (
-        len(node.inputs) == 2 or node.inputs[2] is None) else None
-    outside = _with_scalar(node, "Max", "Add")
-    if clip is not None and scalar(clip.inputs[1]) is not None:  # Clip(L, min=e): clamp_min, F.normalize
-        nodes.append(clip)
-        eps_out, node = float(scalar(clip.inputs[1])), producer(clip.inputs[0])  # type: ignore[arg-type]
-    elif outside is not None:  # Max(L, e), L + e
-        nodes.append(node)  # type: ignore[arg-type]
-        eps_out, added, node = outside[1], node.op_type == "Add", producer(outside[0])  # type: ignore[union-attr]
-    if node is None or node.domain not in ("", "ai.onnx"):
-        return None
-    eps_in, summed = 0.0, True
-    if node.op_type == "ReduceL2":
-        reduce, x = node, node.inputs[0]
-        nodes.append(node)
-    elif node.op_type == "Sqrt":
-        nodes.append(node)
-        inner = producer(node.inputs[0])
-        inside = _with_scalar(inner, "Add")
-        if inside is not None:
-            nodes.append(inner)  # type: ignore[arg-type]
-            eps_in, inner = inside[1], producer(inside[0])
-        if inner is None or inner.domain not in ("", "ai.onnx"):
-            return None
-        reduce = inner
-        if inner.op_type == "ReduceSumSquare":
-            x = inner.inputs[0]
-            nodes.append(inner)
-        elif inner.op_type in ("ReduceMean", "ReduceSum"):
-            sq = _squared(inner.inputs[0])
-            if sq is None:
-                return None
-            x = sq[0]
-            nodes += [inner, sq[1]]
-            summed = inner.op_type == "ReduceSum"
-        else:
-            return None
-    else:
-        return None
-    if attr(reduce, "keepdims", 1) != 1 or x is None:
-        return None
-    given = const(reduce.inputs[1]) if len(reduce.inputs) > 1 and reduce.inputs[1] is not None \
-        else attr(reduce, "axes")
-    rank = len(static_shape(x) or ())
-    axes = list(range(rank)) if given is None or np.size(given) == 0 else [int(a) for a in np.ravel(given)]
-    return _Root(x, axes, summed, eps_in, eps_out, added, list(reversed(nodes)))
-
-
-def _norm(node: ir.Node) -> _Root | None:
-    """The norm ``node`` ends: x / D or x * Reciprocal(D), D a root of x's squares (``_root``)."""
-    if node.op_type == "Div":
-        pairs = [(node.inputs[0], node.inputs[1], [])]
-    else:
-        pairs = []
-        for x, r in (node.inputs, reversed(node.inputs)):
-            rec = producer(r, "Reciprocal")
-            if rec is not None:
-                pairs.append((x, rec.inputs[0], [rec]))
-    for x, d, chain in pairs:
-        root = _root(d)
-        if root is not None and root.x is x and static_shape(node.outputs[0]) == static_shape(x):
-            root.nodes += [*chain, node]
-            return root
-    return None
-
-
-def _the_other(node: ir.Node, v: ir.Value) -> np.ndarray | None:
-    """The constant ``node`` multiplies ``v`` by, where it keeps ``v``'s shape."""
-    if static_shape(node.outputs[0]) != static_shape(v) or len(node.inputs) != 2:
-        return None
-    other = node.inputs[1] if node.inputs[0] is v else node.inputs[0]
-    return const(other) if other is not v else None
-
-
-@dataclass(frozen=True)
-class RMSNormParams:
-    x: ir.Value
-    axis: int  # the last axis, or 1: the channels, last in NHWC
-    scale: ir.Value | None  # a weight per channel, or None: ``unit`` for each
-    unit: float  # 1, or 1 / sqrt(D) for an L2 norm no sqrt(D) scales
-    eps: float
-    assumed: list[str]
-
-
-class RMSNormFusion(Rule):
-    name = "RMSNormFusion"
-    anchors = ("Mul", "Div")
-
-    def match(self, node: ir.Node) -> Match | str | None:
-        root = _norm(node)
-        if root is None:
-            return None
-        nodes, x = root.nodes, root.x
-        shape = static_shape(x)
-        if shape is None:
-            return Declined("the input shape is not static", nodes)
-        rank = len(shape)
-        axes = sorted({a % rank for a in root.axes})
-        if len(axes) != 1:
-            return Declined(f"the norm reduces axes {axes} of {list(shape)}: SDRMSNorm normalizes one", nodes)
-        axis = axes[0]
-        if axis != rank - 1 and not (axis == 1 and rank >= 3):
-            return Declined(f"normalizes axis {axis} of {list(shape)}: SDRMSNorm normalizes the last axis, or the "
-                            "channels (axis 1) through the NHWC layout", nodes)
-        factor = 512 if root.added else 16  # where sqrt(L^2 + e^2) leaves L + e, or max(L, e), by 2^-9
-        if root.eps_out * factor > TINY_NORM:
-            return Declined(f"eps {root.eps_out:g} {'added to' if root.added else 'clamping'} the norm outside the "
-                            f"square root (SDRMSNorm's is inside): the two differ by more than bf16's rounding for "
-                            f"norms below {factor} x eps = {factor * root.eps_out:.2g}", nodes)
-        k = shape[axis] if root.summed else 1
-        eps = (root.eps_in + root.eps_out ** 2) / k
-        if (root.eps_in or root.eps_out) and eps < np.finfo(np.float32).tiny:
-            return Declined(f"eps {root.eps_out or root.eps_in:g} is below float32's range as SDRMSNorm's epsilon: a "
-                            "zero vector would give 0 / 0", nodes)
-        unit, out, scale = float(k) ** -0.5, node.outputs[0], None
-        after = _one_use(out, "Mul")
-        c = _the_other(after, out) if after is not None and unit != 1 else None
-        if c is not None and c.size == 1 and c.dtype.kind == "f" and \
-                abs(float(c.reshape(())) * unit - 1) <= 4 * float(np.finfo(c.dtype).eps):  # c = sqrt(D)
-            nodes, out, unit = [*nodes, after], after.outputs[0], 1.0  # type: ignore[union-attr]
-            after = _one_use(out, "Mul")
-        if after is not None and unit == 1:
-            w = after.inputs[1] if after.inputs[0] is out else after.inputs[0]
-            a = _the_other(after, out)
-            if a is not None and (_per_channel(w, shape[axis], rank) is not None if axis != rank - 1
-                                  else a.ndim <= rank and _per_last_axis(a, shape[axis])):
-                nodes, out, scale = [*nodes, after], after.outputs[0], w
-        view = _rms_view(shape, axis)
-        reason, assumed = self.target.op("rms_norm").check({"x": view})
-        if reason:
-            return Declined(reason, nodes)
-        return Match(nodes, [out], RMSNormParams(x, axis, scale, unit, eps, assumed))
-
-    def rewrite(self, b: Builder, m: Match) -> list[ir.Value]:
-        p: RMSNormParams = m.params
-        shape = static_shape(p.x)
-        assert shape is not None
-        k, view = shape[p.axis], _rms_view(shape, p.axis)
-        if p.scale is not None:
-            w = _vector(b, p.scale, k)
-        else:
-            w = b.const(np.full(k, p.unit, np.float32), "rms_norm_ones" if p.unit == 1 else "l2_norm_unit")
-        x = unview(b, p.x, tuple(view)) if p.axis == len(shape) - 1 else channels_last(b, p.x, shape)
-        node = b.dispatch(self.target.op("rms_norm").op_type, [x, w],
-                          {"input_shape": view, "output_shape": view, "beta_shape": [k], "epsilon": p.eps,
-                           "axis": -1}, dtype=p.x.dtype, shape=view, assumed=p.assumed)
-        y = node.outputs[0]
-        return [unview(b, y, shape) if p.axis == len(shape) - 1 else channels_first(b, y, shape)]
-
-
-def _rms_view(shape: tuple[int, ...], axis: int) -> list[int]:
-    """What SDRMSNorm reads: x itself (rank 2-4) or its [B, M, K] view for the last axis; [B, S1, S2, C] for
-    the channels."""
-    if axis != len(shape) - 1:
-        return nhwc_shape(channels_view(shape))
-    return list(shape) if 2 <= len(shape) <= 4 else bmk_view(shape)
-
-
-def _per_last_axis(a: np.ndarray | None, k: int) -> bool:
-    """One value per channel of the last axis: [K] or [1, .., 1, K]."""
-    return a is not None and a.size == k and a.ndim >= 1 and a.shape[-1] == k
