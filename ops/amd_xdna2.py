@@ -128,6 +128,10 @@ def _gn_groups(p: Params) -> str | None:
     return None if p["x"][3] % p["groups"] == 0 else f"{p['x'][3]} channels do not split into {p['groups']} groups"
 
 
+def _gn_not_32(p: Params) -> str | None:
+    return None if p["groups"] == 32 else f"{p['groups']} groups (AMD's sources show 32)"
+
+
 def _gelu_tanh(p: Params) -> str | None:
     return "tanh GELU" if p.get("approximate", "none") == "tanh" else None
 
@@ -387,7 +391,11 @@ _GROUP_NORM = OpSpec(
              "concat(gamma, beta), wts_shape [2C])", "DD src/ops/sd/groupnorm.cpp:153-225",
              "ROU SDGroupNorm pass (index 66800325324) L144-233: channels_last, copies the GroupNorm's "
              "attributes, gamma_shape/beta_shape, nonlinear='Silu' for GroupNorm -> Sigmoid -> Mul"),
-    limits=(_rank((4,)), Limit("groups", "C divides into groups", "ROU index 66800325324", _gn_groups)),
+    limits=(_rank((4,)), Limit("groups", "C divides into groups", "ROU index 66800325324", _gn_groups),
+            Limit("32 groups", "a group count other than diffusers' 32 (an InstanceNormalization is one group a "
+                  "channel): the kernel's sources and tests show SD's GroupNorms, 32 groups, only; that it takes "
+                  "another count is assumed", "DD tests/cpp/sd_groupnorm/model.py:40-67; ROU index 66800325324",
+                  _gn_not_32, assumed=True)),
     views=(("input_shape", 0),), exact_inputs=(("wts_shape", 1),), exact_outputs=(("output_shape", 0),),
     output=_same_out)
 
