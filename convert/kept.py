@@ -17,6 +17,7 @@ import json
 import logging
 import os
 import shutil
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -55,16 +56,18 @@ class Kept:
     """The plan and the finished units of one compile (``folder`` None: nothing is kept, every run starts anew)."""
 
     folder: Path | None
-    fingerprint: str = ""
+    fingerprint: str | Callable[[], str] = ""  # a callable until first needed (``key``)
     plan: list[tuple[int, int]] = field(default_factory=list)  # the pieces' node ranges, as cut so far
     units: dict[str, dict[str, Any]] = field(default_factory=dict)  # "start:end" -> the unit's record
 
     @classmethod
-    def open(cls, folder: Path | None, fingerprint: str, what: str) -> Kept:
+    def open(cls, folder: Path | None, fingerprint: Callable[[], str], what: str) -> Kept:
         """The units an earlier run of the same compile left in ``folder``; an empty record where there are none
-        (or they were another compile's: then they go)."""
+        (or they were another compile's: then they go). ``fingerprint`` is computed only where there is a record
+        to compare, or one to write (a graph compiled as one unit takes neither)."""
+        kept = cls(folder, fingerprint)
         if folder is None:
-            return cls(None)
+            return kept
         state = folder / STATE
         try:
             saved = json.loads(state.read_text()) if state.is_file() else None
@@ -76,8 +79,8 @@ class Kept:
                 raise SdnpuError(f"another sdnpu (pid {pid}) is compiling {what} into {folder.parent}",
                                  hint="wait for it to finish, or stop it")
             units = {k: v for k, v in saved.get("units", {}).items() if _files_there(folder, v)}
-            if saved.get("fingerprint") == fingerprint and isinstance(saved.get("plan"), list):
-                kept = cls(folder, fingerprint, [(int(a), int(b)) for a, b in saved["plan"]], units)
+            if saved.get("fingerprint") == kept.key() and isinstance(saved.get("plan"), list):
+                kept.plan, kept.units = [(int(a), int(b)) for a, b in saved["plan"]], units
                 if units:
                     log.info("[%s] going on from an earlier run: %d of its %d pieces compiled (%s)", what,
                              len(units), len(kept.plan), folder)
@@ -85,15 +88,19 @@ class Kept:
                 return kept
             log.info("[%s] the units in %s are another compile's: starting again", what, folder)
         shutil.rmtree(folder, ignore_errors=True)
-        folder.mkdir(parents=True)
-        kept = cls(folder, fingerprint)
-        kept.save()
         return kept
 
+    def key(self) -> str:
+        """The fingerprint (computed once, on first use)."""
+        if callable(self.fingerprint):
+            self.fingerprint = self.fingerprint()
+        return self.fingerprint
+
     def save(self) -> None:
-        if self.folder is not None:
+        if self.folder is not None and (self.plan or self.units):
+            self.folder.mkdir(parents=True, exist_ok=True)
             atomic_write_json(self.folder / STATE, {
-                "fingerprint": self.fingerprint, "pid": os.getpid(), "plan": [list(r) for r in self.plan],
+                "fingerprint": self.key(), "pid": os.getpid(), "plan": [list(r) for r in self.plan],
                 "units": self.units})
 
     def replan(self, ranges: list[tuple[int, int]]) -> None:

@@ -186,11 +186,11 @@ def compile_pieces(model: Path, out_dir: Path, name: str, backend: Any, arch: An
     there, and a run that stopped goes on after them. Returns the compiled units, the pieces (None for one unit)
     and the graph's structure (no weights, shapes inferred where it was cut)."""
     structure = onnx.load(str(model), load_external_data=False)
-    kept = Kept(None)
-    if keep is not None:
-        with step(log, f"[{name}] fingerprinting {model.name} (to go on from units an earlier run compiled)"):
-            kept = Kept.open(keep, fingerprint(model, arch=arch.arch, soc_model=arch.soc_model, unit_gb=gb,
-                                               vendor=backend.versions()), name)
+    def key() -> str:  # what a kept unit depends on: read only where there are units to keep or to compare
+        with step(log, f"[{name}] fingerprinting {model.name} (a compile in pieces goes on where it stopped)"):
+            return fingerprint(model, arch=arch.arch, soc_model=arch.soc_model, unit_gb=gb, vendor=backend.versions())
+
+    kept = Kept.open(keep, key, name)
     if len(kept.plan) > 1:  # an earlier run's pieces, as it had cut them
         structure = onnx.shape_inference.infer_shapes(structure)
         pieces = [split.piece_of(structure, a, b) for a, b in kept.plan]
