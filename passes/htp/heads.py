@@ -5,10 +5,10 @@ Each head's attention is independent of the others', so ``softmax(Q Kᵀ s + mas
 scores is the concatenation, along the heads, of the same computed over ``[B, h, M, N]`` for groups of ``h``
 heads: the same ops on the same numbers, in float32 and on the HTP alike. What it changes is the largest tensor
 of the graph. SD 3.5's joint attention at 1024 px and batch 2 has ``[2, 24, 4429, 4429]`` scores, 3.5 GB in
-float32: QNN's compiler was killed for this machine's 24 GB on every piece that held one (a 0.23 GB piece of
-226 nodes among them), where SDXL's UNet, whose largest scores are 1.3 GB, compiled in 18 GB; and the HTP's
-address space (about 3.5 GB for a context) could not hold it at run time either. Qualcomm's own SD recipe
-(qai-hub-models) computes attention head by head for the same reason.
+float32, 1.9 GB in fp16: more than half of what the HTP's address space holds for a context (about 3.5 GB, the
+weights included). Qualcomm's own SD recipe (qai-hub-models) computes attention head by head for the same
+reason. (QNN's compile of SD 3.5's pieces was killed for this machine's 24 GB with or without the groups: that
+was its odd token count, which ``sdnpu.passes.htp.tokens`` pads.)
 
 The form taken, as diffusers' attentions export (``F.scaled_dot_product_attention`` and the eager ones):
 ``MatMul(Q, Kᵀ)`` over ``[B, H, M, D] x [B, H, D, N]`` (rank 3 ``[B·H, ...]`` too), then any of ``Mul`` /
