@@ -136,8 +136,13 @@ class Kept:
 
 
 def _files_there(folder: Path, record: Any) -> bool:
+    """Whether ``record`` names plain files of ``folder`` only, all there (the context and binaries among them)."""
     files = record.get("files") if isinstance(record, dict) else None
-    return bool(files) and all(isinstance(n, str) and Path(n).name == n and (folder / n).is_file() for n in files)
+    if not isinstance(files, list) or not files:
+        return False
+    named = [record.get("context"), *(record.get("binaries") or [])]
+    return (all(isinstance(n, str) and Path(n).name == n and (folder / n).is_file() for n in files)
+            and all(n in files for n in named))
 
 
 def _link(src: Path, dst: Path) -> None:

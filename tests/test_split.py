@@ -289,3 +289,23 @@ def test_a_compile_in_pieces_that_stops_goes_on_after_the_pieces_it_finished(mon
     np.testing.assert_array_equal(values[model.graph.output[0].name], expected)
     kept.Kept(units).drop()
     assert not units.exists()
+
+
+def test_a_kept_unit_naming_a_file_outside_its_folder_is_not_read(tmp_path):
+    """units.json is read back as data: a unit whose context or files are not plain files of the folder (a record
+    planted or torn) is dropped, and its piece compiled again."""
+    import json
+
+    from sdnpu.convert import kept
+
+    units = tmp_path / ".out.units"
+    record = kept.Kept(units, "fp", [(0, 3), (3, 5)])
+    (tmp_path / "outside.onnx").write_bytes(b"x")
+    units.mkdir()
+    (units / "ctx1.onnx").write_bytes(b"x")
+    record.units = {"0:3": {"context": "ctx1.onnx", "binaries": [], "files": ["ctx1.onnx"]},
+                    "3:5": {"context": "../outside.onnx", "binaries": [], "files": ["ctx1.onnx"]}}
+    record.save()
+    assert json.loads((units / kept.STATE).read_text())["plan"] == [[0, 3], [3, 5]]
+    again = kept.Kept.open(units, lambda: "fp", "chain")
+    assert again.plan == [(0, 3), (3, 5)] and set(again.units) == {"0:3"}
