@@ -4,6 +4,7 @@
     python bench/bench_qnn_unseen.py NAME [NAME ...]   # export + compile (SDNPU_UNSEEN_OUT: the work folder,
                                                         # default /tmp/sdnpu-unseen)
     python bench/bench_qnn_unseen.py --list
+    python bench/bench_qnn_unseen.py --target=amd-xdna2 NAME ...   # compile for another target (out/NAME/<target>)
 
 The results are out/../results/NAME.json; bench/results.md has the table of a run of every entry.
 
@@ -349,7 +350,7 @@ def export(wrapper, inputs, names, path, exporter):
                           opset_version=17, do_constant_folding=True)
 
 
-def run(name, exporters=("dynamo", "torchscript", "rr-dynamo", "rr-torchscript")):
+def run(name, exporters=("dynamo", "torchscript", "rr-dynamo", "rr-torchscript"), target="qnn-htp"):
     import onnx
     import onnxruntime as ort
     from onnx import numpy_helper
@@ -432,7 +433,8 @@ def run(name, exporters=("dynamo", "torchscript", "rr-dynamo", "rr-torchscript")
     for i, gi in enumerate(graph_inputs):
         (td / f"input_{i}.pb").write_bytes(numpy_helper.from_array(feeds[gi], gi).SerializeToString())
     (td / "output_0.pb").write_bytes(numpy_helper.from_array(ref, model.graph.output[0].name).SerializeToString())
-    cmd = [SDNPU, "compile", str(path), "--target", "qnn-htp", "--out", str(folder / "qnn")]
+    out = folder / ("qnn" if target == "qnn-htp" else target)
+    cmd = [SDNPU, "compile", str(path), "--target", target, "--out", str(out)]
     rec["command"] = " ".join(cmd)
     t0 = time.time()
     p = subprocess.run(cmd, capture_output=True, text=True, env={**os.environ, "HF_HUB_OFFLINE": "1"})
@@ -445,7 +447,7 @@ def run(name, exporters=("dynamo", "torchscript", "rr-dynamo", "rr-torchscript")
         errs = [ln for ln in tail if ln.startswith("sdnpu: error")]
         rec["compile_error"] = errs[-1] if errs else (tail[-1] if tail else "(no stderr)")
         rec["traceback"] = "Traceback" in p.stderr
-    rep = folder / "qnn" / "report.json"
+    rep = out / "report.json"
     if rep.exists():
         rec["report"] = json.loads(rep.read_text())
     rec["status"] = "ok" if p.returncode == 0 else "compile failed"
@@ -458,14 +460,22 @@ def main(argv):
             print(f"{n:24s} {a}")
         return 0
     exporters = ("dynamo", "torchscript", "rr-dynamo", "rr-torchscript")
-    if argv and argv[0].startswith("--exporters="):
-        exporters = tuple(argv[0].split("=", 1)[1].split(","))
+    target = "qnn-htp"
+    while argv and argv[0].startswith("--"):
+        key, _, value = argv[0].partition("=")
+        if key == "--exporters":
+            exporters = tuple(value.split(","))
+        elif key == "--target":
+            target = value
+        else:
+            print(f"unknown option {argv[0]} (--exporters=A,B, --target=T)", file=sys.stderr)
+            return 2
         argv = argv[1:]
     RESULTS.mkdir(parents=True, exist_ok=True)
     for name in argv:
         t0 = time.time()
         try:
-            rec = run(name, exporters)
+            rec = run(name, exporters, target)
         except Exception as e:  # noqa: BLE001
             rec = {"name": name, "status": "build failed", "error": one_line(e), "traceback_text": traceback.format_exc()}
         rec["wall_s"] = round(time.time() - t0, 1)
