@@ -107,6 +107,7 @@ class CompileOptions:
     prologue: frozenset[str] = frozenset()
     shapes: Shapes = ()
     htp_arch: int | None = None  # qnn-htp: the HTP generation (69, 73, 75, 79, 81; None: 73, Snapdragon X Elite)
+    htp_optimization: int | None = None  # qnn-htp: QNN's graph finalization mode (1, 2, 3; None: QNN's default)
     fp16_risks: tuple[tuple[str, float], ...] = ()  # values near fp16's limit in the fp32 run: (name, max |x|)
     unit_gb: float | None = None  # a standard target's weights per compiled unit (GB); None: the target's own
 
@@ -120,6 +121,10 @@ class CompileOptions:
             if self.target.name != qnn_htp.NAME:
                 raise SdnpuError(f"--htp-arch is for --target {qnn_htp.NAME}, not {self.target.name}")
             object.__setattr__(self, "htp_arch", qnn_htp.arch(self.htp_arch).arch)
+        if self.htp_optimization is not None:
+            if self.target.name != qnn_htp.NAME:
+                raise SdnpuError(f"--htp-optimization is for --target {qnn_htp.NAME}, not {self.target.name}")
+            object.__setattr__(self, "htp_optimization", qnn_htp.arch(None, self.htp_optimization).optimization)
         if self.unit_gb is not None:
             if getattr(self.target, "unit_gb", None) is None:
                 raise SdnpuError(f"--context-gb is for --target {qnn_htp.NAME}, not {self.target.name}")
@@ -131,9 +136,9 @@ class CompileOptions:
 
     @classmethod
     def named(cls, target: str = DEFAULT_TARGET, precision: str | None = None, htp_arch: int | str | None = None,
-              unit_gb: float | None = None) -> CompileOptions:
+              unit_gb: float | None = None, htp_optimization: int | str | None = None) -> CompileOptions:
         return cls(get_target(target), precision or "", htp_arch=htp_arch,  # type: ignore[arg-type]
-                   unit_gb=unit_gb)
+                   unit_gb=unit_gb, htp_optimization=htp_optimization)  # type: ignore[arg-type]
 
     @property
     def input_shapes(self) -> dict[str, list[int]]:
