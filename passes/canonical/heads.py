@@ -127,8 +127,8 @@ def _sinkable(t: ir.Node) -> list[tuple[str, ir.Node]] | None:
                 ways.append(("pair", node))
                 continue
             return None
-        if _onnx(node, "MatMul") and use.idx == 0 and const(node.inputs[1]) is not None \
-                and const(node.inputs[1]).ndim == 2 and static_shape(node.outputs[0]) is not None:  # type: ignore[union-attr]
+        w = const(node.inputs[1]) if _onnx(node, "MatMul") and use.idx == 0 else None
+        if w is not None and w.ndim == 2 and static_shape(node.outputs[0]) is not None:
             ways.append(("matmul", node))
             continue
         if _onnx(node, "Reshape") and _repeat_chain(y) is not None:
@@ -183,7 +183,8 @@ def _sink(graph: ir.Graph, t: ir.Node) -> bool:
                 c = const(v)
                 assert v is not None and c is not None
                 full = [1] * (4 - c.ndim) + list(c.shape)
-                steps = ([step("reshape", shape=full)] if c.ndim < 4 else []) + [step("transpose", perm=list(HEAD_PERM))]
+                steps = [*([step("reshape", shape=full)] if c.ndim < 4 else []),
+                         step("transpose", perm=list(HEAD_PERM))]
                 operands.append(b.derived(v, steps, [full[i] for i in HEAD_PERM], f"{v.name}_heads"))
         op = b.op(node.op_type, operands, dtype=y.dtype, shape=ys)
         new = _transposed(b, op.outputs[0], list(static_shape(y)))  # type: ignore[arg-type]

@@ -39,8 +39,8 @@ import onnx_ir as ir
 from sdnpu.formats.keys import BF16_ONLY_TAG
 from sdnpu.passes import movement
 from sdnpu.passes.irutil import Builder, attr, const, producer, scalar, static_shape
-from sdnpu.passes.rules.attention_masks import (COMPUTED, bias_fits, bias_side, constant_bias_reason, cpu_attention,
-                                                every_row_has_a_key, first_quarters, is_causal,
+from sdnpu.passes.rules.attention_masks import (bias_fits, bias_side, computed_reason, constant_bias_reason,
+                                                cpu_attention, every_row_has_a_key, first_quarters, is_causal,
                                                 key_channel_operands, key_row, nan_guard)
 from sdnpu.passes.rules.base import Declined, Match, Rule
 
@@ -157,7 +157,7 @@ class AttentionFusion(Rule):
             bias = p.inputs[side]
             added = const(bias)
             if added is None:
-                bias_reason = COMPUTED
+                bias_reason = computed_reason(bias)
             elif not np.any(added) and static_shape(p.outputs[0]) == static_shape(p.inputs[1 - side]):
                 bias = None  # zeros (Lumina 2's mask where no key is masked) that widen nothing: no mask at all
             elif not is_causal(added):

@@ -79,6 +79,17 @@ def nan_guard(v: ir.Value | None) -> tuple[ir.Node, ir.Node, ir.Value] | None:
     return isnan, where, p
 
 
+def computed_reason(bias: ir.Value) -> str:
+    """Why an addend of the scores that the graph computes (from its inputs: transformers' causal mask merged with
+    the padding mask) cannot be SDMHA's mask: it is no constant, and where it varies per query, no row over the
+    keys either (a key row rides in Q and K instead: ``key_channel_operands``)."""
+    full = _scores_shape(bias)
+    if full is not None and full[2] > 1:
+        return (f"{COMPUTED}, and it varies per query ({list(static_shape(bias) or ())}: a causal mask built in "
+                "the graph): SDMHA's mask is one row of N keys")
+    return COMPUTED
+
+
 def every_row_has_a_key(mask: np.ndarray | None) -> bool:
     """Whether a constant mask added to the scores leaves each query at least one finite key (then the NaN
     guard after the softmax never acts); a computed mask: not known."""
