@@ -59,8 +59,8 @@ def _head_transpose(v: ir.Value | None) -> ir.Node | None:
 def _repeat_chain(v: ir.Value) -> tuple[list[ir.Node], int, int] | None:
     """(nodes, axis, r) where ``v``'s one reader starts grouped-query attention's head repeat, rank 4 to rank 4:
     Reshape inserting an axis of 1 after ``axis``, Expand of it to r, Reshape merging it into ``axis`` (each
-    slice along ``axis`` repeated r times in place: ``repeat_kv``, torch's repeat_interleave), checked on an
-    index tensor; else None."""
+    slice along ``axis`` repeated r times in place: ``repeat_kv``, torch's repeat_interleave), read from the
+    three shapes; else None."""
     uses = list(v.uses())
     shape = static_shape(v)
     if len(uses) != 1 or shape is None or len(shape) != 4:
@@ -77,20 +77,20 @@ def _repeat_chain(v: ir.Value) -> tuple[list[ir.Node], int, int] | None:
     mid, out = static_shape(nodes[0].outputs[0]), static_shape(cur)
     if mid is None or out is None or len(mid) != 5 or len(out) != 4:
         return None
-    axis = next((i for i in range(4) if mid[i + 1] == 1 and list(mid[:i + 1]) + list(mid[i + 2:]) == list(shape)),
-                None)
-    if axis is None or shape[axis] == 0 or out[axis] % shape[axis]:
-        return None
-    r = out[axis] // shape[axis]
-    idx = np.arange(int(np.prod(shape)), dtype=np.int64).reshape(shape)
     target = tuple(int(d) for d in const(nodes[1].inputs[1]).reshape(-1))  # type: ignore[union-attr]
     try:
-        got = np.broadcast_to(idx.reshape(mid), np.broadcast_shapes(tuple(mid), target)).reshape(out)
+        wide = tuple(np.broadcast_shapes(tuple(mid), target))
     except ValueError:
         return None
-    if r < 2 or not np.array_equal(got, np.repeat(idx, r, axis=axis)):
-        return None
-    return nodes, axis, r
+    for axis in range(4):  # the Expand widens the axis of 1 after ``axis`` alone, to r; the Reshape merges it
+        # into ``axis``: each slice along it r times in place (row-major: slice i's copies are rows i*r .. i*r+r-1)
+        if mid != (*shape[:axis + 1], 1, *shape[axis + 1:]) or not shape[axis] or out[axis] % shape[axis]:
+            continue
+        r = out[axis] // shape[axis]
+        if r >= 2 and wide == (*shape[:axis + 1], r, *shape[axis + 1:]) \
+                and tuple(out) == (*shape[:axis], shape[axis] * r, *shape[axis + 1:]):
+            return nodes, axis, r
+    return None
 
 
 def _sinkable(t: ir.Node) -> list[tuple[str, ir.Node]] | None:

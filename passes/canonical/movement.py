@@ -2,8 +2,8 @@
 
 - Squeeze / Unsqueeze / Flatten with static shapes are a Reshape (the layout pass reasons about Reshape only);
   a Transpose without ``perm`` (it reverses the axes) gets its perm written out;
-- a Tile that repeats one axis of size 1 (grouped-query attention's heads) is a Concat of copies, which the
-  NPU takes;
+- a Tile that repeats one axis of size 1 (grouped-query attention's heads), or an Expand of one into the heads
+  (transformers' ``repeat_kv``), is a Concat of copies, which the NPU takes;
 - a zero Pad in front of a Conv becomes the Conv's pads;
 - an Einsum that moves data or multiplies matrices is a Transpose, or a batched MatMul between Transposes and
   Reshapes;
