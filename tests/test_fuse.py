@@ -66,6 +66,10 @@ def attention(variant: str, s: int = 5, mask: str | None = None, scale: float | 
     if mask == "causal":  # CLIP's text encoders
         inits["mask"] = np.triu(np.full((s, s), np.finfo(np.float32).min, np.float32), k=1)[None, None]
         nodes += [n("Add", ["sc", "mask"], ["scm"]), n("Softmax", ["scm"], ["p"], axis=-1)]
+    elif mask == "softcap":  # Gemma 2's attention logit softcapping: cap * tanh(scores / cap)
+        inits["cap"] = np.array(2.0, np.float32)
+        nodes += [n("Div", ["sc", "cap"], ["scd"]), n("Tanh", ["scd"], ["sct"]), n("Mul", ["sct", "cap"], ["scc"]),
+                  n("Softmax", ["scc"], ["p"], axis=-1)]
     else:
         nodes += [n("Softmax", ["sc"], ["p"], axis=-1)]
     nodes += [n("MatMul", ["p", "vh"], ["o"]), n("Transpose", ["o"], ["ot"], perm=[0, 2, 1, 3]),
@@ -240,6 +244,7 @@ def attention_wrong_heads():
      (sub_from_a_constant, "Sub", "Sub with the constant first (k - x)"),
      (lambda: attention("torchscript", mask="causal"), "MultiHeadAttention", "a causal mask varies per query"),
      (lambda: attention("torchscript", scale=0.3), "MultiHeadAttention", "is not 1/sqrt(4): the kernel has no scale"),
+     (lambda: attention("torchscript", mask="softcap"), "Softmax", "the scores are soft-capped"),
      (lambda: upsample(mode="linear"), "Resize", "only nearest"),
      (lambda: upsample(factor=3), "Resize", "is not a 2x upsampling")],
 )

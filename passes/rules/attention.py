@@ -178,6 +178,12 @@ class AttentionFusion(Rule):
             between.append(p)
             rest = p.inputs[1 - side]
             p = rest.producer() if rest is not None else None
+        if p is not None and p.op_type == "Tanh" and p.domain in ("", "ai.onnx"):
+            capped = _soft_capped(p)
+            if capped is not None:  # Gemma 2's scores: neither kernel has the cap, so the core stays and says why
+                return Declined("the scores are soft-capped (c * tanh(s / c), Gemma 2's attention logit "
+                                "softcapping): SDMHA and onnxruntime's MultiHeadAttention take the product alone",
+                                [capped, sm, node])
         if p is None or p.op_type != "MatMul" or p.domain not in ("", "ai.onnx"):
             return None
         qk_mm = p
@@ -272,6 +278,22 @@ class AttentionFusion(Rule):
         if not hasattr(self, "_masks"):
             self._masks: dict[str, ir.Value] = {}
         return self._masks
+
+
+def _soft_capped(tanh: ir.Node) -> ir.Node | None:
+    """The scores' product (a MatMul) under a soft cap: ``Tanh`` of it divided (or multiplied) by a scalar, maybe
+    scaled first; else None."""
+    v = tanh.inputs[0]
+    for _ in range(4):
+        p = v.producer() if v is not None else None
+        if p is None or p.domain not in ("", "ai.onnx"):
+            return None
+        if p.op_type == "MatMul":
+            return p
+        if p.op_type not in ("Mul", "Div") or len(p.inputs) != 2 or scalar(p.inputs[1]) is None:
+            return None
+        v = p.inputs[0]
+    return None
 
 
 def _repeats_heads(v: ir.Value | None, depth: int = 6) -> bool:
