@@ -183,6 +183,9 @@ def _sink(graph: ir.Graph, t: ir.Node) -> bool:
                 c = const(v)
                 assert v is not None and c is not None
                 full = [1] * (4 - c.ndim) + list(c.shape)
+                if full[1] == full[2] == 1:  # a scalar, a per-channel or per-batch constant: the same either way
+                    operands.append(v)
+                    continue
                 steps = [*([step("reshape", shape=full)] if c.ndim < 4 else []),
                          step("transpose", perm=list(HEAD_PERM))]
                 operands.append(b.derived(v, steps, [full[i] for i in HEAD_PERM], f"{v.name}_heads"))
