@@ -31,8 +31,8 @@ from __future__ import annotations
 import numpy as np
 import onnx_ir as ir
 
-from sdnpu.passes.canonical.driver import RULE, ONNX_DOMAINS
-from sdnpu.passes.irutil import Builder, const, reroute, remove_dead_nodes, static_shape
+from sdnpu.passes.canonical.driver import ONNX_DOMAINS, RULE
+from sdnpu.passes.irutil import Builder, const, remove_dead_nodes, reroute, static_shape
 from sdnpu.passes.manager import PassResult
 from sdnpu.passes.provenance import step
 
