@@ -265,9 +265,6 @@ def cpu_attention(b: Builder, rule: str, p: MHAParams, q: ir.Value, k: ir.Value,
                         shape=full).outputs[0]
         if full[2] != static_shape(q)[1]:  # type: ignore[index]  # one row over the keys: every query's
             full[2] = static_shape(q)[1]  # type: ignore[index]
-            spread = producer(bias, "Expand")
-            if spread is not None and spread.inputs[0] is not None and spread.inputs[0].dtype == bias.dtype:
-                bias = spread.inputs[0]  # an Expand of the mask already (LTX-Video's): the one below does both
             expand = b.op("Expand", [bias, b.const(np.asarray(full, np.int64), "shape")], dtype=bias.dtype,
                           shape=full)
             expand.metadata_props[DECLINED_TAG] = (f"{rule}: the key mask spread over the queries, as onnxruntime's "
