@@ -65,7 +65,7 @@ from sdnpu.errors import SdnpuError
 from sdnpu.formats.keys import TARGET_KEY
 from sdnpu.ops import qnn_htp
 from sdnpu.ops.target import DEFAULT_TARGET, DispatchTarget, Target, get_target
-from sdnpu.passes.canonical import activations, constants, loops, movement, noops, rotary, sinusoids, tables
+from sdnpu.passes.canonical import activations, constants, heads, loops, movement, noops, rotary, sinusoids, tables
 from sdnpu.passes.canonical.driver import sweep
 from sdnpu.passes.cleanup import clean_up
 from sdnpu.passes.cuts import gather_cuts
@@ -183,6 +183,7 @@ CANONICAL = Group("canonical", [
     ("neutral", noops.drop_neutral),
     ("casts", noops.drop_noop_casts),
     ("expands", noops.drop_noop_expands),
+    ("broadcast_expands", noops.drop_broadcast_expands),
     ("moves", noops.drop_noop_moves),  # where_rows leaves it the masks that pick one side everywhere
     ("softmax_guards", noops.drop_softmax_guards),
     ("tiles", movement.concat_tiles),
@@ -204,6 +205,9 @@ CANONICAL = Group("canonical", [
     ("sweep", sweep),
     TABLES,  # the CPU work on the inputs alone, in as few nodes as it takes
     ("rotary", rotary.write_rotations_as_matmuls),  # after tables: the edge region it leaves alone is the tables' form
+    ("heads", heads.sink_head_transposes),  # after rotary, whose MatMul it moves the head Transpose past
+    ("head_repeats", movement.concat_head_repeats),  # after heads, which brings the repeat to [B, S, Hkv, 1, D]
+    ("sweep", sweep),
     Group("crop_rounds", [  # again until a round crops nothing: a crop can make another node's input constant
         ("crop", constants.crop_constants),
         ("sweep", sweep),

@@ -1,0 +1,68 @@
+"""A compiled unseen entry (``bench/bench_qnn_unseen.py --target=amd-xdna2``) against PyTorch's own bf16 run: the
+dispatch model's error against PyTorch fp32 over PyTorch bf16's, in max abs and in 1 - cosine (the target: at
+most 1.2x), on the entry's example inputs.
+
+    python bench/bench_unseen_bf16.py NAME OUT/NAME DD [DD ...]
+
+OUT/NAME is the entry's folder (its ``test_data_set_0``: the graph's inputs as the bench wrote them); each DD a
+compiled folder of its ``model.onnx`` (``replaced.onnx`` inside). The module is built as the bench builds it
+(``torch.manual_seed(0)``, the entry's config, the zoo's ``seeded``), so PyTorch's runs are of the exported
+module. One JSON line per DD.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+from pathlib import Path
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+
+import numpy as np
+import onnx
+import torch
+from onnx import numpy_helper
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from bench_qnn_unseen import REGISTRY, Wrapper  # noqa: E402 -- the entries, built as the bench builds them
+from tests.zoo import seeded  # noqa: E402
+
+from sdnpu.onnxrun import run_onnx  # noqa: E402
+
+
+def errors(got: np.ndarray, want: np.ndarray) -> tuple[float, float]:
+    a, b = got.astype(np.float64).ravel(), want.astype(np.float64).ravel()
+    cos = float(a @ b / (np.linalg.norm(a) * np.linalg.norm(b)))
+    return float(np.abs(a - b).max()), 1.0 - cos
+
+
+def main(argv: list[str]) -> int:
+    name, folder, dds = argv[0], Path(argv[1]), [Path(d) for d in argv[2:]]
+    data = folder / "test_data_set_0"
+    model = onnx.load(str(folder / "model.onnx"), load_external_data=False)
+    inits = {i.name for i in model.graph.initializer}
+    names = [vi.name for vi in model.graph.input if vi.name not in inits]
+    feeds = {n: numpy_helper.to_array(onnx.load_tensor(str(data / f"input_{i}.pb"))) for i, n in enumerate(names)}
+    _, build = REGISTRY[name]
+    torch.manual_seed(0)
+    m, call, inputs, _ = build()
+    seeded(m)
+    wrapper = Wrapper(m, call).eval()
+    with torch.no_grad():
+        ref = wrapper(*inputs).float().numpy().copy()
+        low = wrapper.to(torch.bfloat16)(*[a.to(torch.bfloat16) if a.is_floating_point() else a
+                                           for a in inputs]).float().numpy()
+    m_pt, c_pt = errors(low, ref)
+    for dd in dds:
+        got = next(iter(run_onnx(dd / "replaced.onnx", feeds).values()))
+        m_ours, c_ours = errors(got, ref)
+        print(json.dumps({"name": name, "dd": str(dd), "ours_max_abs": m_ours, "torch_bf16_max_abs": m_pt,
+                          "ratio_max_abs": m_ours / m_pt, "ours_1mcos": c_ours, "torch_bf16_1mcos": c_pt,
+                          "ratio_1mcos": c_ours / c_pt}), flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))
