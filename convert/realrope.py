@@ -18,11 +18,17 @@ unexpected tensor scalar type"). ``real_rotary(module)`` is a context in which i
   splits its table per rotary axis: ``split([8, 28, 28], dim=1)`` in complex numbers) its counts are doubled,
   so every op reads the real view as it reads the complex table; one complex number stays two adjacent
   reals. An op that would part a pair (an integer index, a step, a flip, a roll, a transpose or a new axis
-  at the last axis) is refused with its name;
+  at the last axis) is refused with its name. A cut of constants alone (the tables, and Python numbers such
+  as the image's size and the text's length) is computed right there, recorded by neither exporter
+  (``_untraced``), once however often the model repeats it (each layer's queries and keys): the graph holds
+  the rotations for the size it is exported at, each a constant, and no table arithmetic (the 4096-row tables
+  would otherwise stay, with Split / Slice / Expand / Concat on them, larger than sdnpu's folder folds). A cut
+  that reads the module's inputs (Lumina 2 gathers rows by position ids) is traced as it is;
 - ``torch.view_as_complex`` of a real ``[..., n, 2]`` tensor gives a pair holder, whose product with such a
   table is the rotation in real arithmetic, written as the rotary rule family knows it (interleaved pairs):
   ``x * cos + rot(x) * sin`` with ``rot(x) = (-x_odd, x_even)`` and ``cos``, ``sin`` repeated per pair; and
-  ``torch.view_as_real`` of the holder gives the ``[..., n, 2]`` result back;
+  ``torch.view_as_real`` of the holder gives the ``[..., n, 2]`` result back (the ``cos`` and ``sin`` of a
+  constant table are constants too, one pair a table);
 - the memo caches of the tables' holders' methods (diffusers' ``lru_cache_unless_export``: Qwen-Image keeps
   the tables it cut for a size) are emptied on entry and on exit: a complex table cut before must not be
   read inside, nor a real view cut inside outlive it.
@@ -43,7 +49,7 @@ from typing import Any
 
 import torch
 from torch.overrides import TorchFunctionMode
-from torch.utils._pytree import tree_leaves
+from torch.utils._pytree import tree_leaves, tree_map
 
 from sdnpu.errors import SdnpuError
 
@@ -86,6 +92,23 @@ def _refuse(op: str, why: str) -> SdnpuError:
                       "embedding keeps each complex number as two adjacent reals and cannot do that",
                       hint="export the model with its rotary embedding in real arithmetic "
                            "(diffusers' apply_rotary_emb(use_real=True))")
+
+
+@contextlib.contextmanager
+def _untraced() -> Iterator[None]:
+    """Ops run eagerly on real tensors, recorded by neither exporter's tracer: torch.export's fake and proxy
+    dispatch modes set aside (non-strict export runs the module's Python with them), TorchScript's tracing
+    state cleared. What they compute from constants is then a constant of the graph. (Private torch APIs:
+    ``tests/test_realrope.py`` holds both exporters to a graph whose tables are constants.)"""
+    from torch.utils._python_dispatch import _disable_current_modes
+
+    state = torch._C._get_tracing_state()
+    torch._C._set_tracing_state(None)
+    try:
+        with _disable_current_modes():
+            yield
+    finally:
+        torch._C._set_tracing_state(state)
 
 
 def _sizes(args: tuple[Any, ...]) -> tuple[list[Any], bool]:
@@ -134,6 +157,10 @@ class _TableMode(TorchFunctionMode):
     def __init__(self, tables: list[Any]) -> None:
         super().__init__()
         self.tables: dict[int, Any] = {id(t): t for t in tables}  # strong references: ids stay unique
+        # the tables computed from constants alone (eagerly, see ``_untraced``): constants of the graph
+        self.constants: dict[int, Any] = dict(self.tables)
+        self.rotations: dict[int, tuple[Any, Any]] = {}  # a constant table's (cos, sin), by the table's id
+        self.cuts: dict[tuple[Any, str], Any] = {}  # a cut of constants, by the op and its arguments
         self.paused = False
         self.translated: list[str] = []  # the ops whose counts along the last axis were doubled
 
@@ -156,11 +183,35 @@ class _TableMode(TorchFunctionMode):
             return func(*args, **kwargs)  # arithmetic, metadata: the result is no table
         if args and self.is_table(args[0]):
             args, kwargs = self._counted_in_reals(name, args, kwargs)
-        out = func(*args, **kwargs)
+        constant = self.all_constant((args, kwargs))
+        if constant:  # a cut of constants: computed here, a constant of the graph (the exporter folds nothing)
+            key = _call_key(func, args, kwargs)  # the same cut again (each layer's queries and keys): the same one
+            if key not in self.cuts:
+                with _untraced():
+                    self.cuts[key] = func(*args, **kwargs)
+            out = self.cuts[key]
+        else:  # a cut that reads the module's inputs (Lumina 2 gathers rows by position ids): traced
+            out = func(*args, **kwargs)
         for o in tree_leaves(out):
             if isinstance(o, torch.Tensor):
                 self.tables[id(o)] = o
+                if constant:
+                    self.constants[id(o)] = o
         return out
+
+    def cos_sin(self, table: Any) -> tuple[Any, Any]:
+        """``cos`` and ``sin`` of a table, each repeated per pair; of a constant table once (the queries and
+        the keys rotate by the same table: one constant each in the graph)."""
+        if not self.all_constant(table):
+            return _cos_sin(table)
+        if id(table) not in self.rotations:
+            with _untraced():
+                self.rotations[id(table)] = _cos_sin(table)
+        return self.rotations[id(table)]  # type: ignore[no-any-return]
+
+    def all_constant(self, tree: Any) -> bool:
+        """Whether every tensor in ``tree`` is a table computed from constants alone."""
+        return all(id(x) in self.constants for x in tree_leaves(tree) if isinstance(x, torch.Tensor))
 
     def _refuse_on_last_axis(self, name: str, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
         first = args[0][0] if name == "stack" else args[0]
@@ -239,6 +290,17 @@ class _TableMode(TorchFunctionMode):
         return (t, *rest), kwargs
 
 
+def _call_key(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[Any, str]:
+    """An op and its arguments, tensors by identity (the key of a cut of constants)."""
+    return func, repr(tree_map(lambda x: ("tensor", id(x)) if isinstance(x, torch.Tensor) else x, (args, kwargs)))
+
+
+def _cos_sin(table: Any) -> tuple[Any, Any]:
+    cs = table.reshape(*table.shape[:-1], -1, 2)  # (cos, sin) per pair
+    return (torch.stack([cs[..., 0], cs[..., 0]], dim=-1).flatten(-2),
+            torch.stack([cs[..., 1], cs[..., 1]], dim=-1).flatten(-2))
+
+
 class _Pairs:
     """A complex tensor held as its real view ``[..., n, 2]`` (re, im)."""
 
@@ -255,9 +317,7 @@ class _Pairs:
         self.mode.paused = True  # the rotation's own reshapes count in reals
         try:
             x = self.pairs
-            cs = table.reshape(*table.shape[:-1], -1, 2)  # (cos, sin) per pair
-            cos = torch.stack([cs[..., 0], cs[..., 0]], dim=-1).flatten(-2)
-            sin = torch.stack([cs[..., 1], cs[..., 1]], dim=-1).flatten(-2)
+            cos, sin = self.mode.cos_sin(table)
             flat = x.flatten(-2)
             rot = torch.stack([-x[..., 1], x[..., 0]], dim=-1).flatten(-2)
             out = flat * cos + rot * sin

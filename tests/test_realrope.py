@@ -7,6 +7,7 @@ import functools
 import logging
 
 import numpy as np
+import onnx
 import onnxruntime as ort
 import pytest
 import torch
@@ -223,3 +224,13 @@ def test_qwen_images_transformer_exports_through_sdnpus_path(tmp_path, shapes, t
     assert got.shape == want.shape
     np.testing.assert_allclose(got, want, rtol=0, atol=QWEN_ATOL * max(1.0, float(np.abs(want).max())))
     assert call.m.pos_embed.pos_freqs.is_complex() and "forward" not in vars(call)  # all put back
+    # the tables are cut while exporting: the graph holds the rotations for this size (cos and sin, for the
+    # image and the text; TorchScript writes a copy per use), not the 4096-row tables and their arithmetic
+    model = onnx.load(str(tmp_path / "model.onnx"))
+    constants = [onnx.numpy_helper.to_array(i) for i in model.graph.initializer] + [
+        onnx.numpy_helper.to_array(a.t) for n in model.graph.node if n.op_type == "Constant" for a in n.attribute
+        if a.name == "value"]
+    assert not [c.shape for c in constants if 4096 in c.shape]
+    tokens = sum(f * h * w for f, h, w in shapes)
+    for rows in (tokens, text):
+        assert len({c.tobytes() for c in constants if c.shape == (rows, 1, 32)}) == 2  # cos, sin
