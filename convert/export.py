@@ -67,9 +67,8 @@ def export_module(wrapper: Any, args: tuple[Any, ...], input_names: list[str], o
     Z-Image, Qwen-Image) are exported in real arithmetic (``sdnpu.convert.realrope``); a module class whose
     forward the exporter cannot trace (HiDream's MoE feed-forward) in its export form
     (``sdnpu.convert.exportforms``)."""
-    # realrope and exportforms import torch: the CLI imports this module without it (about 1 s)
-    from sdnpu.convert.exportforms import export_forms
-    from sdnpu.convert.realrope import real_rotary
+    from sdnpu.convert.exportforms import export_forms  # imports torch: the CLI imports this module without it
+    from sdnpu.convert.realrope import real_rotary  # imports torch: the CLI imports this module without it
 
     with real_rotary(wrapper), export_forms(wrapper, exporter.name):
         _export(wrapper, args, input_names, output_names, path, exporter)

@@ -49,6 +49,7 @@ from typing import Any
 
 import torch
 from torch.overrides import TorchFunctionMode
+from torch.utils._python_dispatch import _disable_current_modes
 from torch.utils._pytree import tree_leaves, tree_map
 
 from sdnpu.errors import SdnpuError
@@ -100,8 +101,6 @@ def _untraced() -> Iterator[None]:
     dispatch modes set aside (non-strict export runs the module's Python with them), TorchScript's tracing
     state cleared. What they compute from constants is then a constant of the graph. (Private torch APIs:
     ``tests/test_realrope.py`` holds both exporters to a graph whose tables are constants.)"""
-    from torch.utils._python_dispatch import _disable_current_modes
-
     state = torch._C._get_tracing_state()
     torch._C._set_tracing_state(None)
     try:
