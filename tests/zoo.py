@@ -319,8 +319,7 @@ def _z_image() -> Built:
 def _qwen_image() -> Built:
     import torch
 
-    m = _diffusers("QwenImageTransformer2DModel", patch_size=2, in_channels=16, out_channels=4, num_layers=1,
-                   attention_head_dim=32, num_attention_heads=2, joint_attention_dim=48, axes_dims_rope=[8, 12, 12])
+    m = _diffusers("QwenImageTransformer2DModel", **_preset_config("tiny-qwen-image", "transformer"))
     mask = torch.ones(1, 8, dtype=torch.long)
     mask[:, 6:] = 0  # padded caption tokens
     # QwenImagePipeline's call: packed latents (an 8 x 8 grid of 2 x 2 patches), the caption's mask, img_shapes
@@ -404,6 +403,15 @@ _DC = {"in_channels": 3, "latent_channels": 8, "attention_head_dim": 8,
 def _dc_dec() -> Built:
     m = _diffusers("AutoencoderDC", **_DC)
     return Built(m, lambda m, z: m.decode(z).sample, (_randn(1, 8, 16, 16),), ("latent_sample",), ("sample",))
+
+
+@member("qwen-image-vae-decoder", "vae", "AutoencoderKLQwenImage decoder (Wan 2.1-style causal 3-D convs, RMS "
+        "norms; one frame)", exporters=("dynamo",),
+        why_not={"torchscript": "TorchScript cannot export aten::_upsample_nearest_exact2d (its nearest-exact "
+                                "upsampling)"})
+def _qwen_image_vae_dec() -> Built:
+    m = _diffusers("AutoencoderKLQwenImage", **_preset_config("tiny-qwen-image", "vae"))
+    return Built(m, lambda m, z: m.decode(z).sample, (_randn(1, 4, 1, 16, 16),), ("latent_sample",), ("sample",))
 
 
 @member("flux2-vae-decoder", "vae", "AutoencoderKLFlux2 decoder (Flux.2's 32-channel VAE)")
