@@ -10,6 +10,7 @@ and why its form is the same function.
 |---|---|---|---|
 | diffusers' HiDream ``MOEFeedForwardSwiGLU`` | both | its ``moe_infer`` sorts the tokens by expert and runs each expert on its own tokens, with sizes read from the data (``bincount().cpu().numpy()``): torch.export refuses (".numpy() is not supported for tensor subclasses"); TorchScript's trace would keep the example input's routing as constants | dense routing (``_dense_moe``) |
 | ``torch.nn.RMSNorm`` | TorchScript | TorchScript has no ONNX symbolic for ``aten::rms_norm`` below opset 23 | the norm written out (``_rms_norm``) |
+| diffusers' HiDream ``HiDreamImageEmbedND`` | TorchScript | its ``rope`` takes ``einsum`` of float32 positions and float64 frequencies; TorchScript writes the Einsum with both, which ONNX refuses ("Inputs has inconsistent type") | the positions cast to the frequencies' dtype first (``_hidream_rope``) |
 
 **Dense routing** runs every routed expert on every token and weights expert ``i``'s output by
 ``w_i = sum_k topk_weight_k [topk_idx_k == i]``: the gate's weight where the gate picked ``i``, 0 where it did not.
@@ -18,6 +19,10 @@ zero, plus the shared experts), each unpicked expert adding an exact 0; the two 
 matmul over more rows (and where an unpicked expert's output were inf or NaN, which 0 would not cancel). Its
 cost: ``num_routed_experts / num_activated_experts`` times the routed experts' multiply-accumulates (HiDream-I1:
 4 / 2 = 2x), each expert a static matmul the NPU takes.
+
+**HiDream's positions cast first**: torch's einsum promotes the float32 positions to float64 before it
+multiplies, exactly as the cast does; the form calls diffusers' own ``rope`` (from the class's module) on the cast
+positions, so it computes what the class does, bit for bit.
 
 **The RMS norm written out** is ATen's own composite ``rms_norm``: ``x * rsqrt(mean(x^2) + eps)`` over the
 normalized axes, in float32 for a half input (ATen's ``opmath``), cast back, times the weight; ``eps`` None is the
@@ -60,6 +65,17 @@ def _rms_norm(self: Any, x: torch.Tensor) -> torch.Tensor:
     return y * self.weight if self.weight is not None else y
 
 
+def _hidream_rope(self: Any, ids: torch.Tensor) -> torch.Tensor:
+    """``HiDreamImageEmbedND.forward`` with each axis' positions cast to the frequencies' dtype (see above)."""
+    import sys
+
+    module = sys.modules[type(self).__module__]  # diffusers' own rope and dtype rule, not a copy
+    dtype = module.maybe_adjust_dtype_for_device(torch.float64, ids.device)
+    emb = torch.cat([module.rope(ids[..., i].to(dtype), self.axes_dim[i], self.theta) for i in range(ids.shape[-1])],
+                    dim=-3)
+    return emb.unsqueeze(2)
+
+
 @dataclass(frozen=True)
 class Form:
     """One row of the table: the class (``module.QualName``), the exporters that need the form, the form."""
@@ -73,6 +89,8 @@ FORMS: tuple[Form, ...] = (
     Form("diffusers.models.transformers.transformer_hidream_image.MOEFeedForwardSwiGLU", ("dynamo", "torchscript"),
          _dense_moe),
     Form("torch.nn.modules.normalization.RMSNorm", ("torchscript",), _rms_norm),
+    Form("diffusers.models.transformers.transformer_hidream_image.HiDreamImageEmbedND", ("torchscript",),
+         _hidream_rope),
 )
 
 

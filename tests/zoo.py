@@ -328,12 +328,7 @@ def _qwen_image() -> Built:
                  ("hidden_states", "encoder_hidden_states", "encoder_hidden_states_mask", "timestep"))
 
 
-_HIDREAM_WHY = {"torchscript": "TorchScript writes HiDream's rotary Einsum with a float and a double operand, which "
-                               "ONNX refuses (sdnpu compile says so in one line)"}
-
-
-@member("hidream", "transformer", "HiDream-I1 (MoE feed-forward routed densely, T5 + Llama per-layer text, 2-D RoPE)",
-        exporters=("dynamo",), why_not=_HIDREAM_WHY)
+@member("hidream", "transformer", "HiDream-I1 (MoE feed-forward routed densely, T5 + Llama per-layer text, 2-D RoPE)")
 def _hidream() -> Built:
     import torch
 
