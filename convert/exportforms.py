@@ -33,6 +33,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import sys
 import types
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
@@ -67,8 +68,6 @@ def _rms_norm(self: Any, x: torch.Tensor) -> torch.Tensor:
 
 def _hidream_rope(self: Any, ids: torch.Tensor) -> torch.Tensor:
     """``HiDreamImageEmbedND.forward`` with each axis' positions cast to the frequencies' dtype (see above)."""
-    import sys
-
     module = sys.modules[type(self).__module__]  # diffusers' own rope and dtype rule, not a copy
     dtype = module.maybe_adjust_dtype_for_device(torch.float64, ids.device)
     emb = torch.cat([module.rope(ids[..., i].to(dtype), self.axes_dim[i], self.theta) for i in range(ids.shape[-1])],
