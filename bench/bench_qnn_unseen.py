@@ -9,10 +9,12 @@
 The results are out/../results/NAME.json; bench/results.md has the table of a run of every entry.
 
 Each entry: build (torch.manual_seed(0), small config, every constant parameter perturbed as sdnpu's zoo does so
-no path is trivially exact), export with dynamo (opset 20); on failure TorchScript (opset 17); check against
-PyTorch with onnxruntime CPU; write out/NAME/test_data_set_0/input_N.pb (the graph's inputs in its order);
-run `sdnpu compile out/NAME/model.onnx --target qnn-htp --out out/NAME/qnn`; record results/NAME.json.
-Note: hidream-densemoe patches diffusers' MOEFeedForwardSwiGLU.forward for the rest of the process.
+no path is trivially exact), export with dynamo (opset 20); on failure TorchScript (opset 17); on failure through
+sdnpu's own export path (`sdnpu-dynamo`, `sdnpu-torchscript`: `sdnpu.convert.export.export_module`, which exports
+complex rotary tables in real arithmetic and a module class its exporter cannot trace in its export form, as
+`sdnpu convert` does); check against PyTorch with onnxruntime CPU; write out/NAME/test_data_set_0/input_N.pb (the
+graph's inputs in its order); run `sdnpu compile out/NAME/model.onnx --target qnn-htp --out out/NAME/qnn`; record
+results/NAME.json.
 """
 
 from __future__ import annotations
@@ -213,25 +215,6 @@ def hidream():
              "pooled_embeds"))
 
 
-@entry("hidream-densemoe", "HiDream-I1 as above, its MoE routed densely (every expert run, weighted by the gate's "
-       "top-k weights: the same sum) so that it exports")
-def hidream_dense():
-    from diffusers.models.transformers import transformer_hidream_image as th
-
-    def dense(self, x):
-        orig_shape = x.shape
-        topk_idx, topk_weight, _ = self.gate(x)
-        flat = x.view(-1, x.shape[-1])
-        y = torch.zeros_like(flat)
-        for i, expert in enumerate(self.experts):
-            w = (topk_weight * (topk_idx == i).to(topk_weight.dtype)).sum(dim=-1, keepdim=True)
-            y = y + expert(flat) * w
-        return y.view(*orig_shape) + self.shared_experts(x)
-
-    th.MOEFeedForwardSwiGLU.forward = dense
-    return hidream()
-
-
 @entry("qwenimage-transformer", "Qwen-Image MMDiT (QwenImageTransformer2DModel: complex 3-axis RoPE, text mask)")
 def qwenimage():
     m = D("QwenImageTransformer2DModel", patch_size=2, in_channels=16, out_channels=4, num_layers=1,
@@ -239,18 +222,6 @@ def qwenimage():
     return (m, lambda m, h, e, mk, t: m(h, e, mk, t, img_shapes=[[(1, 8, 8)]]).sample,
             (randn(1, 64, 16), randn(1, 8, 48, seed=2), torch.ones(1, 8, dtype=torch.long), torch.tensor([0.5])),
             ("hidden_states", "encoder_hidden_states", "encoder_hidden_states_mask", "timestep"))
-
-
-@entry("qwenimage-transformer-rr", "Qwen-Image MMDiT as above, its rotary tables computed once for the input's size and kept "
-       "as attributes (pos_embed's forward returns them), exported inside sdnpu's real_rotary")
-def qwenimage_rr():
-    m, call, inputs, names = qwenimage()
-    with torch.no_grad():
-        vid, txt = m.pos_embed([[(1, 8, 8)]], max_txt_seq_len=8, device=torch.device("cpu"))
-    holder = m.pos_embed
-    holder.fixed_vid, holder.fixed_txt = vid, txt
-    holder.forward = lambda *a, **k: (holder.fixed_vid, holder.fixed_txt)
-    return m, call, inputs, names
 
 
 def _tf(cls, **config):
@@ -346,10 +317,11 @@ def one_line(e):
 def export(wrapper, inputs, names, path, exporter):
     import warnings
     warnings.filterwarnings("ignore")
-    if exporter.startswith("rr-"):  # inside sdnpu's real_rotary context (complex rotary tables as real pairs)
-        from sdnpu.convert.realrope import real_rotary
-        with real_rotary(wrapper):
-            return export(wrapper, inputs, names, path, exporter[3:])
+    if exporter.startswith("sdnpu-"):  # sdnpu's own export path (real rotary, the classes' export forms)
+        from sdnpu.convert.export import Exporter, export_module
+        name = exporter.removeprefix("sdnpu-")
+        return export_module(wrapper, inputs, list(names), ["out"], path,
+                             Exporter(name, 17 if name == "torchscript" else 20))
     if exporter == "dynamo":
         with np.errstate(all="ignore"):
             prog = torch.onnx.export(wrapper, inputs, dynamo=True, input_names=list(names), output_names=["out"],
@@ -360,7 +332,10 @@ def export(wrapper, inputs, names, path, exporter):
                           opset_version=17, do_constant_folding=True)
 
 
-def run(name, exporters=("dynamo", "torchscript", "rr-dynamo", "rr-torchscript"), target="qnn-htp"):
+EXPORTERS = ("dynamo", "torchscript", "sdnpu-dynamo", "sdnpu-torchscript")
+
+
+def run(name, exporters=EXPORTERS, target="qnn-htp"):
     import onnx
     import onnxruntime as ort
     from onnx import numpy_helper
@@ -469,7 +444,7 @@ def main(argv):
         for n, (a, _) in REGISTRY.items():
             print(f"{n:24s} {a}")
         return 0
-    exporters = ("dynamo", "torchscript", "rr-dynamo", "rr-torchscript")
+    exporters = EXPORTERS
     target = "qnn-htp"
     while argv and argv[0].startswith("--"):
         key, _, value = argv[0].partition("=")

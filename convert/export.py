@@ -64,11 +64,13 @@ class Exporter:
 def export_module(wrapper: Any, args: tuple[Any, ...], input_names: list[str], output_names: list[str],
                   path: Path, exporter: Exporter = Exporter()) -> None:
     """Export ``wrapper(*args)`` to ``path`` (and ``path.data`` past 2 GB). Complex rotary tables (Lumina 2,
-    Z-Image) are exported in real arithmetic (``sdnpu.convert.realrope``)."""
-    # realrope imports torch: the CLI imports this module without it (about 1 s)
-    from sdnpu.convert.realrope import real_rotary
+    Z-Image, Qwen-Image) are exported in real arithmetic (``sdnpu.convert.realrope``); a module class whose
+    forward the exporter cannot trace (HiDream's MoE feed-forward) in its export form
+    (``sdnpu.convert.exportforms``)."""
+    from sdnpu.convert.exportforms import export_forms  # imports torch: the CLI imports this module without it
+    from sdnpu.convert.realrope import real_rotary  # imports torch: the CLI imports this module without it
 
-    with real_rotary(wrapper):
+    with real_rotary(wrapper), export_forms(wrapper, exporter.name):
         _export(wrapper, args, input_names, output_names, path, exporter)
 
 

@@ -244,6 +244,10 @@ class _Glue:
                               step("broadcast", shape=[a_shape[-1]])], [a_shape[-1]], f"{c.name}_c",
                           dtype=ir.DataType.FLOAT)
             c_shape = [a_shape[-1]]
+        elif bias and len(c_shape) < len(a_shape):  # numpy's broadcasting reads a lower rank with ones before it
+            lifted = [1] * (len(a_shape) - len(c_shape)) + c_shape  # (Qwen-Image's rotations [S, 1, D] on [B, S, H, D])
+            c = b.derived(c, [step("reshape", shape=lifted)], lifted, f"{c.name}_r")
+            c_shape = lifted
         if not bias and prod(c_shape) == 1 and len(a_shape) >= 2:
             c, c_shape = self.spread(b, c, a_shape)
         spec = self.target.op(family)

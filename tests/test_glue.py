@@ -70,3 +70,31 @@ def test_a_tanh_gelu_near_miss_stays_as_written(coeff, also_read):
     irm = lowered(m)
     assert "SDGelu" not in dispatch_ops(irm) and ops(irm).get("Tanh") == 1
     assert_same(m, irm)
+
+
+@pytest.mark.parametrize("table", [[6, 1, 8], [6, 2, 8], [2, 8]])
+def test_a_constant_of_lower_rank_is_read_with_ones_before_it(table):
+    """Qwen-Image's rotations: a constant [S, 1, D] times the queries [B, S, H, D] after their projection. numpy's
+    broadcasting reads the constant as [1, S, 1, D], the same rank, which the table's broadcast rule takes; and
+    [S, H, D], [H, D] as [1, S, H, D], [1, 1, H, D]. The constant is reshaped offline: the same numbers."""
+    m = model([n("MatMul", ["x", "wl"], ["h"]), n("Reshape", ["h", "heads"], ["q"]), n("Mul", ["q", "cos"], ["y"])],
+              {"x": [1, 6, 8]}, {"y": [1, 6, 2, 8]},
+              {"wl": w(8, 16), "heads": np.array([1, 6, 2, 8], np.int64), "cos": w(*table)})
+    irm = lowered(m)
+    assert dispatch_ops(irm) == {"SDGemm": 1, "SDMul": 1} and "Mul" not in ops(irm)
+    mul = next(x for x in irm.graph if x.op_type == "SDMul")
+    assert list(mul.attributes["b_shape"].value) == [1] * (4 - len(table)) + table
+    assert_same(m, irm)
+
+
+def test_a_runtime_operand_of_lower_rank_stays_and_says_why():
+    """Near miss: the rotation computed at run time ([S, 1, D], from an input) is not reshaped offline; the Mul
+    stays on the CPU with the table's reason."""
+    m = model([n("MatMul", ["x", "wl"], ["h"]), n("Reshape", ["h", "heads"], ["q"]), n("Cos", ["t"], ["cos"]),
+               n("Mul", ["q", "cos"], ["y"])],
+              {"x": [1, 6, 8], "t": [6, 1, 8]}, {"y": [1, 6, 2, 8]},
+              {"wl": w(8, 16), "heads": np.array([1, 6, 2, 8], np.int64)})
+    irm = lowered(m)
+    mul = next(x for x in irm.graph if x.op_type == "Mul")
+    assert "do not broadcast the way SDMul does" in mul.metadata_props[DECLINED_TAG]
+    assert_same(m, irm)

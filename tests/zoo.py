@@ -188,23 +188,17 @@ def _flux(guidance: bool) -> Built:
                  img_ids=i, txt_ids=x).sample, tuple(args), tuple(names))
 
 
-_RMS_TS = {"torchscript": "TorchScript cannot export aten::rms_norm (torch's RMSNorm) at opset 20"}
-
-
-@member("flux-dev", "transformer", "Flux.1 dev (double + single stream, RoPE, guidance embedding)",
-        exporters=("dynamo",), why_not=_RMS_TS)
+@member("flux-dev", "transformer", "Flux.1 dev (double + single stream, RoPE, guidance embedding)")
 def _flux_dev() -> Built:
     return _flux(True)
 
 
-@member("flux-schnell", "transformer", "Flux.1 schnell (no guidance embedding)", exporters=("dynamo",),
-        why_not=_RMS_TS)
+@member("flux-schnell", "transformer", "Flux.1 schnell (no guidance embedding)")
 def _flux_schnell() -> Built:
     return _flux(False)
 
 
-@member("chroma", "transformer", "Chroma (Flux without the pooled projection: a modulation approximator)",
-        exporters=("dynamo",), why_not=_RMS_TS)
+@member("chroma", "transformer", "Chroma (Flux without the pooled projection: a modulation approximator)")
 def _chroma() -> Built:
     import torch
 
@@ -217,8 +211,7 @@ def _chroma() -> Built:
                  ("hidden_states", "encoder_hidden_states", "timestep", "img_ids", "txt_ids"))
 
 
-@member("flux2", "transformer", "Flux.2 (shared modulations, 4-axis RoPE, SwiGLU)", exporters=("dynamo",),
-        why_not=_RMS_TS)
+@member("flux2", "transformer", "Flux.2 (shared modulations, 4-axis RoPE, SwiGLU)")
 def _flux2() -> Built:
     import torch
 
@@ -270,8 +263,9 @@ def _auraflow() -> Built:
                  ("hidden_states", "encoder_hidden_states", "timestep"))
 
 
-# Lumina 2 and Z-Image keep their rotary tables complex; they export inside sdnpu's real_rotary context
-# (convert/realrope.py), each with the exporter that takes the rest of its forward.
+# Lumina 2, Z-Image and Qwen-Image keep their rotary tables complex; they export inside sdnpu's real_rotary context
+# (convert/realrope.py), each with the exporter that takes the rest of its forward. Every member exports with the
+# export forms of its classes (convert/exportforms.py: HiDream's MoE), as sdnpu's own export does.
 _LUMINA_WHY = {"dynamo": "its forward turns the caption mask into Python sequence lengths (len(set(seq_lengths))): "
                          "torch.export cannot hash a symbolic size"}
 _Z_IMAGE_WHY = {"torchscript": "TorchScript cannot export aten::pad_sequence (Z-Image pads its token lists)"}
@@ -318,6 +312,35 @@ def _z_image() -> Built:
     return Built(m, lambda m, x, t, c: m([x], t, [c]).sample[0],
                  (_randn(4, 1, 16, 16), torch.tensor([0.5]), _randn(8, 48, seed=2)),
                  ("hidden_states", "timestep", "encoder_hidden_states"))
+
+
+@member("qwen-image", "transformer", "Qwen-Image (MMDiT over text and image streams, complex 3-axis RoPE cut per "
+        "image size, caption mask)")
+def _qwen_image() -> Built:
+    import torch
+
+    m = _diffusers("QwenImageTransformer2DModel", **_preset_config("tiny-qwen-image", "transformer"))
+    mask = torch.ones(1, 8, dtype=torch.long)
+    mask[:, 6:] = 0  # padded caption tokens
+    # QwenImagePipeline's call: packed latents (an 8 x 8 grid of 2 x 2 patches), the caption's mask, img_shapes
+    return Built(m, lambda m, h, e, mk, t: m(h, e, mk, t, img_shapes=[[(1, 8, 8)]]).sample,
+                 (_randn(1, 64, 16), _randn(1, 8, 48, seed=2), mask, torch.tensor([0.5])),
+                 ("hidden_states", "encoder_hidden_states", "encoder_hidden_states_mask", "timestep"))
+
+
+@member("hidream", "transformer", "HiDream-I1 (MoE feed-forward routed densely, T5 + Llama per-layer text, 2-D RoPE)")
+def _hidream() -> Built:
+    import torch
+
+    m = _diffusers("HiDreamImageTransformer2DModel", patch_size=2, in_channels=4, out_channels=4, num_layers=1,
+                   num_single_layers=1, attention_head_dim=32, num_attention_heads=2, caption_channels=[48, 40],
+                   text_emb_dim=32, num_routed_experts=4, num_activated_experts=2, axes_dims_rope=[8, 12, 12],
+                   max_resolution=[64, 64], llama_layers=[0, 1])
+    return Built(m, lambda m, h, t, e5, el, p: m(h, t, e5, el, p).sample,
+                 (_randn(1, 4, 16, 16), torch.tensor([500.0]), _randn(1, 8, 48, seed=2), _randn(2, 1, 8, 40, seed=3),
+                  _randn(1, 32, seed=4)),
+                 ("hidden_states", "timesteps", "encoder_hidden_states_t5", "encoder_hidden_states_llama3",
+                  "pooled_embeds"))
 
 
 # --- VAEs -------------------------------------------------------------------------------------------------
@@ -375,6 +398,15 @@ _DC = {"in_channels": 3, "latent_channels": 8, "attention_head_dim": 8,
 def _dc_dec() -> Built:
     m = _diffusers("AutoencoderDC", **_DC)
     return Built(m, lambda m, z: m.decode(z).sample, (_randn(1, 8, 16, 16),), ("latent_sample",), ("sample",))
+
+
+@member("qwen-image-vae-decoder", "vae", "AutoencoderKLQwenImage decoder (Wan 2.1-style causal 3-D convs, RMS "
+        "norms; one frame)", exporters=("dynamo",),
+        why_not={"torchscript": "TorchScript cannot export aten::_upsample_nearest_exact2d (its nearest-exact "
+                                "upsampling)"})
+def _qwen_image_vae_dec() -> Built:
+    m = _diffusers("AutoencoderKLQwenImage", **_preset_config("tiny-qwen-image", "vae"))
+    return Built(m, lambda m, z: m.decode(z).sample, (_randn(1, 4, 1, 16, 16),), ("latent_sample",), ("sample",))
 
 
 @member("flux2-vae-decoder", "vae", "AutoencoderKLFlux2 decoder (Flux.2's 32-channel VAE)")
@@ -481,6 +513,7 @@ def export(name: str, exporter: str, folder: Path) -> tuple[Path, dict[str, np.n
     outputs on them."""
     import torch
 
+    from sdnpu.convert.exportforms import export_forms
     from sdnpu.convert.realrope import real_rotary
 
     wrapper, built = build(name)
@@ -488,7 +521,7 @@ def export(name: str, exporter: str, folder: Path) -> tuple[Path, dict[str, np.n
     path = folder / "model.onnx"
     with torch.no_grad():
         reference = [o.numpy().copy() for o in wrapper(*built.inputs)]  # also makes tables made on first use
-    with torch.no_grad(), real_rotary(wrapper):
+    with torch.no_grad(), real_rotary(wrapper), export_forms(wrapper, exporter):
         if exporter == "dynamo":
             with np.errstate(all="ignore"):
                 program = torch.onnx.export(wrapper, built.inputs, dynamo=True, input_names=list(built.names),
