@@ -178,9 +178,11 @@ class _Glue:
     # --- helpers ---
 
     def unary(self, b: Builder, family: str, x: ir.Value) -> ir.Value:
-        shape = list(static_shape(x))  # type: ignore[arg-type]
-        return b.dispatch(self.target.op(family).op_type, [x], {"input_shape": shape, "output_shape": shape},
-                          dtype=x.dtype, shape=shape).outputs[0]
+        full = static_shape(x)
+        shape = _frames_folded(list(full))  # type: ignore[arg-type]
+        y = b.dispatch(self.target.op(family).op_type, [x], {"input_shape": shape, "output_shape": shape},
+                       dtype=x.dtype, shape=shape).outputs[0]
+        return unview(b, y, full)
 
     def vector(self, b: Builder, like: ir.Value, value: float) -> ir.Value:
         """A constant [C] along ``like``'s last axis (the kernels' bias form)."""
@@ -244,10 +246,15 @@ class _Glue:
                               step("broadcast", shape=[a_shape[-1]])], [a_shape[-1]], f"{c.name}_c",
                           dtype=ir.DataType.FLOAT)
             c_shape = [a_shape[-1]]
+        shape = a_shape
+        if len(a_shape) == 5:  # a video's [B, F, H, W, C] (channels last) read as [B*F, H, W, C]
+            c5 = [1] * (5 - len(c_shape)) + c_shape
+            if c5[:2] != a_shape[:2] and c5[:2] != [1, 1]:
+                return f"{c_shape} broadcasts along the frames of {a_shape} (the kernels take rank 2 to 4)"
+            a_shape, c_shape = _frames_folded(a_shape), (_frames_folded(c5) if len(c_shape) == 5 else c_shape)
         if not bias and prod(c_shape) == 1 and len(a_shape) >= 2:
             c, c_shape = self.spread(b, c, a_shape)
         spec = self.target.op(family)
-        shape = a_shape
         if len(a_shape) == 2 and len(c_shape) == 2:  # the kernels take no 2-D pair: read both as [1, M, N] views
             a_shape, c_shape = [1, *a_shape], [1, *c_shape]
         reason, assumed = spec.check({"a": a_shape, "b": c_shape, "b_const": bias, "op": family.capitalize()})
@@ -258,6 +265,11 @@ class _Glue:
             attrs["is_bias_add"] = int(bias)
         y = b.dispatch(spec.op_type, [a, c], attrs, dtype=a.dtype, shape=a_shape, assumed=assumed).outputs[0]
         return unview(b, y, tuple(shape)) if shape != a_shape else y
+
+
+def _frames_folded(shape: list[int]) -> list[int]:
+    """A rank-5 shape read as rank 4, its first two axes as one (a video's batch and frames); others as they are."""
+    return [shape[0] * shape[1], *shape[2:]] if len(shape) == 5 else shape
 
 
 def lower_glue(model: ir.Model, target: DispatchTarget) -> PassResult:

@@ -79,24 +79,28 @@ def concat_tiles(node: ir.Node) -> bool:
 
 @node_rewrite("Pad merged into Conv", "Pad")
 def merge_pad_into_conv(node: ir.Node) -> bool:
-    """Pad(x, zeros on H and W) -> Conv becomes one Conv with those pads (the VAE encoder's downsampler
-    pads right and bottom by one; dynamo already writes it this way). Not a cropping (negative) Pad. The Pad
-    is left unread (the rewrites after sweep it)."""
+    """Pad(x, zeros on the spatial axes) -> Conv becomes one Conv with those pads, at any rank: the VAE encoder's
+    downsampler pads right and bottom by one (dynamo already writes it this way); Wan's causal Conv3d pads its
+    frames in front (``F.pad`` with the temporal padding all before, TorchScript keeps the Pad). Not a cropping
+    (negative) Pad, nor one of the batch or channel axes. The Pad is left unread (the rewrites after sweep it)."""
     uses = list(node.outputs[0].uses())
     pads = const(node.inputs[1]) if len(node.inputs) > 1 else None
     value = const(node.inputs[2]) if len(node.inputs) > 2 and node.inputs[2] is not None else np.zeros(1)
     mode = attr(node, "mode", "constant")
-    if (len(uses) != 1 or uses[0].node.op_type != "Conv" or uses[0].idx != 0 or pads is None or pads.size != 8
-            or value is None or np.any(value != 0) or mode not in ("constant", b"constant")
+    if (len(uses) != 1 or uses[0].node.op_type != "Conv" or uses[0].idx != 0 or pads is None or pads.size < 6
+            or pads.size % 2 or value is None or np.any(value != 0) or mode not in ("constant", b"constant")
             or (len(node.inputs) > 3 and node.inputs[3] is not None) or node.outputs[0].is_graph_output()):
         return False
-    conv = uses[0].node
-    if attr(conv, "auto_pad", "NOTSET") not in ("NOTSET", b"NOTSET") or np.any(pads[[0, 1, 4, 5]] != 0):
+    conv, rank = uses[0].node, pads.size // 2
+    if attr(conv, "auto_pad", "NOTSET") not in ("NOTSET", b"NOTSET") or np.any(pads[[0, 1, rank, rank + 1]] != 0):
         return False
     if np.any(pads < 0):  # a negative pad crops the data; a Conv's pads only add zeros
         return False
-    old = list(attr(conv, "pads", [0, 0, 0, 0]))
-    new = [old[0] + int(pads[2]), old[1] + int(pads[3]), old[2] + int(pads[6]), old[3] + int(pads[7])]
+    k = rank - 2
+    old = list(attr(conv, "pads", [0] * (2 * k)))
+    if len(old) != 2 * k:
+        return False
+    new = [old[i] + int(pads[2 + i]) for i in range(k)] + [old[k + i] + int(pads[rank + 2 + i]) for i in range(k)]
     conv.attributes["pads"] = ir.AttrInt64s("pads", new)
     conv.replace_input_with(0, node.inputs[0])
     return True
