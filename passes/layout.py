@@ -93,7 +93,19 @@ def _canonical(chain: list[ir.Node], s_shape: tuple[int, ...], d_shape: tuple[in
         and not _reshape_equivalent(s_shape, perm)
 
 
-def _simplify_chain(graph: ir.Graph, chain: list[ir.Node]) -> bool:
+def _movements_above(node: ir.Node) -> list[ir.Node]:
+    """The movement nodes from the root of ``node``'s chain down to (not including) ``node``."""
+    above: list[ir.Node] = []
+    p = node.inputs[0].producer() if node.inputs[0] is not None else None
+    while movement.is_movement(p) and len(above) < 16:
+        above.append(p)  # type: ignore[arg-type]
+        p = p.inputs[0].producer() if p.inputs[0] is not None else None  # type: ignore[union-attr]
+    return above[::-1]
+
+
+def _simplify_chain(graph: ir.Graph, chain: list[ir.Node], shared: int = 0) -> bool:
+    """``chain`` as its simplest equivalent; its first ``shared`` nodes are also read by other branches (they
+    stay for them)."""
     src, dst = chain[0].inputs[0], chain[-1].outputs[0]
     s_shape, d_shape = static_shape(src), static_shape(dst)
     assert src is not None and s_shape is not None and d_shape is not None
@@ -132,7 +144,7 @@ def _simplify_chain(graph: ir.Graph, chain: list[ir.Node]) -> bool:
         new = [t if tuple(_permute(s_shape, last)) == d_shape else _reshape(b, t, d_shape)]
     else:
         return False
-    replace(graph, chain[-1], chain, b.nodes, [dst], new)
+    replace(graph, chain[-1], chain[shared:], b.nodes, [dst], new)
     return True
 
 
@@ -147,10 +159,12 @@ def simplify_chains(graph: ir.Graph) -> int:
         if node.graph is None or not movement.is_movement(node):
             continue
         src = node.inputs[0]
-        if movement.is_movement(src.producer() if src is not None else None) and len(src.uses()) == 1 \
-                and not src.is_graph_output():  # type: ignore[union-attr]
-            continue  # not the head of its chain (a chain that forks starts again on each branch)
-        if _simplify_chain(graph, _chain_from(node)):
+        upstream: list[ir.Node] = []
+        if movement.is_movement(src.producer() if src is not None else None):  # type: ignore[union-attr]
+            if len(src.uses()) == 1 and not src.is_graph_output():  # type: ignore[union-attr]
+                continue  # not the head of its chain
+            upstream = _movements_above(node)  # a branch of a chain that forks: simplified from the chain's root
+        if _simplify_chain(graph, [*upstream, *_chain_from(node)], len(upstream)):
             done += 1
     return done
 
