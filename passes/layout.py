@@ -1,4 +1,5 @@
-"""Layout pass: 4-D activations between dispatch ops go NHWC.
+"""Layout pass: 4-D activations between dispatch ops go NHWC (and a video's 5-D [B, C, F, H, W] channels last,
+[B, F, H, W, C], whose [B*F, H, W, C] view the dispatch ops read).
 
 The fusions wrap each NHWC op in ``Transpose(NCHW->NHWC) -> op -> Transpose(NHWC->NCHW)``. This pass
 removes those boundaries wherever two NHWC ops meet, by three rewrites run to a fixed point:
@@ -6,7 +7,8 @@ removes those boundaries wherever two NHWC ops meet, by three rewrites run to a 
 1. *chains*: a run of data-movement nodes (Reshape/Transpose/Squeeze/Unsqueeze/Flatten) is replaced by its
    simplest equivalent, found by running it on an index tensor: nothing, one Reshape, or a Reshape and a
    Transpose that exposes an NHWC<->NCHW boundary (the VAE's ``Reshape [B,C,HW] -> Transpose`` becomes
-   ``Transpose -> Reshape``, which then cancels);
+   ``Transpose -> Reshape``, which then cancels); a chain that forks is simplified from its root on each
+   branch (SVD's [B*F, C, H, W] viewed as [B, F, C, H, W], read by its spatial and its temporal layers);
 2. *cancel*: Transpose(Transpose(x)) composes; an identity composition disappears; a Transpose of a
    constant is folded (lazily) into the constant;
 3. *push*: ``op(T(a), T(b), const)`` for a layout-agnostic ``op`` (element-wise, Concat, Split, Slice)
