@@ -273,3 +273,37 @@ def fold_expands_into_constants(node: ir.Node) -> bool:
         replace(graph, node, [node], b.nodes, [node.outputs[0]], [new.outputs[0]])
         return True
     return False
+
+
+@node_rewrite("nearest upsampling gathers -> Resize", "GatherND")
+def resize_nearest_gathers(node: ir.Node) -> bool:
+    """GatherND with constant indices that pick row i // s of each of the data's first k axes (dynamo's
+    ``_unsafe_index`` spelling of ``F.interpolate(mode="nearest-exact")`` at an integer factor s, on the image
+    transposed to [H, W, B, C]: Qwen-Image's and Wan's VAE upsamplers) is that nearest upsampling: a Resize
+    (nearest, asymmetric, floor: output i reads i // s) of the axes moved last, between Transposes the layout
+    pass cancels with the exporter's own."""
+    data, idx = node.inputs[0], node.inputs[1]
+    d_shape, ix, y_shape = static_shape(data), const(idx), static_shape(node.outputs[0])
+    if data is None or d_shape is None or ix is None or y_shape is None or int(attr(node, "batch_dims", 0)) != 0:
+        return False
+    k = ix.shape[-1]
+    if ix.ndim != k + 1 or not 0 < k <= len(d_shape) or any(ix.shape[i] % d_shape[i] for i in range(k)):
+        return False
+    factors = [ix.shape[i] // d_shape[i] for i in range(k)]
+    want = np.stack(np.meshgrid(*[np.arange(ix.shape[i]) // factors[i] for i in range(k)], indexing="ij"), -1)
+    if not np.array_equal(ix, want) or all(f == 1 for f in factors):
+        return False
+    n = len(d_shape)
+    perm = [*range(k, n), *range(k)]
+    moved = [d_shape[i] for i in perm]
+    graph = graph_of(node)
+    b = Builder(graph, RULE)
+    t = b.op("Transpose", [data], {"perm": perm}, dtype=data.dtype, shape=moved).outputs[0]
+    scales = b.const(np.asarray([1.0] * (n - k) + factors, np.float32), "scales")
+    up = [*moved[:n - k], *(moved[n - k + i] * factors[i] for i in range(k))]
+    r = b.op("Resize", [t, None, scales], {"mode": "nearest", "coordinate_transformation_mode": "asymmetric",
+                                           "nearest_mode": "floor"}, dtype=data.dtype, shape=up).outputs[0]
+    back = [perm.index(i) for i in range(n)]
+    y = b.op("Transpose", [r], {"perm": back}, dtype=data.dtype, shape=list(y_shape)).outputs[0]
+    replace(graph, node, [node], b.nodes, [node.outputs[0]], [y])
+    return True
