@@ -85,3 +85,19 @@ def test_frames_in_channels_places_each_tap_where_its_frame_meets_the_output():
     taps = convs.frame_taps(2, 3, 1, 2, 0, 1)
     assert taps.out_frames == 2 and taps.used == 3 and taps.folded_tap is None
     assert convs.frame_taps(1, 3, 1, 2, 0, 1).folded_tap == 2
+
+
+@pytest.mark.parametrize(("frames", "movement"), [(1, {"Reshape"}), (2, {"Transpose", "Reshape"})])
+def test_a_replicated_first_frame_in_front_is_the_weight_s(frames, movement):
+    """CogVideoX's causal padding, ``torch.cat([x[:, :, :1]] * 2 + [x], dim=2)`` before a 3x3x3 conv: the conv
+    reads x, each tap that meets a copy of frame 0 added to frame 0's block (over one frame: one 2-D conv with
+    the sum of the taps)."""
+    shape = [1, 4, frames, 5, 5]
+    nodes = [helper.make_node("Slice", ["x", "zero", "one", "two"], ["first"]),
+             helper.make_node("Concat", ["first", "first", "x"], ["padded"], axis=2),
+             helper.make_node("Conv", ["padded", "w", "b"], ["y"], pads=[0, 1, 1, 0, 1, 1])]
+    m = model(nodes, {"x": shape}, {"y": [1, 6, frames, 5, 5]},
+              {"w": w(6, 4, 3, 3, 3), "b": w(6), "zero": np.array([0]), "one": np.array([1]), "two": np.array([2])})
+    irm, counts = rewritten(m, convs.view_convs_as_2d, sweep, ulps=16)
+    assert counts[COUNT] == 1
+    assert set(ops(irm)) == {"Conv", *movement}, ops(irm)

@@ -511,6 +511,17 @@ class _Causal(torch.nn.Module):
         return self.conv(F.pad(x, self.pad))
 
 
+class _Replicated(torch.nn.Module):
+    """CogVideoX's CausalConv3d: ``torch.cat([x[:, :, :1]] * (k - 1) + [x], dim=2)``, then Conv3d padded on H, W."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.conv = torch.nn.Conv3d(8, 8, 3, padding=(0, 1, 1))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.conv(torch.cat([x[:, :, :1]] * 2 + [x], dim=2))
+
+
 def _causal(channels: int, frames_pad: int, groups: int = 1) -> torch.nn.Module:
     return _Causal(channels, frames_pad, groups)
 
@@ -524,6 +535,8 @@ TORCH_CONVS = {  # name: (module, input shape, the ops left beside the SDConvs, 
                                                        {"Transpose", "Reshape"}),
     "causal Conv3d over two frames (frames in channels)": (lambda: _causal(8, 2), (1, 8, 2, 4, 4),
                                                            {"Transpose", "Reshape"}),
+    "CogVideoX's causal Conv3d (the first frame repeated in front)": (lambda: _Replicated(), (1, 8, 2, 4, 4),
+                                                                         {"Transpose", "Reshape"}),
     "Conv1d (k=1)": (lambda: torch.nn.Conv1d(8, 8, 1), (2, 8, 5), {"Transpose", "Reshape"}),
     "Conv1d (k=3)": (lambda: torch.nn.Conv1d(8, 8, 3, padding=1), (2, 8, 5), {"Transpose", "Reshape"}),
     # near misses

@@ -44,6 +44,7 @@ class FrameTaps:
     frames: int
     out_frames: int
     taps: tuple[tuple[tuple[int, int], ...], ...]
+    replicate: int = 0  # copies of the first frame in front of the input (CogVideoX's causal padding)
 
     @property
     def used(self) -> int:
@@ -51,11 +52,14 @@ class FrameTaps:
 
     @property
     def folded_tap(self) -> int | None:
-        """k0 where each output frame t reads input frame t alone through tap k0 (frames into the batch)."""
-        if self.out_frames != self.frames:
+        """Where each output frame t reads input frame t alone (frames into the batch): the tap k0 it reads it
+        through (over one frame, whose taps may be several where it is replicated: the first of them)."""
+        if self.out_frames != self.frames or any(f != i for i, t in enumerate(self.taps) for f, _ in t):
             return None
+        if self.frames == 1 and self.taps[0]:
+            return self.taps[0][0][1]
         ks = {t[0][1] for t in self.taps if len(t) == 1}
-        if len(ks) != 1 or any(len(t) != 1 or t[0][0] != i for i, t in enumerate(self.taps)):
+        if len(ks) != 1 or any(len(t) != 1 for t in self.taps):
             return None
         return ks.pop()
 
@@ -65,21 +69,55 @@ class FrameTaps:
         return self.out_frames * self.frames / max(self.used, 1)
 
 
-def frame_taps(frames: int, kt: int, stride: int, pad: int, pad_end: int, dilation: int) -> FrameTaps:
-    out_frames = (frames + pad + pad_end - dilation * (kt - 1) - 1) // stride + 1
-    taps = tuple(tuple((t * stride - pad + k * dilation, k) for k in range(kt)
-                       if 0 <= t * stride - pad + k * dilation < frames) for t in range(max(out_frames, 0)))
-    return FrameTaps(frames, out_frames, taps)
+def frame_taps(frames: int, kt: int, stride: int, pad: int, pad_end: int, dilation: int,
+               replicate: int = 0) -> FrameTaps:
+    """The taps over ``frames`` frames with ``pad`` zero frames in front (``pad_end`` behind) and, inside them,
+    ``replicate`` copies of the first frame (each a tap on frame 0)."""
+    out_frames = (frames + replicate + pad + pad_end - dilation * (kt - 1) - 1) // stride + 1
+    taps = []
+    for t in range(max(out_frames, 0)):
+        row = []
+        for k in range(kt):
+            f = t * stride - pad + k * dilation - replicate
+            if -replicate <= f < frames:
+                row.append((max(f, 0), k))
+        taps.append(tuple(row))
+    return FrameTaps(frames, out_frames, tuple(taps), replicate)
+
+
+def replicated_front(x: ir.Value | None) -> tuple[ir.Value, int] | None:
+    """``Concat([x[:, :, :1]] * r + [x], axis=2)`` (CogVideoX's causal padding: the first frame repeated in
+    front, ``torch.cat([x[:, :, :1]] * (k - 1) + [x], dim=2)``): x and r; None for anything else."""
+    cat = x.producer() if x is not None else None
+    if cat is None or cat.op_type != "Concat" or cat.domain not in ("", "ai.onnx") or len(cat.inputs) < 2:
+        return None
+    src = cat.inputs[-1]
+    shape = static_shape(src)
+    if src is None or shape is None or len(shape) != 5 or int(attr(cat, "axis", 0)) % 5 != 2:
+        return None
+    for v in cat.inputs[:-1]:
+        sl = v.producer() if v is not None else None
+        if sl is None or sl.op_type != "Slice" or sl.inputs[0] is not src or static_shape(v) != (*shape[:2], 1,
+                                                                                                  *shape[3:]):
+            return None
+        starts, axes = const(sl.inputs[1]), const(sl.inputs[3]) if len(sl.inputs) > 3 else None
+        if starts is None or int(starts.reshape(-1)[0]) != 0 or (axes is not None and int(axes.reshape(-1)[0]) % 5 != 2):
+            return None
+    return src, len(cat.inputs) - 1
 
 
 def conv3d_taps(node: ir.Node) -> FrameTaps | None:
-    """The frame taps of a Conv with a 5-D weight and static shapes (None otherwise)."""
+    """The frame taps of a Conv with a 5-D weight and static shapes (None otherwise), over the frames before
+    a replicated front (``replicated_front``) where the Conv pads no frames in front itself."""
     w_shape, x_shape = static_shape(node.inputs[1]), static_shape(node.inputs[0])
     if w_shape is None or x_shape is None or len(w_shape) != 5 or len(x_shape) != 5:
         return None
     pads = [int(p) for p in attr(node, "pads", [0] * 6)]
     stride = int(attr(node, "strides", [1, 1, 1])[0])
     dilation = int(attr(node, "dilations", [1, 1, 1])[0])
+    front = replicated_front(node.inputs[0]) if pads[0] == 0 else None
+    if front is not None:
+        return frame_taps(x_shape[2] - front[1], w_shape[2], stride, 0, pads[3], dilation, front[1])
     return frame_taps(x_shape[2], w_shape[2], stride, pads[0], pads[3], dilation)
 
 
@@ -156,12 +194,15 @@ def _conv3d(b: Builder, node: ir.Node, x: ir.Value, w: ir.Value, bias: ir.Value 
     pads = [int(p) for p in attr(node, "pads", [0] * 6)]
     strides = [int(s) for s in attr(node, "strides", [1, 1, 1])]
     dilations = [int(d) for d in attr(node, "dilations", [1, 1, 1])]
+    if taps.replicate:  # the conv reads the frames before their replicated front, the weight taps it
+        x = replicated_front(x)[0]  # type: ignore[index]
+        x_shape = static_shape(x)  # type: ignore[assignment]
     n, c, frames, h, wd = x_shape
     oc, ic, kt, kh, kw = w_shape
     fo, ho, wo = y_shape[2:]
     k0 = taps.folded_tap
     if k0 is None and kh == kw == 1 and not any(pads[i] for i in (1, 2, 4, 5)) and strides[1:] == [1, 1] \
-            and taps.out_frames > 0:  # a temporal conv: a (KT, 1) conv over the [B, C, F, H*W] view, no movement
+            and taps.out_frames > 0 and not taps.replicate:  # a temporal conv: a (KT, 1) conv over the [B, C, F, H*W] view, no movement
         w2 = b.derived(w, [step("reshape", shape=[oc, ic, kt, 1])], [oc, ic, kt, 1], f"{w.name}_2d")
         conv = b.op("Conv", [_shape(b, x, [n, c, frames, h * wd]), w2, *([bias] if bias is not None else [])],
                     {"kernel_shape": [kt, 1], "pads": [pads[0], 0, pads[3], 0], "strides": [strides[0], 1],
@@ -170,9 +211,12 @@ def _conv3d(b: Builder, node: ir.Node, x: ir.Value, w: ir.Value, bias: ir.Value 
     if k0 is not None:  # frames into the batch: tap k0's weight
         rows, cin, cout = n * frames, ic, oc
         spec = {"frames": 1, "out_frames": 1, "stride": 1, "pad": k0 * dilations[0], "dilation": dilations[0]}
+        if frames == 1:  # every tap that meets the one frame (several where it is replicated)
+            spec.update(pad=pads[0], replicate=taps.replicate)
     elif stacking_reason(node) is None and fo > 0:  # frames in channels
         rows, cin, cout = n, frames * ic, fo * oc
-        spec = {"frames": frames, "out_frames": fo, "stride": strides[0], "pad": pads[0], "dilation": dilations[0]}
+        spec = {"frames": frames, "out_frames": fo, "stride": strides[0], "pad": pads[0], "dilation": dilations[0],
+                "replicate": taps.replicate}
     else:
         return None
     w2 = b.derived(w, [step("frames_in_channels", **spec)], [cout, cin, kh, kw], f"{w.name}_2d")

@@ -83,18 +83,19 @@ def _slice(a: np.ndarray, axis: int, start: int, stop: int) -> np.ndarray:
     return np.ascontiguousarray(a[tuple(index)])
 
 
-def _frames_in_channels(a: np.ndarray, frames: int, out_frames: int, stride: int, pad: int,
-                        dilation: int) -> np.ndarray:
+def _frames_in_channels(a: np.ndarray, frames: int, out_frames: int, stride: int, pad: int, dilation: int,
+                        replicate: int = 0) -> np.ndarray:
     """A 3-D convolution's weight ``[OC, IC, KT, ...]`` as the 2-D one over its frames stacked in channels:
-    ``[out_frames * OC, frames * IC, ...]``, block (t, f) the temporal tap k that output frame t reads input frame
-    f with (``f = t * stride - pad + k * dilation``), zeros where no tap does."""
+    ``[out_frames * OC, frames * IC, ...]``, block (t, f) the sum of the temporal taps k through which output frame
+    t reads input frame f (``f = t * stride - pad + k * dilation - replicate``, where ``replicate`` copies of
+    frame 0 stand in front: f < 0 reads frame 0), zeros where no tap does."""
     oc, ic, kt, *rest = a.shape
     out = np.zeros((out_frames, oc, frames, ic, *rest), a.dtype)
     for t in range(out_frames):
         for k in range(kt):
-            f = t * stride - pad + k * dilation
-            if 0 <= f < frames:
-                out[t, :, f] = a[:, :, k]
+            f = t * stride - pad + k * dilation - replicate
+            if -replicate <= f < frames:
+                out[t, :, max(f, 0)] += a[:, :, k]
     return out.reshape(out_frames * oc, frames * ic, *rest)
 
 
