@@ -187,6 +187,7 @@ CANONICAL = Group("canonical", [
     ("pad_conv", movement.merge_pad_into_conv),
     ("conv_views", convs.view_convs_as_2d),  # after pad_conv: a causal Conv3d's frame padding is its own
     ("gathers", movement.resize_nearest_gathers),
+    ("repeated_pixels", movement.resize_repeated_pixels),
     ("einsum", movement.lower_einsum),
     ("assembled", loops.concat_assembled_values),  # per-item loops written out, as the batched movement they are
     ("stacked", loops.batch_stacked_chains),

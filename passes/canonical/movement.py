@@ -8,6 +8,8 @@
 - an Einsum that moves data or multiplies matrices is a Transpose, or a batched MatMul between Transposes and
   Reshapes;
 - a ScatterND that writes a block of whole rows is the Concat it is;
+- a GatherND of constant indices, or a chain of Reshape / Expand / Transpose, that copies each pixel into an
+  s x s block (dynamo's nearest-exact upsampling, Wan 2.2's DupUp3D) is the nearest-upsampling Resize it is;
 - a chain of Reshape / Expand nodes broadcasting one value (the UNet's scalar timestep to the batch) is one
   Expand, and where a small constant is all it meets (the sinusoid's frequencies), none: the constant is
   broadcast offline.
@@ -306,4 +308,60 @@ def resize_nearest_gathers(node: ir.Node) -> bool:
     back = [perm.index(i) for i in range(n)]
     y = b.op("Transpose", [r], {"perm": back}, dtype=data.dtype, shape=list(y_shape)).outputs[0]
     replace(graph, node, [node], b.nodes, [node.outputs[0]], [y])
+    return True
+
+
+_UPSAMPLE_CHAIN = ("Reshape", "Transpose", "Expand")
+
+
+@node_rewrite("nearest upsampling movements -> Resize", "Reshape", "Transpose")
+def resize_repeated_pixels(node: ir.Node) -> bool:
+    """A chain of Reshape / Transpose / Expand (a constant shape) that copies each pixel of its source into an
+    s x s block, found by running the chain on an index tensor: Wan 2.2's ``DupUp3D`` (each channel repeated
+    s * s times, then the copies moved into space) where it repeats as many times as it moves, a nearest
+    upsampling by s. Written as the Resize it is (nearest, asymmetric, floor) of the source viewed as
+    [B, C', H, W], then viewed back. Anchored at the chain's last node."""
+    out = node.outputs[0]
+    if any(u.node.op_type in _UPSAMPLE_CHAIN and u.node.domain in ("", "ai.onnx") for u in out.uses()):
+        return False  # not the end of its chain
+    chain, v = [], node.outputs[0]
+    while True:
+        p = v.producer()
+        if p is None or p.op_type not in _UPSAMPLE_CHAIN or p.domain not in ("", "ai.onnx") or len(chain) > 12:
+            break
+        if p.op_type == "Expand" and const(p.inputs[1]) is None:
+            break
+        chain.append(p)
+        v = p.inputs[0]  # type: ignore[assignment]
+    chain.reverse()
+    src = v
+    s_shape, y_shape = static_shape(src), static_shape(out)
+    if not any(n.op_type == "Expand" for n in chain) or s_shape is None or y_shape is None or len(s_shape) < 3 \
+            or len(y_shape) != len(s_shape) or any(static_shape(n.outputs[0]) is None for n in chain) \
+            or tuple(y_shape[:-2]) != tuple(s_shape[:-2]) or y_shape[-1] % s_shape[-1] or y_shape[-2] % s_shape[-2]:
+        return False
+    sh, sw = y_shape[-2] // s_shape[-2], y_shape[-1] // s_shape[-1]
+    if int(np.prod(y_shape)) > 1 << 24 or (sh, sw) == (1, 1):
+        return False
+    got = np.arange(int(np.prod(s_shape)), dtype=np.int32).reshape(s_shape)
+    for n in chain:
+        shape = static_shape(n.outputs[0])
+        got = np.broadcast_to(got, shape) if n.op_type == "Expand" else (
+            np.transpose(got, attr(n, "perm")) if n.op_type == "Transpose" else got.reshape(shape))
+    want = np.repeat(np.repeat(np.arange(got.size // (sh * sw), dtype=np.int32).reshape(s_shape), sh, -2), sw, -1)
+    if got.shape != want.shape or not np.array_equal(got, want):
+        return False
+    graph = graph_of(node)
+    b = Builder(graph, RULE)
+    four = [s_shape[0], int(np.prod(s_shape[1:-2])), s_shape[-2], s_shape[-1]]
+    x = src if len(s_shape) == 4 else b.op("Reshape", [src, b.const(np.asarray(four, np.int64), "shape")],
+                                           dtype=src.dtype, shape=four).outputs[0]
+    up = [*four[:2], four[2] * sh, four[3] * sw]
+    scales = b.const(np.asarray([1.0, 1.0, sh, sw], np.float32), "scales")
+    y = b.op("Resize", [x, None, scales], {"mode": "nearest", "coordinate_transformation_mode": "asymmetric",
+                                           "nearest_mode": "floor"}, dtype=src.dtype, shape=up).outputs[0]
+    if len(s_shape) != 4:
+        y = b.op("Reshape", [y, b.const(np.asarray(y_shape, np.int64), "shape")], dtype=src.dtype,
+                 shape=list(y_shape)).outputs[0]
+    replace(graph, node, [node], b.nodes, [out], [y])
     return True
