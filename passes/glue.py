@@ -80,10 +80,10 @@ class _Glue:
             sig = producer(s, "Sigmoid")
             if sig is None or x is None:
                 continue
-            if sig.inputs[0] is x:
+            if sig.inputs[0] is x or _one_view(sig.inputs[0], x):  # x, or two views of it (a video's 4-D and 5-D)
                 if len(s.uses()) != 1 or s.is_graph_output():  # type: ignore[union-attr]
                     return "the sigmoid is also read elsewhere"
-                return [sig, node], [self.unary(b, "silu", x)]
+                return [sig, node], [unview(b, self.unary(b, "silu", x), static_shape(node.outputs[0]))]
             inner = producer(sig.inputs[0], "Mul")
             c = scalar(next((v for v in inner.inputs if v is not x), None)) if inner is not None else None
             if inner is not None and x in inner.inputs and c is not None and abs(c - QUICK_GELU) < 1e-3:
@@ -123,6 +123,9 @@ class _Glue:
         a, c = node.inputs
         if a is None or c is None:
             return None
+        if node.op_type == "Mul" and any(sig is not None and (sig.inputs[0] is x or _one_view(sig.inputs[0], x))
+                                         for x, sig in ((a, producer(c, "Sigmoid")), (c, producer(a, "Sigmoid")))):
+            return None  # x * sigmoid(x): the SiLU's, once its x touches the NPU (a later round)
         op = "add" if node.op_type in ("Add", "Sub") else "mul"
         if node.op_type in ("Sub", "Div"):
             k = const(c)
@@ -265,6 +268,20 @@ class _Glue:
             attrs["is_bias_add"] = int(bias)
         y = b.dispatch(spec.op_type, [a, c], attrs, dtype=a.dtype, shape=a_shape, assumed=assumed).outputs[0]
         return unview(b, y, tuple(shape)) if shape != a_shape else y
+
+
+def _viewed(v: ir.Value | None) -> ir.Value | None:
+    """``v`` with the Reshapes above it stripped (the value it views)."""
+    while v is not None and _onnx(v.producer(), "Reshape"):
+        v = v.producer().inputs[0]  # type: ignore[union-attr]
+    return v
+
+
+def _one_view(a: ir.Value | None, c: ir.Value | None) -> bool:
+    """Whether ``a`` and ``c`` are views (Reshapes) of one value, element for element (the same sizes)."""
+    sa, sc = static_shape(a), static_shape(c)
+    return (a is not None and sa is not None and sc is not None and prod(list(sa)) == prod(list(sc))
+            and _viewed(a) is _viewed(c))
 
 
 def _frames_folded(shape: list[int]) -> list[int]:

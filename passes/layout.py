@@ -305,12 +305,35 @@ def push_transposes(graph: ir.Graph) -> int:
     return done
 
 
+def merge_twin_movements(graph: ir.Graph) -> int:
+    """Movement nodes that move one value the same way (a Reshape to the same shape, a Transpose by the same
+    perm), once: the branches of a forked chain each simplified from its root make such twins, and the glue's
+    patterns (x * sigmoid(x)) read one value, not two equal views of it."""
+    seen: dict[tuple[object, ...], ir.Value] = {}
+    done = 0
+    for node in list(graph):
+        if node.graph is None or node.op_type not in ("Reshape", "Transpose") or node.domain not in ("", "ai.onnx"):
+            continue
+        out, src = node.outputs[0], node.inputs[0]
+        shape = static_shape(out)
+        if src is None or shape is None or out.is_graph_output():
+            continue
+        key = (node.op_type, id(src), tuple(shape), tuple(_perm(node) or ()))
+        twin = seen.get(key)
+        if twin is None:
+            seen[key] = out
+            continue
+        out.replace_all_uses_with(twin)
+        done += 1
+    return done
+
+
 def lay_out_nhwc(model: ir.Model) -> PassResult:
     graph = model.graph
     counts: Counter[str] = Counter()
     for _ in range(100):
         step = Counter({"chains simplified": simplify_chains(graph), "transposes cancelled": cancel_transposes(graph),
-                        "transposes pushed": push_transposes(graph)})
+                        "transposes pushed": push_transposes(graph), "twin movements merged": merge_twin_movements(graph)})
         remove_dead_nodes(graph)
         counts += step
         if not sum(step.values()):
