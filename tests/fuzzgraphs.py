@@ -297,14 +297,22 @@ def step_conv(g: G, x: str) -> str:
 def step_video_conv(g: G, x: str) -> str:
     """A Conv3d over frames of a [B, C, F, H', W] view (issue 42): kernel (1, k, k) over frames, a temporal
     (kt, 1, 1) conv (SVD), or a causal 3x3x3 whose frame padding is all in front (Wan, Qwen-Image), that padding
-    in the Conv's pads (dynamo) or a zero Pad in front of it (TorchScript); back to [B, OC, F*H'', W']."""
+    in the Conv's pads (dynamo), a zero Pad in front of it (TorchScript), or the first frame repeated in front
+    (CogVideoX; its near miss the last frame); back to [B, OC, F*H'', W']."""
     b, c, h, w = g.shape[x]
     frames = g.pick([f for f in (1, 2, 3) if h % f == 0])
     x5 = g.op("Reshape", [x, g.ints([b, c, frames, h // frames, w])], (b, c, frames, h // frames, w))
-    kind = g.pick(["spatial", "temporal", "causal", "causal_pad"])
+    kind = g.pick(["spatial", "temporal", "causal", "causal_pad", "replicated", "replicated_last"])
     oc = g.num(1, 8)
     kernel, pads = {"spatial": ((1, 3, 3), [0, 1, 1, 0, 1, 1]), "temporal": ((3, 1, 1), [1, 0, 0, 1, 0, 0]),
-                    "causal": ((3, 3, 3), [2, 1, 1, 0, 1, 1]), "causal_pad": ((3, 3, 3), [0] * 6)}[kind]
+                    "causal": ((3, 3, 3), [2, 1, 1, 0, 1, 1]), "causal_pad": ((3, 3, 3), [0] * 6),
+                    "replicated": ((3, 3, 3), [0, 1, 1, 0, 1, 1]),
+                    "replicated_last": ((3, 3, 3), [0, 1, 1, 0, 1, 1])}[kind]
+    if kind.startswith("replicated"):  # CogVideoX: the first frame repeated in front (a near miss: the last)
+        start = 0 if kind == "replicated" else frames - 1
+        one = g.op("Slice", [x5, g.ints([start], "starts"), g.ints([start + 1], "ends"), g.ints([2], "axes")],
+                   (b, c, 1, h // frames, w))
+        x5 = g.op("Concat", [one, one, x5], (b, c, frames + 2, h // frames, w), axis=2)
     if kind == "causal_pad":
         padded = (b, c, frames + 2, h // frames + 2, w + 2)
         x5 = g.op("Pad", [x5, g.ints([0, 0, 2, 1, 1, 0, 0, 0, 1, 1], "pads"), g.fconst(0.0)], padded, mode="constant")
