@@ -11,6 +11,7 @@ region is not cut by an Add, a SiLU or a Concat.
                                        2-D pair, which the kernels refuse, read as [1, M, N] views
     Concat(a, b, ...)              ==> SDConcat pairs (2-D operands along their last axis read as
                                        [B, 1, 1, C]: the NHWC channel concatenation the kernel takes)
+    Split(view of SDConv, last)    ==> one SDConv per part (its rows of the weight; the VAE attention's q, k, v)
 
 Runs after the layout pass, which moves the NHWC Transposes through the plain ONNX forms. An op is lowered
 only where it touches the NPU (an input written by a dispatch op, or a dispatch op reading its output), to a
@@ -29,7 +30,8 @@ import onnx_ir as ir
 
 from sdnpu.formats.keys import DECLINED_TAG
 from sdnpu.ops.target import DispatchTarget, prod
-from sdnpu.passes.irutil import Builder, bmk_view, const, is_float, producer, replace, scalar, static_shape, unview
+from sdnpu.passes.irutil import (Builder, attr, bmk_view, const, is_float, producer, replace, scalar, static_shape,
+                                 unview)
 from sdnpu.passes.provenance import step
 from sdnpu.passes.manager import PassResult
 
@@ -178,6 +180,42 @@ class _Glue:
             acc_shape = c_shape
         return [node], [unview(b, acc, out_shape)]
 
+    def conv_split(self, b: Builder, node: ir.Node) -> tuple[list[ir.Node], list[ir.Value]] | None:
+        """A Split of a conv's channels (its NHWC output's last axis, through views that keep it last: the VAE
+        attention's q, k, v from one qkv projection) as one conv per part, each with its rows of the weight and
+        bias: the registry's slice has no offsets, a conv's output channels are its weight's rows."""
+        if not _onnx(node, "Split") or len(node.outputs) < 2:
+            return None
+        x = node.inputs[0]
+        shape = static_shape(x)
+        conv = _viewed(x).producer() if _viewed(x) is not None else None  # type: ignore[union-attr]
+        if shape is None or conv is None or conv.op_type != self.target.op("conv").op_type or \
+                conv.domain != self.target.domain or int(attr(node, "axis", 0)) % len(shape) != len(shape) - 1:
+            return None
+        y = conv.outputs[0]
+        y_shape, w, bias = static_shape(y), conv.inputs[1], conv.inputs[2]
+        if y_shape is None or y_shape[-1] != shape[-1] or w is None or bias is None or const(bias) is None \
+                or w.const_value is None or y.is_graph_output() or len(y.uses()) != 1:
+            return None
+        parts = [static_shape(o) for o in node.outputs]
+        if any(p is None for p in parts):
+            return None
+        news, start = [], 0
+        attrs = {k: a.value for k, a in conv.attributes.items() if k not in ("in_dtypes", "out_dtypes")}
+        for part in parts:
+            width = part[-1]  # type: ignore[index]
+            w_shape = [width, *static_shape(w)[1:]]  # type: ignore[index]
+            wp = b.derived(w, [step("slice", axis=0, start=start, stop=start + width)], w_shape, f"{w.name}_part")
+            bp = b.derived(bias, [step("slice", axis=0, start=start, stop=start + width)], [width],
+                           f"{bias.name}_part")
+            out = [*y_shape[:-1], width]
+            yp = b.dispatch(conv.op_type, [conv.inputs[0], wp, bp],
+                            {**attrs, "output_shape": out, "weight_shape": w_shape}, dtype=y.dtype,
+                            shape=out).outputs[0]
+            news.append(unview(b, yp, part))  # type: ignore[arg-type]
+            start += width
+        return [node], news
+
     # --- helpers ---
 
     def unary(self, b: Builder, family: str, x: ir.Value) -> ir.Value:
@@ -293,7 +331,8 @@ def lower_glue(model: ir.Model, target: DispatchTarget) -> PassResult:
     graph = model.graph
     glue = _Glue(graph, target)
     families: list[tuple[str, Callable[..., object]]] = [("SiLU", glue.silu), ("GELU", glue.gelu),
-                                                         ("arithmetic", glue.arithmetic), ("Concat", glue.concat)]
+                                                         ("arithmetic", glue.arithmetic), ("Concat", glue.concat),
+                                                         ("conv Split", glue.conv_split)]
     counts: Counter[str] = Counter()
     for _ in range(100):  # each lowering can make a neighbour touch the NPU
         changed = 0
@@ -315,7 +354,7 @@ def lower_glue(model: ir.Model, target: DispatchTarget) -> PassResult:
                             del graph.initializers[v.name]  # type: ignore[arg-type]
                     continue
                 old_nodes, news = found  # type: ignore[misc]
-                olds = [old_nodes[-1].outputs[0]]
+                olds = list(old_nodes[-1].outputs)[:len(news)]
                 replace(graph, old_nodes[-1], old_nodes, b.nodes, olds, news)
                 counts[f"{name} -> {', '.join(sorted({n.op_type for n in b.nodes if n.domain == target.domain}))}"] += 1
                 changed += 1

@@ -333,7 +333,8 @@ def lay_out_nhwc(model: ir.Model) -> PassResult:
     counts: Counter[str] = Counter()
     for _ in range(100):
         step = Counter({"chains simplified": simplify_chains(graph), "transposes cancelled": cancel_transposes(graph),
-                        "transposes pushed": push_transposes(graph), "twin movements merged": merge_twin_movements(graph)})
+                        "transposes pushed": push_transposes(graph),
+                        "twin movements merged": merge_twin_movements(graph)})
         remove_dead_nodes(graph)
         counts += step
         if not sum(step.values()):

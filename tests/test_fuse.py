@@ -497,7 +497,7 @@ def test_the_norms_torch_exports_fuse_or_say_why(name, exporter, tmp_path):
     check(m, "bf16")
 
 
-# --- the video convolutions as torch's exporters write them (issue 42): a 2-D conv over a view -------------------------
+# --- the video convolutions as torch's exporters write them (issue 42): a 2-D conv over a view ------------------------
 
 class _Causal(torch.nn.Module):
     """Wan's / Qwen-Image's CausalConv3d: ``F.pad`` with the temporal padding all in front, then Conv3d."""

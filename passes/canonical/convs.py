@@ -101,7 +101,8 @@ def replicated_front(x: ir.Value | None) -> tuple[ir.Value, int] | None:
                                                                                                   *shape[3:]):
             return None
         starts, axes = const(sl.inputs[1]), const(sl.inputs[3]) if len(sl.inputs) > 3 else None
-        if starts is None or int(starts.reshape(-1)[0]) != 0 or (axes is not None and int(axes.reshape(-1)[0]) % 5 != 2):
+        if starts is None or int(starts.reshape(-1)[0]) != 0 or \
+                (axes is not None and int(axes.reshape(-1)[0]) % 5 != 2):
             return None
     return src, len(cat.inputs) - 1
 
@@ -202,7 +203,7 @@ def _conv3d(b: Builder, node: ir.Node, x: ir.Value, w: ir.Value, bias: ir.Value 
     fo, ho, wo = y_shape[2:]
     k0 = taps.folded_tap
     if k0 is None and kh == kw == 1 and not any(pads[i] for i in (1, 2, 4, 5)) and strides[1:] == [1, 1] \
-            and taps.out_frames > 0 and not taps.replicate:  # a temporal conv: a (KT, 1) conv over the [B, C, F, H*W] view, no movement
+            and taps.out_frames > 0 and not taps.replicate:  # temporal: a (KT, 1) conv over [B, C, F, H*W]
         w2 = b.derived(w, [step("reshape", shape=[oc, ic, kt, 1])], [oc, ic, kt, 1], f"{w.name}_2d")
         conv = b.op("Conv", [_shape(b, x, [n, c, frames, h * wd]), w2, *([bias] if bias is not None else [])],
                     {"kernel_shape": [kt, 1], "pads": [pads[0], 0, pads[3], 0], "strides": [strides[0], 1],
