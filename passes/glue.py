@@ -126,6 +126,7 @@ class _Glue:
         if a is None or c is None:
             return None
         if node.op_type == "Mul" and any(sig is not None and (sig.inputs[0] is x or _one_view(sig.inputs[0], x))
+                                         and len(sig.outputs[0].uses()) == 1 and not sig.outputs[0].is_graph_output()
                                          for x, sig in ((a, producer(c, "Sigmoid")), (c, producer(a, "Sigmoid")))):
             return None  # x * sigmoid(x): the SiLU's, once its x touches the NPU (a later round)
         op = "add" if node.op_type in ("Add", "Sub") else "mul"
