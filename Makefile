@@ -1,7 +1,7 @@
 # sdnpu: every target sets up ./.venv itself (pinned packages, torch 2.13.0 CPU) before doing its job.
 #   make convert MODEL=unet [SOURCE=sdxl-base|sdxl-turbo|tiny-sdxl|folder|file.safetensors] [OUT=dir] [RES=WxH|px[,...]|sdxl-buckets] [ADD=1]
 #                [BATCH=B[,...]] [EXPORTER=dynamo|torchscript] [PRECISION=bf16|bfp16|fp16] [TARGET=amd-xdna2|qnn-htp]
-#                [HTP_ARCH=v69|v73|v75|v79|v81] [LORA="FILE[:SCALE] ..."]
+#                [HTP_ARCH=v69|v73|v75|v79|v81] [HTP_OPT=1|2|3] [LORA="FILE[:SCALE] ..."]
 #   make lora MODELS=models/sdxl-base LORA="FILE[:SCALE] ..." | make lora-remove MODELS=...
 #   make generate PROMPT="a cat" [MODELS=models/sdxl-base] [STEPS=30] [GUIDANCE=5] [IMAGES=N] [IMAGE=image.png]
 #                 [INIT=in.png [MASK=mask.png] [STRENGTH=s]]
@@ -22,6 +22,7 @@ EXPORTER ?=
 PRECISION ?=
 TARGET   ?=
 HTP_ARCH ?=
+HTP_OPT  ?=
 LORA     ?=
 FULL     ?=
 N        ?= 10000
@@ -62,7 +63,7 @@ $(STAMP): requirements.lock pyproject.toml
 convert: $(STAMP)
 	$(BIN)/sdnpu convert --model $(MODEL) --source $(SOURCE) \
 		$(if $(OUT),--out $(OUT)) $(if $(RES),--res $(RES)) $(if $(ADD),--add) $(if $(BATCH),--batch $(BATCH)) $(if $(EXPORTER),--exporter $(EXPORTER)) \
-		$(if $(PRECISION),--precision $(PRECISION)) $(if $(TARGET),--target $(TARGET)) $(if $(HTP_ARCH),--htp-arch $(HTP_ARCH)) \
+		$(if $(PRECISION),--precision $(PRECISION)) $(if $(TARGET),--target $(TARGET)) $(if $(HTP_ARCH),--htp-arch $(HTP_ARCH)) $(if $(HTP_OPT),--htp-optimization $(HTP_OPT)) \
 		$(foreach l,$(LORA),--lora $(l))
 
 lora: $(STAMP)

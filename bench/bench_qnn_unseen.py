@@ -278,6 +278,16 @@ def llama():
     return (m, lambda m, i: m(input_ids=i).last_hidden_state, (ids,), ("input_ids",))
 
 
+@entry("qwen3-text", "Qwen3 decoder as a text encoder (Z-Image's: GQA, RoPE, RMS q/k norm per head, SwiGLU, causal)")
+def qwen3():
+    m = _tf("Qwen3Model", vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+            num_attention_heads=4, num_key_value_heads=2, head_dim=16, max_position_embeddings=256,
+            attn_implementation="eager")
+    ids = torch.randint(0, 512, (1, 32), generator=torch.Generator().manual_seed(4))
+    return (m, lambda m, i, a: m(input_ids=i, attention_mask=a).last_hidden_state, (ids, torch.ones(1, 32, dtype=torch.long)),
+            ("input_ids", "attention_mask"))
+
+
 @entry("umt5", "UMT5 encoder (Wan's text encoder: per-layer relative-position bias, gated GELU, RMSNorm)")
 def umt5():
     m = _tf("UMT5EncoderModel", vocab_size=512, d_model=64, d_kv=16, d_ff=128, num_layers=2, num_heads=4,

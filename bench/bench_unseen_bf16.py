@@ -1,16 +1,21 @@
-"""A compiled unseen entry's bf16 error against PyTorch's own bf16 run of the same module, on the entry's inputs
-(seed 0) or inputs drawn from other seeds: max abs error and 1 - cosine against the fp32 module, each ours over
-PyTorch's (the target: at most 1.2x).
+"""A compiled unseen entry (``bench/bench_qnn_unseen.py --target=amd-xdna2``) against PyTorch's own bf16 run: the
+dispatch model's error against PyTorch fp32 over PyTorch bf16's, in max abs and in 1 - cosine (the target: at
+most 1.2x), on the entry's example inputs.
 
-    python bench/bench_unseen_bf16.py NAME DISPATCH.onnx [SEED ...]
+    python bench/bench_unseen_bf16.py NAME OUT/NAME DD [DD ...]
+    python bench/bench_unseen_bf16.py --draws=0,2,3 NAME OUT/NAME DD [DD ...]   # also other inputs: draw d > 0
+                                                      # redraws the float inputs of rank >= 3 from seed d
 
-NAME is an entry of bench/bench_qnn_unseen.py (built, seeded and perturbed as there); DISPATCH.onnx the dispatch
-model ``sdnpu compile`` wrote for its export (out/NAME/amd-xdna2/replaced.onnx); it runs on onnxruntime's CPU
-through its reference bodies.
+OUT/NAME is the entry's folder (its ``test_data_set_0``: the graph's inputs as the bench wrote them); each DD a
+compiled folder of its ``model.onnx`` (``replaced.onnx`` inside). The module is built as the bench builds it
+(``torch.manual_seed(0)``, the entry's config, the zoo's ``seeded``), so PyTorch's runs are of the exported
+module. One JSON line per DD.
 """
 
 from __future__ import annotations
 
+import copy
+import json
 import os
 import sys
 from pathlib import Path
@@ -18,48 +23,61 @@ from pathlib import Path
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 import numpy as np
-import onnxruntime as ort
+import onnx
 import torch
+from onnx import numpy_helper
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-import bench_qnn_unseen as unseen  # noqa: E402
+from bench_qnn_unseen import REGISTRY, Wrapper  # noqa: E402 -- the entries, built as the bench builds them
 from tests.zoo import seeded  # noqa: E402
 
-
-def errors(got: np.ndarray, ref: np.ndarray) -> tuple[float, float]:
-    a, r = got.astype(np.float64).ravel(), ref.astype(np.float64).ravel()
-    return float(np.abs(a - r).max()), 1.0 - float(a @ r / np.linalg.norm(a) / np.linalg.norm(r))
+from sdnpu.onnxrun import run_onnx  # noqa: E402
 
 
-def compare(name: str, path: str, seed: int) -> str:
-    torch.manual_seed(0)
-    module, call, inputs, names = unseen.REGISTRY[name][1]()
-    seeded(module)
-    if seed:  # other inputs of the same shapes (the sample, latents; a timestep or ids stay as they are)
-        g = torch.Generator().manual_seed(seed)
-        inputs = tuple(torch.randn(x.shape, generator=g) if x.is_floating_point() and x.dim() >= 3 else x
-                       for x in inputs)
-    with torch.no_grad():
-        ref = unseen.Wrapper(module, call).eval()(*inputs).float().numpy()
-        low = [x.to(torch.bfloat16) if x.is_floating_point() else x for x in inputs]
-        theirs = unseen.Wrapper(module.to(torch.bfloat16), call).eval()(*low).float().numpy()
-    opts = ort.SessionOptions()
-    opts.log_severity_level = 3
-    session = ort.InferenceSession(path, opts, providers=["CPUExecutionProvider"])
-    by_name = dict(zip(names, inputs, strict=True))
-    ours = session.run(None, {i.name: by_name[i.name].numpy() for i in session.get_inputs()})[0]
-    (oa, oc), (ta, tc) = errors(ours, ref), errors(theirs, ref)
-    return (f"{name} seed {seed}: ours max abs {oa:.4g}, 1-cos {oc:.3g}; PyTorch bf16 max abs {ta:.4g}, 1-cos "
-            f"{tc:.3g}; ratio {oa / ta:.2f}x, {oc / tc:.2f}x")
+def errors(got: np.ndarray, want: np.ndarray) -> tuple[float, float]:
+    a, b = got.astype(np.float64).ravel(), want.astype(np.float64).ravel()
+    cos = float(a @ b / (np.linalg.norm(a) * np.linalg.norm(b)))
+    return float(np.abs(a - b).max()), 1.0 - cos
 
 
 def main(argv: list[str]) -> int:
-    if len(argv) < 2:
-        print(__doc__, file=sys.stderr)
-        return 2
-    for seed in [int(s) for s in argv[2:]] or [0]:
-        print(compare(argv[0], argv[1], seed), flush=True)
+    draws = [0]
+    if argv and argv[0].startswith("--draws="):
+        draws = [int(d) for d in argv[0].partition("=")[2].split(",")]
+        argv = argv[1:]
+    name, folder, dds = argv[0], Path(argv[1]), [Path(d) for d in argv[2:]]
+    data = folder / "test_data_set_0"
+    model = onnx.load(str(folder / "model.onnx"), load_external_data=False)
+    inits = {i.name for i in model.graph.initializer}
+    names = [vi.name for vi in model.graph.input if vi.name not in inits]
+    _, build = REGISTRY[name]
+    torch.manual_seed(0)
+    m, call, inputs, input_names = build()
+    seeded(m)
+    wrapper = Wrapper(m, call).eval()
+    for draw in draws:
+        if draw:  # other inputs of the same shapes (the sample, latents; a timestep or ids stay as they are)
+            g = torch.Generator().manual_seed(draw)
+            drawn = tuple(torch.randn(x.shape, generator=g) if x.is_floating_point() and x.dim() >= 3 else x
+                          for x in inputs)
+            by_name = dict(zip(input_names, drawn, strict=True))
+            feeds = {n: by_name[n].numpy() for n in names}
+        else:
+            drawn = inputs
+            feeds = {n: numpy_helper.to_array(onnx.load_tensor(str(data / f"input_{i}.pb")))
+                     for i, n in enumerate(names)}
+        with torch.no_grad():
+            ref = wrapper(*drawn).float().numpy().copy()
+            low = copy.deepcopy(wrapper).to(torch.bfloat16)(*[a.to(torch.bfloat16) if a.is_floating_point() else a
+                                                              for a in drawn]).float().numpy()
+        m_pt, c_pt = errors(low, ref)
+        for dd in dds:
+            got = next(iter(run_onnx(dd / "replaced.onnx", feeds).values()))
+            m_ours, c_ours = errors(got, ref)
+            print(json.dumps({"name": name, "dd": str(dd), "draw": draw, "ours_max_abs": m_ours,
+                              "torch_bf16_max_abs": m_pt, "ratio_max_abs": m_ours / m_pt, "ours_1mcos": c_ours,
+                              "torch_bf16_1mcos": c_pt, "ratio_1mcos": c_ours / c_pt}), flush=True)
     return 0
 
 

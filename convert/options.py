@@ -52,8 +52,8 @@ class ConvertOptions:
     run the exported graph against PyTorch and the dispatch model against the graph; ``compile``: write
     ``<component>/dd/``; ``outputs``: "pipeline" (the dispatch models keep what a diffusers pipeline reads)
     or "all"; ``target``: the NPU whose op contract the dispatch models are written in; ``precision``: bf16
-    or bfp16 (amd-xdna2), fp16 (qnn-htp; "" the target's first); ``htp_arch``: qnn-htp's HTP generation; ``context_gb``: its
-    weights per QNN context;
+    or bfp16 (amd-xdna2), fp16 (qnn-htp; "" the target's first); ``htp_arch``: qnn-htp's HTP generation; ``htp_optimization``: QNN's
+    graph finalization mode; ``context_gb``: its weights per QNN context;
     ``loras``: LoRAs fused into the UNet and text encoders before export; ``batch``: the
     denoiser's batches (an int, "1,2" or a sequence; the first the primary's; None: the source's default,
     ``sdnpu.formats.generation``: 2 where its pipeline uses guidance, 1 where it is guidance-free)."""
@@ -67,6 +67,7 @@ class ConvertOptions:
     target: str = DEFAULT_TARGET
     precision: str = ""  # "": the target's first (bf16 for amd-xdna2, fp16 for qnn-htp)
     htp_arch: int | str | None = None  # qnn-htp: the HTP generation (None: v73)
+    htp_optimization: int | str | None = None  # qnn-htp: QNN's graph finalization mode (None: QNN's default)
     context_gb: float | None = None  # qnn-htp: fp16 weights per QNN context (None: the target's, 2 GB)
     loras: tuple[LoraSpec, ...] = ()  # diffusers' fuse_lora, before export
     add: bool = False
@@ -100,7 +101,8 @@ class ConvertOptions:
 
     @property
     def compile_options(self) -> CompileOptions:
-        return CompileOptions.named(self.target, self.precision, self.htp_arch, self.context_gb)
+        return CompileOptions.named(self.target, self.precision, self.htp_arch, self.context_gb,
+                                    self.htp_optimization)
 
     @property
     def export_with(self) -> Exporter:

@@ -57,7 +57,7 @@ def compile_standard(source: Path, out_dir: Path, info: dict[str, Any], options:
     shapes = options.input_shapes
     backend = backend_of(target)
     assert backend is not None, f"target {target.name} names no backend"
-    arch = backend.parse_arch(options.htp_arch)
+    arch = backend.parse_arch(options.htp_arch, options.htp_optimization)
     feeds, reference, room, skipped = None, None, None, None
     if check is not None:  # the fp32 run first: its magnitudes say which values need a guard against fp16
         try:
@@ -99,7 +99,7 @@ def compile_standard(source: Path, out_dir: Path, info: dict[str, Any], options:
     gb = options.unit_gb or getattr(target, "unit_gb", None)
     compiled = _compile(out, out_dir, name, backend, arch, gb, keep)
     qnn = {**compiled.to_json(), "arch": f"v{arch.arch}", "soc_model": arch.soc_model, "chips": arch.chips,
-           "context_gb": gb,
+           "optimization": arch.optimization, "context_gb": gb,
            "versions": backend.versions(), "emulated": bool(emulated)}
     if not compiled.whole:
         log.warning("[%s] QNN refused %d of %d nodes (the report names them); they run on the CPU", name,
@@ -188,7 +188,9 @@ def compile_pieces(model: Path, out_dir: Path, name: str, backend: Any, arch: An
     structure = onnx.load(str(model), load_external_data=False)
     def key() -> str:  # what a kept unit depends on: read only where there are units to keep or to compare
         with step(log, f"[{name}] fingerprinting {model.name} (a compile in pieces goes on where it stopped)"):
-            return fingerprint(model, arch=arch.arch, soc_model=arch.soc_model, unit_gb=gb, vendor=backend.versions())
+            mode = {} if arch.optimization is None else {"optimization": arch.optimization}  # QNN's default: none
+            return fingerprint(model, arch=arch.arch, soc_model=arch.soc_model, unit_gb=gb, vendor=backend.versions(),
+                               **mode)
 
     kept = Kept.open(keep, key, name)
     if len(kept.plan) > 1:  # an earlier run's pieces, as it had cut them
@@ -271,7 +273,8 @@ def _halve(structure: Any, piece: split.Piece, cause: SdnpuError, memory: str) -
 
 def compile_unit(backend: Any, model: Path, out_dir: Path, arch: Any, stem: str, what: str) -> Any:
     """The vendor's compile of ``model`` into ``out_dir/<stem>.onnx`` and its binary, in a worker process."""
-    with step(log, f"[{what}] QNN's compiler: HTP v{arch.arch} (soc_model {arch.soc_model}), CPU fallback off"):
+    mode = "" if arch.optimization is None else f", optimization mode {arch.optimization}"
+    with step(log, f"[{what}] QNN's compiler: HTP v{arch.arch} (soc_model {arch.soc_model}{mode}), CPU fallback off"):
         # in a process of its own: QNN's compiler takes gigabytes it keeps (8.9 GB peak on sd-turbo's UNet), and a
         # graph it cannot handle may crash it (ONNX's STFT node test: SIGSEGV), which must not take sdnpu along
         try:

@@ -502,6 +502,8 @@ _CPU_REASONS = {
     "Transpose": "Transpose: not in the amd-xdna2 registry (a real data movement, not a view)",
     "Reshape": "Reshape: read by the CPU, so no dispatch op absorbs it as a view",
     "Expand": "Expand: not in the amd-xdna2 registry",
+    "Clip": ("Clip: not in the amd-xdna2 registry (no clamp, ReLU or ReLU6 kernel: a VAE's output clamp to [-1, 1] "
+             "stays on the CPU)"),
     "Softmax": "Softmax: not in the amd-xdna2 registry outside SDMHA",
     "Sigmoid": "Sigmoid: not in the amd-xdna2 registry outside SiLU",
     "Slice": "Slice: SDSlice has no start/end attributes (DD keys it on shapes only)",

@@ -23,7 +23,7 @@ Sources (facts only; the code is ours):
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from sdnpu.errors import SdnpuError
 from sdnpu.ops.target import NodeInfo, NodeLimit, OpSupport, StandardTarget, register
@@ -41,11 +41,13 @@ SOURCES = {
 @dataclass(frozen=True)
 class Arch:
     """One HTP generation: the ``htp_arch`` and ``soc_model`` provider options that select it (the emulator needs
-    both), and the chips that carry it."""
+    both), and the chips that carry it; with how hard QNN's compiler optimizes the graphs it builds for it
+    (``optimization``: QNN's graph finalization mode, see ``OPTIMIZATIONS``; None: QNN's own default)."""
 
     arch: int
     soc_model: int
     chips: str
+    optimization: int | None = None
 
 
 # htp_arch -> soc_model: the pairs that compile and run in the emulator here (FACTS.md, 2026-12-05); v68 fails
@@ -59,17 +61,33 @@ ARCHS = {
 }
 DEFAULT_ARCH = 73
 
+# QNN's graph finalization modes (the EP's ``htp_graph_finalization_optimization_mode``; QNN's HTP docs): the
+# compile's time against the graph it builds. Measured here (bench/results.md, "QNN's optimization modes"): one
+# attention [2, 6, 4096, 64] compiled in 5-10 s in mode 1, 44-54 s by QNN's default, 74-78 s in mode 3; but SD 3.5's
+# block 13, which QNN's default compiles, ran out of the HTP's memory in mode 1. So the default stays QNN's own.
+OPTIMIZATIONS = {1: "fastest compile, a less optimized graph", 2: "a longer compile, a more optimized graph",
+                 3: "the longest compile, the most optimized graph (most likely)"}
 
-def arch(value: int | str | None) -> Arch:
-    """``--htp-arch``: 73, "v73" or None (the default, Snapdragon X Elite)."""
+
+def arch(value: int | str | None, optimization: int | str | None = None) -> Arch:
+    """``--htp-arch``: 73, "v73" or None (the default, Snapdragon X Elite); ``--htp-optimization``: 1, 2, 3 or None
+    (QNN's own default)."""
     if value is None:
-        return ARCHS[DEFAULT_ARCH]
-    text = str(value).lower().removeprefix("v")
-    if not text.isdigit() or int(text) not in ARCHS:
-        raise SdnpuError(f"unknown HTP architecture {value!r}",
-                         hint=f"choose one of {', '.join(f'v{a}' for a in ARCHS)} (default v{DEFAULT_ARCH}: "
-                         f"{ARCHS[DEFAULT_ARCH].chips})")
-    return ARCHS[int(text)]
+        chosen = ARCHS[DEFAULT_ARCH]
+    else:
+        text = str(value).lower().removeprefix("v")
+        if not text.isdigit() or int(text) not in ARCHS:
+            raise SdnpuError(f"unknown HTP architecture {value!r}",
+                             hint=f"choose one of {', '.join(f'v{a}' for a in ARCHS)} (default v{DEFAULT_ARCH}: "
+                             f"{ARCHS[DEFAULT_ARCH].chips})")
+        chosen = ARCHS[int(text)]
+    if optimization is None:
+        return chosen
+    if str(optimization).strip() not in {str(k) for k in OPTIMIZATIONS}:
+        raise SdnpuError(f"unknown QNN optimization mode {optimization!r}",
+                         hint="choose " + "; ".join(f"{k}: {v}" for k, v in OPTIMIZATIONS.items()) +
+                         " (or leave it out: QNN's own default)")
+    return replace(chosen, optimization=int(str(optimization).strip()))
 
 
 # --- limits: each returns why QNN's op builder refuses the node, or None --------------------------------------

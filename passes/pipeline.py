@@ -65,7 +65,8 @@ from sdnpu.errors import SdnpuError
 from sdnpu.formats.keys import TARGET_KEY
 from sdnpu.ops import qnn_htp
 from sdnpu.ops.target import DEFAULT_TARGET, DispatchTarget, Target, get_target
-from sdnpu.passes.canonical import activations, constants, convs, loops, movement, noops, rotary, sinusoids, tables
+from sdnpu.passes.canonical import (activations, constants, convs, heads, loops, movement, noops, rotary,
+                                     sinusoids, tables)
 from sdnpu.passes.canonical.driver import sweep
 from sdnpu.passes.cleanup import clean_up
 from sdnpu.passes.cuts import gather_cuts
@@ -107,6 +108,7 @@ class CompileOptions:
     prologue: frozenset[str] = frozenset()
     shapes: Shapes = ()
     htp_arch: int | None = None  # qnn-htp: the HTP generation (69, 73, 75, 79, 81; None: 73, Snapdragon X Elite)
+    htp_optimization: int | None = None  # qnn-htp: QNN's graph finalization mode (1, 2, 3; None: QNN's default)
     fp16_risks: tuple[tuple[str, float], ...] = ()  # values near fp16's limit in the fp32 run: (name, max |x|)
     unit_gb: float | None = None  # a standard target's weights per compiled unit (GB); None: the target's own
 
@@ -120,6 +122,10 @@ class CompileOptions:
             if self.target.name != qnn_htp.NAME:
                 raise SdnpuError(f"--htp-arch is for --target {qnn_htp.NAME}, not {self.target.name}")
             object.__setattr__(self, "htp_arch", qnn_htp.arch(self.htp_arch).arch)
+        if self.htp_optimization is not None:
+            if self.target.name != qnn_htp.NAME:
+                raise SdnpuError(f"--htp-optimization is for --target {qnn_htp.NAME}, not {self.target.name}")
+            object.__setattr__(self, "htp_optimization", qnn_htp.arch(None, self.htp_optimization).optimization)
         if self.unit_gb is not None:
             if getattr(self.target, "unit_gb", None) is None:
                 raise SdnpuError(f"--context-gb is for --target {qnn_htp.NAME}, not {self.target.name}")
@@ -131,9 +137,9 @@ class CompileOptions:
 
     @classmethod
     def named(cls, target: str = DEFAULT_TARGET, precision: str | None = None, htp_arch: int | str | None = None,
-              unit_gb: float | None = None) -> CompileOptions:
+              unit_gb: float | None = None, htp_optimization: int | str | None = None) -> CompileOptions:
         return cls(get_target(target), precision or "", htp_arch=htp_arch,  # type: ignore[arg-type]
-                   unit_gb=unit_gb)
+                   unit_gb=unit_gb, htp_optimization=htp_optimization)  # type: ignore[arg-type]
 
     @property
     def input_shapes(self) -> dict[str, list[int]]:
@@ -178,6 +184,7 @@ CANONICAL = Group("canonical", [
     ("neutral", noops.drop_neutral),
     ("casts", noops.drop_noop_casts),
     ("expands", noops.drop_noop_expands),
+    ("broadcast_expands", noops.drop_broadcast_expands),
     ("moves", noops.drop_noop_moves),  # where_rows leaves it the masks that pick one side everywhere
     ("softmax_guards", noops.drop_softmax_guards),
     ("tiles", movement.concat_tiles),
@@ -202,6 +209,9 @@ CANONICAL = Group("canonical", [
     ("sweep", sweep),
     TABLES,  # the CPU work on the inputs alone, in as few nodes as it takes
     ("rotary", rotary.write_rotations_as_matmuls),  # after tables: the edge region it leaves alone is the tables' form
+    ("heads", heads.sink_head_transposes),  # after rotary, whose MatMul it moves the head Transpose past
+    ("head_repeats", movement.concat_head_repeats),  # after heads, which brings the repeat to [B, S, Hkv, 1, D]
+    ("sweep", sweep),
     Group("crop_rounds", [  # again until a round crops nothing: a crop can make another node's input constant
         ("crop", constants.crop_constants),
         ("sweep", sweep),

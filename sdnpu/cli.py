@@ -51,6 +51,7 @@ def _cmd_convert(args: argparse.Namespace) -> int:
     options = ConvertOptions(res=args.res, exporter=args.exporter, opset=args.opset, check=not args.no_check,
                              compile=not args.no_compile, outputs=args.outputs, target=args.target,
                              precision=args.precision or "", htp_arch=args.htp_arch, context_gb=args.context_gb,
+                             htp_optimization=args.htp_optimization,
                              loras=tuple(args.lora or ()),
                              add=args.add,
                              blockwise=args.blockwise, batch=args.batch)
@@ -97,8 +98,8 @@ def _cmd_compile(args: argparse.Namespace) -> int:
             shapes[name] = [int(d) for d in dims.split(",") if d] if dims else []
         except ValueError as e:
             raise SdnpuError(f"cannot read --shape {item!r}", hint="write NAME=D,D,... e.g. sample=2,4,128,128") from e
-    options = dataclasses.replace(CompileOptions.named(args.target, args.precision, args.htp_arch,
-                                                                 args.context_gb), shapes=shapes)
+    options = dataclasses.replace(CompileOptions.named(args.target, args.precision, args.htp_arch, args.context_gb,
+                                                       args.htp_optimization), shapes=shapes)
     report = compile_file(Path(args.model), Path(args.out) if args.out else None, options, verify=not args.no_verify,
                           res=args.res, outputs=args.outputs)
     print(render_text(report), end="")
@@ -350,6 +351,10 @@ def _target_arguments(parser: argparse.ArgumentParser, what: str) -> None:
     parser.add_argument("--htp-arch", default=None, metavar="V",
                         help="qnn-htp: the HTP generation, v69, v73 (default: Snapdragon X Elite / X Plus), v75, v79 "
                         "or v81 (Snapdragon X2 Elite)")
+    parser.add_argument("--htp-optimization", default=None, metavar="N", choices=("1", "2", "3"),
+                        help="qnn-htp: how hard QNN's compiler optimizes the graph (its finalization mode): 1 "
+                        "compiles faster into a less optimized graph (which may need more of the HTP's memory), 2 "
+                        "more, 3 the most; default: QNN's own")
     parser.add_argument("--context-gb", type=float, default=None, metavar="GB",
                         help="qnn-htp: the most fp16 weight one QNN context holds (default 2.0: a context lives in "
                         "the HTP's 32-bit address space); a larger graph is cut into several contexts, chained in "

@@ -1522,6 +1522,65 @@ def step_grouped_attention(g: G, x: str) -> str:
     return _project(g, y, c, keep_rank=True)
 
 
+def step_decoder_attention(g: G, x: str) -> str:
+    """A decoder-only text encoder's attention as transformers writes Llama's, Qwen2's and Qwen3's: q, k, v split
+    into heads and transposed to [B, H, S, D] first, the rotary on q and k there (cos / sin [1, 1, S, D] or
+    [S, D], rotate_half or pairs), k's and v's H / r heads repeated r times (Reshape, Expand, Reshape:
+    ``repeat_kv``), the scores scaled, a causal mask (constant, or computed from an input keep-mask [B, S] and
+    expanded to [B, 1, S, S] before the Add), Softmax, the product with v, the heads merged. Near misses: q's
+    heads also read by another op (its Transpose stays for it), the repeat's reader not merging the heads."""
+    b, s_, c = g.shape[x]
+    hkv, r, d = g.pick([1, 2]), g.pick([1, 2, 3]), 2 * g.num(1, 3)
+    heads = hkv * r
+    mask, miss = g.pick(["causal", "computed"]), g.pick(["none", "none", "none", "q_escapes"])
+    spelling, rank2 = g.pick(["half", "pairs"]), g.flag()
+    q, k, v = (_project(g, x, n * d) for n in (heads, hkv, hkv))
+
+    def split(t: str, n: int) -> str:
+        r4 = g.op("Reshape", [t, g.ints([b, s_, n, d])], (b, s_, n, d))
+        return g.op("Transpose", [r4], (b, n, s_, d), perm=[0, 2, 1, 3])
+
+    ang = g.rng.uniform(-3, 3, (s_, d) if rank2 else (1, 1, s_, d))
+    cos, sin = g.fconst(np.cos(ang), "cos"), g.fconst(np.sin(ang), "sin")
+
+    def roped(t: str) -> str:
+        return g.bin("Add", g.bin("Mul", t, cos), g.bin("Mul", rotate(g, t, spelling), sin))
+
+    def repeated(t: str) -> str:
+        if r == 1:
+            return t
+        u = g.op("Reshape", [t, g.ints([b, hkv, 1, s_, d])], (b, hkv, 1, s_, d))
+        e = g.op("Expand", [u, g.ints([b, hkv, r, s_, d])], (b, hkv, r, s_, d))
+        return g.op("Reshape", [e, g.ints([b, heads, s_, d])], (b, heads, s_, d))
+
+    qh = split(q, heads)
+    if miss == "q_escapes":
+        g.output(g.op("Sigmoid", [qh], g.shape[qh]))
+    qr = roped(qh)
+    kh = repeated(roped(split(k, hkv)))
+    vh = repeated(split(v, hkv))
+    kt = g.op("Transpose", [kh], (b, heads, d, s_), perm=[0, 1, 3, 2])
+    scores = g.bin("Mul", g.op("MatMul", [qr, kt], (b, heads, s_, s_)), g.scalar(d ** -0.5, "scale"))
+    causal = np.where(np.triu(np.ones((s_, s_), bool), 1), float(np.finfo(g.np_dtype).min), 0.0)
+    if mask == "causal":
+        bias = g.fconst(causal.reshape(1, 1, s_, s_), "mask")
+    else:  # transformers' sdpa / eager mask: causal and padding merged from a keep-mask input, then expanded
+        keep = _boolean(g, g.op("Greater", [g.input((b, s_), "keep"), g.scalar(-0.5)], (b, s_)))
+        keep = _boolean(g, g.op("Reshape", [keep, g.ints([b, 1, 1, s_])], (b, 1, 1, s_)))
+        below = g.tensor(np.tril(np.ones((1, 1, s_, s_), bool)), "below")
+        g.types[below] = onnx.TensorProto.BOOL
+        both = _boolean(g, g.op("And", [keep, below], (b, 1, s_, s_)))
+        wide = _boolean(g, g.op("Expand", [both, g.ints([b, 1, s_, s_])], (b, 1, s_, s_)))
+        bias = g.op("Where", [wide, g.scalar(0.0), g.scalar(float(np.finfo(g.np_dtype).min))], (b, 1, s_, s_))
+    scores = g.bin("Add", scores, bias)
+    probs = g.op("Softmax", [scores], (b, heads, s_, s_), axis=-1)
+    o = g.op("Transpose", [g.op("MatMul", [probs, vh], (b, heads, s_, d))], (b, s_, heads, d), perm=[0, 2, 1, 3])
+    y = g.op("Reshape", [o, g.ints([b, s_, heads * d])], (b, s_, heads * d))
+    g.desc.append(f"DecoderAttention(heads={heads}, kv={hkv}, d={d}, mask={mask}, {spelling}, tables rank "
+                  f"{2 if rank2 else 4}, {miss})")
+    return _project(g, y, c, keep_rank=True)
+
+
 def step_unrolled_loops(g: G, x: str) -> str:
     """A module's per-item loops as an exporter unrolls them (Lumina 2's): a sequence assembled by ScatterND
     row blocks into zeros, item by item (Gather, Slice, Reshape, ScatterND), and an unpatchify run per item
@@ -2585,6 +2644,7 @@ STEPS: dict[str, Step] = {
     "size_conditions": Step(step_size_conditions, (3,)),
     "einsum": Step(step_einsum, (3,)),
     "grouped_attention": Step(step_grouped_attention, (3,)),
+    "decoder_attention": Step(step_decoder_attention, (3,)),
     "unrolled_loops": Step(step_unrolled_loops, (3,)),
 }
 
@@ -2641,7 +2701,7 @@ FAMILIES: dict[str, list[str]] = {
               "unet_skip_block"],
     "mmdit": ["rms_norm", "joint_attention", "adaln_chunks"],
     "generality": ["rotary", "modulation", "streams", "einsum", "table_rows", "gates", "pad_tokens",
-                   "size_conditions", "grouped_attention", "unrolled_loops"],
+                   "size_conditions", "grouped_attention", "decoder_attention", "unrolled_loops"],
     "near_miss": list(NEAR_MISSES),
     "mutation": [f"mut_{name}" for name in MUTATIONS],
 }

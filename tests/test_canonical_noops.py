@@ -96,11 +96,37 @@ def test_an_expand_to_the_shape_it_has_goes_and_a_broadcast_stays():
     assert counts["expands and reshapes to the same shape dropped"] == 1 and dict(ops(irm)) == {"Expand": 1}
 
 
+R_MASK = np.tril(np.ones((3, 3), bool))  # a causal condition, [S, S]
+
+
+@pytest.mark.parametrize("reader", ["Add", "Mul", "Where"])
+def test_an_expand_into_a_broadcasting_reader_goes(reader):
+    """A mask [B, 1, 1, S] expanded to [B, 1, S, S] before an Add / Mul / Where that broadcasts it against
+    [B, H, S, S] anyway: the reader reads the mask itself, bit for bit."""
+    ins = ["e", "s"] if reader != "Where" else ["c", "e", "s"]
+    m = model([n("Expand", ["m", "wide"], ["e"]), n(reader, ins, ["y"])],
+              {"m": [2, 1, 1, 3], "s": [2, 4, 3, 3]}, {"y": [2, 4, 3, 3]},
+              {"wide": np.array([2, 1, 3, 3]), "c": R_MASK})
+    irm, counts = rewritten(m, noops.drop_broadcast_expands)
+    assert counts["expands into broadcasting readers dropped"] == 1 and ops(irm)["Expand"] == 0
+
+
+def test_an_expand_that_gives_its_reader_its_shape_stays():
+    """The Expand makes the Add's output wider than its other operand would: it stays; so does one that a
+    Reshape (no broadcast) reads."""
+    m = model([n("Expand", ["m", "wide"], ["e"]), n("Add", ["e", "s"], ["y"]),
+               n("Expand", ["m", "wide"], ["e2"]), n("Reshape", ["e2", "flat"], ["z"])],
+              {"m": [2, 1, 1, 3], "s": [2, 1, 1, 3]}, {"y": [2, 1, 3, 3], "z": [18]},
+              {"wide": np.array([2, 1, 3, 3]), "flat": np.array([18])})
+    irm, counts = rewritten(m, noops.drop_broadcast_expands)
+    assert counts["expands into broadcasting readers dropped"] == 0 and ops(irm)["Expand"] == 2
+
+
 @pytest.mark.parametrize("case", ["repeat", "grows"])
 def test_an_expand_and_a_reshape_chain_to_the_shape_they_have_go(case):
     """TorchScript's attention repeats k and v for grouped-query attention: unsqueeze, expand, reshape back;
     at one group per head the three move nothing and go. Near miss: an Expand that broadcasts (two groups)
-    keeps the chain."""
+    stays a repeat: the Concat of two copies (``movement.concat_head_repeats``), between its views."""
     groups = 2 if case == "grows" else 1
     nodes = [n("Reshape", ["x", "u"], ["x5"]), n("Expand", ["x5", "t"], ["e"]), n("Reshape", ["e", "s"], ["r"]),
              n("Mul", ["r", "k"], ["y"])]
@@ -110,7 +136,7 @@ def test_an_expand_and_a_reshape_chain_to_the_shape_they_have_go(case):
     m = model(nodes, {"x": [2, 4, 3]}, {"y": out}, inits)
     irm = to_ir(m)
     canonicalize(irm)
-    expected = {"repeat": {"Mul": 1}, "grows": {"Reshape": 2, "Expand": 1, "Mul": 1}}
+    expected = {"repeat": {"Mul": 1}, "grows": {"Reshape": 4, "Concat": 1, "Mul": 1}}
     assert dict(ops(irm)) == expected[case]
     feeds = feeds_for(m)
     np.testing.assert_array_equal(run(to_proto(irm), feeds)[0], run(m, feeds)[0])

@@ -26,7 +26,8 @@ ROOT = Path(__file__).resolve().parent.parent
 PAGES = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md")), ROOT / "bench" / "README.md"]
 FENCE = re.compile(r"^```[^\n]*\n(.*?)^```", re.M | re.S)
 # make variables whose values the CLI checks: the flag each becomes
-MAKE_FLAGS = {"PRECISION": "--precision", "TARGET": "--target", "EXPORTER": "--exporter", "HTP_ARCH": "--htp-arch"}
+MAKE_FLAGS = {"PRECISION": "--precision", "TARGET": "--target", "EXPORTER": "--exporter", "HTP_ARCH": "--htp-arch",
+              "HTP_OPT": "--htp-optimization"}
 
 
 @dataclass(frozen=True)

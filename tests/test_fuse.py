@@ -68,6 +68,14 @@ def attention(variant: str, s: int = 5, mask: str | None = None, scale: float | 
     if mask == "causal":  # CLIP's text encoders
         inits["mask"] = np.triu(np.full((s, s), np.finfo(np.float32).min, np.float32), k=1)[None, None]
         nodes += [n("Add", ["sc", "mask"], ["scm"]), n("Softmax", ["scm"], ["p"], axis=-1)]
+    elif mask == "keyrow":  # a padding row over the keys: the last key masked for every query
+        inits["mask"] = np.zeros((1, 1, 1, s), np.float32)
+        inits["mask"][..., -1] = np.finfo(np.float32).min
+        nodes += [n("Add", ["sc", "mask"], ["scm"]), n("Softmax", ["scm"], ["p"], axis=-1)]
+    elif mask == "softcap":  # Gemma 2's attention logit softcapping: cap * tanh(scores / cap)
+        inits["cap"] = np.array(2.0, np.float32)
+        nodes += [n("Div", ["sc", "cap"], ["scd"]), n("Tanh", ["scd"], ["sct"]), n("Mul", ["sct", "cap"], ["scc"]),
+                  n("Softmax", ["scc"], ["p"], axis=-1)]
     else:
         nodes += [n("Softmax", ["sc"], ["p"], axis=-1)]
     nodes += [n("MatMul", ["p", "vh"], ["o"]), n("Transpose", ["o"], ["ot"], perm=[0, 2, 1, 3]),
@@ -249,6 +257,9 @@ def attention_wrong_heads():
      (sub_from_a_constant, "Sub", "Sub with the constant first (k - x)"),
      (lambda: attention("torchscript", mask="causal"), "MultiHeadAttention", "a causal mask varies per query"),
      (lambda: attention("torchscript", scale=0.3), "MultiHeadAttention", "is not 1/sqrt(4): the kernel has no scale"),
+     (lambda: attention("torchscript", mask="softcap"), "Softmax", "the scores are soft-capped"),
+     # on the CPU for its scale, its key row spread over the queries for onnxruntime's attention_bias
+     (lambda: attention("torchscript", mask="keyrow", scale=0.3), "Expand", "the key mask spread over the queries"),
      (lambda: upsample(mode="linear"), "Resize", "only nearest"),
      (lambda: upsample(factor=3), "Resize", "is not a 2x upsampling")],
 )

@@ -96,3 +96,13 @@ def test_cpu_islands_are_classed_by_why_they_are_there():
                "b")
     assert cpu_islands(m.graph, TARGET) == {"CPU islands": 1, "at the edges": 0,
                                             "around ops the registry lacks": 1, "avoidable": 0}
+
+
+def test_a_clamp_left_on_the_cpu_says_the_registry_has_no_clamp():
+    """A Clip (a VAE's output clamp to [-1, 1]: Qwen-Image's, Wan 2.2's) after a dispatch op: the registry has no
+    clamp, ReLU or ReLU6 kernel, and its reason says so."""
+    clip = helper.make_node("Clip", ["a"], ["c"], name="c")
+    m = _graph([npu("a", ["x", "x"]), clip], "c")
+    partition(m, TARGET)
+    reason = next(n for n in m.graph if n.name == "c").metadata_props[REASON_TAG]
+    assert reason.startswith("Clip: not in the amd-xdna2 registry") and "no clamp" in reason, reason

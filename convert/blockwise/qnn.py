@@ -117,7 +117,7 @@ def compile_piece(chain: QnnChain, i: int, n: int, path: Path, inputs: tuple[str
     del model
     release_memory()
     _rename(qnn_path, i, i == n - 1, inputs, outputs, chain)
-    arch = backend.parse_arch(options.htp_arch)
+    arch = backend.parse_arch(options.htp_arch, options.htp_optimization)
     parts, cut, structure = compile_pieces(qnn_path, chain.out_dir, name, backend, arch, None, stem=f"ctx{i + 1}",
                                            piece_stem=f"ctx{i + 1}_")
     chain.parts += parts
@@ -176,8 +176,9 @@ def finish(chain: QnnChain, component: str, source: Path, info: dict[str, Any],
     compiled = backend.chain(chain.parts, joined.graph, chain.out_dir)
     for row, own in zip(compiled.pieces, chain.rows, strict=True):
         row.update(own)
-    arch = backend.parse_arch(chain.options.htp_arch)
+    arch = backend.parse_arch(chain.options.htp_arch, chain.options.htp_optimization)
     qnn = {**compiled.to_json(), "arch": f"v{arch.arch}", "soc_model": arch.soc_model, "chips": arch.chips,
+           "optimization": arch.optimization,
            "context_gb": None, "versions": backend.versions(), "emulated": backend.is_emulated()}
     fid = None
     if chain.values is not None and reference is not None:

@@ -102,7 +102,9 @@ def _fingerprint(job: Job) -> str:
                        "component": job.component, "inputs": [x.to_json() for x in sig.inputs],
                        "outputs": list(sig.outputs),
                        "options": [o.exporter, o.opset, o.check, o.compile, o.outputs, o.target, o.precision,
-                                   o.htp_arch, o.context_gb, repr(o.loras)]}, sort_keys=True)
+                                   o.htp_arch, o.context_gb, repr(o.loras)]
+                                  + ([o.htp_optimization] if o.htp_optimization is not None else [])},
+                      sort_keys=True)
 
 
 def work_dir(stage: Path, component: str) -> Path:

@@ -2,8 +2,8 @@
 
 - Squeeze / Unsqueeze / Flatten with static shapes are a Reshape (the layout pass reasons about Reshape only);
   a Transpose without ``perm`` (it reverses the axes) gets its perm written out;
-- a Tile that repeats one axis of size 1 (grouped-query attention's heads) is a Concat of copies, which the
-  NPU takes;
+- a Tile that repeats one axis of size 1 (grouped-query attention's heads), or an Expand of one into the heads
+  (transformers' ``repeat_kv``), is a Concat of copies, which the NPU takes;
 - a zero Pad in front of a Conv becomes the Conv's pads;
 - an Einsum that moves data or multiplies matrices is a Transpose, or a batched MatMul between Transposes and
   Reshapes;
@@ -66,7 +66,40 @@ def concat_tiles(node: ir.Node) -> bool:
     axes = [i for i, k in enumerate(r.reshape(-1)) if int(k) != 1]
     if len(axes) != 1 or sx[axes[0]] != 1 or not 2 <= int(r.reshape(-1)[axes[0]]) <= 64:
         return False
-    a, times = axes[0], int(r.reshape(-1)[axes[0]])
+    _write_copies(node, x, axes[0], int(r.reshape(-1)[axes[0]]), sy)
+    return True
+
+
+@node_rewrite("head repeats (Expand of a size-1 axis) -> Concat", "Expand")
+def concat_head_repeats(node: ir.Node) -> bool:
+    """Grouped-query attention's head repeat as dynamo and TorchScript write ``repeat_kv`` (transformers' Llama,
+    Qwen2, Qwen3): Reshape [.., Hkv, 1, ..] -> Expand of that axis of 1 to r -> Reshape merging it into the heads,
+    is a Concat of r copies, as ``concat_tiles``: the NPU takes it (SDConcat). Only where the one reader merges
+    the repeated axis into the one before it (the head repeat: each head r times in place); another Expand of a
+    computed value stays, with the registry's reason."""
+    x, shape = node.inputs
+    sx, target, sy = static_shape(x), const(shape), static_shape(node.outputs[0])
+    if x is None or sx is None or target is None or sy is None or const(x) is not None or len(sx) != len(sy) \
+            or target.size != len(sx):
+        return False
+    axes = [i for i, (a, b) in enumerate(zip(sx, sy, strict=True)) if a != b]
+    if len(axes) != 1 or axes[0] == 0 or sx[axes[0]] != 1 or not 2 <= sy[axes[0]] <= 64:
+        return False
+    a = axes[0]
+    uses = list(node.outputs[0].uses())
+    merged = [*sy[:a - 1], sy[a - 1] * sy[a], *sy[a + 1:]]
+    if node.outputs[0].is_graph_output() or len(uses) != 1 or uses[0].node.op_type != "Reshape" \
+            or static_shape(uses[0].node.outputs[0]) != tuple(merged):
+        return False
+    _write_copies(node, x, a, sy[a], sy)
+    return True
+
+
+def _write_copies(node: ir.Node, x: ir.Value, a: int, times: int, sy: tuple[int, ...]) -> None:
+    """``node`` (a Tile or Expand repeating axis ``a`` of size 1 of ``x`` ``times`` times) as the Concat of that
+    many copies of ``x`` viewed without the axis, along the view's last axis: the same memory."""
+    sx = static_shape(x)
+    assert sx is not None
     view = [*sx[:a], int(np.prod(sx[a + 1:], dtype=np.int64))]
     graph = graph_of(node)
     b = Builder(graph, RULE)
@@ -76,7 +109,6 @@ def concat_tiles(node: ir.Node) -> bool:
     out = b.op("Reshape", [cat.outputs[0], b.const(np.asarray(sy, np.int64), "shape")], dtype=x.dtype,
                shape=list(sy))
     replace(graph, node, [node], b.nodes, [node.outputs[0]], [out.outputs[0]])
-    return True
 
 
 @node_rewrite("Pad merged into Conv", "Pad")

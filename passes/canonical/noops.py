@@ -5,7 +5,8 @@
   happens to hold ones or zeros stays: the graph's form never depends on a parameter's values;
 - a Cast to the type its input has already is its input;
 - an Expand or a chain of Reshapes to the shape its input has moves nothing (TorchScript's grouped-query
-  repeat at one group per head);
+  repeat at one group per head); an Expand whose readers all broadcast anyway (element-wise ops, Where)
+  goes where their outputs keep their shapes;
 - movements that move nothing given their constant parameters: a Where whose condition picks one side
   everywhere, a one-part Split, a Pad of zeros, a ScatterElements that overwrites a whole constant in place, a
   Resize to the size it has, a DepthToSpace / SpaceToDepth of blocks of one; a Gather of a size-1 axis becomes
@@ -77,6 +78,42 @@ def drop_noop_casts(node: ir.Node) -> bool:
     if x.dtype is None or int(x.dtype) != attr(node, "to") or y.is_graph_output():
         return False
     y.replace_all_uses_with(x)
+    return True
+
+
+# the ops that broadcast their inputs against each other (numpy's rules): an Expand in front of one is redundant
+# where the broadcast gives the output its shape anyway
+_BROADCASTING = frozenset({"Add", "Sub", "Mul", "Div", "Pow", "Mod", "Max", "Min", "Sum", "Mean", "Where", "And",
+                           "Or", "Xor", "Equal", "Greater", "GreaterOrEqual", "Less", "LessOrEqual", "BitShift"})
+
+
+@node_rewrite("expands into broadcasting readers dropped", "Expand", sweep_after=True)
+def drop_broadcast_expands(node: ir.Node) -> bool:
+    """An Expand whose every reader broadcasts its inputs anyway (element-wise Add / Mul / Sub / Div / Pow /
+    Max / Min, the comparisons and logic ops, Where) goes where each reader's output keeps its shape with the
+    unexpanded input: the reader computes the same elements from the same values (each output element reads the
+    one input element the Expand would have copied there). A transformers causal mask expanded to [B, 1, S, S]
+    before its Where, a padding mask expanded before the Add of the scores. An Expand read by anything else
+    stays (the head repeat is a Concat: ``movement.concat_head_repeats``), its CPU reason the registry's."""
+    x, y = node.inputs[0], node.outputs[0]
+    uses = list(y.uses())
+    if x is None or y.is_graph_output() or not uses or static_shape(x) is None or x.dtype != y.dtype:
+        return False
+    for use in uses:
+        reader = use.node
+        if reader.op_type not in _BROADCASTING or reader.domain not in ("", "ai.onnx"):
+            return False
+        out = static_shape(reader.outputs[0])
+        shapes = [static_shape(v) if v is not y else static_shape(x) for v in reader.inputs if v is not None]
+        if out is None or any(s is None for s in shapes):
+            return False
+        try:
+            if tuple(np.broadcast_shapes(*shapes)) != tuple(out):  # type: ignore[arg-type]
+                return False
+        except ValueError:
+            return False
+    y.replace_all_uses_with(x)
+    graph_of(node).remove(node, safe=True)
     return True
 
 

@@ -39,8 +39,8 @@ import onnx_ir as ir
 from sdnpu.formats.keys import BF16_ONLY_TAG
 from sdnpu.passes import movement
 from sdnpu.passes.irutil import Builder, attr, const, producer, scalar, static_shape
-from sdnpu.passes.rules.attention_masks import (COMPUTED, bias_fits, bias_side, constant_bias_reason, cpu_attention,
-                                                every_row_has_a_key, first_quarters, is_causal,
+from sdnpu.passes.rules.attention_masks import (bias_fits, bias_side, computed_reason, constant_bias_reason,
+                                                cpu_attention, every_row_has_a_key, first_quarters, is_causal,
                                                 key_channel_operands, key_row, nan_guard)
 from sdnpu.passes.rules.base import Declined, Match, Rule
 
@@ -160,7 +160,7 @@ class AttentionFusion(Rule):
             bias = p.inputs[side]
             added = const(bias)
             if added is None:
-                bias_reason = COMPUTED
+                bias_reason = computed_reason(bias)
             elif not np.any(added) and static_shape(p.outputs[0]) == static_shape(p.inputs[1 - side]):
                 bias = None  # zeros (Lumina 2's mask where no key is masked) that widen nothing: no mask at all
             elif not is_causal(added):
@@ -181,6 +181,12 @@ class AttentionFusion(Rule):
             between.append(p)
             rest = p.inputs[1 - side]
             p = rest.producer() if rest is not None else None
+        if p is not None and p.op_type == "Tanh" and p.domain in ("", "ai.onnx"):
+            capped = _soft_capped(p)
+            if capped is not None:  # Gemma 2's scores: neither kernel has the cap, so the core stays and says why
+                return Declined("the scores are soft-capped (c * tanh(s / c), Gemma 2's attention logit "
+                                "softcapping): SDMHA and onnxruntime's MultiHeadAttention take the product alone",
+                                [capped, sm, node])
         if p is None or p.op_type != "MatMul" or p.domain not in ("", "ai.onnx"):
             return None
         qk_mm = p
@@ -275,6 +281,22 @@ class AttentionFusion(Rule):
         if not hasattr(self, "_masks"):
             self._masks: dict[str, ir.Value] = {}
         return self._masks
+
+
+def _soft_capped(tanh: ir.Node) -> ir.Node | None:
+    """The scores' product (a MatMul) under a soft cap: ``Tanh`` of it divided (or multiplied) by a scalar, maybe
+    scaled first; else None."""
+    v = tanh.inputs[0]
+    for _ in range(4):
+        p = v.producer() if v is not None else None
+        if p is None or p.domain not in ("", "ai.onnx"):
+            return None
+        if p.op_type == "MatMul":
+            return p
+        if p.op_type not in ("Mul", "Div") or len(p.inputs) != 2 or scalar(p.inputs[1]) is None:
+            return None
+        v = p.inputs[0]
+    return None
 
 
 def _repeats_heads(v: ir.Value | None, depth: int = 6) -> bool:

@@ -79,6 +79,17 @@ def nan_guard(v: ir.Value | None) -> tuple[ir.Node, ir.Node, ir.Value] | None:
     return isnan, where, p
 
 
+def computed_reason(bias: ir.Value) -> str:
+    """Why an addend of the scores that the graph computes (from its inputs: transformers' causal mask merged with
+    the padding mask) cannot be SDMHA's mask: it is no constant, and where it varies per query, no row over the
+    keys either (a key row rides in Q and K instead: ``key_channel_operands``)."""
+    full = _scores_shape(bias)
+    if full is not None and full[2] > 1:
+        return (f"{COMPUTED}, and it varies per query ({list(static_shape(bias) or ())}: a causal mask built in "
+                "the graph): SDMHA's mask is one row of N keys")
+    return COMPUTED
+
+
 def every_row_has_a_key(mask: np.ndarray | None) -> bool:
     """Whether a constant mask added to the scores leaves each query at least one finite key (then the NaN
     guard after the softmax never acts); a computed mask: not known."""
@@ -254,8 +265,11 @@ def cpu_attention(b: Builder, rule: str, p: MHAParams, q: ir.Value, k: ir.Value,
                         shape=full).outputs[0]
         if full[2] != static_shape(q)[1]:  # type: ignore[index]  # one row over the keys: every query's
             full[2] = static_shape(q)[1]  # type: ignore[index]
-            bias = b.op("Expand", [bias, b.const(np.asarray(full, np.int64), "shape")], dtype=bias.dtype,
-                        shape=full).outputs[0]
+            expand = b.op("Expand", [bias, b.const(np.asarray(full, np.int64), "shape")], dtype=bias.dtype,
+                          shape=full)
+            expand.metadata_props[DECLINED_TAG] = (f"{rule}: the key mask spread over the queries, as onnxruntime's "
+                                                   "MultiHeadAttention takes its attention_bias ([B, H, M, N])")
+            bias = expand.outputs[0]
         inputs += [None, None, bias]
     bq, mq, _ = static_shape(q)  # type: ignore[misc]
     cv = static_shape(v)[2]  # type: ignore[index]

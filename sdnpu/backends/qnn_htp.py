@@ -131,6 +131,8 @@ class HtpOptions:
         q = require()
         out = {"backend_path": q.get_qnn_htp_path(), "enable_htp_fp16_precision": "1",
                "htp_arch": str(self.arch.arch), "soc_model": str(self.arch.soc_model)}
+        if self.arch.optimization is not None:
+            out["htp_graph_finalization_optimization_mode"] = str(self.arch.optimization)
         if self.trace_dir is not None:
             out.update(enable_framework_op_trace="1", framework_op_trace_dir=str(self.trace_dir))
         return out
