@@ -3,6 +3,8 @@ dispatch model's error against PyTorch fp32 over PyTorch bf16's, in max abs and 
 most 1.2x), on the entry's example inputs.
 
     python bench/bench_unseen_bf16.py NAME OUT/NAME DD [DD ...]
+    python bench/bench_unseen_bf16.py --draws=0,2,3 NAME OUT/NAME DD [DD ...]   # also other inputs: draw d > 0
+                                                      # redraws the float inputs of rank >= 3 from seed d
 
 OUT/NAME is the entry's folder (its ``test_data_set_0``: the graph's inputs as the bench wrote them); each DD a
 compiled folder of its ``model.onnx`` (``replaced.onnx`` inside). The module is built as the bench builds it
@@ -12,6 +14,7 @@ module. One JSON line per DD.
 
 from __future__ import annotations
 
+import copy
 import json
 import os
 import sys
@@ -39,28 +42,42 @@ def errors(got: np.ndarray, want: np.ndarray) -> tuple[float, float]:
 
 
 def main(argv: list[str]) -> int:
+    draws = [0]
+    if argv and argv[0].startswith("--draws="):
+        draws = [int(d) for d in argv[0].partition("=")[2].split(",")]
+        argv = argv[1:]
     name, folder, dds = argv[0], Path(argv[1]), [Path(d) for d in argv[2:]]
     data = folder / "test_data_set_0"
     model = onnx.load(str(folder / "model.onnx"), load_external_data=False)
     inits = {i.name for i in model.graph.initializer}
     names = [vi.name for vi in model.graph.input if vi.name not in inits]
-    feeds = {n: numpy_helper.to_array(onnx.load_tensor(str(data / f"input_{i}.pb"))) for i, n in enumerate(names)}
     _, build = REGISTRY[name]
     torch.manual_seed(0)
-    m, call, inputs, _ = build()
+    m, call, inputs, input_names = build()
     seeded(m)
     wrapper = Wrapper(m, call).eval()
-    with torch.no_grad():
-        ref = wrapper(*inputs).float().numpy().copy()
-        low = wrapper.to(torch.bfloat16)(*[a.to(torch.bfloat16) if a.is_floating_point() else a
-                                           for a in inputs]).float().numpy()
-    m_pt, c_pt = errors(low, ref)
-    for dd in dds:
-        got = next(iter(run_onnx(dd / "replaced.onnx", feeds).values()))
-        m_ours, c_ours = errors(got, ref)
-        print(json.dumps({"name": name, "dd": str(dd), "ours_max_abs": m_ours, "torch_bf16_max_abs": m_pt,
-                          "ratio_max_abs": m_ours / m_pt, "ours_1mcos": c_ours, "torch_bf16_1mcos": c_pt,
-                          "ratio_1mcos": c_ours / c_pt}), flush=True)
+    for draw in draws:
+        if draw:  # other inputs of the same shapes (the sample, latents; a timestep or ids stay as they are)
+            g = torch.Generator().manual_seed(draw)
+            drawn = tuple(torch.randn(x.shape, generator=g) if x.is_floating_point() and x.dim() >= 3 else x
+                          for x in inputs)
+            by_name = dict(zip(input_names, drawn, strict=True))
+            feeds = {n: by_name[n].numpy() for n in names}
+        else:
+            drawn = inputs
+            feeds = {n: numpy_helper.to_array(onnx.load_tensor(str(data / f"input_{i}.pb")))
+                     for i, n in enumerate(names)}
+        with torch.no_grad():
+            ref = wrapper(*drawn).float().numpy().copy()
+            low = copy.deepcopy(wrapper).to(torch.bfloat16)(*[a.to(torch.bfloat16) if a.is_floating_point() else a
+                                                              for a in drawn]).float().numpy()
+        m_pt, c_pt = errors(low, ref)
+        for dd in dds:
+            got = next(iter(run_onnx(dd / "replaced.onnx", feeds).values()))
+            m_ours, c_ours = errors(got, ref)
+            print(json.dumps({"name": name, "dd": str(dd), "draw": draw, "ours_max_abs": m_ours,
+                              "torch_bf16_max_abs": m_pt, "ratio_max_abs": m_ours / m_pt, "ours_1mcos": c_ours,
+                              "torch_bf16_1mcos": c_pt, "ratio_1mcos": c_ours / c_pt}), flush=True)
     return 0
 
 

@@ -11,6 +11,7 @@ region is not cut by an Add, a SiLU or a Concat.
                                        2-D pair, which the kernels refuse, read as [1, M, N] views
     Concat(a, b, ...)              ==> SDConcat pairs (2-D operands along their last axis read as
                                        [B, 1, 1, C]: the NHWC channel concatenation the kernel takes)
+    Split(view of SDConv, last)    ==> one SDConv per part (its rows of the weight; the VAE attention's q, k, v)
 
 Runs after the layout pass, which moves the NHWC Transposes through the plain ONNX forms. An op is lowered
 only where it touches the NPU (an input written by a dispatch op, or a dispatch op reading its output), to a
@@ -29,7 +30,8 @@ import onnx_ir as ir
 
 from sdnpu.formats.keys import DECLINED_TAG
 from sdnpu.ops.target import DispatchTarget, prod
-from sdnpu.passes.irutil import Builder, bmk_view, const, is_float, producer, replace, scalar, static_shape, unview
+from sdnpu.passes.irutil import (Builder, attr, bmk_view, const, is_float, producer, replace, scalar, static_shape,
+                                 unview)
 from sdnpu.passes.provenance import step
 from sdnpu.passes.manager import PassResult
 
@@ -80,10 +82,10 @@ class _Glue:
             sig = producer(s, "Sigmoid")
             if sig is None or x is None:
                 continue
-            if sig.inputs[0] is x:
+            if sig.inputs[0] is x or _one_view(sig.inputs[0], x):  # x, or two views of it (a video's 4-D and 5-D)
                 if len(s.uses()) != 1 or s.is_graph_output():  # type: ignore[union-attr]
                     return "the sigmoid is also read elsewhere"
-                return [sig, node], [self.unary(b, "silu", x)]
+                return [sig, node], [unview(b, self.unary(b, "silu", x), static_shape(node.outputs[0]))]
             inner = producer(sig.inputs[0], "Mul")
             c = scalar(next((v for v in inner.inputs if v is not x), None)) if inner is not None else None
             if inner is not None and x in inner.inputs and c is not None and abs(c - QUICK_GELU) < 1e-3:
@@ -123,6 +125,10 @@ class _Glue:
         a, c = node.inputs
         if a is None or c is None:
             return None
+        if node.op_type == "Mul" and any(sig is not None and (sig.inputs[0] is x or _one_view(sig.inputs[0], x))
+                                         and len(sig.outputs[0].uses()) == 1 and not sig.outputs[0].is_graph_output()
+                                         for x, sig in ((a, producer(c, "Sigmoid")), (c, producer(a, "Sigmoid")))):
+            return None  # x * sigmoid(x): the SiLU's, once its x touches the NPU (a later round)
         op = "add" if node.op_type in ("Add", "Sub") else "mul"
         if node.op_type in ("Sub", "Div"):
             k = const(c)
@@ -175,12 +181,50 @@ class _Glue:
             acc_shape = c_shape
         return [node], [unview(b, acc, out_shape)]
 
+    def conv_split(self, b: Builder, node: ir.Node) -> tuple[list[ir.Node], list[ir.Value]] | None:
+        """A Split of a conv's channels (its NHWC output's last axis, through views that keep it last: the VAE
+        attention's q, k, v from one qkv projection) as one conv per part, each with its rows of the weight and
+        bias: the registry's slice has no offsets, a conv's output channels are its weight's rows."""
+        if not _onnx(node, "Split") or len(node.outputs) < 2:
+            return None
+        x = node.inputs[0]
+        shape = static_shape(x)
+        conv = _viewed(x).producer() if _viewed(x) is not None else None  # type: ignore[union-attr]
+        if shape is None or conv is None or conv.op_type != self.target.op("conv").op_type or \
+                conv.domain != self.target.domain or int(attr(node, "axis", 0)) % len(shape) != len(shape) - 1:
+            return None
+        y = conv.outputs[0]
+        y_shape, w, bias = static_shape(y), conv.inputs[1], conv.inputs[2]
+        if y_shape is None or y_shape[-1] != shape[-1] or w is None or bias is None or const(bias) is None \
+                or w.const_value is None or y.is_graph_output() or len(y.uses()) != 1:
+            return None
+        parts = [static_shape(o) for o in node.outputs]
+        if any(p is None for p in parts):
+            return None
+        news, start = [], 0
+        attrs = {k: a.value for k, a in conv.attributes.items() if k not in ("in_dtypes", "out_dtypes")}
+        for part in parts:
+            width = part[-1]  # type: ignore[index]
+            w_shape = [width, *static_shape(w)[1:]]  # type: ignore[index]
+            wp = b.derived(w, [step("slice", axis=0, start=start, stop=start + width)], w_shape, f"{w.name}_part")
+            bp = b.derived(bias, [step("slice", axis=0, start=start, stop=start + width)], [width],
+                           f"{bias.name}_part")
+            out = [*y_shape[:-1], width]
+            yp = b.dispatch(conv.op_type, [conv.inputs[0], wp, bp],
+                            {**attrs, "output_shape": out, "weight_shape": w_shape}, dtype=y.dtype,
+                            shape=out).outputs[0]
+            news.append(unview(b, yp, part))  # type: ignore[arg-type]
+            start += width
+        return [node], news
+
     # --- helpers ---
 
     def unary(self, b: Builder, family: str, x: ir.Value) -> ir.Value:
-        shape = list(static_shape(x))  # type: ignore[arg-type]
-        return b.dispatch(self.target.op(family).op_type, [x], {"input_shape": shape, "output_shape": shape},
-                          dtype=x.dtype, shape=shape).outputs[0]
+        full = static_shape(x)
+        shape = _frames_folded(list(full))  # type: ignore[arg-type]
+        y = b.dispatch(self.target.op(family).op_type, [x], {"input_shape": shape, "output_shape": shape},
+                       dtype=x.dtype, shape=shape).outputs[0]
+        return unview(b, y, full)
 
     def vector(self, b: Builder, like: ir.Value, value: float) -> ir.Value:
         """A constant [C] along ``like``'s last axis (the kernels' bias form)."""
@@ -248,10 +292,15 @@ class _Glue:
             lifted = [1] * (len(a_shape) - len(c_shape)) + c_shape  # (Qwen-Image's rotations [S, 1, D] on [B, S, H, D])
             c = b.derived(c, [step("reshape", shape=lifted)], lifted, f"{c.name}_r")
             c_shape = lifted
+        shape = a_shape
+        if len(a_shape) == 5:  # a video's [B, F, H, W, C] (channels last) read as [B*F, H, W, C]
+            c5 = [1] * (5 - len(c_shape)) + c_shape
+            if c5[:2] != a_shape[:2] and c5[:2] != [1, 1]:
+                return f"{c_shape} broadcasts along the frames of {a_shape} (the kernels take rank 2 to 4)"
+            a_shape, c_shape = _frames_folded(a_shape), (_frames_folded(c5) if len(c_shape) == 5 else c_shape)
         if not bias and prod(c_shape) == 1 and len(a_shape) >= 2:
             c, c_shape = self.spread(b, c, a_shape)
         spec = self.target.op(family)
-        shape = a_shape
         if len(a_shape) == 2 and len(c_shape) == 2:  # the kernels take no 2-D pair: read both as [1, M, N] views
             a_shape, c_shape = [1, *a_shape], [1, *c_shape]
         reason, assumed = spec.check({"a": a_shape, "b": c_shape, "b_const": bias, "op": family.capitalize()})
@@ -264,11 +313,31 @@ class _Glue:
         return unview(b, y, tuple(shape)) if shape != a_shape else y
 
 
+def _viewed(v: ir.Value | None) -> ir.Value | None:
+    """``v`` with the Reshapes above it stripped (the value it views)."""
+    while v is not None and _onnx(v.producer(), "Reshape"):
+        v = v.producer().inputs[0]  # type: ignore[union-attr]
+    return v
+
+
+def _one_view(a: ir.Value | None, c: ir.Value | None) -> bool:
+    """Whether ``a`` and ``c`` are views (Reshapes) of one value, element for element (the same sizes)."""
+    sa, sc = static_shape(a), static_shape(c)
+    return (a is not None and sa is not None and sc is not None and prod(list(sa)) == prod(list(sc))
+            and _viewed(a) is _viewed(c))
+
+
+def _frames_folded(shape: list[int]) -> list[int]:
+    """A rank-5 shape read as rank 4, its first two axes as one (a video's batch and frames); others as they are."""
+    return [shape[0] * shape[1], *shape[2:]] if len(shape) == 5 else shape
+
+
 def lower_glue(model: ir.Model, target: DispatchTarget) -> PassResult:
     graph = model.graph
     glue = _Glue(graph, target)
     families: list[tuple[str, Callable[..., object]]] = [("SiLU", glue.silu), ("GELU", glue.gelu),
-                                                         ("arithmetic", glue.arithmetic), ("Concat", glue.concat)]
+                                                         ("arithmetic", glue.arithmetic), ("Concat", glue.concat),
+                                                         ("conv Split", glue.conv_split)]
     counts: Counter[str] = Counter()
     for _ in range(100):  # each lowering can make a neighbour touch the NPU
         changed = 0
@@ -290,7 +359,7 @@ def lower_glue(model: ir.Model, target: DispatchTarget) -> PassResult:
                             del graph.initializers[v.name]  # type: ignore[arg-type]
                     continue
                 old_nodes, news = found  # type: ignore[misc]
-                olds = [old_nodes[-1].outputs[0]]
+                olds = list(old_nodes[-1].outputs)[:len(news)]
                 replace(graph, old_nodes[-1], old_nodes, b.nodes, olds, news)
                 counts[f"{name} -> {', '.join(sorted({n.op_type for n in b.nodes if n.domain == target.domain}))}"] += 1
                 changed += 1

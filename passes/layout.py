@@ -1,4 +1,5 @@
-"""Layout pass: 4-D activations between dispatch ops go NHWC.
+"""Layout pass: 4-D activations between dispatch ops go NHWC (and a video's 5-D [B, C, F, H, W] channels last,
+[B, F, H, W, C], whose [B*F, H, W, C] view the dispatch ops read).
 
 The fusions wrap each NHWC op in ``Transpose(NCHW->NHWC) -> op -> Transpose(NHWC->NCHW)``. This pass
 removes those boundaries wherever two NHWC ops meet, by three rewrites run to a fixed point:
@@ -6,7 +7,8 @@ removes those boundaries wherever two NHWC ops meet, by three rewrites run to a 
 1. *chains*: a run of data-movement nodes (Reshape/Transpose/Squeeze/Unsqueeze/Flatten) is replaced by its
    simplest equivalent, found by running it on an index tensor: nothing, one Reshape, or a Reshape and a
    Transpose that exposes an NHWC<->NCHW boundary (the VAE's ``Reshape [B,C,HW] -> Transpose`` becomes
-   ``Transpose -> Reshape``, which then cancels);
+   ``Transpose -> Reshape``, which then cancels); a chain that forks is simplified from its root on each
+   branch (SVD's [B*F, C, H, W] viewed as [B, F, C, H, W], read by its spatial and its temporal layers);
 2. *cancel*: Transpose(Transpose(x)) composes; an identity composition disappears; a Transpose of a
    constant is folded (lazily) into the constant;
 3. *push*: ``op(T(a), T(b), const)`` for a layout-agnostic ``op`` (element-wise, Concat, Split, Slice)
@@ -35,6 +37,17 @@ log = logging.getLogger(__name__)
 
 TO_NCHW = (0, 3, 1, 2)
 TO_NHWC = (0, 2, 3, 1)
+RANKS = (4, 5)  # channels last: NHWC, and NDHWC for a video's [B, C, F, H, W] between dispatch ops
+
+
+def to_first(rank: int) -> tuple[int, ...]:
+    """Channels last -> first at ``rank`` (NHWC -> NCHW at 4, NDHWC -> NCDHW at 5)."""
+    return (0, rank - 1, *range(1, rank - 1))
+
+
+def to_last(rank: int) -> tuple[int, ...]:
+    """Channels first -> last at ``rank``."""
+    return (0, *range(2, rank), 1)
 RULE = "LayoutPass"
 
 ELEMENTWISE = frozenset({"Add", "Sub", "Mul", "Div", "Sigmoid", "Cast", "Identity", "Relu", "Tanh", "Erf", "Sqrt",
@@ -78,10 +91,23 @@ def _canonical(chain: list[ir.Node], s_shape: tuple[int, ...], d_shape: tuple[in
     if node.op_type == "Reshape":
         return s_shape != d_shape
     perm = _perm(node)
-    return perm in (TO_NCHW, TO_NHWC) and not _reshape_equivalent(s_shape, perm)
+    return perm in (to_first(len(s_shape)), to_last(len(s_shape))) and len(s_shape) in RANKS \
+        and not _reshape_equivalent(s_shape, perm)
 
 
-def _simplify_chain(graph: ir.Graph, chain: list[ir.Node]) -> bool:
+def _movements_above(node: ir.Node) -> list[ir.Node]:
+    """The movement nodes from the root of ``node``'s chain down to (not including) ``node``."""
+    above: list[ir.Node] = []
+    p = node.inputs[0].producer() if node.inputs[0] is not None else None
+    while movement.is_movement(p) and len(above) < 16:
+        above.append(p)  # type: ignore[arg-type]
+        p = p.inputs[0].producer() if p.inputs[0] is not None else None  # type: ignore[union-attr]
+    return above[::-1]
+
+
+def _simplify_chain(graph: ir.Graph, chain: list[ir.Node], shared: int = 0) -> bool:
+    """``chain`` as its simplest equivalent; its first ``shared`` nodes are also read by other branches (they
+    stay for them)."""
     src, dst = chain[0].inputs[0], chain[-1].outputs[0]
     s_shape, d_shape = static_shape(src), static_shape(dst)
     assert src is not None and s_shape is not None and d_shape is not None
@@ -100,25 +126,27 @@ def _simplify_chain(graph: ir.Graph, chain: list[ir.Node]) -> bool:
         if len(chain) == 1 and chain[0].op_type == "Reshape":
             return False
         new = [_reshape(b, src, d_shape)]
-    elif len(d_shape) == 4 and np.array_equal(
-            got, np.transpose(idx.reshape(_permute(d_shape, TO_NHWC)), TO_NCHW).reshape(-1)):
-        nhwc = _permute(d_shape, TO_NHWC)
-        if len(chain) == 1 and _is_transpose(chain[0], TO_NCHW):
+    elif len(d_shape) in RANKS and np.array_equal(got, np.transpose(
+            idx.reshape(_permute(d_shape, to_last(len(d_shape)))), to_first(len(d_shape))).reshape(-1)):
+        first = to_first(len(d_shape))
+        nhwc = _permute(d_shape, to_last(len(d_shape)))
+        if len(chain) == 1 and _is_transpose(chain[0], first):
             return False
-        if len(chain) == 2 and chain[0].op_type == "Reshape" and _is_transpose(chain[1], TO_NCHW):
+        if len(chain) == 2 and chain[0].op_type == "Reshape" and _is_transpose(chain[1], first):
             return False
         mid = src if tuple(nhwc) == s_shape else _reshape(b, src, nhwc)
-        new = [b.op("Transpose", [mid], {"perm": list(TO_NCHW)}, domain="", dtype=src.dtype,
+        new = [b.op("Transpose", [mid], {"perm": list(first)}, domain="", dtype=src.dtype,
                     shape=d_shape).outputs[0]]
-    elif len(s_shape) == 4 and np.array_equal(got, np.transpose(idx, TO_NHWC).reshape(-1)):
-        if len(chain) <= 2 and _is_transpose(chain[0], TO_NHWC):
+    elif len(s_shape) in RANKS and np.array_equal(got, np.transpose(idx, to_last(len(s_shape))).reshape(-1)):
+        last = to_last(len(s_shape))
+        if len(chain) <= 2 and _is_transpose(chain[0], last):
             return False
-        t = b.op("Transpose", [src], {"perm": list(TO_NHWC)}, domain="", dtype=src.dtype,
-                 shape=_permute(s_shape, TO_NHWC)).outputs[0]
-        new = [t if tuple(_permute(s_shape, TO_NHWC)) == d_shape else _reshape(b, t, d_shape)]
+        t = b.op("Transpose", [src], {"perm": list(last)}, domain="", dtype=src.dtype,
+                 shape=_permute(s_shape, last)).outputs[0]
+        new = [t if tuple(_permute(s_shape, last)) == d_shape else _reshape(b, t, d_shape)]
     else:
         return False
-    replace(graph, chain[-1], chain, b.nodes, [dst], new)
+    replace(graph, chain[-1], chain[shared:], b.nodes, [dst], new)
     return True
 
 
@@ -132,9 +160,13 @@ def simplify_chains(graph: ir.Graph) -> int:
     for node in list(graph):
         if node.graph is None or not movement.is_movement(node):
             continue
-        if movement.is_movement(node.inputs[0].producer() if node.inputs[0] is not None else None):
-            continue  # not the head of its chain
-        if _simplify_chain(graph, _chain_from(node)):
+        src = node.inputs[0]
+        upstream: list[ir.Node] = []
+        if movement.is_movement(src.producer() if src is not None else None):  # type: ignore[union-attr]
+            if len(src.uses()) == 1 and not src.is_graph_output():  # type: ignore[union-attr]
+                continue  # not the head of its chain
+            upstream = _movements_above(node)  # a branch of a chain that forks: simplified from the chain's root
+        if _simplify_chain(graph, [*upstream, *_chain_from(node)], len(upstream)):
             done += 1
     return done
 
@@ -195,7 +227,9 @@ def _push_one(graph: ir.Graph, t: ir.Node, node: ir.Node) -> bool:
         return False
     if op in ("Split", "Slice") and node.inputs[0] is not t.outputs[0]:
         return False
-    if any(static_shape(o) is None or len(static_shape(o) or ()) != 4 for o in node.outputs):
+    r = len(_perm(t) or ())
+    first, last = to_first(r), to_last(r)
+    if any(static_shape(o) is None or len(static_shape(o) or ()) != r for o in node.outputs):
         return False
     b = Builder(graph, RULE)
     new_inputs: list[ir.Value | None] = []
@@ -206,25 +240,25 @@ def _push_one(graph: ir.Graph, t: ir.Node, node: ir.Node) -> bool:
             continue
         p = v.producer()
         shape = static_shape(v)
-        if _is_transpose(p, TO_NCHW):
+        if _is_transpose(p, first):
             new_inputs.append(p.inputs[0])  # type: ignore[union-attr]
-        elif v.const_value is not None and shape is not None and len(shape) <= 4:
-            full = (1,) * (4 - len(shape)) + shape
-            new_inputs.append(b.derived(v, [step("reshape", shape=list(full)), step("transpose", perm=list(TO_NHWC))],
-                                        _permute(full, TO_NHWC), f"{v.name}_nhwc"))
-        elif shape is not None and len(shape) == 4 and _reshape_equivalent(shape, TO_NHWC):
-            new_inputs.append(_reshape(b, v, _permute(shape, TO_NHWC)))
-        elif shape is not None and len(shape) == 4 and v.is_graph_input():
+        elif v.const_value is not None and shape is not None and len(shape) <= r:
+            full = (1,) * (r - len(shape)) + shape
+            new_inputs.append(b.derived(v, [step("reshape", shape=list(full)), step("transpose", perm=list(last))],
+                                        _permute(full, last), f"{v.name}_nhwc"))
+        elif shape is not None and len(shape) == r and _reshape_equivalent(shape, last):
+            new_inputs.append(_reshape(b, v, _permute(shape, last)))
+        elif shape is not None and len(shape) == r and v.is_graph_input():
             new_inputs.append(_to_nhwc(b, v, shape))  # an NCHW input meets NHWC values: it turns, they stay
-        elif op in ELEMENTWISE and shape is not None and len(shape) <= 4 and all(d == 1 for d in shape):
+        elif op in ELEMENTWISE and shape is not None and len(shape) <= r and all(d == 1 for d in shape):
             new_inputs.append(v)  # a runtime scalar (a ControlNet's conditioning scale) broadcasts in any layout
         else:
             return False
     attrs = {k: a.value for k, a in node.attributes.items()}
     extra: list[ir.Value | None] = []
     if op in ("Concat", "Split"):
-        axis = attrs.get("axis", 0) % 4
-        attrs["axis"] = TO_NCHW[axis]
+        axis = attrs.get("axis", 0) % r
+        attrs["axis"] = first[axis]
         if op == "Split":
             extra = list(node.inputs[1:])
     elif op == "Slice":
@@ -232,7 +266,7 @@ def _push_one(graph: ir.Graph, t: ir.Node, node: ir.Node) -> bool:
             return False
         axes_v = node.inputs[3] if len(node.inputs) > 3 else None
         axes = const(axes_v) if axes_v is not None else np.arange(const(node.inputs[1]).size)  # type: ignore
-        new_axes = b.const(np.asarray([TO_NCHW[int(a) % 4] for a in axes], np.int64), "axes")
+        new_axes = b.const(np.asarray([first[int(a) % r] for a in axes], np.int64), "axes")
         rest = list(node.inputs[1:])
         while len(rest) < 3:
             rest.append(None)
@@ -242,8 +276,8 @@ def _push_one(graph: ir.Graph, t: ir.Node, node: ir.Node) -> bool:
     news = []
     for old, new in zip(node.outputs, moved.outputs, strict=True):
         new.dtype = old.dtype
-        new.shape = ir.Shape(_permute(static_shape(old), TO_NHWC))  # type: ignore[arg-type]
-        news.append(b.op("Transpose", [new], {"perm": list(TO_NCHW)}, domain="", dtype=old.dtype,
+        new.shape = ir.Shape(_permute(static_shape(old), last))  # type: ignore[arg-type]
+        news.append(b.op("Transpose", [new], {"perm": list(first)}, domain="", dtype=old.dtype,
                          shape=static_shape(old)).outputs[0])
     replace(graph, node, [node], b.nodes, list(node.outputs), news)
     return True
@@ -252,21 +286,45 @@ def _push_one(graph: ir.Graph, t: ir.Node, node: ir.Node) -> bool:
 def _to_nhwc(b: Builder, v: ir.Value, shape: tuple[int, ...]) -> ir.Value:
     """A graph input's NCHW->NHWC Transpose: the one it has already, or a new one (which runs on the CPU at the
     graph's edge, as the sample's does, instead of turning the NPU's values back to NCHW)."""
+    last = to_last(len(shape))
     for use in v.uses():
-        if _is_transpose(use.node, TO_NHWC) and use.node.graph is not None:
+        if _is_transpose(use.node, last) and use.node.graph is not None:
             return use.node.outputs[0]
-    return b.op("Transpose", [v], {"perm": list(TO_NHWC)}, domain="", dtype=v.dtype,
-                shape=_permute(shape, TO_NHWC)).outputs[0]
+    return b.op("Transpose", [v], {"perm": list(last)}, domain="", dtype=v.dtype,
+                shape=_permute(shape, last)).outputs[0]
 
 
 def push_transposes(graph: ir.Graph) -> int:
     done = 0
     for t in list(graph):
-        if t.graph is None or not _is_transpose(t, TO_NCHW):
+        if t.graph is None or not any(_is_transpose(t, to_first(r)) for r in RANKS):
             continue
         for use in list(t.outputs[0].uses()):
             if use.node.graph is not None and _push_one(graph, t, use.node):
                 done += 1
+    return done
+
+
+def merge_twin_movements(graph: ir.Graph) -> int:
+    """Movement nodes that move one value the same way (a Reshape to the same shape, a Transpose by the same
+    perm), once: the branches of a forked chain each simplified from its root make such twins, and the glue's
+    patterns (x * sigmoid(x)) read one value, not two equal views of it."""
+    seen: dict[tuple[object, ...], ir.Value] = {}
+    done = 0
+    for node in list(graph):
+        if node.graph is None or node.op_type not in ("Reshape", "Transpose") or node.domain not in ("", "ai.onnx"):
+            continue
+        out, src = node.outputs[0], node.inputs[0]
+        shape = static_shape(out)
+        if src is None or shape is None or out.is_graph_output():
+            continue
+        key = (node.op_type, id(src), tuple(shape), tuple(_perm(node) or ()))
+        twin = seen.get(key)
+        if twin is None:
+            seen[key] = out
+            continue
+        out.replace_all_uses_with(twin)
+        done += 1
     return done
 
 
@@ -275,7 +333,8 @@ def lay_out_nhwc(model: ir.Model) -> PassResult:
     counts: Counter[str] = Counter()
     for _ in range(100):
         step = Counter({"chains simplified": simplify_chains(graph), "transposes cancelled": cancel_transposes(graph),
-                        "transposes pushed": push_transposes(graph)})
+                        "transposes pushed": push_transposes(graph),
+                        "twin movements merged": merge_twin_movements(graph)})
         remove_dead_nodes(graph)
         counts += step
         if not sum(step.values()):

@@ -65,7 +65,8 @@ from sdnpu.errors import SdnpuError
 from sdnpu.formats.keys import TARGET_KEY
 from sdnpu.ops import qnn_htp
 from sdnpu.ops.target import DEFAULT_TARGET, DispatchTarget, Target, get_target
-from sdnpu.passes.canonical import activations, constants, heads, loops, movement, noops, rotary, sinusoids, tables
+from sdnpu.passes.canonical import (activations, constants, convs, heads, loops, movement, noops, rotary,
+                                     sinusoids, tables)
 from sdnpu.passes.canonical.driver import sweep
 from sdnpu.passes.cleanup import clean_up
 from sdnpu.passes.cuts import gather_cuts
@@ -191,6 +192,9 @@ CANONICAL = Group("canonical", [
     ("erf_gelu", activations.collapse_erf_gelu),
     ("tanh_gelu", activations.collapse_tanh_gelu),
     ("pad_conv", movement.merge_pad_into_conv),
+    ("conv_views", convs.view_convs_as_2d),  # after pad_conv: a causal Conv3d's frame padding is its own
+    ("gathers", movement.resize_nearest_gathers),
+    ("repeated_pixels", movement.resize_repeated_pixels),
     ("einsum", movement.lower_einsum),
     ("assembled", loops.concat_assembled_values),  # per-item loops written out, as the batched movement they are
     ("stacked", loops.batch_stacked_chains),

@@ -294,6 +294,43 @@ def step_conv(g: G, x: str) -> str:
     return _silu(g, y) if silu else y
 
 
+def step_video_conv(g: G, x: str) -> str:
+    """A Conv3d over frames of a [B, C, F, H', W] view (issue 42): kernel (1, k, k) over frames, a temporal
+    (kt, 1, 1) conv (SVD), or a causal 3x3x3 whose frame padding is all in front (Wan, Qwen-Image), that padding
+    in the Conv's pads (dynamo), a zero Pad in front of it (TorchScript), or the first frame repeated in front
+    (CogVideoX; its near miss the last frame); back to [B, OC, F*H'', W']."""
+    b, c, h, w = g.shape[x]
+    frames = g.pick([f for f in (1, 2, 3) if h % f == 0])
+    x5 = g.op("Reshape", [x, g.ints([b, c, frames, h // frames, w])], (b, c, frames, h // frames, w))
+    kind = g.pick(["spatial", "temporal", "causal", "causal_pad", "replicated", "replicated_last"])
+    oc = g.num(1, 8)
+    kernel, pads = {"spatial": ((1, 3, 3), [0, 1, 1, 0, 1, 1]), "temporal": ((3, 1, 1), [1, 0, 0, 1, 0, 0]),
+                    "causal": ((3, 3, 3), [2, 1, 1, 0, 1, 1]), "causal_pad": ((3, 3, 3), [0] * 6),
+                    "replicated": ((3, 3, 3), [0, 1, 1, 0, 1, 1]),
+                    "replicated_last": ((3, 3, 3), [0, 1, 1, 0, 1, 1])}[kind]
+    if kind.startswith("replicated"):  # CogVideoX: the first frame repeated in front (a near miss: the last)
+        start = 0 if kind == "replicated" else frames - 1
+        one = g.op("Slice", [x5, g.ints([start], "starts"), g.ints([start + 1], "ends"), g.ints([2], "axes")],
+                   (b, c, 1, h // frames, w))
+        x5 = g.op("Concat", [one, one, x5], (b, c, frames + 2, h // frames, w), axis=2)
+    if kind == "causal_pad":
+        padded = (b, c, frames + 2, h // frames + 2, w + 2)
+        x5 = g.op("Pad", [x5, g.ints([0, 0, 2, 1, 1, 0, 0, 0, 1, 1], "pads"), g.fconst(0.0)], padded, mode="constant")
+    ins = [x5, g.weight((oc, c, *kernel))] + ([g.weight((oc,), 0.1, "b")] if g.flag() else [])
+    y = g.op("Conv", ins, (b, oc, frames, h // frames, w), pads=pads, kernel_shape=list(kernel))
+    g.desc.append(f"Conv3d({kind}, frames={frames}, oc={oc})")
+    return g.op("Reshape", [y, g.ints([b, oc, h, w])], (b, oc, h, w))
+
+
+def step_conv1d(g: G, x: str) -> str:
+    """A Conv1d over [B, C, L] (k 1 or 3): a 2-D conv over the [B, C, L, 1] view."""
+    b, c, length = g.shape[x]
+    k, oc = g.pick([1, 3]), g.num(1, 8)
+    ins = [x, g.weight((oc, c, k))] + ([g.weight((oc,), 0.1, "b")] if g.flag() else [])
+    g.desc.append(f"Conv1d(k={k}, oc={oc})")
+    return g.op("Conv", ins, (b, oc, length), pads=[k // 2, k // 2])
+
+
 # ---- gemm ----------------------------------------------------------------------------------------------
 
 def step_linear(g: G, x: str) -> str:
@@ -2555,6 +2592,8 @@ class Step:
 
 STEPS: dict[str, Step] = {
     "conv": Step(step_conv, (4,)),
+    "video_conv": Step(step_video_conv, (4,)),
+    "conv1d": Step(step_conv1d, (3,)),
     "linear": Step(step_linear, (2, 3)),
     "tied_linear": Step(step_tied_linear, (2, 3)),
     "matmul_act": Step(step_matmul_act, (2, 3, 4)),
@@ -2649,6 +2688,7 @@ MUTATIONS: dict[str, Step] = {  # each makes its own input: ranks (0,)
 
 FAMILIES: dict[str, list[str]] = {
     "conv": ["conv"],
+    "video": ["video_conv", "conv1d"],
     "gemm": ["linear", "gemm", "tied_linear", "matmul_act"],
     "attention": ["attention"],
     "norm": ["group_norm", "layer_norm", "layer_norm_decomposed", "instance_norm", "l2_norm", "channel_rms_norm"],

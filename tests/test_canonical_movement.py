@@ -170,3 +170,33 @@ def test_an_expand_that_meets_a_constant_is_folded_into_it(shared):
     irm, counts = rewritten(m, movement.fold_expands_into_constants, sweep)
     assert counts["expands folded into constants"] == int(not shared)
     assert dict(ops(irm)) == ({"Expand": 1, "Mul": 1} if shared else {"Mul": 1})
+
+
+def test_a_nearest_upsampling_gather_is_a_resize():
+    """Dynamo's nearest-exact upsampling by 2 (``_unsafe_index``) on the image moved to [H, W, B, C]: GatherND of
+    indices (i // 2, j // 2). Near miss: indices that also mirror the columns are no upsampling."""
+    idx = np.stack(np.meshgrid(np.arange(6) // 2, np.arange(8) // 2, indexing="ij"), -1)
+    m = model([n("GatherND", ["x", "idx"], ["y"])], {"x": [3, 4, 1, 2]}, {"y": [6, 8, 1, 2]}, {"idx": idx})
+    irm, counts = rewritten(m, movement.resize_nearest_gathers, sweep)
+    assert counts["nearest upsampling gathers -> Resize"] == 1 and dict(ops(irm)) == {"Transpose": 2, "Resize": 1}
+    odd = np.stack(np.meshgrid(np.arange(6) // 2, np.arange(8)[::-1] // 2, indexing="ij"), -1)
+    m = model([n("GatherND", ["x", "idx"], ["y"])], {"x": [3, 4, 1, 2]}, {"y": [6, 8, 1, 2]}, {"idx": odd})
+    irm, counts = rewritten(m, movement.resize_nearest_gathers, sweep)
+    assert counts["nearest upsampling gathers -> Resize"] == 0
+
+
+@pytest.mark.parametrize(("repeats", "fires"), [(4, True), (2, False)])
+def test_pixels_repeated_into_blocks_are_a_resize(repeats, fires):
+    """Wan 2.2's DupUp3D: each channel repeated, the copies moved into 2x2 blocks of space (Reshape, Expand,
+    Reshape, Transpose, Reshape): a nearest upsampling where it repeats each channel 4 times; with 2 repeats it
+    mixes channels into space (a near miss)."""
+    c, out_c = 4, 4 * repeats // 4
+    nodes = [n("Reshape", ["x", "s1"], ["a"]), n("Expand", ["a", "s2"], ["b"]), n("Reshape", ["b", "s3"], ["d"]),
+             n("Transpose", ["d"], ["e"], perm=[0, 1, 5, 2, 6, 3, 7, 4]), n("Reshape", ["e", "s4"], ["y"])]
+    inits = {"s1": np.array([1, c, 1, 1, 3, 3]), "s2": np.array([1, c, repeats, 1, 3, 3]),
+             "s3": np.array([1, out_c, 1, 2, 2, 1, 3, 3]), "s4": np.array([1, out_c, 1, 6, 6])}
+    m = model(nodes, {"x": [1, c, 1, 3, 3]}, {"y": [1, out_c, 1, 6, 6]}, inits)
+    irm, counts = rewritten(m, movement.resize_repeated_pixels, sweep)
+    assert counts["nearest upsampling movements -> Resize"] == int(fires)
+    if fires:
+        assert dict(ops(irm)) == {"Reshape": 2, "Resize": 1}

@@ -13,10 +13,12 @@ from onnx import helper
 
 from sdnpu.formats.keys import RULE_TAG
 from sdnpu.passes.fuse import fuse
+from sdnpu.passes.canonical import constants
+from sdnpu.passes.canonical.driver import sweep
 from sdnpu.passes.pipeline import canonicalize
 
 from .fuzz_repro import check
-from .graphs import model, ops, to_ir
+from .graphs import model, ops, to_ir, to_proto
 from .lowering import TARGET, assert_same, declined, dispatch_ops, lowered, n, w
 
 
@@ -200,7 +202,13 @@ def conv_grouped():
 
 
 def conv_rectangular():
-    return model([n("Conv", ["x", "w"], ["y"])], {"x": [1, 4, 6, 6]}, {"y": [1, 8, 4, 6]}, {"w": w(8, 4, 3, 1)})
+    return model([n("Conv", ["x", "w"], ["y"])], {"x": [1, 4, 6, 6]}, {"y": [1, 8, 4, 5]}, {"w": w(8, 4, 3, 2)})
+
+
+def conv_column_strided():
+    """A (3, 1) kernel is squared with zero taps only where its unit axis has stride 1."""
+    return model([n("Conv", ["x", "w"], ["y"], strides=[1, 2])], {"x": [1, 4, 6, 6]}, {"y": [1, 8, 4, 3]},
+                 {"w": w(8, 4, 3, 1)})
 
 
 def conv_stride_three():
@@ -240,7 +248,8 @@ def attention_wrong_heads():
     ("build", "anchor_op", "reason"),
     [(conv_dynamic_weight, "Conv", "the weight is not a constant"),
      (conv_grouped, "Conv", "group=2: SDConv has no groups"),
-     (conv_rectangular, "Conv", "kernel 3x1 is not square"),
+     (conv_rectangular, "Conv", "kernel 3x2 is not square"),
+     (conv_column_strided, "Conv", "kernel 3x1 is not square"),
      (conv_dilated, "Conv", "SDConv has none"),
      (conv_stride_three, "Conv", "stride 3: AMD's conv shapes have strides 1 and 2"),
      (group_norm_shared_intermediate, "InstanceNormalization", "is also used outside the pattern"),
@@ -497,3 +506,97 @@ def test_the_norms_torch_exports_fuse_or_say_why(name, exporter, tmp_path):
         assert not norms & set(ops(irm)), ops(irm)
     assert_same(m, irm)
     check(m, "bf16")
+
+
+# --- the video convolutions as torch's exporters write them (issue 42): a 2-D conv over a view ------------------------
+
+class _Causal(torch.nn.Module):
+    """Wan's / Qwen-Image's CausalConv3d: ``F.pad`` with the temporal padding all in front, then Conv3d."""
+
+    def __init__(self, channels: int, frames_pad: int, groups: int = 1) -> None:
+        super().__init__()
+        self.conv = torch.nn.Conv3d(channels, 8, 3, groups=groups)
+        self.pad = (1, 1, 1, 1, frames_pad, 0)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.conv(F.pad(x, self.pad))
+
+
+class _Replicated(torch.nn.Module):
+    """CogVideoX's CausalConv3d: ``torch.cat([x[:, :, :1]] * (k - 1) + [x], dim=2)``, then Conv3d padded on H, W."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.conv = torch.nn.Conv3d(8, 8, 3, padding=(0, 1, 1))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.conv(torch.cat([x[:, :, :1]] * 2 + [x], dim=2))
+
+
+def _causal(channels: int, frames_pad: int, groups: int = 1) -> torch.nn.Module:
+    return _Causal(channels, frames_pad, groups)
+
+
+TORCH_CONVS = {  # name: (module, input shape, the ops left beside the SDConvs, or a reason)
+    "Conv3d (1, 3, 3) over frames": (lambda: torch.nn.Conv3d(8, 8, (1, 3, 3), padding=(0, 1, 1)), (1, 8, 3, 4, 4),
+                                     {"Transpose", "Reshape"}),
+    "Conv3d (3, 1, 1) over frames (SVD's temporal resnets)": (
+        lambda: torch.nn.Conv3d(8, 8, (3, 1, 1), padding=(1, 0, 0)), (1, 8, 2, 4, 4), {"Transpose", "Reshape"}),
+    "causal Conv3d over one frame (Wan, Qwen-Image)": (lambda: _causal(8, 2), (1, 8, 1, 4, 4),
+                                                       {"Transpose", "Reshape"}),
+    "causal Conv3d over two frames (frames in channels)": (lambda: _causal(8, 2), (1, 8, 2, 4, 4),
+                                                           {"Transpose", "Reshape"}),
+    "CogVideoX's causal Conv3d (the first frame repeated in front)": (lambda: _Replicated(), (1, 8, 2, 4, 4),
+                                                                         {"Transpose", "Reshape"}),
+    "Conv1d (k=1)": (lambda: torch.nn.Conv1d(8, 8, 1), (2, 8, 5), {"Transpose", "Reshape"}),
+    "Conv1d (k=3)": (lambda: torch.nn.Conv1d(8, 8, 3, padding=1), (2, 8, 5), {"Transpose", "Reshape"}),
+    # near misses
+    "Conv3d (3, 3, 3) over eight frames": (lambda: torch.nn.Conv3d(8, 8, 3, padding=1), (1, 8, 8, 4, 4),
+                                           "it would take 2.9x its multiply-accumulates"),
+    "grouped causal Conv3d over two frames": (lambda: _causal(8, 2, groups=2), (1, 8, 2, 4, 4),
+                                              "with groups the frames cannot be stacked"),
+}
+
+
+def _export_conv(name: str, exporter: str, path) -> onnx.ModelProto:
+    build, shape, _ = TORCH_CONVS[name]
+    module, x = _seeded(build()), torch.randn(shape, generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        if exporter == "dynamo":
+            torch.onnx.export(module, (x,), dynamo=True, opset_version=18, input_names=["x"], output_names=["y"],
+                              verbose=False, report=False).save(str(path))
+        else:
+            torch.onnx.export(module, (x,), str(path), dynamo=False, opset_version=17, input_names=["x"],
+                              output_names=["y"])
+    return onnx.shape_inference.infer_shapes(onnx.load(str(path)), strict_mode=True, data_prop=True)
+
+
+@pytest.mark.parametrize("exporter", ["dynamo", "torchscript"])
+@pytest.mark.parametrize("name", list(TORCH_CONVS))
+def test_the_video_convs_torch_exports_fuse_or_say_why(name, exporter, tmp_path):
+    """Each module exported by torch: the Conv3d / Conv1d is one SDConv (a 2-D conv over a view of its input,
+    ``passes.canonical.convs``) with only movement at the graph's edges beside it, and the graph's numbers (fp32
+    before precision; the whole compile within bf16's tolerance, onnx's full check at every stage); or it stays
+    as written with the reason."""
+    m = _export_conv(name, exporter, tmp_path / "m.onnx")
+    expected = TORCH_CONVS[name][2]
+    irm = lowered(m)
+    if isinstance(expected, str):
+        assert "SDConv" not in ops(irm) and ops(irm)["Conv"] == 1, ops(irm)
+        assert any(expected in why for why in declined(irm)), declined(irm)
+    else:
+        assert dispatch_ops(irm) == {"SDConv": 1}, ops(irm)
+        assert set(ops(irm)) - {"SDConv"} <= expected, ops(irm)
+    assert_same(m, irm)
+    # the bf16 check reads every value's shape from onnx's inference, which cannot see through TorchScript's pads
+    # computed in float (ConstantOfShape ... Cast): it checks the graph with its constants folded; the rewrite
+    # above read them as exported
+    check(_folded(m) if exporter == "torchscript" else m, "bf16")
+
+
+def _folded(m: onnx.ModelProto) -> onnx.ModelProto:
+    irm = to_ir(m)
+    for step in (constants.lift_constants, constants.infer_shapes, constants.fold_constants, constants.infer_shapes,
+                 constants.fold_small, sweep):
+        step(irm)
+    return onnx.shape_inference.infer_shapes(to_proto(irm), strict_mode=True, data_prop=True)

@@ -97,4 +97,20 @@ def test_a_runtime_operand_of_lower_rank_stays_and_says_why():
     irm = lowered(m)
     mul = next(x for x in irm.graph if x.op_type == "Mul")
     assert "do not broadcast the way SDMul does" in mul.metadata_props[DECLINED_TAG]
+
+
+@pytest.mark.parametrize(("axis", "fires"), [(-1, True), (1, False)])
+def test_a_split_of_a_convs_channels_is_one_conv_per_part(axis, fires):
+    """Qwen-Image's VAE attention: q, k, v one Split of the qkv projection's channels, read through views: three
+    SDConvs, each with its rows of the weight and bias (the registry's slice has no offsets). Near miss: a Split
+    of the tokens (no conv's channels) stays."""
+    parts = [[1, 16, 8]] * 3 if axis == -1 else [[1, 8, 24]] * 2
+    names = [f"p{i}" for i in range(len(parts))]
+    nodes = [n("Conv", ["x", "wc", "bc"], ["c"]), n("Reshape", ["c", "s"], ["r"]), n("Transpose", ["r"], ["t"],
+             perm=[0, 2, 1]), n("Split", ["t"], names, axis=axis, num_outputs=len(parts))]
+    m = model(nodes, {"x": [1, 8, 4, 4]}, dict(zip(names, parts, strict=True)),
+              {"wc": w(24, 8, 1, 1), "bc": w(24), "s": np.array([1, 24, 16])})
+    irm = lowered(m)
+    assert dispatch_ops(irm) == {"SDConv": 3 if fires else 1}
+    assert ("Split" in ops(irm)) != fires
     assert_same(m, irm)

@@ -12,8 +12,11 @@ here holds one concern:
                  softmax NaN guards; a constant-mask Where as a Mul and an Add
     activations  activation spellings: GELU's Erf and tanh forms as one Gelu, 1 / x as Reciprocal
     movement     movement normal forms: Reshape for Squeeze / Unsqueeze / Flatten, explicit Transpose perms,
-                 Tile and the head repeat's Expand as Concat, a zero Pad into its Conv, Einsum as Transpose /
-                 MatMul, row-block ScatterND as Concat, broadcast chains as one Expand or a constant
+                 Tile and the head repeat's Expand as Concat, a zero Pad into its Conv (any rank), nearest
+                 upsampling gathers and pixel repeats as Resize, Einsum as Transpose / MatMul, row-block
+                 ScatterND as Concat, broadcast chains as one Expand or a constant
+    convs        a Conv3d or Conv1d as the 2-D Conv over a view of its input (frames folded into the batch, a
+                 temporal conv over the [B, C, F, H*W] view, frames stacked in channels)
     sinusoids    the sinusoidal embeddings as one Sin with a phase; several inputs' chains as one
     loops        per-item loops an exporter unrolled, as the batched movement they are
     tables       the CPU tables computed from the graph's inputs, in as few nodes as it takes

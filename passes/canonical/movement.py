@@ -8,6 +8,8 @@
 - an Einsum that moves data or multiplies matrices is a Transpose, or a batched MatMul between Transposes and
   Reshapes;
 - a ScatterND that writes a block of whole rows is the Concat it is;
+- a GatherND of constant indices, or a chain of Reshape / Expand / Transpose, that copies each pixel into an
+  s x s block (dynamo's nearest-exact upsampling, Wan 2.2's DupUp3D) is the nearest-upsampling Resize it is;
 - a chain of Reshape / Expand nodes broadcasting one value (the UNet's scalar timestep to the batch) is one
   Expand, and where a small constant is all it meets (the sinusoid's frequencies), none: the constant is
   broadcast offline.
@@ -111,24 +113,28 @@ def _write_copies(node: ir.Node, x: ir.Value, a: int, times: int, sy: tuple[int,
 
 @node_rewrite("Pad merged into Conv", "Pad")
 def merge_pad_into_conv(node: ir.Node) -> bool:
-    """Pad(x, zeros on H and W) -> Conv becomes one Conv with those pads (the VAE encoder's downsampler
-    pads right and bottom by one; dynamo already writes it this way). Not a cropping (negative) Pad. The Pad
-    is left unread (the rewrites after sweep it)."""
+    """Pad(x, zeros on the spatial axes) -> Conv becomes one Conv with those pads, at any rank: the VAE encoder's
+    downsampler pads right and bottom by one (dynamo already writes it this way); Wan's causal Conv3d pads its
+    frames in front (``F.pad`` with the temporal padding all before, TorchScript keeps the Pad). Not a cropping
+    (negative) Pad, nor one of the batch or channel axes. The Pad is left unread (the rewrites after sweep it)."""
     uses = list(node.outputs[0].uses())
     pads = const(node.inputs[1]) if len(node.inputs) > 1 else None
     value = const(node.inputs[2]) if len(node.inputs) > 2 and node.inputs[2] is not None else np.zeros(1)
     mode = attr(node, "mode", "constant")
-    if (len(uses) != 1 or uses[0].node.op_type != "Conv" or uses[0].idx != 0 or pads is None or pads.size != 8
-            or value is None or np.any(value != 0) or mode not in ("constant", b"constant")
+    if (len(uses) != 1 or uses[0].node.op_type != "Conv" or uses[0].idx != 0 or pads is None or pads.size < 6
+            or pads.size % 2 or value is None or np.any(value != 0) or mode not in ("constant", b"constant")
             or (len(node.inputs) > 3 and node.inputs[3] is not None) or node.outputs[0].is_graph_output()):
         return False
-    conv = uses[0].node
-    if attr(conv, "auto_pad", "NOTSET") not in ("NOTSET", b"NOTSET") or np.any(pads[[0, 1, 4, 5]] != 0):
+    conv, rank = uses[0].node, pads.size // 2
+    if attr(conv, "auto_pad", "NOTSET") not in ("NOTSET", b"NOTSET") or np.any(pads[[0, 1, rank, rank + 1]] != 0):
         return False
     if np.any(pads < 0):  # a negative pad crops the data; a Conv's pads only add zeros
         return False
-    old = list(attr(conv, "pads", [0, 0, 0, 0]))
-    new = [old[0] + int(pads[2]), old[1] + int(pads[3]), old[2] + int(pads[6]), old[3] + int(pads[7])]
+    k = rank - 2
+    old = list(attr(conv, "pads", [0] * (2 * k)))
+    if len(old) != 2 * k:
+        return False
+    new = [old[i] + int(pads[2 + i]) for i in range(k)] + [old[k + i] + int(pads[rank + 2 + i]) for i in range(k)]
     conv.attributes["pads"] = ir.AttrInt64s("pads", new)
     conv.replace_input_with(0, node.inputs[0])
     return True
@@ -301,3 +307,93 @@ def fold_expands_into_constants(node: ir.Node) -> bool:
         replace(graph, node, [node], b.nodes, [node.outputs[0]], [new.outputs[0]])
         return True
     return False
+
+
+@node_rewrite("nearest upsampling gathers -> Resize", "GatherND")
+def resize_nearest_gathers(node: ir.Node) -> bool:
+    """GatherND with constant indices that pick row i // s of each of the data's first k axes (dynamo's
+    ``_unsafe_index`` spelling of ``F.interpolate(mode="nearest-exact")`` at an integer factor s, on the image
+    transposed to [H, W, B, C]: Qwen-Image's and Wan's VAE upsamplers) is that nearest upsampling: a Resize
+    (nearest, asymmetric, floor: output i reads i // s) of the axes moved last, between Transposes the layout
+    pass cancels with the exporter's own."""
+    data, idx = node.inputs[0], node.inputs[1]
+    d_shape, ix, y_shape = static_shape(data), const(idx), static_shape(node.outputs[0])
+    if data is None or d_shape is None or ix is None or y_shape is None or int(attr(node, "batch_dims", 0)) != 0:
+        return False
+    k = ix.shape[-1]
+    if ix.ndim != k + 1 or not 0 < k <= len(d_shape) or any(ix.shape[i] % d_shape[i] for i in range(k)):
+        return False
+    factors = [ix.shape[i] // d_shape[i] for i in range(k)]
+    want = np.stack(np.meshgrid(*[np.arange(ix.shape[i]) // factors[i] for i in range(k)], indexing="ij"), -1)
+    if not np.array_equal(ix, want) or all(f == 1 for f in factors):
+        return False
+    n = len(d_shape)
+    perm = [*range(k, n), *range(k)]
+    moved = [d_shape[i] for i in perm]
+    graph = graph_of(node)
+    b = Builder(graph, RULE)
+    t = b.op("Transpose", [data], {"perm": perm}, dtype=data.dtype, shape=moved).outputs[0]
+    scales = b.const(np.asarray([1.0] * (n - k) + factors, np.float32), "scales")
+    up = [*moved[:n - k], *(moved[n - k + i] * factors[i] for i in range(k))]
+    r = b.op("Resize", [t, None, scales], {"mode": "nearest", "coordinate_transformation_mode": "asymmetric",
+                                           "nearest_mode": "floor"}, dtype=data.dtype, shape=up).outputs[0]
+    back = [perm.index(i) for i in range(n)]
+    y = b.op("Transpose", [r], {"perm": back}, dtype=data.dtype, shape=list(y_shape)).outputs[0]
+    replace(graph, node, [node], b.nodes, [node.outputs[0]], [y])
+    return True
+
+
+_UPSAMPLE_CHAIN = ("Reshape", "Transpose", "Expand")
+
+
+@node_rewrite("nearest upsampling movements -> Resize", "Reshape", "Transpose")
+def resize_repeated_pixels(node: ir.Node) -> bool:
+    """A chain of Reshape / Transpose / Expand (a constant shape) that copies each pixel of its source into an
+    s x s block, found by running the chain on an index tensor: Wan 2.2's ``DupUp3D`` (each channel repeated
+    s * s times, then the copies moved into space) where it repeats as many times as it moves, a nearest
+    upsampling by s. Written as the Resize it is (nearest, asymmetric, floor) of the source viewed as
+    [B, C', H, W], then viewed back. Anchored at the chain's last node."""
+    out = node.outputs[0]
+    if any(u.node.op_type in _UPSAMPLE_CHAIN and u.node.domain in ("", "ai.onnx") for u in out.uses()):
+        return False  # not the end of its chain
+    chain, v = [], node.outputs[0]
+    while True:
+        p = v.producer()
+        if p is None or p.op_type not in _UPSAMPLE_CHAIN or p.domain not in ("", "ai.onnx") or len(chain) > 12:
+            break
+        if p.op_type == "Expand" and const(p.inputs[1]) is None:
+            break
+        chain.append(p)
+        v = p.inputs[0]  # type: ignore[assignment]
+    chain.reverse()
+    src = v
+    s_shape, y_shape = static_shape(src), static_shape(out)
+    if not any(n.op_type == "Expand" for n in chain) or s_shape is None or y_shape is None or len(s_shape) < 3 \
+            or len(y_shape) != len(s_shape) or any(static_shape(n.outputs[0]) is None for n in chain) \
+            or tuple(y_shape[:-2]) != tuple(s_shape[:-2]) or y_shape[-1] % s_shape[-1] or y_shape[-2] % s_shape[-2]:
+        return False
+    sh, sw = y_shape[-2] // s_shape[-2], y_shape[-1] // s_shape[-1]
+    if int(np.prod(y_shape)) > 1 << 24 or (sh, sw) == (1, 1):
+        return False
+    got = np.arange(int(np.prod(s_shape)), dtype=np.int32).reshape(s_shape)
+    for n in chain:
+        shape = static_shape(n.outputs[0])
+        got = np.broadcast_to(got, shape) if n.op_type == "Expand" else (
+            np.transpose(got, attr(n, "perm")) if n.op_type == "Transpose" else got.reshape(shape))
+    want = np.repeat(np.repeat(np.arange(got.size // (sh * sw), dtype=np.int32).reshape(s_shape), sh, -2), sw, -1)
+    if got.shape != want.shape or not np.array_equal(got, want):
+        return False
+    graph = graph_of(node)
+    b = Builder(graph, RULE)
+    four = [s_shape[0], int(np.prod(s_shape[1:-2])), s_shape[-2], s_shape[-1]]
+    x = src if len(s_shape) == 4 else b.op("Reshape", [src, b.const(np.asarray(four, np.int64), "shape")],
+                                           dtype=src.dtype, shape=four).outputs[0]
+    up = [*four[:2], four[2] * sh, four[3] * sw]
+    scales = b.const(np.asarray([1.0, 1.0, sh, sw], np.float32), "scales")
+    y = b.op("Resize", [x, None, scales], {"mode": "nearest", "coordinate_transformation_mode": "asymmetric",
+                                           "nearest_mode": "floor"}, dtype=src.dtype, shape=up).outputs[0]
+    if len(s_shape) != 4:
+        y = b.op("Reshape", [y, b.const(np.asarray(y_shape, np.int64), "shape")], dtype=src.dtype,
+                 shape=list(y_shape)).outputs[0]
+    replace(graph, node, [node], b.nodes, [out], [y])
+    return True

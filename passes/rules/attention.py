@@ -56,6 +56,7 @@ class MHAParams:
     scale: float = 1.0
     guard: bool = False  # a NaN guard on the probabilities (a row whose keys are all masked gives zeros)
     key_channel: bool = False  # a computed key-padding mask carried in Q and K as one more channel per head
+    views: tuple[tuple[int, ...], ...] = ()  # q, k, v read as [B, S, C]
 
 
 def _head_split(src: tuple[int, ...], heads: int, kind: str) -> np.ndarray | None:
@@ -79,6 +80,8 @@ def _as_rank3(shape: tuple[int, ...] | None, target: tuple[int, ...] | None, kin
     ts, td = (target[3], target[2]) if kind == "k" else (target[2], target[3])
     if (b, s) == (tb, ts) and h * d == th * td:
         return (b, s, h * d)
+    if s == 1 and th == 1 and (b, h) == (tb, ts) and d == td:  # one head, its axis already there: [B, 1, S, D]
+        return (b, h, d)  # (Qwen-Image's VAE attention: q, k, v one Split of the [B, 1, S, 3D] projection)
     return shape
 
 
@@ -243,11 +246,11 @@ class AttentionFusion(Rule):
                  *out_chain]
         uniq = _own_nodes(list(dict.fromkeys(nodes)), {*q_chain, *k_chain, *v_chain})
         return Match(uniq, [out], MHAParams(q_src, k_src, v_src, heads, assumed, reason, bias, total, bool(guard),
-                                            key_channel))
+                                            key_channel, (q_shape, k_shape, v_shape)))
 
     def rewrite(self, b: Builder, m: Match) -> list[ir.Value]:
         p: MHAParams = m.params
-        q, k_in, v = (_rank3(b, x) for x in (p.q, p.k, p.v))
+        q, k_in, v = (_rank3(b, x, view) for x, view in zip((p.q, p.k, p.v), p.views, strict=True))
         if p.cpu:
             return [cpu_attention(b, self.name, p, q, k_in, v)]
         if p.key_channel:
@@ -311,10 +314,11 @@ def _repeats_heads(v: ir.Value | None, depth: int = 6) -> bool:
     return False
 
 
-def _rank3(b: Builder, x: ir.Value) -> ir.Value:
-    """A [B, S, H, D] source as the [B, S, H * D] view SDMHA takes (the op absorbs the Reshape)."""
+def _rank3(b: Builder, x: ir.Value, view: tuple[int, ...]) -> ir.Value:
+    """A [B, S, H, D] (or one head's [B, 1, S, D]) source as the [B, S, C] ``view`` SDMHA takes (the op absorbs
+    the Reshape)."""
     shape = static_shape(x)
     if shape is None or len(shape) == 3:
         return x
-    view = [shape[0], shape[1], shape[2] * shape[3]]
-    return b.op("Reshape", [x, b.const(np.asarray(view, np.int64), "shape")], dtype=x.dtype, shape=view).outputs[0]
+    return b.op("Reshape", [x, b.const(np.asarray(view, np.int64), "shape")], dtype=x.dtype,
+                shape=list(view)).outputs[0]

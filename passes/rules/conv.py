@@ -16,6 +16,7 @@ from dataclasses import dataclass
 import numpy as np
 import onnx_ir as ir
 
+from sdnpu.passes.canonical.convs import stacking_reason
 from sdnpu.passes.irutil import Builder, attr, const, static_shape
 from sdnpu.passes.provenance import step
 from sdnpu.passes.rules.base import Match, Rule
@@ -34,6 +35,7 @@ class ConvParams:
     dilations: list[int]
     group: int
     assumed: list[str]
+    widths: tuple[tuple[int, int], ...] = ()  # the weight's zero padding to a square kernel (OIHW), if any
 
 
 def nhwc_shape(shape: tuple[int, ...] | list[int]) -> list[int]:
@@ -50,6 +52,8 @@ class ConvFusion(Rule):
         w_shape = static_shape(w)
         if w is None or w.const_value is None or w_shape is None:
             return "the weight is not a constant"
+        if len(w_shape) == 5 and static_shape(x) is not None:
+            return stacking_reason(node) or "a 3-D convolution: the target's conv is 2-D"
         if len(w_shape) != 4 or static_shape(x) is None or static_shape(node.outputs[0]) is None:
             return "only 2-D convolutions with static shapes are offloaded"
         if b is not None and const(b) is None:
@@ -61,12 +65,18 @@ class ConvFusion(Rule):
         pads = [int(p) for p in attr(node, "pads", [0, 0, 0, 0])]
         group = int(attr(node, "group", 1))
         oc, icg, kh, kw = w_shape
+        widths: tuple[tuple[int, int], ...] = ()
+        if kh != kw and min(kh, kw) == 1:  # (K, 1) or (1, K): a temporal conv over its view, a Conv1d
+            squared = _squared(kh, kw, strides, dilations, pads)
+            if squared is not None:
+                widths, pads = squared
+                kh = kw = max(kh, kw)
         reason, assumed = self.target.op("conv").check(
             {"w": (oc, kh, kw, icg), "group": group, "dilations": dilations, "strides": strides, "pads": pads})
         if reason:
             return reason
         return Match([node], [node.outputs[0]], ConvParams(x, w, b, strides, pads, dilations, group,  # type: ignore
-                                                          assumed))
+                                                          assumed, widths))
 
     def rewrite(self, b: Builder, m: Match) -> list[ir.Value]:
         p: ConvParams = m.params
@@ -74,8 +84,10 @@ class ConvFusion(Rule):
         x_shape = static_shape(p.x)
         out_shape = static_shape(m.outputs[0])
         assert w_shape is not None and x_shape is not None and out_shape is not None
-        w = b.derived(p.w, [step("transpose", perm=[0, 2, 3, 1])], nhwc_shape(w_shape),
-                      f"{p.w.name}_ohwi")
+        if p.widths:  # zero taps around a (K, 1) kernel make it K x K: the same sums, K times the products
+            w_shape = tuple(d + lo + hi for d, (lo, hi) in zip(w_shape, p.widths, strict=True))
+        w = b.derived(p.w, [*([step("pad", widths=[list(x) for x in p.widths])] if p.widths else []),
+                            step("transpose", perm=[0, 2, 3, 1])], nhwc_shape(w_shape), f"{p.w.name}_ohwi")
         bias = p.b if p.b is not None else b.const(np.zeros(w_shape[0], np.float32), f"{p.w.name}_zero_bias")
         xt = b.op("Transpose", [p.x], {"perm": NCHW_TO_NHWC}, dtype=p.x.dtype, shape=nhwc_shape(x_shape))
         conv = b.dispatch(self.target.op("conv").op_type, [xt.outputs[0], w, bias],
@@ -85,6 +97,23 @@ class ConvFusion(Rule):
                           dtype=p.x.dtype, shape=nhwc_shape(out_shape), assumed=p.assumed)
         back = b.op("Transpose", [conv.outputs[0]], {"perm": NHWC_TO_NCHW}, dtype=p.x.dtype, shape=out_shape)
         return [back.outputs[0]]
+
+
+def _squared(kh: int, kw: int, strides: list[int], dilations: list[int], pads: list[int]
+             ) -> tuple[tuple[tuple[int, int], ...], list[int]] | None:
+    """A (K, 1) or (1, K) kernel as K x K (the target's conv is square): zero taps on both sides of the unit
+    axis, and as many more zeros of padding there, so each output reads the one real tap at the place it did.
+    Exact, at K times the multiply-accumulates. Only where the unit axis has stride and dilation 1."""
+    k = max(kh, kw)
+    axis = 1 if kw == 1 else 0  # the unit axis: W for (K, 1), H for (1, K)
+    if strides[axis] != 1 or dilations[axis] != 1:
+        return None
+    lo, hi = (k - 1) // 2, k - 1 - (k - 1) // 2
+    new = list(pads)
+    new[axis] += lo
+    new[axis + 2] += hi
+    widths = ((0, 0), (0, 0), (lo, hi) if axis == 0 else (0, 0), (lo, hi) if axis == 1 else (0, 0))
+    return widths, new
 
 
 _DENSE_LIMIT = 1 << 22  # elements of the dense weight an average pool becomes (8 MB in bf16)

@@ -83,6 +83,22 @@ def _slice(a: np.ndarray, axis: int, start: int, stop: int) -> np.ndarray:
     return np.ascontiguousarray(a[tuple(index)])
 
 
+def _frames_in_channels(a: np.ndarray, frames: int, out_frames: int, stride: int, pad: int, dilation: int,
+                        replicate: int = 0) -> np.ndarray:
+    """A 3-D convolution's weight ``[OC, IC, KT, ...]`` as the 2-D one over its frames stacked in channels:
+    ``[out_frames * OC, frames * IC, ...]``, block (t, f) the sum of the temporal taps k through which output frame
+    t reads input frame f (``f = t * stride - pad + k * dilation - replicate``, where ``replicate`` copies of
+    frame 0 stand in front: f < 0 reads frame 0), zeros where no tap does."""
+    oc, ic, kt, *rest = a.shape
+    out = np.zeros((out_frames, oc, frames, ic, *rest), a.dtype)
+    for t in range(out_frames):
+        for k in range(kt):
+            f = t * stride - pad + k * dilation - replicate
+            if -replicate <= f < frames:
+                out[t, :, max(f, 0)] += a[:, :, k]
+    return out.reshape(out_frames * oc, frames * ic, *rest)
+
+
 STEPS: dict[str, Callable[..., np.ndarray]] = {
     "transpose": lambda a, perm: np.ascontiguousarray(np.transpose(a, perm)),
     "reshape": lambda a, shape: a.reshape(shape),
@@ -93,6 +109,8 @@ STEPS: dict[str, Callable[..., np.ndarray]] = {
     "reciprocal": lambda a: (1.0 / a).astype(a.dtype),
     "bf16": _bf16,  # round to nearest even, stored as bfloat16
     "bfp16": _bfp16,  # AMD's block format (ops/bfp.py) along ``axis``, stored as bfloat16
+    "pad": lambda a, widths: np.pad(a, [tuple(w) for w in widths]),  # zeros around (a kernel made square)
+    "frames_in_channels": _frames_in_channels,  # a Conv3d's weight as the 2-D conv's over frames in channels
 }
 
 
