@@ -331,9 +331,10 @@ def test_every_pass_reports_modified_truthfully(tiny_conversion):
         records = compile_model(model, CompileOptions(), after_each=changed)
         for record, (_, name, change) in zip(records, [s for s in seen if s[0] == round_], strict=True):
             assert record.result.modified == change, (round_, name, record.result.counts)
-    # dynamo's VAE decoder is canonical already
-    assert [n for r, n, c in seen if r == 0 and c] == ["fuse", "layout", "glue", "views", "precision", "cleanup",
-                                                      "partition"]
+    # dynamo's VAE decoder is canonical already but for its attention's head Transpose, which the heads step sinks
+    # past the per-head arithmetic after it
+    assert [n for r, n, c in seen if r == 0 and c] == ["canonical/heads", "fuse", "layout", "glue", "views",
+                                                      "precision", "cleanup", "partition"]
     assert [n for r, n, c in seen if r == 1 and c] == ["canonical/fold", "canonical/finish"]
 
 
