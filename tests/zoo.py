@@ -148,6 +148,43 @@ def _kandinsky() -> Built:
     return _unet(config, added="image")
 
 
+@member("svd-unet", "unet", "Stable Video Diffusion UNetSpatioTemporalConditionModel (2 frames: temporal resnets and "
+        "attention over frames, added time ids)")
+def _svd() -> Built:
+    import torch
+
+    m = _diffusers("UNetSpatioTemporalConditionModel", sample_size=16, in_channels=8, out_channels=4,
+                   down_block_types=["CrossAttnDownBlockSpatioTemporal", "DownBlockSpatioTemporal"],
+                   up_block_types=["UpBlockSpatioTemporal", "CrossAttnUpBlockSpatioTemporal"],
+                   block_out_channels=[32, 64], addition_time_embed_dim=8, projection_class_embeddings_input_dim=24,
+                   layers_per_block=1, cross_attention_dim=32, num_attention_heads=[2, 4], num_frames=2)
+    # SVD's pipeline: latents and the image latents in channels, c_noise = 0.25 log(sigma) as the timestep, the
+    # image's CLIP embedding as one token, added_time_ids = [fps - 1, motion bucket, noise augmentation]
+    return Built(m, lambda m, s, t, e, ids: m(s, t, e, ids).sample,
+                 (_randn(1, 2, 8, 16, 16), torch.tensor([0.7]), _randn(1, 1, 32, seed=2),
+                  torch.tensor([[6.0, 127.0, 0.02]])),
+                 ("sample", "timestep", "encoder_hidden_states", "added_time_ids"))
+
+
+@member("stable-cascade-prior", "unet", "Stable Cascade stage C prior (StableCascadeUNet: ResBlock / TimestepBlock / "
+        "AttnBlock, CLIP text and image conditions)")
+def _stable_cascade() -> Built:
+    import torch
+
+    m = _diffusers("StableCascadeUNet", in_channels=16, out_channels=16, timestep_ratio_embedding_dim=64,
+                   patch_size=1, conditioning_dim=64, block_out_channels=[64, 64], num_attention_heads=[2, 2],
+                   down_num_layers_per_block=[1, 1], up_num_layers_per_block=[1, 1],
+                   down_blocks_repeat_mappers=[1, 1], up_blocks_repeat_mappers=[1, 1],
+                   block_types_per_layer=[["SDCascadeResBlock", "SDCascadeTimestepBlock", "SDCascadeAttnBlock"]] * 2,
+                   clip_text_in_channels=32, clip_text_pooled_in_channels=32, clip_image_in_channels=32, clip_seq=4,
+                   kernel_size=3, dropout=[0.0, 0.0], self_attn=True, timestep_conditioning_type=["sca", "crp"],
+                   switch_level=[False])
+    return Built(m, lambda m, s, r, p, t, i: m(s, r, p, clip_text=t, clip_img=i).sample,
+                 (_randn(1, 16, 12, 12), torch.tensor([0.6]), _randn(1, 1, 32, seed=2), _randn(1, 8, 32, seed=3),
+                  _randn(1, 1, 32, seed=4)),
+                 ("sample", "timestep_ratio", "clip_text_pooled", "clip_text", "clip_img"))
+
+
 # --- transformers -----------------------------------------------------------------------------------------
 
 def _flux_ids(h: int, w: int, text: int, axes: int = 3) -> tuple[Any, Any]:
@@ -417,6 +454,29 @@ def _flux2_vae_dec() -> Built:
     return _vae_decoder(m, 16, 8)
 
 
+_WAN22_WHY = {"torchscript": "TorchScript cannot export aten::_upsample_nearest_exact2d (its upsamplers' nearest-exact "
+                           "upsampling)"}
+
+
+@member("wan22-vae-decoder", "vae", "AutoencoderKLWan decoder, Wan 2.2 TI2V style (residual up-blocks with DupUp3D, "
+        "2x2 patchify, causal 3-D convs; one frame)", exporters=("dynamo",), why_not=_WAN22_WHY)
+def _wan22_vae_dec() -> Built:
+    m = _diffusers("AutoencoderKLWan", base_dim=16, decoder_base_dim=16, z_dim=8, dim_mult=[1, 2, 2], num_res_blocks=1,
+                   attn_scales=[], temperal_downsample=[False, False], is_residual=True, in_channels=12,
+                   out_channels=12, patch_size=2, latents_mean=[0.0] * 8, latents_std=[1.0] * 8)
+    return Built(m, lambda m, z: m.decode(z).sample, (_randn(1, 8, 1, 8, 8),), ("latent_sample",), ("sample",))
+
+
+@member("cogvideox-vae-decoder", "vae", "AutoencoderKLCogVideoX decoder (causal 3-D convs, spatial norm on the "
+        "latent; 2 latent frames)")
+def _cogvideox_vae_dec() -> Built:
+    m = _diffusers("AutoencoderKLCogVideoX", in_channels=3, out_channels=3,
+                   down_block_types=["CogVideoXDownBlock3D"] * 2, up_block_types=["CogVideoXUpBlock3D"] * 2,
+                   block_out_channels=[16, 32], latent_channels=4, layers_per_block=1, norm_num_groups=8,
+                   temporal_compression_ratio=2, sample_height=64, sample_width=64)
+    return Built(m, lambda m, z: m.decode(z).sample, (_randn(1, 4, 2, 8, 8),), ("latent_sample",), ("sample",))
+
+
 # --- text encoders ----------------------------------------------------------------------------------------
 
 def _transformers(cls_name: str, config: dict[str, Any]) -> Any:
@@ -461,6 +521,50 @@ def _gemma2() -> Built:
               "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 16, "sliding_window": 64,
               "max_position_embeddings": 256, "attn_implementation": "eager"}
     return _text(_transformers("Gemma2Model", config), 512, length=32)
+
+
+# The decoder-only text encoders of Qwen-Image (Qwen2.5-VL's text stack), HiDream (Llama 3) and Z-Image (Qwen3), as
+# their pipelines call them: Qwen2's and Qwen3's with the caption's attention_mask (padded tokens), Llama's without.
+_DECODER = {"vocab_size": 512, "hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2,
+            "num_attention_heads": 4, "num_key_value_heads": 2, "max_position_embeddings": 256,
+            "attn_implementation": "eager"}
+
+
+def _decoder_text(m: Any, mask: bool) -> Built:
+    import torch
+
+    ids = torch.randint(0, 512, (1, 32), generator=torch.Generator().manual_seed(4))
+    if not mask:
+        return Built(m, lambda m, i: m(input_ids=i).last_hidden_state, (ids,), ("input_ids",), ("last_hidden_state",))
+    attention = torch.ones(1, 32, dtype=torch.long)
+    attention[:, 28:] = 0  # padded caption tokens
+    return Built(m, lambda m, i, a: m(input_ids=i, attention_mask=a).last_hidden_state, (ids, attention),
+                 ("input_ids", "attention_mask"), ("last_hidden_state",))
+
+
+_QWEN_TS_WHY = {"torchscript": "with the attention_mask, TorchScript fails in transformers' mask code "
+                             "(RuntimeError: unordered_map::at)"}
+
+
+@member("qwen2", "text", "Qwen2 decoder as a text encoder (Qwen-Image's Qwen2.5-VL text stack: grouped-query "
+        "attention, RoPE, SwiGLU, causal and padding mask)", exporters=("dynamo",), why_not=_QWEN_TS_WHY)
+def _qwen2() -> Built:
+    return _decoder_text(_transformers("Qwen2Model", _DECODER), mask=True)
+
+
+@member("llama3", "text", "Llama 3 decoder as a text encoder (HiDream's: grouped-query attention, llama3 RoPE "
+        "scaling, RMSNorm, SwiGLU)")
+def _llama3() -> Built:
+    config = {**_DECODER, "rope_theta": 500000.0,
+              "rope_scaling": {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+                               "original_max_position_embeddings": 64}}
+    return _decoder_text(_transformers("LlamaModel", config), mask=False)
+
+
+@member("qwen3", "text", "Qwen3 decoder as a text encoder (Z-Image's: grouped-query attention, RoPE, per-head RMS "
+        "q / k norms, SwiGLU, causal and padding mask)", exporters=("dynamo",), why_not=_QWEN_TS_WHY)
+def _qwen3() -> Built:
+    return _decoder_text(_transformers("Qwen3Model", {**_DECODER, "head_dim": 16}), mask=True)
 
 
 # --- export and compile -----------------------------------------------------------------------------------
