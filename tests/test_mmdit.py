@@ -111,9 +111,9 @@ def pos_embed_crop():
      (rms_norm, {"SDRMSNorm": 1}),
      (lambda: rms_norm("torchscript", scale=False, rank=2), {"SDRMSNorm": 1}),
      (lambda: rms_norm(rank=4), {"SDRMSNorm": 1}),
-     # scaled per head, not per channel: the norm alone (the Mul after it is the glue's, which keeps it on the
-     # CPU: the kernels take no [H, 1] operand)
-     (lambda: rms_norm(scale_shape=(H, 1)), {"SDRMSNorm": 1}),
+     # scaled per head, not per channel: the norm alone, and the Mul after it the glue's (its [H, 1] operand read
+     # as [1, H, 1], numpy's broadcasting, which the kernels' same-rank broadcast takes)
+     (lambda: rms_norm(scale_shape=(H, 1)), {"SDRMSNorm": 1, "SDMul": 1}),
      (adaln_chunks, {"SDGemm": 6, "SDAdd": 3}),
       (pos_embed_crop, {"SDGemm": 1, "SDAdd": 1})],
 )
