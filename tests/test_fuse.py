@@ -334,7 +334,6 @@ def l2_norm(shape: list[int], axes: list[int], root: str = "ReduceL2", clamp: st
             expand: bool = True, after: list[tuple[str, np.ndarray]] = (), numerator: str = "x"):
     """x / clamp(||x||, eps) as F.normalize exports it (ReduceL2, Clip, Expand, Div), and its neighbours: the root
     as Sqrt(ReduceSum(x * x)) or Sqrt(ReduceMean(x * x)) (an RMS norm), eps by Max or added, constants after."""
-    red = [1 if i in [a % len(shape) for a in axes] else d for i, d in enumerate(shape)]
     inits = {"axes": np.array(axes), "eps": np.array(eps, np.float32), "shape": np.array(shape)}
     if root == "ReduceL2":
         nodes = [n("ReduceL2", ["x", "axes"], ["r"], keepdims=1)]
@@ -471,10 +470,10 @@ def _seeded(module: torch.nn.Module) -> torch.nn.Module:
     return module.eval()
 
 
-def _export(name: str, exporter: str, path) -> onnx.ModelProto:
-    """The module exported, every value's shape inferred (the bf16 check perturbs each value, so it needs them;
-    TorchScript writes none)."""
-    build, shape, _ = TORCH_NORMS[name]
+def _export(name: str, exporter: str, path, table: dict | None = None) -> onnx.ModelProto:
+    """The module ``table[name]`` (``TORCH_NORMS`` by default) exported, every value's shape inferred (the bf16
+    check perturbs each value, so it needs them; TorchScript writes none)."""
+    build, shape, _ = (TORCH_NORMS if table is None else table)[name]
     module, x = _seeded(build()), torch.randn(shape, generator=torch.Generator().manual_seed(0))
     with torch.no_grad():
         if exporter == "dynamo":
@@ -559,16 +558,7 @@ TORCH_CONVS = {  # name: (module, input shape, the ops left beside the SDConvs, 
 
 
 def _export_conv(name: str, exporter: str, path) -> onnx.ModelProto:
-    build, shape, _ = TORCH_CONVS[name]
-    module, x = _seeded(build()), torch.randn(shape, generator=torch.Generator().manual_seed(0))
-    with torch.no_grad():
-        if exporter == "dynamo":
-            torch.onnx.export(module, (x,), dynamo=True, opset_version=18, input_names=["x"], output_names=["y"],
-                              verbose=False, report=False).save(str(path))
-        else:
-            torch.onnx.export(module, (x,), str(path), dynamo=False, opset_version=17, input_names=["x"],
-                              output_names=["y"])
-    return onnx.shape_inference.infer_shapes(onnx.load(str(path)), strict_mode=True, data_prop=True)
+    return _export(name, exporter, path, TORCH_CONVS)
 
 
 @pytest.mark.parametrize("exporter", ["dynamo", "torchscript"])
