@@ -27,7 +27,7 @@ from typing import Any, Literal
 from sdnpu import families
 from sdnpu.components import COMPONENTS, MODULES, module_of
 from sdnpu.convert import singlefile
-from sdnpu.convert.tokenizer import clip_vocab_and_merges, t5_tokenizer_files, tokenizer_files
+from sdnpu.convert.tokenizer import clip_vocab_and_merges, qwen_tokenizer_files, t5_tokenizer_files, tokenizer_files
 from sdnpu.errors import SdnpuError
 from sdnpu.fileio import atomic_write_bytes, atomic_write_json, staged_dir
 from sdnpu.formats import generation
@@ -45,11 +45,12 @@ PRESET_SEED = 0
 # (``sdnpu.families``), all diffusers classes.
 _CLASSES: dict[str, tuple[str, str]] = {
     **{f.denoiser_class: ("diffusers", f.denoiser) for f in families.TABLE},
-    "AutoencoderKL": ("diffusers", "vae"),
+    **{f.vae_class: ("diffusers", "vae") for f in families.TABLE},  # AutoencoderKL, Qwen-Image's own
     "CLIPTextModel": ("transformers", "text_encoder"),
     "CLIPTextModelWithProjection": ("transformers", "text_encoder_2"),
     "ControlNetModel": ("diffusers", "controlnet"),
     "T5EncoderModel": ("transformers", "text_encoder_3"),
+    "Qwen2_5_VLForConditionalGeneration": ("transformers", "text_encoder"),  # Qwen-Image's: its language model
 }
 _WEIGHT_SUFFIXES = (".safetensors", ".bin")
 _PIPELINE_FOLDERS = ("scheduler", "tokenizer", "tokenizer_2", "tokenizer_3")
@@ -277,7 +278,8 @@ class Source:
         """Copy what a runtime needs beside the graphs: model_index.json (and generation.json, written where the
         family's defaults are not the usual ones: a Flux.1 folder's), scheduler/,
         tokenizer/, tokenizer_2/, tokenizer_3/ (for presets the CLIP tokenizers are built from CLIP's BPE merges,
-        a T5 tokenizer (SD3's third, Flux.1's second) is a stand-in: ``sdnpu.convert.tokenizer.t5_tokenizer_files``).
+        a T5 tokenizer (SD3's third, Flux.1's second) and a Qwen2 one (Qwen-Image's) are stand-ins:
+        ``sdnpu.convert.tokenizer.t5_tokenizer_files``, ``qwen_tokenizer_files``).
         Returns what it wrote. A single file's are its preset's."""
         if self.single is not None:
             return self.single.preset.write_pipeline_files(out)
@@ -299,9 +301,10 @@ class Source:
                 if name not in index:
                     continue
                 pad = _preset_pad(src, "<|endoftext|>" if name == "tokenizer" else "!")  # CLIP-L's, OpenCLIP's
-                entry = index[name]  # a T5 tokenizer: SD3's third, Flux.1's second
-                t5 = isinstance(entry, list) and str(entry[-1]).startswith("T5")
-                files = t5_tokenizer_files() if t5 else tokenizer_files(pad)
+                entry = index[name]  # a T5 tokenizer: SD3's third, Flux.1's second; Qwen-Image's Qwen2
+                cls = str(entry[-1]) if isinstance(entry, list) else ""
+                files = (t5_tokenizer_files() if cls.startswith("T5") else qwen_tokenizer_files()
+                         if cls.startswith("Qwen2") else tokenizer_files(pad))
                 with staged_dir(out / name) as stage:
                     for fname, data in files.items():
                         (stage / fname).write_bytes(data)

@@ -147,3 +147,55 @@ def t5_tokenizer_files(model_max_length: int = 77) -> dict[str, bytes]:
         "tokenizer_config.json": (json.dumps(config, indent=2) + "\n").encode("utf-8"),
         "special_tokens_map.json": (json.dumps(special, indent=2) + "\n").encode("utf-8"),
     }
+
+
+QWEN_SPECIAL = ("<|endoftext|>", "<|im_start|>", "<|im_end|>")  # Qwen2's first special tokens, in its order
+
+
+def qwen_vocab_and_merges() -> tuple[dict[str, int], list[str]]:
+    """The stand-in Qwen2 vocabulary (token -> id) and merges: the byte symbols, then CLIP's merges that join
+    pieces inside a word (those without ``</w>``, a set closed under what they build), each adding its token,
+    then Qwen2's special tokens (``QWEN_SPECIAL``)."""
+    _, merges = clip_vocab_and_merges()
+    inner = [m for m in merges if "</w>" not in m]
+    tokens = list(_bytes_to_unicode().values())
+    seen = set(tokens)
+    kept = []
+    for m in inner:
+        token = "".join(m.split(" "))
+        if token not in seen:
+            seen.add(token)
+            tokens.append(token)
+            kept.append(m)
+    tokens += list(QWEN_SPECIAL)
+    return {tok: i for i, tok in enumerate(tokens)}, kept
+
+
+def qwen_tokenizer_files(model_max_length: int = 32768) -> dict[str, bytes]:
+    """A ``Qwen2Tokenizer`` folder (``vocab.json``, ``merges.txt`` and its config) for the presets' Qwen2.5-VL
+    text encoder, which both the slow tokenizer (diffusers' ``QwenImagePipeline`` loads it) and the fast one
+    (``AutoTokenizer``: converted from the same files) read.
+
+    Qwen2's vocabulary (151,643 byte-level BPE tokens) ships in no package this project installs, so this is a
+    **stand-in in Qwen2's format**, not Qwen2's vocabulary: byte-level BPE over GPT-2's byte table (Qwen2's),
+    with Qwen2's pre-tokenizer (the slow tokenizer's, its fast conversion's), whose merges are CLIP's merges
+    inside words (``qwen_vocab_and_merges``), and Qwen2's special tokens ``<|endoftext|>`` (the padding),
+    ``<|im_start|>``, ``<|im_end|>`` after them. It tokenizes the chat template and real text into plausible
+    pieces, which is what seeded weights need; it does not tokenize the template's system prompt into Qwen2's
+    34 tokens, which ``QwenImagePipeline`` drops by count (``prompt_template_encode_start_idx``). A local
+    folder brings its own ``tokenizer``."""
+    vocab, merges = qwen_vocab_and_merges()
+    added = {str(vocab[t]): {"content": t, "lstrip": False, "normalized": False, "rstrip": False,
+                             "single_word": False, "special": True} for t in QWEN_SPECIAL}
+    config = {"tokenizer_class": "Qwen2Tokenizer", "model_max_length": model_max_length, "errors": "replace",
+              "bos_token": None, "unk_token": None, "eos_token": "<|im_end|>", "pad_token": "<|endoftext|>",
+              "clean_up_tokenization_spaces": False, "split_special_tokens": False,
+              "added_tokens_decoder": added, "additional_special_tokens": ["<|im_start|>", "<|im_end|>"]}
+    special = {"eos_token": "<|im_end|>", "pad_token": "<|endoftext|>",
+               "additional_special_tokens": ["<|im_start|>", "<|im_end|>"]}
+    return {
+        "vocab.json": json.dumps(vocab, ensure_ascii=False).encode("utf-8"),
+        "merges.txt": ("#version: 0.2\n" + "\n".join(merges) + "\n").encode("utf-8"),
+        "tokenizer_config.json": (json.dumps(config, indent=2) + "\n").encode("utf-8"),
+        "special_tokens_map.json": (json.dumps(special, indent=2) + "\n").encode("utf-8"),
+    }

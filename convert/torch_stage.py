@@ -84,7 +84,8 @@ def run_torch_stage(src: Source, job: Job, path: str, holder: list[Any]) -> Torc
     module, load_s = holder.pop() if holder else load(src, comp, job.key)
     seconds = {"load": round(load_s, 2)}
     lora = _fuse_loras(src, job, module)
-    wrapper = build_wrapper(comp, module, job.spec.config)
+    factor = job.spec.vae_factor
+    wrapper = build_wrapper(comp, module, job.spec.config, latent=(job.res.height // factor, job.res.width // factor))
     del module
     n_params = sum(p.numel() for p in wrapper.parameters())
     feeds = job.sample_inputs()

@@ -14,6 +14,7 @@ from typing import Any
 import torch
 
 from sdnpu import components
+from sdnpu.errors import SdnpuError
 from sdnpu.signatures import clip_projection, unet_text_time
 
 
@@ -173,12 +174,73 @@ class FluxTransformer(torch.nn.Module):
                                  return_dict=False)[0],)
 
 
+class QwenTextEncoder(torch.nn.Module):
+    """Qwen-Image's text encoder (``Qwen2_5_VLForConditionalGeneration``): input_ids -> the language model's last
+    hidden states (after its final norm: ``hidden_states[-1]``, what ``QwenImagePipeline`` reads). Its vision
+    tower is not exported: the pipeline gives it no image. Without the attention mask: the attention is causal,
+    so the padding after the prompt changes none of the prompt's states, and its text positions (0, 1, ... on
+    each of the three rotary axes) are what Qwen2.5-VL computes from the mask for a prompt padded at its end."""
+
+    def __init__(self, model: Any) -> None:
+        super().__init__()
+        self.model = model.model.language_model
+
+    @classmethod
+    def of(cls, module: Any, component: str, config: dict[str, Any]) -> torch.nn.Module:
+        return cls(module)
+
+    def forward(self, input_ids: torch.Tensor) -> tuple[torch.Tensor]:
+        return (self.model(input_ids=input_ids, use_cache=False, return_dict=True).last_hidden_state,)
+
+
+class QwenImageTransformer(torch.nn.Module):
+    """Qwen-Image's transformer: (hidden_states, timestep, encoder_hidden_states, encoder_hidden_states_mask) ->
+    out_sample, as ``QwenImagePipeline`` calls it (packed latents, timestep / 1000, the caption's mask) for an
+    image of ``latent`` latents: its shape (one frame of (H/2f) x (W/2f) tokens) sets the rotary tables."""
+
+    def __init__(self, transformer: Any, latent: tuple[int, int]) -> None:
+        super().__init__()
+        self.transformer = transformer
+        self.shape = (1, latent[0] // 2, latent[1] // 2)
+
+    @classmethod
+    def of(cls, module: Any, component: str, config: dict[str, Any],
+           latent: tuple[int, int] | None = None) -> torch.nn.Module:
+        if latent is None:
+            raise SdnpuError("Qwen-Image's transformer is exported for one image size: give its latent size",
+                             hint="build_wrapper(..., latent=(height // f, width // f))")
+        return cls(module, latent)
+
+    def forward(self, hidden_states: torch.Tensor, timestep: torch.Tensor, encoder_hidden_states: torch.Tensor,
+                encoder_hidden_states_mask: torch.Tensor) -> tuple[torch.Tensor]:
+        return (self.transformer(hidden_states=hidden_states, timestep=timestep,
+                                 encoder_hidden_states=encoder_hidden_states,
+                                 encoder_hidden_states_mask=encoder_hidden_states_mask,
+                                 img_shapes=[[self.shape]] * hidden_states.shape[0], return_dict=False)[0],)
+
+
+class QwenImageVaeEncoder(VaeEncoder):
+    """Qwen-Image's VAE (``AutoencoderKLQwenImage``) on one frame: sample [1, 3, 1, H, W] -> its latent
+    distribution's parameters [1, 2L, 1, H/f, W/f] (mean, then log-variance)."""
+
+
+class QwenImageVaeDecoder(VaeDecoder):
+    """Qwen-Image's VAE on one frame: latent_sample [1, L, 1, H/f, W/f] -> sample [1, 3, 1, H, W]."""
+
+
 _BY_NAME: dict[str, Any] = {"TextEncoder": TextEncoder, "T5Encoder": T5Encoder, "Transformer": Transformer,
-                            "FluxTransformer": FluxTransformer,
+                            "FluxTransformer": FluxTransformer, "QwenTextEncoder": QwenTextEncoder,
+                            "QwenImageTransformer": QwenImageTransformer, "QwenImageVaeEncoder": QwenImageVaeEncoder,
+                            "QwenImageVaeDecoder": QwenImageVaeDecoder,
                             "UNet": UNet, "VaeEncoder": VaeEncoder, "VaeDecoder": VaeDecoder,
                             "ControlNet": ControlNet, "UNetResiduals": UNetResiduals}
 
 
-def build_wrapper(component: str, module: Any, config: dict[str, Any]) -> Any:
-    """A torch module whose forward takes the signature's inputs in order and returns a tuple."""
-    return _BY_NAME[components.wrapper_of(component, config)].of(module, component, config).eval()
+def build_wrapper(component: str, module: Any, config: dict[str, Any], latent: tuple[int, int] | None = None) -> Any:
+    """A torch module whose forward takes the signature's inputs in order and returns a tuple; ``latent``: the
+    latent size (H/f, W/f) the graph is for, which a wrapper whose module takes the image's shape besides its
+    tensors needs (Qwen-Image's transformer)."""
+    cls = _BY_NAME[components.wrapper_of(component, config)]
+    made = cls.of(module, component, config, latent) if cls is QwenImageTransformer else cls.of(module, component,
+                                                                                                  config)
+    return made.eval()

@@ -20,8 +20,9 @@ transformer     transformer     yes   yes               Transformer
 =============== =============== ===== ==== ============ ==============
 
 A module of another class under the same key takes another wrapper (``wrapper_of``): Flux.1's
-``text_encoder_2`` is T5 (``T5Encoder``), its ``transformer`` takes its family's own (``FluxTransformer``: the
-family's ``wrappers``, ``sdnpu.families``).
+``text_encoder_2`` is T5 (``T5Encoder``), Qwen-Image's ``text_encoder`` Qwen2.5-VL (``QwenTextEncoder``), a
+family's own denoiser or VAE takes its family's own (Flux.1's ``FluxTransformer``, Qwen-Image's
+``QwenImageTransformer`` and its VAE's: the family's ``wrappers``, ``sdnpu.families``).
 
 *sized*: its graph depends on the image size (converted at every size of ``--res``; the text encoders once).
 *LoRA*: a LoRA can change it (``sdnpu lora``, ``--lora``) in a pipeline whose family takes LoRAs (the
@@ -91,15 +92,20 @@ def module_of(name: str) -> str:
     return row(name).module
 
 
+# text encoders that are no CLIP, by their config's model_type: T5 (SD3's third, Flux.1's second), Qwen2.5-VL
+# (Qwen-Image's: its language model alone)
+_TEXT_WRAPPERS = {"t5": "T5Encoder", "qwen2_5_vl": "QwenTextEncoder"}
+
+
 def wrapper_of(name: str, config: dict[str, Any] | None = None) -> str:
     """The wrapper of component ``name`` for a module of ``config`` (its row's, unless the config names another
     class under the same key: T5 as Flux.1's ``text_encoder_2``; a family's own denoiser wrapper, Flux.1's)."""
     wrapper = row(name).wrapper
     if config is None:
         return wrapper
-    if wrapper == "TextEncoder" and config.get("model_type") == "t5":
-        return "T5Encoder"
-    family = families.of_class(config.get("_class_name"))
+    if wrapper == "TextEncoder" and config.get("model_type") in _TEXT_WRAPPERS:
+        return _TEXT_WRAPPERS[str(config["model_type"])]
+    family = families.of_module_class(config.get("_class_name"))
     return family.wrappers.get(wrapper, wrapper) if family is not None else wrapper
 
 

@@ -6,14 +6,21 @@ the timestep the denoiser takes, which components a LoRA reaches, how the denois
 which runtime loop draws with it. The rows are in the order a pipeline is told by (``detect``): the most
 specific first, SD 1.x/2.x, what nothing else says, last.
 
-====== ====== ====================== ================ ============== ==================== ==========
-name   title  denoiser               said by          text encoders  LoRAs reach          runtime
-====== ====== ====================== ================ ============== ==================== ==========
-flux   Flux.1 FluxTransformer2DModel its class, Flux* CLIP-L, T5     transformer, CLIP-L  flux
-sd3    SD3    SD3Transformer2DModel  its class, SD3*  CLIP-L, -G, T5 none yet             sd3
-sdxl   SDXL   UNet2DConditionModel   text_encoder_2   CLIP-L, CLIP-G UNets, CLIP encoders text2image
-sd     SD 1.x UNet2DConditionModel   nothing else     CLIP-L         UNets, CLIP encoders text2image
-====== ====== ====================== ================ ============== ==================== ==========
+========== ========== =========================== ===================== ============== ==================== ==========
+name       title      denoiser                    said by               text encoders  LoRAs reach          runtime
+========== ========== =========================== ===================== ============== ==================== ==========
+qwen-image Qwen-Image QwenImageTransformer2DModel its class, QwenImage* Qwen2.5-VL     none yet             qwenimage
+flux       Flux.1     FluxTransformer2DModel      its class, Flux*      CLIP-L, T5     transformer, CLIP-L  flux
+sd3        SD3        SD3Transformer2DModel       its class, SD3*       CLIP-L, -G, T5 none yet             sd3
+sdxl       SDXL       UNet2DConditionModel        text_encoder_2        CLIP-L, CLIP-G UNets, CLIP encoders text2image
+sd         SD 1.x     UNet2DConditionModel        nothing else          CLIP-L         UNets, CLIP encoders text2image
+========== ========== =========================== ===================== ============== ==================== ==========
+
+Qwen-Image has its own VAE (``AutoencoderKLQwenImage``: Wan 2.1's causal 3-D VAE, one frame, its latents
+normalized by per-channel ``latents_mean`` / ``latents_std``), its own wrappers (the transformer on packed latents
+with the caption's mask, the VAE on 5-D tensors of one frame), its text encoder's class (Qwen2.5-VL, whose language
+model's last hidden states are the prompt), ``QwenImagePipeline``'s defaults (50 steps, ``true_cfg_scale`` 4,
+512 prompt tokens; a drawing size of 128 latent pixels a side) and timestep (diffusers' / 1000).
 
 Flux.1 also has its own transformer wrapper (packed latents and position ids), generation defaults
 (``FluxPipeline``'s 28 steps at guidance 3.5, embedded), timestep (diffusers' / 1000) and block-by-block pieces.
@@ -72,6 +79,10 @@ class Family:
     generation: Mapping[str, Any] = field(default_factory=lambda: _NOTHING)
     timestep_divisor: int = 1  # the denoiser takes diffusers' timestep divided by this (Flux.1's: 1000)
     blockwise: str | None = None  # the module of its denoiser's block-by-block pieces (``pieces``, ``whole_module``)
+    vae_class: str = "AutoencoderKL"  # diffusers' class of its VAE; its ``wrappers`` apply to a VAE of its own
+    # class too (``of_module_class``)
+    sample_size: int | None = None  # the latent side its pipeline draws at by default, where its denoiser's config
+    # names none (``QwenImagePipeline.default_sample_size``); None: the VAE's ``sample_size`` in pixels
 
     @property
     def a_pipeline(self) -> str:
@@ -88,6 +99,19 @@ class Family:
         return self.marker is not None and module_class(index, self.marker) is not None
 
 
+QWEN_IMAGE = Family(
+    "qwen-image", "Qwen-Image", "a", "QwenImagePipeline", "transformer", "QwenImageTransformer2DModel",
+    text_encoders=("text_encoder",),  # Qwen2.5-VL's language model
+    lora=(),  # not supported yet
+    runtime="sdnpu.runtime.qwenimage:QwenImagePipeline",
+    pipeline_prefix="QwenImage",
+    wrappers=MappingProxyType({"Transformer": "QwenImageTransformer",  # packed latents, the caption's mask
+                               "VaeEncoder": "QwenImageVaeEncoder", "VaeDecoder": "QwenImageVaeDecoder"}),
+    generation=MappingProxyType({"steps": 50, "guidance": 4.0}),  # QwenImagePipeline's (true_cfg_scale 4)
+    timestep_divisor=1000,
+    vae_class="AutoencoderKLQwenImage",
+    sample_size=128,  # QwenImagePipeline.default_sample_size: 1024 px at the VAE's 8
+)
 FLUX = Family(
     "flux", "Flux.1", "a", "FluxPipeline", "transformer", "FluxTransformer2DModel",
     text_encoders=("text_encoder", "text_encoder_2"),  # CLIP-L (pooled), T5
@@ -123,7 +147,7 @@ SD = Family(
     clip_last_hidden=True,
 )
 
-TABLE: tuple[Family, ...] = (FLUX, SD3, SDXL, SD)  # the order ``detect`` asks them in
+TABLE: tuple[Family, ...] = (QWEN_IMAGE, FLUX, SD3, SDXL, SD)  # the order ``detect`` asks them in
 DEFAULT = SD  # the family of a folder nothing else says (and of an unknown one: ``named(None)``)
 _ROWS = {f.name: f for f in TABLE}
 NAMES: tuple[str, ...] = tuple(_ROWS)
@@ -169,6 +193,13 @@ def of_class(cls_name: str | None) -> Family | None:
     Rows that share a class agree on what is asked of one (``wrappers``, ``timestep_divisor``, whether LoRAs
     reach it): the tests hold them to it."""
     return next((f for f in TABLE if f.denoiser_class == cls_name), None)
+
+
+def of_module_class(cls_name: str | None) -> Family | None:
+    """The family whose own module ``cls_name`` is: its denoiser's class (``of_class``), else the first row whose
+    VAE is of that class (a VAE class of one family alone: Qwen-Image's ``AutoencoderKLQwenImage``). Its
+    ``wrappers`` say the wrapper of such a module."""
+    return of_class(cls_name) or next((f for f in TABLE if f.vae_class == cls_name), None)
 
 
 def load(path: str) -> Any:

@@ -30,6 +30,15 @@ transformer     hidden_states [1, N, 4L], timestep [1] f32,          out_sample 
 (Flux.1)        encoder_hidden_states [1, T, J], pooled_projections
                 [1, P], img_ids [N, 3], txt_ids [T, 3],
                 guidance [1] (dev only)
+text_encoder    input_ids [1, 34 + T] int64 (Qwen-Image's           last_hidden_state [1, 34 + T, J]
+(Qwen-Image)    Qwen2.5-VL: the prompt template's tokens)
+transformer     hidden_states [2, N, 4L], timestep [2] f32,          out_sample [2, N, 4L]
+(Qwen-Image)    encoder_hidden_states [2, T, J],
+                encoder_hidden_states_mask [2, T] int64
+vae_encoder     sample [1, 3, 1, H, W] (one frame)                 latent_parameters [1, 2L, 1, H/f, W/f]
+(Qwen-Image)
+vae_decoder     latent_sample [1, L, 1, H/f, W/f]                  sample [1, 3, 1, H, W]
+(Qwen-Image)
 =============== ================================================= =====================================
 
 Flux.1's transformer takes the latents packed as diffusers' ``FluxPipeline`` packs them: each 2 x 2 patch of
@@ -37,6 +46,13 @@ the L-channel latents one token of 4L values, N = (H/2f) (W/2f) tokens, with the
 column) and T5's T tokens' (zeros); its timestep and guidance are diffusers' (the timestep divided by 1000).
 Flux.1's ``text_encoder_2`` is T5 (``input_ids [1, T]``, T 512 by default: ``generation.json``'s
 ``max_sequence_length``), its CLIP-L gives the pooled prompt alone.
+
+Qwen-Image's transformer takes the latents packed as Flux.1's (``QwenImagePipeline._pack_latents``), the
+prompt's T tokens (512 by default: ``generation.json``'s ``max_sequence_length``) with their mask (1 for the
+prompt's tokens, 0 for the padding after them); the image's shape (its rotary tables) is the graph's, fixed at
+export. Its text encoder is Qwen2.5-VL's language model over the prompt template's tokens: the template's first
+34 (``QwenImagePipeline.prompt_template_encode_start_idx``), then T for the prompt; its VAE works on one frame
+of a video VAE's 5-D tensors.
 
 The UNet, a ControlNet and SD3's transformer run at the denoiser's batch (``batched``; the table shows the
 default, 2: classifier-free guidance's unconditional and conditional halves in one call; 1 for a guidance-free
@@ -62,10 +78,13 @@ from sdnpu.imagesize import Size
 
 CFG_BATCH = 2  # classifier-free guidance runs both halves (unconditional, conditional) in one denoiser call
 # The wrappers whose graphs take a denoiser's batch (``batched``); the others run at batch 1.
-_BATCHED = frozenset({"Transformer", "FluxTransformer", "UNet", "UNetResiduals", "ControlNet"})
+_BATCHED = frozenset({"Transformer", "FluxTransformer", "QwenImageTransformer", "UNet", "UNetResiduals",
+                      "ControlNet"})
 SEQ_LEN = 77  # CLIP's context length
 T5_SEQ_LEN = 77  # SD3's T5 tokens (diffusers' max_sequence_length)
 FLUX_T5_SEQ_LEN = 512  # Flux.1's T5 tokens, FluxPipeline's default max_sequence_length
+QWEN_SEQ_LEN = 512  # Qwen-Image's prompt tokens, QwenImagePipeline's default max_sequence_length
+QWEN_TEMPLATE_TOKENS = 34  # QwenImagePipeline.prompt_template_encode_start_idx: the template's tokens it drops
 F32, I64 = "float32", "int64"
 
 
@@ -88,7 +107,14 @@ class Signature:
 def vae_scale_factor(vae_config: dict[str, Any] | None) -> int:
     if not vae_config:
         return 8
+    if "temperal_downsample" in vae_config:  # a video VAE (Qwen-Image's): each entry one spatial halving
+        return 2 ** len(vae_config["temperal_downsample"])
     return 2 ** (len(vae_config["block_out_channels"]) - 1)
+
+
+def latent_channels(vae_config: dict[str, Any]) -> int:
+    """The VAE's latent channels L: ``latent_channels`` (AutoencoderKL), ``z_dim`` (Qwen-Image's)."""
+    return int(vae_config["z_dim"] if "z_dim" in vae_config else vae_config["latent_channels"])
 
 
 def unet_text_time(config: dict[str, Any]) -> bool:
@@ -126,6 +152,33 @@ def _text_encoder(at: _At) -> Signature:
 def _t5_encoder(at: _At) -> Signature:
     length = at.text_len or (FLUX_T5_SEQ_LEN if at.component == "text_encoder_2" else T5_SEQ_LEN)
     return Signature((TensorSpec("input_ids", (1, length), I64),), ("last_hidden_state",))
+
+
+def _qwen_text_encoder(at: _At) -> Signature:
+    length = QWEN_TEMPLATE_TOKENS + (at.text_len or QWEN_SEQ_LEN)
+    return Signature((TensorSpec("input_ids", (1, length), I64),), ("last_hidden_state",))
+
+
+def _qwen_transformer(at: _At) -> Signature:
+    c = at.config
+    n, t = flux_tokens(at.latent), at.text_len or QWEN_SEQ_LEN
+    return Signature((
+        TensorSpec("hidden_states", (at.batch, n, c["in_channels"]), F32),
+        TensorSpec("timestep", (at.batch,), F32),
+        TensorSpec("encoder_hidden_states", (at.batch, t, c["joint_attention_dim"]), F32),
+        TensorSpec("encoder_hidden_states_mask", (at.batch, t), I64),
+    ), ("out_sample",))
+
+
+def _qwen_vae_encoder(at: _At) -> Signature:
+    c = at.config
+    return Signature((TensorSpec("sample", (1, c.get("input_channels", 3), 1, at.size.height, at.size.width), F32),),
+                     ("latent_parameters",))
+
+
+def _qwen_vae_decoder(at: _At) -> Signature:
+    return Signature((TensorSpec("latent_sample", (1, latent_channels(at.config), 1, *at.latent), F32),),
+                     ("sample",))
 
 
 def flux_tokens(latent: tuple[int, int]) -> int:
@@ -219,7 +272,8 @@ _BY_WRAPPER: dict[str, Callable[[_At], Signature]] = {
     "TextEncoder": _text_encoder, "T5Encoder": _t5_encoder, "Transformer": _transformer,
     "FluxTransformer": _flux_transformer, "UNet": _unet,
     "UNetResiduals": _unet_residuals, "ControlNet": _controlnet, "VaeEncoder": _vae_encoder,
-    "VaeDecoder": _vae_decoder,
+    "VaeDecoder": _vae_decoder, "QwenTextEncoder": _qwen_text_encoder, "QwenImageTransformer": _qwen_transformer,
+    "QwenImageVaeEncoder": _qwen_vae_encoder, "QwenImageVaeDecoder": _qwen_vae_decoder,
 }
 
 
@@ -285,8 +339,13 @@ def residual_shapes(config: dict[str, Any], lh: int, lw: int, batch: int = CFG_B
 
 
 def _token_ids(spec: TensorSpec, config: dict[str, Any], rng: np.random.Generator) -> np.ndarray:
-    """A seeded token sequence: T5's (tokens, ``</s>`` (1), ``<pad>`` (0)) or CLIP's (BOS, tokens, EOS, padding)."""
+    """A seeded token sequence: T5's (tokens, ``</s>`` (1), ``<pad>`` (0)), Qwen2.5-VL's (tokens all through: its
+    attention is causal, so the padding after a prompt changes none of the prompt's states) or CLIP's (BOS,
+    tokens, EOS, padding)."""
     n = 12
+    if config.get("model_type") == "qwen2_5_vl":
+        vocab = (config.get("text_config") or config)["vocab_size"]
+        return rng.integers(0, vocab, size=spec.shape).astype(np.int64)
     if config.get("model_type") == "t5":
         ids = np.zeros(spec.shape, dtype=np.int64)
         ids[:, :n] = rng.integers(3, min(32_000, config["vocab_size"]), size=(spec.shape[0], n))
@@ -319,11 +378,15 @@ def sample_inputs(sig: Signature, config: dict[str, Any], res: int | Size, seed:
         elif spec.name == "img_ids":
             scale = (h * w / spec.shape[0]) ** 0.5  # pixels per token side: 2 f
             feeds[spec.name] = flux_image_ids((2 * round(h / scale), 2 * round(w / scale)))
+        elif spec.name == "encoder_hidden_states_mask":  # the prompt's tokens, then a quarter of padding
+            mask = np.ones(spec.shape, np.int64)
+            mask[:, spec.shape[1] - spec.shape[1] // 4:] = 0
+            feeds[spec.name] = mask
         elif spec.name == "txt_ids":
             feeds[spec.name] = np.zeros(spec.shape, np.float32)
         elif spec.name == "time_ids":
             feeds[spec.name] = np.tile(np.array([h, w, 0, 0, h, w], np.float32), (spec.shape[0], 1))
-        elif spec.name == "sample" and len(spec.shape) == 4 and spec.shape[1] == 3:  # an image in [-1, 1]
+        elif spec.name == "sample" and len(spec.shape) >= 4 and spec.shape[1] == 3:  # an image in [-1, 1]
             feeds[spec.name] = rng.uniform(-1, 1, size=spec.shape).astype(np.float32)
         elif spec.name == "controlnet_cond":  # a control image in [0, 1], as diffusers prepares it
             feeds[spec.name] = rng.uniform(0, 1, size=spec.shape).astype(np.float32)

@@ -48,18 +48,24 @@ def resolution_step(component: str, config: dict[str, Any], vae_factor: int) -> 
         return vae_factor * 2 ** (len(config["block_out_channels"]) - 1)
     if wrapper == "Transformer":  # latents cut into patch x patch tokens
         return vae_factor * int(config.get("patch_size", 2))
-    if wrapper == "FluxTransformer":  # the pipeline packs 2 x 2 latents into a token
+    if wrapper in ("FluxTransformer", "QwenImageTransformer"):  # the pipeline packs 2 x 2 latents into a token
         return vae_factor * 2
     return vae_factor
 
 
-def default_resolution(unet_config: dict[str, Any] | None, vae_config: dict[str, Any] | None) -> int:
+def default_resolution(unet_config: dict[str, Any] | None, vae_config: dict[str, Any] | None,
+                       family: str | None = None) -> int:
     """The resolution a pipeline was trained at, in pixels: the UNet's (or SD3 transformer's) sample size times
-    the VAE's scale factor (1024 for SDXL and SD 3.5, 512 for SD 1.5); the VAE's own sample size without a
-    UNet or where the denoiser's config has none (Flux.1's transformer: its VAE's 1024); else 1024."""
+    the VAE's scale factor (1024 for SDXL and SD 3.5, 512 for SD 1.5); the family's latent sample size times it
+    where its denoiser's config has none (Qwen-Image: ``QwenImagePipeline``'s 128, 1024 px at the VAE's 8); the
+    VAE's own sample size without a UNet or where the denoiser's config has none (Flux.1's transformer: its VAE's
+    1024); else 1024."""
     if unet_config is not None and "sample_size" in unet_config:
         return int(unet_config["sample_size"]) * vae_scale_factor(vae_config)
-    if vae_config is not None:
+    own = families.named(family).sample_size
+    if own is not None:
+        return own * vae_scale_factor(vae_config)
+    if vae_config is not None and "sample_size" in vae_config:
         return int(vae_config["sample_size"])
     return 1024
 
@@ -93,8 +99,8 @@ def pipeline_outputs(component: str, config: dict[str, Any], family: str | None)
     ``pooler_output`` alone (its prompt is T5's). Every other output would cost a CastAvx on the CPU and, past
     the penultimate layer, NPU work nobody uses. The UNet, the transformers, T5 and the VAEs have one output.
     """
-    if component not in components.CLIP_ENCODERS or config.get("model_type") == "t5":
-        return None
+    if component not in components.CLIP_ENCODERS or components.wrapper_of(component, config) != "TextEncoder":
+        return None  # T5, Qwen2.5-VL: one output
     row = families.named(family)
     if row.clip_pooled_only and not clip_projection(component, config):
         return ["pooler_output"]
@@ -202,7 +208,7 @@ class PipelineConfig:
         if "unet" not in self.modules and "controlnet" in self.modules:
             return 1024 if unet_text_time(self.modules["controlnet"]) else 512
         denoiser = next((m for m in families.DENOISER_MODULES if m in self.modules), None)
-        return default_resolution(self.modules[denoiser] if denoiser else None, self.vae)
+        return default_resolution(self.modules[denoiser] if denoiser else None, self.vae, self.family)
 
     def check_resolution(self, res: int | Size, names: list[str]) -> None:
         """Stop, naming the nearest sizes that fit, when one of the components ``names`` cannot take ``res``."""
