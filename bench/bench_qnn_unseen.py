@@ -33,6 +33,7 @@ import numpy as np
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from sdnpu import families  # noqa: E402 -- Qwen-Image's transformer class: the family table's
 from tests.zoo import seeded  # noqa: E402 -- the zoo's rule: every constant parameter drawn, so no path is exact
 
 HERE = Path(os.environ.get("SDNPU_UNSEEN_OUT", "/tmp/sdnpu-unseen"))
@@ -215,9 +216,9 @@ def hidream():
              "pooled_embeds"))
 
 
-@entry("qwenimage-transformer", "Qwen-Image MMDiT (QwenImageTransformer2DModel: complex 3-axis RoPE, text mask)")
+@entry("qwenimage-transformer", "Qwen-Image MMDiT (its transformer: complex 3-axis RoPE, text mask)")
 def qwenimage():
-    m = D("QwenImageTransformer2DModel", patch_size=2, in_channels=16, out_channels=4, num_layers=1,
+    m = D(families.QWEN_IMAGE.denoiser_class, patch_size=2, in_channels=16, out_channels=4, num_layers=1,
           attention_head_dim=32, num_attention_heads=2, joint_attention_dim=48, axes_dims_rope=[8, 12, 12])
     return (m, lambda m, h, e, mk, t: m(h, e, mk, t, img_shapes=[[(1, 8, 8)]]).sample,
             (randn(1, 64, 16), randn(1, 8, 48, seed=2), torch.ones(1, 8, dtype=torch.long), torch.tensor([0.5])),

@@ -181,6 +181,15 @@ def tiny_flux(tmp_path_factory: pytest.TempPathFactory):
 
 
 @pytest.fixture(scope="session")
+def tiny_qwen_image(tmp_path_factory: pytest.TempPathFactory):
+    """tiny-qwen-image converted whole at 64 px (32 x 32 latents: 256 image tokens; 64 prompt tokens): its
+    Qwen2.5-VL text encoder, the one-frame VAE and the transformer at batch 2 (true CFG)."""
+    from sdnpu.convert import convert
+
+    return once(tmp_path_factory, "tiny-qwen-image", lambda out: convert("tiny-qwen-image", "all", out=out, res=64))
+
+
+@pytest.fixture(scope="session")
 def tiny_flux_folder(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """tiny-flux written by diffusers' own save_pretrained (``FluxPipeline``): a local folder as users have
     them, with the preset's generation.json beside it."""

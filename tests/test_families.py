@@ -48,6 +48,12 @@ DETECTED = [
                       name="FluxPipeline"), "flux"),
     ("Flux.1 by its transformer alone", _index(("transformer", "FluxTransformer2DModel")), "flux"),
     ("Flux.1 by its pipeline class alone", {"_class_name": "FluxImg2ImgPipeline"}, "flux"),
+    ("Qwen-Image", _index(("transformer", "QwenImageTransformer2DModel"), ("vae", "AutoencoderKLQwenImage"),
+                          name="QwenImagePipeline") | {"text_encoder": ["transformers",
+                                                                        "Qwen2_5_VLForConditionalGeneration"]},
+     "qwen-image"),
+    ("Qwen-Image by its transformer alone", _index(("transformer", "QwenImageTransformer2DModel")), "qwen-image"),
+    ("Qwen-Image by its pipeline class alone", {"_class_name": "QwenImageImg2ImgPipeline"}, "qwen-image"),
     ("nothing", {}, "sd"),
 ]
 
@@ -61,7 +67,7 @@ def test_every_preset_pipeline_is_of_the_family_its_name_says():
     said = {p.parent.name: families.detect(json.loads(p.read_text())).name
             for p in PRESETS_DIR.glob("*/model_index.json")}
     for name, family in said.items():
-        expected = next(f for f in ("flux", "sd3", "sdxl", "sd") if f in name.replace("sd35", "sd3"))
+        expected = next(f for f in ("qwen-image", "flux", "sd3", "sdxl", "sd") if f in name.replace("sd35", "sd3"))
         assert family == expected, name
     assert set(said.values()) == set(families.NAMES)  # a preset of every family
 
@@ -125,6 +131,13 @@ def test_the_questions_the_stages_ask():
     assert pipeline_outputs("text_encoder", clip_l, "sdxl") == ["hidden_states.11"]
     assert pipeline_outputs("text_encoder_2", clip_g, "sd3") == ["text_embeds", "hidden_states.31"]
     assert [f.name for f in families.TABLE if f.lora] == ["flux", "sdxl", "sd"]
+    # Qwen-Image: QwenImagePipeline's defaults; its own VAE's wrappers, its Qwen2.5-VL text encoder's one output
+    assert family_default("qwen-image") == Generation(50, 4.0)
+    assert components.wrapper_of("vae_decoder", {"_class_name": "AutoencoderKLQwenImage"}) == "QwenImageVaeDecoder"
+    assert components.wrapper_of("vae_decoder", {"_class_name": "AutoencoderKL"}) == "VaeDecoder"
+    qwen_vl = {"architectures": ["Qwen2_5_VLForConditionalGeneration"], "model_type": "qwen2_5_vl"}
+    assert components.wrapper_of("text_encoder", qwen_vl) == "QwenTextEncoder"
+    assert pipeline_outputs("text_encoder", qwen_vl, "qwen-image") is None
 
 
 def test_the_family_table_imports_no_stage_and_no_torch():

@@ -1,6 +1,13 @@
 from transformers import CLIPTokenizer
 
-from sdnpu.convert.tokenizer import VOCAB_SIZE, clip_vocab_and_merges, tokenizer_files
+from sdnpu.convert.tokenizer import (
+    QWEN_SPECIAL,
+    VOCAB_SIZE,
+    clip_vocab_and_merges,
+    qwen_tokenizer_files,
+    qwen_vocab_and_merges,
+    tokenizer_files,
+)
 
 
 def test_vocabulary_is_clips():
@@ -23,3 +30,31 @@ def test_tokenizer_files_load_in_transformers(tmp_path):
         ids = tok("A photo", padding="max_length", max_length=77).input_ids
         assert len(ids) == 77 and ids[-1] == pad_id
         assert tok.model_max_length == 77
+
+
+def test_the_qwen2_stand_in_loads_slow_and_fast_alike(tmp_path):
+    """The stand-in Qwen2 tokenizer (byte-level BPE, CLIP's merges inside words, Qwen2's special tokens after
+    them): diffusers' slow Qwen2Tokenizer and transformers' fast one (converted from the same files) cut the chat
+    template alike, keep its special tokens whole, and pad with <|endoftext|>; its ids fit tiny-qwen-image's
+    text encoder."""
+    import json
+
+    from transformers import AutoTokenizer, Qwen2Tokenizer
+
+    from sdnpu.convert.sources import PRESETS_DIR
+    from sdnpu.runtime.qwenimage import PROMPT_TEMPLATE
+
+    for fname, data in qwen_tokenizer_files().items():
+        (tmp_path / fname).write_bytes(data)
+    slow, fast = Qwen2Tokenizer.from_pretrained(tmp_path), AutoTokenizer.from_pretrained(tmp_path)
+    assert type(fast).__name__ == "Qwen2TokenizerFast"
+    vocab, merges = qwen_vocab_and_merges()
+    assert not any("</w>" in m for m in merges) and len(vocab) == 256 + len(merges) + len(QWEN_SPECIAL)
+    for prompt in ("a photo of a cat", "Ein Fahrrad, 2 Räder! 自行车"):
+        text = PROMPT_TEMPLATE.format(prompt)
+        ids = slow(text).input_ids
+        assert fast(text).input_ids == ids and slow.decode(ids) == text
+        assert ids[0] == vocab["<|im_start|>"] and ids.count(vocab["<|im_end|>"]) == 2
+    assert slow.pad_token_id == fast.pad_token_id == vocab["<|endoftext|>"]
+    config = json.loads((PRESETS_DIR / "tiny-qwen-image" / "text_encoder" / "config.json").read_text())
+    assert config["text_config"]["vocab_size"] == len(vocab)
