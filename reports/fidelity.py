@@ -131,8 +131,8 @@ def generic_inputs(path: Path, seed: int = 0, shapes: dict[str, list[int]] | Non
             raise CannotFeed(f"input {vi.name!r} is {what}: its values decide shapes, and nothing says which")
         if kind in ("scales", "sizes"):
             feeds[vi.name] = np.asarray(what, dtype=dtype).reshape(shape)
-        elif dtype == np.bool_:
-            feeds[vi.name] = np.ones(shape, dtype=dtype)  # an attention mask: every token kept
+        elif dtype == np.bool_ or (np.issubdtype(dtype, np.integer) and vi.name.endswith("mask")):
+            feeds[vi.name] = np.ones(shape, dtype=dtype)  # an attention mask (Qwen-Image's int64 one): every token kept
         elif kind == "index":
             feeds[vi.name] = rng.integers(0, min(what or 1000, 1000), size=shape).astype(dtype)
         elif np.issubdtype(dtype, np.integer):

@@ -182,3 +182,16 @@ def test_qwen_image_refuses_what_it_does_not_run(tiny_qwen_image, tmp_path):
         Pipeline(tiny_qwen_image.out, reference=True, runtime=RuntimeOptions(loras=("x.safetensors",)))
     with pytest.raises(SdnpuError, match="takes no sigmas"):
         Pipeline(tiny_qwen_image.out, reference=True)(GenerateOptions("a cat", steps=1, scheduler="DDIMScheduler"))
+
+
+def test_verify_feeds_the_transformer_qwen_image_inputs(tiny_qwen_image):
+    """`sdnpu verify` on a Qwen-Image folder feeds the transformer diffusers' timesteps as it takes them (a
+    thousandth) and its caption mask as a mask (every token kept), not as token ids."""
+    from sdnpu.reports.fidelity import range_inputs, timestep_scale
+
+    path = tiny_qwen_image.out / "transformer" / "model.onnx"
+    config = json.loads((tiny_qwen_image.out / "transformer" / "config.json").read_text())
+    feeds = range_inputs(path, 0, 999.0, timestep_scale(config))
+    assert np.allclose(feeds["timestep"], 0.999)
+    mask = feeds["encoder_hidden_states_mask"]
+    assert mask.dtype == np.int64 and mask.shape == (2, 64) and (mask == 1).all()
