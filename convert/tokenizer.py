@@ -152,23 +152,53 @@ def t5_tokenizer_files(model_max_length: int = 77) -> dict[str, bytes]:
 QWEN_SPECIAL = ("<|endoftext|>", "<|im_start|>", "<|im_end|>")  # Qwen2's first special tokens, in its order
 
 
+@lru_cache(maxsize=1)
 def qwen_vocab_and_merges() -> tuple[dict[str, int], list[str]]:
-    """The stand-in Qwen2 vocabulary (token -> id) and merges: the byte symbols, then CLIP's merges that join
-    pieces inside a word (those without ``</w>``, a set closed under what they build), each adding its token,
-    then Qwen2's special tokens (``QWEN_SPECIAL``)."""
-    _, merges = clip_vocab_and_merges()
-    inner = [m for m in merges if "</w>" not in m]
+    """The stand-in Qwen2 vocabulary (token -> id) and merges, byte-level BPE as Qwen2's is (GPT-2's byte
+    table; ``Ġ`` a space): the 256 byte symbols; CLIP's merges that join pieces inside a word (those without
+    ``</w>``, a set closed under what they build); then, for each of CLIP's whole words (its word-final tokens of
+    ASCII letters, in CLIP's order), the merges that join its pieces left to right into one token, in four
+    forms: after a space and not, lower-case and capitalized (``Ġthe``, ``the``, ``ĠThe``, ``The``), as Qwen2
+    has a token for a common word in each; then Qwen2's special tokens (``QWEN_SPECIAL``). Every merge added
+    for a word ranks after every merge its pieces are made by, so each word comes out one token."""
+    _, clip_merges = clip_vocab_and_merges()
     tokens = list(_bytes_to_unicode().values())
     seen = set(tokens)
-    kept = []
-    for m in inner:
-        token = "".join(m.split(" "))
-        if token not in seen:
-            seen.add(token)
-            tokens.append(token)
-            kept.append(m)
+    merges: list[str] = []
+    ranks: dict[tuple[str, str], int] = {}
+
+    def add(a: str, b: str) -> None:
+        if (a, b) not in ranks:
+            ranks[(a, b)] = len(merges)
+            merges.append(f"{a} {b}")
+            if a + b not in seen:
+                seen.add(a + b)
+                tokens.append(a + b)
+
+    for m in clip_merges:
+        a, b = m.split(" ")
+        if "</w>" not in m and a + b not in seen:
+            add(a, b)
+
+    def pieces(word: str) -> list[str]:  # BPE: the lowest-ranked merge first, until none applies
+        parts = list(word)
+        while len(parts) > 1:
+            rank, i = min((ranks.get(pair, len(merges)), i) for i, pair in enumerate(zip(parts, parts[1:])))
+            if rank == len(merges):
+                break
+            parts[i : i + 2] = [parts[i] + parts[i + 1]]
+        return parts
+
+    words = [t[: -len("</w>")] for t in clip_vocab_and_merges()[0] if t.endswith("</w>")]
+    for word in (w for w in words if len(w) > 1 and w.isascii() and w.isalpha()):
+        for form in ("Ġ" + word, word, "Ġ" + word.capitalize(), word.capitalize()):
+            parts = pieces(form)
+            joined = parts[0]
+            for part in parts[1:]:
+                add(joined, part)
+                joined += part
     tokens += list(QWEN_SPECIAL)
-    return {tok: i for i, tok in enumerate(tokens)}, kept
+    return {tok: i for i, tok in enumerate(tokens)}, merges
 
 
 def qwen_tokenizer_files(model_max_length: int = 32768) -> dict[str, bytes]:
@@ -178,12 +208,13 @@ def qwen_tokenizer_files(model_max_length: int = 32768) -> dict[str, bytes]:
 
     Qwen2's vocabulary (151,643 byte-level BPE tokens) ships in no package this project installs, so this is a
     **stand-in in Qwen2's format**, not Qwen2's vocabulary: byte-level BPE over GPT-2's byte table (Qwen2's),
-    with Qwen2's pre-tokenizer (the slow tokenizer's, its fast conversion's), whose merges are CLIP's merges
-    inside words (``qwen_vocab_and_merges``), and Qwen2's special tokens ``<|endoftext|>`` (the padding),
-    ``<|im_start|>``, ``<|im_end|>`` after them. It tokenizes the chat template and real text into plausible
-    pieces, which is what seeded weights need; it does not tokenize the template's system prompt into Qwen2's
-    34 tokens, which ``QwenImagePipeline`` drops by count (``prompt_template_encode_start_idx``). A local
-    folder brings its own ``tokenizer``."""
+    with Qwen2's pre-tokenizer (the slow tokenizer's, its fast conversion's), whose merges are built from CLIP's
+    (``qwen_vocab_and_merges``: CLIP's pieces inside words, then CLIP's whole words as one token each, after a
+    space and not, lower-case and capitalized), and Qwen2's special tokens ``<|endoftext|>`` (the padding),
+    ``<|im_start|>``, ``<|im_end|>`` after them. It cuts English as Qwen2 does, a word a token: the template's
+    system prompt, which ``QwenImagePipeline`` drops by count (``prompt_template_encode_start_idx``), is 34
+    tokens in both. Real text gets plausible pieces, which is what seeded weights need. A local folder brings
+    its own ``tokenizer``."""
     vocab, merges = qwen_vocab_and_merges()
     added = {str(vocab[t]): {"content": t, "lstrip": False, "normalized": False, "rstrip": False,
                              "single_word": False, "special": True} for t in QWEN_SPECIAL}

@@ -1,7 +1,6 @@
 from transformers import CLIPTokenizer
 
 from sdnpu.convert.tokenizer import (
-    QWEN_SPECIAL,
     VOCAB_SIZE,
     clip_vocab_and_merges,
     qwen_tokenizer_files,
@@ -33,23 +32,29 @@ def test_tokenizer_files_load_in_transformers(tmp_path):
 
 
 def test_the_qwen2_stand_in_loads_slow_and_fast_alike(tmp_path):
-    """The stand-in Qwen2 tokenizer (byte-level BPE, CLIP's merges inside words, Qwen2's special tokens after
-    them): diffusers' slow Qwen2Tokenizer and transformers' fast one (converted from the same files) cut the chat
-    template alike, keep its special tokens whole, and pad with <|endoftext|>; its ids fit tiny-qwen-image's
-    text encoder."""
+    """The stand-in Qwen2 tokenizer (byte-level BPE built from CLIP's merges, a word a token, Qwen2's special
+    tokens after them): diffusers' slow Qwen2Tokenizer and transformers' fast one (converted from the same
+    files) cut the chat template alike, keep its special tokens whole, cut the template's system prompt into
+    Qwen2's 34 tokens (the ones QwenImagePipeline drops), and pad with <|endoftext|>; its ids fit
+    tiny-qwen-image's text encoder."""
     import json
 
     from transformers import AutoTokenizer, Qwen2Tokenizer
 
     from sdnpu.convert.sources import PRESETS_DIR
     from sdnpu.runtime.qwenimage import PROMPT_TEMPLATE
+    from sdnpu.signatures import QWEN_TEMPLATE_TOKENS
 
     for fname, data in qwen_tokenizer_files().items():
         (tmp_path / fname).write_bytes(data)
     slow, fast = Qwen2Tokenizer.from_pretrained(tmp_path), AutoTokenizer.from_pretrained(tmp_path)
     assert type(fast).__name__ == "Qwen2TokenizerFast"
     vocab, merges = qwen_vocab_and_merges()
-    assert not any("</w>" in m for m in merges) and len(vocab) == 256 + len(merges) + len(QWEN_SPECIAL)
+    assert not any("</w>" in m for m in merges) and len(vocab) == 150_900  # Qwen2's: 151,643 and its specials
+    prefix = slow(PROMPT_TEMPLATE.split("{}")[0]).input_ids
+    assert len(prefix) == QWEN_TEMPLATE_TOKENS == 34
+    assert slow.convert_ids_to_tokens(prefix)[3:8] == ["Describe", "Ġthe", "Ġimage", "Ġby", "Ġdetailing"]
+    assert fast.tokenize(" a red bicycle, leaning") == ["Ġa", "Ġred", "Ġbicycle", ",", "Ġleaning"]
     for prompt in ("a photo of a cat", "Ein Fahrrad, 2 Räder! 自行车"):
         text = PROMPT_TEMPLATE.format(prompt)
         ids = slow(text).input_ids
