@@ -297,12 +297,10 @@ def _filled_constants(model: ir.Model) -> int:
     return done
 
 
-def _both(a: PassResult, b: PassResult) -> PassResult:
-    return _all(a, b)
-
-
 def _all(*results: PassResult) -> PassResult:
-    return PassResult(modified=any(r.modified for r in results), counts={k: v for r in results for k, v in r.counts.items()})
+    """Several passes' results as one row: modified where any was, their counts side by side."""
+    return PassResult(modified=any(r.modified for r in results),
+                      counts={k: v for r in results for k, v in r.counts.items()})
 
 
 def standard_pipeline(options: CompileOptions) -> list[Entry]:
@@ -317,7 +315,7 @@ def standard_pipeline(options: CompileOptions) -> list[Entry]:
         ("htp_angles", reduce_angles_exactly),
         ("htp_ranks", lambda m: _all(movement.resize_repeated_pixels(m), sweep(m), lower_reductions(m, t),
                                      lower_gathers(m, t), gather_bool_as_int32(m, t))),  # before rank6's movements
-        ("htp_rank6", lambda m: _both(lower_pixel_shuffles(m), lower_rank6_movements(m))),
+        ("htp_rank6", lambda m: _all(lower_pixel_shuffles(m), lower_rank6_movements(m))),
         ("htp_tokens", pad_attention_tokens),  # before the head groups, which then split the padded form
         ("htp_heads", group_attention_heads),
         ("partition", lambda m: partition(m, t)),
