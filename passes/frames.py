@@ -42,7 +42,7 @@ import onnx_ir as ir
 from sdnpu.formats.keys import ASSUMED_TAG, BF16_ONLY_TAG
 from sdnpu.ops.target import DispatchTarget
 from sdnpu.passes import movement
-from sdnpu.passes.irutil import Builder, attr, record_views, remove_dead_nodes, static_shape
+from sdnpu.passes.irutil import Builder, attr, record_views, remove_dead_nodes, reroute, static_shape
 from sdnpu.passes.manager import PassResult
 from sdnpu.passes.rules.attention import mha_node
 from sdnpu.passes.views import absorb_views
@@ -252,7 +252,7 @@ def _rewrite(graph: ir.Graph, t: ir.Node, region: Region, plans: list[Attention]
         shape = static_shape(out)
         view = b.op("Reshape", [v, b.const(np.asarray(shape, np.int64), "shape")], dtype=out.dtype, shape=shape)
         graph.insert_before(chain[0], b.nodes)
-        out.replace_all_uses_with(view.outputs[0])
+        reroute(graph, out, view.outputs[0])
         graph.remove(chain[::-1], safe=True)
         counts["exits -> views"] += 1
     graph.remove(t, safe=True)
