@@ -18,7 +18,8 @@ order [B, F, S, C] instead, the region needs the transposes only for its attenti
     cross-attention on a context whose rows are one per sample, broadcast over the pixels (SVD's image
     embedding: K, V = SDGemm(Expand(e [B, 1, N, C] -> [B, S, N, C])))
                                  Q [B*S, F, K], K, V [B*S, N, K]  ==  Q [B*F, S, K], K, V [B*F, N, K]
-                                 (e expanded over the frames instead of the pixels; the SDGemm on that)
+                                 (e repeated over the frames instead of the pixels, SDConcats on the
+                                 NPU; the SDGemm on that)
 
 Both are exact (the same products and sums, in another order of the batch). The region's exits, the movement
 chains that bring its tokens back to [B, F, S, C], become views. The pass changes nothing unless every reader in
@@ -183,24 +184,60 @@ class Attention:
     shape: tuple[int, int, int, int]  # (B, M, K, N) of its new views
     heads: int
     assumed: list[str]
-    context: tuple[tuple[ir.Node, ir.Node], ...] = ()  # cross-attention: (Expand, SDGemm) of K and of V
+    context: tuple[Context, ...] = ()  # cross-attention: K's and V's
 
 
-def _broadcast_context(v: ir.Value, region: Region, target: DispatchTarget) -> tuple[ir.Node, ir.Node] | None:
-    """K or V = SDGemm(Expand(e [B, 1, N, C] -> [B, S, N, C])), read as [B*S, N, K]: the Expand and the SDGemm."""
+@dataclass(frozen=True)
+class Context:
+    """A cross-attention's K or V: ``gemm`` over ``e`` ([B, N, C] in memory) repeated over the pixels."""
+
+    e: ir.Value
+    n: int
+    c: int
+    gemm: ir.Node
+
+
+def _tile_leaves(v: ir.Value, target: DispatchTarget) -> list[ir.Value] | None:
+    """The operands of a chain of SDConcats (``concat_tiles``' repeat of a size-1 axis), in order."""
+    p = v.producer()
+    if p is None or not target.is_dispatch(p.domain, p.op_type) or p.op_type != target.op("concat").op_type:
+        return [v]
+    out: list[ir.Value] = []
+    for x in p.inputs:
+        if x is None:
+            return None
+        more = _tile_leaves(x, target) if len(x.uses()) == 1 else [x]
+        if more is None:
+            return None
+        out.extend(more)
+    return out
+
+
+def _broadcast_context(v: ir.Value, region: Region, target: DispatchTarget) -> Context | None:
+    """K or V = SDGemm(x) read as [B*S, N, C], where x is a context e [B, N, C] repeated over the S pixels: an
+    Expand of e [B, 1, N, C] -> [B, S, N, C], or (batch 1, up to 64 pixels) the SDConcats of S copies of e that
+    the canonical steps write for it. None for anything else."""
     gemm = v.producer()
     if gemm is None or not target.is_dispatch(gemm.domain, gemm.op_type) or \
             target.bfp_variants.get(gemm.op_type, gemm.op_type) != "SDGemm" or len(v.uses()) != 1:
         return None
-    expand = gemm.inputs[0].producer() if gemm.inputs[0] is not None else None
-    if expand is None or expand.op_type != "Expand" or expand.domain not in ("", "ai.onnx"):
+    rows, n, c = (int(d) for d in attr(gemm, "input_shape"))
+    x = gemm.inputs[0]
+    if x is None or rows != region.b * region.s:
         return None
-    e_shape, x_shape = static_shape(expand.inputs[0]), static_shape(expand.outputs[0])
-    if e_shape is None or x_shape is None or len(e_shape) != 4 or len(x_shape) != 4:
+    p = x.producer()
+    if p is not None and p.op_type == "Expand" and p.domain in ("", "ai.onnx"):
+        e_shape, x_shape = static_shape(p.inputs[0]), static_shape(x)
+        if e_shape == (region.b, 1, n, c) and x_shape == (region.b, region.s, n, c):
+            return Context(p.inputs[0], n, c, gemm)  # type: ignore[arg-type]
         return None
-    if (e_shape[0], e_shape[1]) != (region.b, 1) or x_shape != (region.b, region.s, e_shape[2], e_shape[3]):
+    leaves = _tile_leaves(x, target)
+    if region.b != 1 or not leaves or len(leaves) != region.s or any(leaf is not leaves[0] for leaf in leaves):
         return None
-    return expand, gemm
+    shape = static_shape(leaves[0])
+    if shape is None or int(np.prod(shape)) != n * c:
+        return None
+    return Context(leaves[0], n, c, gemm)
 
 
 def plan_attention(node: ir.Node, region: Region, target: DispatchTarget) -> Attention | str:
@@ -218,7 +255,7 @@ def plan_attention(node: ir.Node, region: Region, target: DispatchTarget) -> Att
         shape, new_heads = (b, f, s * k, f), heads * s
         params = {"q": (b, f, s * k), "k": (b, f, s * k), "v": (b, f, s * k), "heads": new_heads,
                   "scale": (k // heads) ** -0.5, "frame_heads": s}
-        context: tuple[tuple[ir.Node, ir.Node], ...] = ()
+        context: tuple[Context, ...] = ()
     elif not any(kv_in):
         found = [_broadcast_context(node.inputs[j], region, target) for j in (1, 2)]  # type: ignore[arg-type]
         if any(c is None for c in found):
@@ -237,8 +274,22 @@ def plan_attention(node: ir.Node, region: Region, target: DispatchTarget) -> Att
     return Attention(node, shape, new_heads, assumed, context)
 
 
+def _copies(b: Builder, e: ir.Value, batch: int, frames: int, width: int, target: DispatchTarget) -> ir.Value:
+    """``e`` ([B, N, C] in memory, ``width`` = N*C) repeated over the frames, [B, F, N, C], as SDConcats of its
+    [B, 1, N*C] view along axis 1 (the repeat ``canonical.movement.concat_tiles`` writes for an Expand of a
+    size-1 axis)."""
+    acc, k = e, 1
+    for _ in range(frames - 1):
+        a_view, c_view = [batch, k, width], [batch, k + 1, width]
+        acc = b.dispatch(target.op("concat").op_type, [acc, e], {"a_shape": a_view, "b_shape": [batch, 1, width],
+                                                                "c_shape": c_view, "axis": 1},
+                         dtype=e.dtype, shape=c_view).outputs[0]
+        k += 1
+    return acc
+
+
 def _rewrite(graph: ir.Graph, t: ir.Node, region: Region, plans: list[Attention], target: DispatchTarget,
-             counts: Counter[str]) -> None:
+             counts: Counter[str], contexts: dict[tuple[ir.Value, int], ir.Value]) -> None:
     src = t.inputs[0]
     assert src is not None
     for use in list(t.outputs[0].uses()):
@@ -261,18 +312,20 @@ def _rewrite(graph: ir.Graph, t: ir.Node, region: Region, plans: list[Attention]
         b = Builder(graph, RULE, target)
         q, kv = node.inputs[0], [node.inputs[1], node.inputs[2]]
         if plan.context:
-            made: dict[ir.Node, ir.Value] = {}
-            for j, (expand, gemm) in enumerate(plan.context):
-                e = expand.inputs[0]
-                _, _, n, c = static_shape(e)  # type: ignore[misc]
-                if expand not in made:
-                    made[expand] = b.op("Expand", [e, b.const(np.asarray([region.b, region.f, n, c], np.int64),
-                                                               "shape")],
-                                        dtype=e.dtype, shape=[region.b, region.f, n, c]).outputs[0]  # type: ignore
+            for j, ctx in enumerate(plan.context):
+                e, n, c, gemm = ctx.e, ctx.n, ctx.c, ctx.gemm
+                if (e, region.f) not in contexts:  # made once, where e is made: every attention after it reads it
+                    made = Builder(graph, RULE, target)
+                    contexts[(e, region.f)] = _copies(made, e, region.b, region.f, n * c, target)
+                    producer = e.producer()  # type: ignore[union-attr]
+                    if producer is not None:
+                        graph.insert_after(producer, made.nodes)
+                    else:
+                        graph.insert_before(next(iter(graph)), made.nodes)
                 width = int(attr(gemm, "output_shape")[-1])
                 attrs = {k: a.value for k, a in gemm.attributes.items()}
                 attrs.update(input_shape=[region.b * region.f, n, c], output_shape=[region.b * region.f, n, width])
-                new = b.op(gemm.op_type, [made[expand], *gemm.inputs[1:]], attrs, domain=gemm.domain,
+                new = b.op(gemm.op_type, [contexts[(e, region.f)], *gemm.inputs[1:]], attrs, domain=gemm.domain,
                            dtype=gemm.outputs[0].dtype, shape=[region.b * region.f, n, width])
                 new.metadata_props.update({k: v for k, v in gemm.metadata_props.items()
                                            if k in (ASSUMED_TAG, BF16_ONLY_TAG)})
@@ -293,6 +346,7 @@ def _rewrite(graph: ir.Graph, t: ir.Node, region: Region, plans: list[Attention]
 def absorb_frame_transposes(model: ir.Model, target: DispatchTarget) -> PassResult:
     graph = model.graph
     counts: Counter[str] = Counter()
+    contexts: dict[tuple[ir.Value, int], ir.Value] = {}  # a context repeated over the frames, once per value
     for t in list(graph):
         if t.graph is None:
             continue
@@ -314,7 +368,7 @@ def absorb_frame_transposes(model: ir.Model, target: DispatchTarget) -> PassResu
             continue
         log.debug("frame transpose %s: %d values, %d exits, %d attentions", t.name, len(region.values),
                   len(region.exits), len(region.attentions))
-        _rewrite(graph, t, region, plans, target, counts)
+        _rewrite(graph, t, region, plans, target, counts, contexts)
     counts["nodes left dead"] = remove_dead_nodes(graph)
     if counts["frame transposes -> views"]:
         views = absorb_views(model, target)  # the exits' views, read by the dispatch ops after them

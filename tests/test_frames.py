@@ -10,7 +10,6 @@ import torch
 from onnx import TensorProto, helper
 
 from sdnpu.passes.frames import absorb_frame_transposes
-from sdnpu.passes.rules.attention import mha_node  # noqa: F401  (the frames pass builds its attentions with it)
 
 from .fuzz_repro import check
 from .graphs import ops
@@ -61,13 +60,14 @@ def _frame_transposes(irm) -> int:
                and tuple(node.attributes["perm"].value) == (0, 2, 1, 3))
 
 
+@pytest.mark.parametrize("side", [9, 4])
 @pytest.mark.parametrize("exporter", ["dynamo", "torchscript"])
-def test_svd_temporal_transformer_runs_without_its_token_transposes(exporter, tmp_path):
-    """9 x 9 pixels of 2 frames (the context's broadcast over 81 pixels stays an Expand, as at SVD's sizes): the
-    temporal block's two transposes go, its attention over frames takes the pixels as heads (an assumed
+def test_svd_temporal_transformer_runs_without_its_token_transposes(exporter, side, tmp_path):
+    """9 x 9 and 4 x 4 pixels of 2 frames (the context's broadcast over 81 pixels stays an Expand, as at SVD's
+    sizes; over 16 the canonical steps write it as SDConcats of 16 copies): the temporal block's two transposes go, its attention over frames takes the pixels as heads (an assumed
     capability, recorded), its cross-attention the frames as the batch; the numbers are the graph's (fp32 before
     precision, the whole compile within bf16's tolerance, onnx's full check at every stage)."""
-    m = _export(exporter, tmp_path / "m.onnx")
+    m = _export(exporter, tmp_path / "m.onnx", side)
     irm = lowered(m)
     assert _frame_transposes(irm) == 2, ops(irm)
     result = absorb_frame_transposes(irm, TARGET)
@@ -76,7 +76,7 @@ def test_svd_temporal_transformer_runs_without_its_token_transposes(exporter, tm
     assert result.counts.get("cross-attentions -> frames as the batch") == 1, result.counts
     assert _frame_transposes(irm) == 0, ops(irm)
     heads = [node for node in irm.graph if node.op_type in ("SDMHA", "SDFlatMHA")
-             and int(node.attributes["num_heads"].value) == 2 * 81]
+             and int(node.attributes["num_heads"].value) == 2 * side * side]
     assert len(heads) == 1 and "pixels as heads" in heads[0].metadata_props.get("sdnpu.assumed", ""), \
         [dict(node.metadata_props) for node in heads]
     assert_same(m, irm)
