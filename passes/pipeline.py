@@ -192,6 +192,7 @@ CANONICAL = Group("canonical", [
     ("moves", noops.drop_noop_moves),  # where_rows leaves it the masks that pick one side everywhere
     ("softmax_guards", noops.drop_softmax_guards),
     ("tiles", movement.concat_tiles),
+    ("concat_parts", movement.select_concat_parts),  # a Gather of one Concat operand (SVD's frame-0 context)
     ("reciprocals", activations.use_reciprocals),
     ("erf_gelu", activations.collapse_erf_gelu),
     ("tanh_gelu", activations.collapse_tanh_gelu),
