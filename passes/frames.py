@@ -110,12 +110,20 @@ def _exit_chain(region: Region, v: ir.Value, first: ir.Node) -> list[ir.Node] | 
     return chain
 
 
+def _width(v: ir.Value | None) -> int | None:
+    """A value's token width: its last axis (an op that reads it with another last axis mixes its tokens)."""
+    shape = static_shape(v)
+    return shape[-1] if shape else None
+
+
 def _binary_ok(region: Region, node: ir.Node, i: int, target: DispatchTarget) -> str | None:
     views = _views(target, node)
     out = list(attr(node, "c_shape") or [])
     other = views.get(1 - i)
     if views.get(i) != out or other is None:
         return f"{node.op_type} broadcasts the frame tokens"
+    if out[-1] != _width(node.inputs[i]):
+        return f"{node.op_type} {out} does not keep its tokens"
     if other == out:  # the other operand must be frame tokens too (checked once the region is whole)
         return None
     if all(d == 1 for d in other[:-1]):
@@ -156,7 +164,7 @@ def grow(t: ir.Node, dims: tuple[int, int, int, int], target: DispatchTarget) ->
                 if i not in views or i != 0:
                     return f"{node.op_type} reads the frame tokens as a weight"
                 out = list(attr(node, "output_shape") or [])
-                if views[0][:-1] != out[:-1]:
+                if views[0][:-1] != out[:-1] or views[0][-1] != _width(v):
                     return f"{node.op_type} {views[0]} -> {out} does not keep its tokens"
             elif op in BINARY:
                 why = _binary_ok(region, node, i, target)
@@ -248,6 +256,8 @@ def plan_attention(node: ir.Node, region: Region, target: DispatchTarget) -> Att
         return "an attention whose queries are not the frame tokens"
     if (bq, m) != (b * s, f):
         return f"an attention over {m} of {bq} rows, not the {f} frames of {b * s} pixels"
+    if any(_width(node.inputs[j]) != k for j in range(3) if node.inputs[j] in region.values):
+        return "an attention that reads the frame tokens across tokens"
     if BF16_ONLY_TAG in node.metadata_props:
         return "an attention with a key-mask channel"
     kv_in = [node.inputs[j] in region.values for j in (1, 2)]

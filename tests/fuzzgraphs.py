@@ -325,8 +325,8 @@ def step_video_conv(g: G, x: str) -> str:
 def step_frame_tokens(g: G, x: str) -> str:
     """A video transformer's temporal layers (SVD's temporal transformer blocks, issue 42): tokens [B, F*S, C]
     read per pixel as [B*S, F, C] (Reshape, Transpose, Reshape), a body that is token-wise (a linear layer and a
-    residual Add) or holds an attention over the frames, or a per-frame scale (not token-wise: the transposes
-    stay), then back to [B, F*S, C]."""
+    residual Add) or holds an attention over the frames, or a per-frame scale or a linear layer across the frames
+    (neither token-wise: the transposes stay), then back to [B, F*S, C]."""
     b, s, c = g.shape[x]
     frames = [f for f in _divisors(s) if f >= 2]
     f = g.pick(frames) if frames else 1
@@ -334,8 +334,11 @@ def step_frame_tokens(g: G, x: str) -> str:
     x4 = g.op("Reshape", [x, g.ints([b, f, p, c])], (b, f, p, c))
     t = g.op("Transpose", [x4], (b, p, f, c), perm=[0, 2, 1, 3])
     t3 = g.op("Reshape", [t, g.ints([b * p, f, c])], (b * p, f, c))
-    body = g.pick(["linear", "attention", "per_frame"])
-    if body == "attention":
+    body = g.pick(["linear", "attention", "per_frame", "across"])
+    if body == "across":  # a linear layer over the frames of a pixel: it mixes the tokens (the transposes stay)
+        r = g.op("Reshape", [t3, g.ints([b * p, f * c])], (b * p, f * c))
+        h = g.op("Reshape", [_project(g, r, f * c), g.ints([b * p, f, c])], (b * p, f, c))
+    elif body == "attention":
         heads = g.pick([h for h in _divisors(c) if h <= 4])
         h = attention(g, t3, heads=heads, d=c // heads, cross=False, spelling=g.pick(["dynamo", "torchscript"]),
                       causal=False)

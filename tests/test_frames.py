@@ -130,8 +130,18 @@ def _cpu_reader() -> onnx.ModelProto:
     return _region([*lin, n("Softmax", ["h"], ["u"], axis=1)], inits)
 
 
+def _across_tokens() -> onnx.ModelProto:
+    """A linear layer over both frames of a pixel ([B*S, F*C] x [F*C, F*C]): it mixes the tokens, so their order
+    matters (the SDGemm reads the tokens through a view whose rows are pixels, not tokens)."""
+    nodes = [n("Reshape", ["t", "rows"], ["r"]), n("MatMul", ["r", "wide"], ["m"]), n("Reshape", ["m", "s3t"], ["h"]),
+             n("Add", ["h", "t"], ["u"])]
+    return _region(nodes, [onnx.numpy_helper.from_array(w(F * C, F * C), "wide"),
+                           helper.make_tensor("rows", TensorProto.INT64, [2], [B * S, F * C])])
+
+
 NEAR_MISSES = {
     "a per-frame scale": (_per_frame_scale, "varies by token"),
+    "a linear layer across the frames": (_across_tokens, "does not keep its tokens"),
     "a CPU reader": (_cpu_reader, "on the CPU"),
 }
 
