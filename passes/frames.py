@@ -274,6 +274,8 @@ def plan_attention(node: ir.Node, region: Region, target: DispatchTarget) -> Att
         shape, new_heads = (b * f, s, k, n), heads
         params = {"q": (b * f, s, k), "k": (b * f, n, k), "v": (b * f, n, k), "heads": heads,
                   "scale": (k // heads) ** -0.5}
+    elif all(kv_in):
+        return f"a self-attention over {n} keys, not the {f} frames"
     else:
         return "an attention that reads the frame tokens as only one of its keys and values"
     assert target.mha_variant is not None
