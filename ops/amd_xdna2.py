@@ -113,6 +113,15 @@ def _mha_key_channel(p: Params) -> str | None:
             "public source lists such a head width")
 
 
+def _mha_frame_heads(p: Params) -> str | None:
+    s = p.get("frame_heads")
+    if not s:
+        return None
+    return (f"an attention over frames with each of {s} pixels' heads a head of its own ({p['heads']} heads of "
+            f"{p['q'][2] // p['heads']} channels over {p['q'][1]} frames): no public source lists a head count "
+            "or width this large")
+
+
 def _mha_same_batch(p: Params) -> str | None:
     q, k, v = p["q"], p["k"], p.get("v", p["k"])
     if q[0] == k[0] == v[0] and q[2] == k[2] == v[2] and k[1] == v[1]:
@@ -311,6 +320,10 @@ _MHA_LIMITS = (Limit("heads", "K divides into num_heads", "DD src/ops/sd/mha.cpp
                Limit("default scale", "1/sqrt(head dim)", "DD src/ops/sd/mha.cpp:139-171 (no scale attribute)",
                      _mha_scale),
                Limit("Q, K, V agree", "same batch and width", "DD src/ops/sd/mha.cpp:173-176", _mha_same_batch),
+               Limit("pixels as heads", "the frames of every pixel attended as one head each (the temporal "
+                     "layers' tokens read in their spatial order, passes/frames.py): the kernel splits K into "
+                     "num_heads heads of K / num_heads channels; that it takes thousands of them is assumed",
+                     "DD src/ops/sd/mha.cpp:139-171 (num_heads splits K)", _mha_frame_heads, assumed=True),
                Limit("key mask channel", "a key-padding row per batch (a constant one, or Lumina 2's caption mask, "
                      "computed at run time) rides in Q and K as one more channel per head, the heads padded to 4x their width; the kernel's own "
                      "mask is a load-time constant", "DD src/ops/sd/mha.cpp:269-308 (initialize_const_params: "

@@ -10,6 +10,9 @@ one: the compile stage's log line and the report's pass records are read from it
     glue          the element-wise ops between them -> dispatch ops; after layout, which pushes Transposes
                   through their plain ONNX forms
     views         Reshapes in front of dispatch ops absorbed into them; after glue (every reader is final)
+    frames        a video transformer's token transposes between frames and pixels absorbed: its token-wise ops
+                  read the spatial order, its attentions over frames take the pixels as heads
+                  (passes/frames.py); after views (it reads the ops' views), before precision
     parallel      linear layers of one input each followed by the same op the registry lacks (Z-Image's tanh
                   gates) -> one layer, one op, one Split (passes/parallel.py); after views, before precision
     precision     bf16 activations, constants as the table stores them, CastAvx at CPU<->NPU edges; needs the
@@ -76,6 +79,7 @@ from sdnpu.passes.canonical import (activations, constants, convs, heads, loops,
 from sdnpu.passes.canonical.driver import sweep
 from sdnpu.passes.cleanup import clean_up
 from sdnpu.passes.cuts import gather_cuts
+from sdnpu.passes.frames import absorb_frame_transposes
 from sdnpu.passes.fuse import fuse
 from sdnpu.passes.glue import lower_glue
 from sdnpu.passes.handoff import drop_handoff_edges
@@ -195,6 +199,7 @@ CANONICAL = Group("canonical", [
     ("moves", noops.drop_noop_moves),  # where_rows leaves it the masks that pick one side everywhere
     ("softmax_guards", noops.drop_softmax_guards),
     ("tiles", movement.concat_tiles),
+    ("concat_parts", movement.select_concat_parts),  # a Gather of one Concat operand (SVD's frame-0 context)
     ("reciprocals", activations.use_reciprocals),
     ("erf_gelu", activations.collapse_erf_gelu),
     ("tanh_gelu", activations.collapse_tanh_gelu),
@@ -334,6 +339,7 @@ def pipeline(options: CompileOptions) -> list[Entry]:
         ("layout", lay_out_nhwc),
         ("glue", lambda m: lower_glue(m, t)),
         ("views", lambda m: absorb_views(m, t)),
+        ("frames", lambda m: absorb_frame_transposes(m, t)),
         ("parallel", lambda m: join_parallel(m, t)),
         ("precision", lambda m: set_precision(m, t, options.precision)),
         ("cuts", lambda m: gather_cuts(m, t)),

@@ -111,7 +111,7 @@ FRESH_FEEDS, SMALL = 2, 0.25  # an output over its bound whose scale is < SMALL 
 BF16_EPS, FP16_EPS, FP32_EPS = 2.0**-8, 2.0**-11, 2.0**-24
 SENSITIVITY_DRAWS = 2
 FLOAT_TYPES = (T.FLOAT, T.FLOAT16)
-STAGES = ("joint", "fuse", "layout", "glue")  # before precision: the fp32 / fp16 tier (and the canonical group's end)
+STAGES = ("joint", "fuse", "layout", "glue", "frames")  # before precision: the fp32 / fp16 tier (and the canonical group's end)
 NP_OF = {T.FLOAT: np.float32, T.FLOAT16: np.float16, T.BFLOAT16: ml_dtypes.bfloat16, T.INT64: np.int64,
          T.INT32: np.int32, T.BOOL: np.bool_}
 STORAGE = {"bfloat16": T.BFLOAT16, "float": T.FLOAT, "uint8": T.UINT8, "uint16": T.UINT16}  # Input.dtype

@@ -322,6 +322,38 @@ def step_video_conv(g: G, x: str) -> str:
     return g.op("Reshape", [y, g.ints([b, oc, h, w])], (b, oc, h, w))
 
 
+def step_frame_tokens(g: G, x: str) -> str:
+    """A video transformer's temporal layers (SVD's temporal transformer blocks, issue 42): tokens [B, F*S, C]
+    read per pixel as [B*S, F, C] (Reshape, Transpose, Reshape), a body that is token-wise (a linear layer and a
+    residual Add) or holds an attention over the frames, or a per-frame scale or a linear layer across the frames
+    (neither token-wise: the transposes stay), then back to [B, F*S, C]."""
+    b, s, c = g.shape[x]
+    frames = [f for f in _divisors(s) if f >= 2]
+    f = g.pick(frames) if frames else 1
+    p = s // f
+    x4 = g.op("Reshape", [x, g.ints([b, f, p, c])], (b, f, p, c))
+    t = g.op("Transpose", [x4], (b, p, f, c), perm=[0, 2, 1, 3])
+    t3 = g.op("Reshape", [t, g.ints([b * p, f, c])], (b * p, f, c))
+    body = g.pick(["linear", "attention", "per_frame", "across"])
+    if body == "across":  # a linear layer over the frames of a pixel: it mixes the tokens (the transposes stay)
+        r = g.op("Reshape", [t3, g.ints([b * p, f * c])], (b * p, f * c))
+        h = g.op("Reshape", [_project(g, r, f * c), g.ints([b * p, f, c])], (b * p, f, c))
+    elif body == "attention":
+        heads = g.pick([h for h in _divisors(c) if h <= 4])
+        h = attention(g, t3, heads=heads, d=c // heads, cross=False, spelling=g.pick(["dynamo", "torchscript"]),
+                      causal=False)
+    elif body == "per_frame":
+        scale = g.tensor(g.rng.uniform(0.5, 1.5, (1, f, 1)).astype(g.np_dtype), "per_frame")
+        h = g.bin("Mul", _project(g, t3, c), scale)
+    else:
+        h = _project(g, t3, c)
+    u = g.bin("Add", h, t3)
+    u4 = g.op("Reshape", [u, g.ints([b, p, f, c])], (b, p, f, c))
+    ut = g.op("Transpose", [u4], (b, f, p, c), perm=[0, 2, 1, 3])
+    g.desc.append(f"FrameTokens(frames={f}, pixels={p}, body={body})")
+    return g.op("Reshape", [ut, g.ints([b, s, c])], (b, s, c))
+
+
 def step_conv1d(g: G, x: str) -> str:
     """A Conv1d over [B, C, L] (k 1 or 3): a 2-D conv over the [B, C, L, 1] view."""
     b, c, length = g.shape[x]
@@ -2594,6 +2626,7 @@ STEPS: dict[str, Step] = {
     "conv": Step(step_conv, (4,)),
     "video_conv": Step(step_video_conv, (4,)),
     "conv1d": Step(step_conv1d, (3,)),
+    "frame_tokens": Step(step_frame_tokens, (3,)),
     "linear": Step(step_linear, (2, 3)),
     "tied_linear": Step(step_tied_linear, (2, 3)),
     "matmul_act": Step(step_matmul_act, (2, 3, 4)),
@@ -2688,7 +2721,7 @@ MUTATIONS: dict[str, Step] = {  # each makes its own input: ranks (0,)
 
 FAMILIES: dict[str, list[str]] = {
     "conv": ["conv"],
-    "video": ["video_conv", "conv1d"],
+    "video": ["video_conv", "conv1d", "frame_tokens"],
     "gemm": ["linear", "gemm", "tied_linear", "matmul_act"],
     "attention": ["attention"],
     "norm": ["group_norm", "layer_norm", "layer_norm_decomposed", "instance_norm", "l2_norm", "channel_rms_norm"],

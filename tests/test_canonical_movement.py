@@ -200,3 +200,33 @@ def test_pixels_repeated_into_blocks_are_a_resize(repeats, fires):
     assert counts["nearest upsampling movements -> Resize"] == int(fires)
     if fires:
         assert dict(ops(irm)) == {"Reshape": 2, "Resize": 1}
+
+
+@pytest.mark.parametrize(("index", "fires"), [
+    (np.array(0), True),          # SVD's frame 0 of the encoder states repeated over two frames (dynamo's Concat)
+    (np.array(1), True),          # the second operand
+    (np.array([1, 0]), False),    # both frames, swapped: not one operand
+    (np.array([0]), True),        # one frame, its axis kept
+])
+def test_a_gather_of_one_concat_operand_is_a_view_of_it(index, fires):
+    """Concat(a, b) of [1, 32] rows along axis 1, viewed [1, 2, 1, 32], Gather along the frames: the pick of one
+    operand, whole and in order, is a Reshape of it; anything else stays a Gather."""
+    out = [1, *index.shape, 1, 32]
+    m = model([n("Concat", ["a", "b"], ["c"], axis=1), n("Reshape", ["c", "s"], ["v"]),
+               n("Gather", ["v", "i"], ["y"], axis=1)], {"a": [1, 32], "b": [1, 32]}, {"y": out},
+              {"s": np.array([1, 2, 1, 32]), "i": index})
+    irm, counts = rewritten(m, movement.select_concat_parts, sweep)
+    assert counts["a Gather of one Concat operand -> a view of it"] == int(fires)
+    assert ("Gather" in ops(irm)) != fires and ("Concat" in ops(irm)) != fires, ops(irm)
+
+
+@pytest.mark.parametrize(("index", "fires"), [(np.array(0), True), (np.array(1), True), (np.array([0, 1]), False)])
+def test_a_gather_of_one_expanded_copy_is_a_view_of_the_input(index, fires):
+    """Expand [1, 1, 1, 32] -> [1, 2, 1, 32] (the repeat before it is a Concat), Gather along the copies: one copy
+    is the input itself; two are not."""
+    out = [1, *index.shape, 1, 32]
+    m = model([n("Expand", ["a", "s"], ["v"]), n("Gather", ["v", "i"], ["y"], axis=1)], {"a": [1, 1, 1, 32]},
+              {"y": out}, {"s": np.array([1, 2, 1, 32]), "i": index})
+    irm, counts = rewritten(m, movement.select_concat_parts, sweep)
+    assert counts["a Gather of one Concat operand -> a view of it"] == int(fires)
+    assert ("Gather" in ops(irm)) != fires and ("Expand" in ops(irm)) != fires, ops(irm)

@@ -101,5 +101,5 @@ def test_the_joint_pass_runs_right_after_the_canonical_steps():
     assert names[names.index("joint") - 1:names.index("joint") + 2] == ["canonical/finish", "joint", "fuse"]
     assert all(n.startswith("canonical/") for n in names[:names.index("joint")])
     both = pass_names(CompileOptions(handoff=frozenset({"a"}), prologue=frozenset({"b"})), steps=False)
-    assert both == ["canonical", "joint", "fuse", "layout", "glue", "views", "parallel", "precision", "cuts",
-                    "handoff", "cleanup", "prologue", "partition"]
+    assert both == ["canonical", "joint", "fuse", "layout", "glue", "views", "frames", "parallel", "precision",
+                    "cuts", "handoff", "cleanup", "prologue", "partition"]

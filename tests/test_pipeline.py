@@ -137,8 +137,8 @@ def test_every_pass_keeps_the_numbers(tiny_conversion, component):
     # every declared step, each canonical one on its own; one round of each fixpoint loop (dynamo's graph leaves
     # the small folder nothing, and has no crops)
     assert seen == [re.sub(r"\[<=\d+\]", "[1]", name) for name in pass_names(CompileOptions())]
-    assert seen[-10:] == ["joint", "fuse", "layout", "glue", "views", "parallel", "precision", "cuts", "cleanup",
-                          "partition"]
+    assert seen[-11:] == ["joint", "fuse", "layout", "glue", "views", "frames", "parallel", "precision", "cuts",
+                          "cleanup", "partition"]
 
 
 @pytest.mark.parametrize("component", list(EXPECTED))

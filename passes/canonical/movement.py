@@ -10,6 +10,8 @@
 - a ScatterND that writes a block of whole rows is the Concat it is;
 - a GatherND of constant indices, or a chain of Reshape / Expand / Transpose, that copies each pixel into an
   s x s block (dynamo's nearest-exact upsampling, Wan 2.2's DupUp3D) is the nearest-upsampling Resize it is;
+- a Gather of constant indices that picks, through movement, exactly one operand of a Concat (SVD's temporal
+  layers take frame 0 of the encoder states the UNet repeated over the frames) is a view of that operand;
 - a chain of Reshape / Expand nodes broadcasting one value (the UNet's scalar timestep to the batch) is one
   Expand, and where a small constant is all it meets (the sinusoid's frequencies), none: the constant is
   broadcast offline.
@@ -20,6 +22,7 @@ from __future__ import annotations
 import numpy as np
 import onnx_ir as ir
 
+from sdnpu.passes import movement as moves
 from sdnpu.passes.canonical.driver import RULE, graph_of, node_rewrite
 from sdnpu.passes.irutil import Builder, attr, const, producer, replace, static_shape
 from sdnpu.passes.provenance import step
@@ -399,3 +402,45 @@ def resize_repeated_pixels(node: ir.Node) -> bool:
                  shape=list(y_shape)).outputs[0]
     replace(graph, node, [node], b.nodes, [out], [y])
     return True
+
+
+@node_rewrite("a Gather of one Concat operand -> a view of it", "Gather")
+def select_concat_parts(node: ir.Node) -> bool:
+    """``Gather(x, i, axis)`` with constant indices, where x is a Concat's output (or an Expand's copies of its
+    input) through movement (Reshape, Transpose) and the elements it picks are one operand's, all of them and in
+    their order: a Reshape of that operand (checked on index tensors: each operand's elements numbered, the
+    movement and the Gather run on them). dynamo writes diffusers' ``repeat_interleave`` of the encoder states
+    over the frames as an Expand (a Concat of copies after ``concat_head_repeats``), and SVD's temporal
+    transformer picks frame 0 of it (``[:, 0]``): the states themselves. A Gather
+    that mixes operands or reorders one stays, with the registry's reason."""
+    x, index = node.inputs[0], node.inputs[1] if len(node.inputs) > 1 else None
+    idx, out_shape = const(index), static_shape(node.outputs[0])
+    if x is None or idx is None or out_shape is None or static_shape(x) is None:
+        return False
+    src, chain, _ = moves.trace_up(x, allow_scale=False)
+    cat = src.producer()
+    if cat is None or cat.op_type not in ("Concat", "Expand") or cat.domain not in ("", "ai.onnx"):
+        return False
+    parts = cat.inputs if cat.op_type == "Concat" else cat.inputs[:1]
+    shapes = [static_shape(v) for v in parts]
+    cat_shape = static_shape(src)
+    if cat_shape is None or any(s is None for s in shapes) or int(np.prod(cat_shape)) > moves.MAX_SIMULATED:
+        return False
+    offsets = np.cumsum([0] + [int(np.prod(s)) for s in shapes])  # type: ignore[arg-type]
+    numbered = [(offsets[j] + np.arange(int(np.prod(s)), dtype=np.int64)).reshape(s)  # type: ignore[arg-type]
+                for j, s in enumerate(shapes)]
+    if cat.op_type == "Concat":
+        ids = np.concatenate(numbered, axis=int(attr(cat, "axis", 0)) % len(cat_shape))
+    else:  # the copies an Expand makes (before ``concat_head_repeats`` writes some of them as a Concat)
+        ids = np.broadcast_to(numbered[0], cat_shape)
+    picked = np.take(moves.run_chain(chain, ids), idx.astype(np.int64), axis=int(attr(node, "axis", 0)))
+    flat = picked.reshape(-1)
+    for j, v in enumerate(parts):
+        if flat.size == offsets[j + 1] - offsets[j] and np.array_equal(flat, np.arange(offsets[j], offsets[j + 1])):
+            graph = graph_of(node)
+            b = Builder(graph, RULE)
+            view = b.op("Reshape", [v, b.const(np.asarray(out_shape, np.int64), "shape")], domain="", dtype=v.dtype,
+                        shape=list(out_shape))
+            replace(graph, node, [node], b.nodes, [node.outputs[0]], [view.outputs[0]])
+            return True
+    return False

@@ -37,6 +37,7 @@ import numpy as np
 import onnx_ir as ir
 
 from sdnpu.formats.keys import BF16_ONLY_TAG
+from sdnpu.ops.target import DispatchTarget
 from sdnpu.passes import movement
 from sdnpu.passes.irutil import Builder, attr, const, producer, scalar, static_shape
 from sdnpu.passes.rules.attention_masks import (bias_fits, bias_side, computed_reason, constant_bias_reason,
@@ -257,18 +258,7 @@ class AttentionFusion(Rule):
             q, k_in, v = key_channel_operands(b, p, q, k_in, v, self._key_masks)
         bq, mq, k = static_shape(q)  # type: ignore[misc]
         n = static_shape(k_in)[1]  # type: ignore[index]
-        op = self.target.mha_variant(mq, n, p.heads)  # type: ignore[misc]
-        mask = self.target.mha_mask(bq, mq, k, n)
-        length = len(mask)
-        mask_v = b.shared_const(mask, f"sdnpu_mha_mask_{length}_{n}")
-        spec = self.target.spec(op)
-        attrs: dict[str, object] = {"input_shape": [bq, mq, k, n], "num_heads": p.heads,
-                                    "op_version": spec.attr("op_version").doc.strip("'")}
-        flag = next((a.name for a in spec.attrs if a.name.startswith("is_")), None)
-        if flag:
-            attrs[flag] = 1
-        node = b.dispatch(op, [q, k_in, v, mask_v], attrs, dtype=q.dtype, shape=[bq, mq, k],
-                          assumed=p.assumed)
+        node = mha_node(b, self.target, q, k_in, v, (bq, mq, k, n), p.heads, p.assumed)
         if p.key_channel:  # each head's first quarter is its output: a 0/1 weight picks it (an SDGemm, fused next)
             node.metadata_props[BF16_ONLY_TAG] = "a mask channel in K: a shared exponent cannot hold its -inf"
             return [first_quarters(b, node.outputs[0], p.heads)]
@@ -281,6 +271,24 @@ class AttentionFusion(Rule):
         if not hasattr(self, "_masks"):
             self._masks: dict[str, ir.Value] = {}
         return self._masks
+
+
+def mha_node(b: Builder, target: DispatchTarget, q: ir.Value, k: ir.Value, v: ir.Value,
+             shape: tuple[int, int, int, int], heads: int, assumed: list[str]) -> ir.Node:
+    """The target's attention op over Q [B, M, K], K and V [B, N, K] (``shape`` = (B, M, K, N): the views it
+    reads its operands as), its variant, mask and flags as AMD's pass writes them."""
+    bq, mq, width, n = shape
+    assert target.mha_variant is not None, f"{target.name} has no attention op"
+    op = target.mha_variant(mq, n, heads)
+    mask = target.mha_mask(bq, mq, width, n)
+    mask_v = b.shared_const(mask, f"sdnpu_mha_mask_{len(mask)}_{n}")
+    spec = target.spec(op)
+    attrs: dict[str, object] = {"input_shape": [bq, mq, width, n], "num_heads": heads,
+                                "op_version": spec.attr("op_version").doc.strip("'")}
+    flag = next((a.name for a in spec.attrs if a.name.startswith("is_")), None)
+    if flag:
+        attrs[flag] = 1
+    return b.dispatch(op, [q, k, v, mask_v], attrs, dtype=q.dtype, shape=[bq, mq, width], assumed=assumed)
 
 
 def _soft_capped(tanh: ir.Node) -> ir.Node | None:
