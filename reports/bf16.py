@@ -47,9 +47,11 @@ def selectors(model: onnx.ModelProto) -> set[str]:
     return {n.input[i] for n in model.graph.node for i in _SELECTING.get(n.op_type, ()) if i < len(n.input)}
 
 
-# the arithmetic that computes a sinusoid's argument from the timestep (and the moves that shape it)
+# the arithmetic that computes a sinusoid's argument from the timestep, the moves that shape it and the shape
+# arithmetic they read (TorchScript expands the timestep to the batch through Where / Equal / ConstantOfShape)
 _ARGUMENT_OPS = frozenset({"Mul", "Add", "Sub", "Div", "Neg", "Cast", "Unsqueeze", "Reshape", "Expand", "Squeeze",
-                           "Concat", "Slice", "Gather", "Constant", "Exp", "Range"})
+                           "Concat", "Slice", "Gather", "Constant", "Exp", "Range", "Shape", "ConstantOfShape",
+                           "Where", "Equal", "Less", "Greater", "Not", "And", "Or"})
 
 
 def fp32_arguments(model: onnx.ModelProto) -> set[str]:

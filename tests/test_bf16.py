@@ -5,6 +5,10 @@ from __future__ import annotations
 
 import ml_dtypes
 import numpy as np
+import onnx
+import pytest
+import torch
+from diffusers.models.embeddings import Timesteps
 
 from sdnpu.reports.bf16 import fp32_arguments, measure, rounded
 
@@ -48,3 +52,38 @@ def test_the_sinusoid_is_not_where_bf16s_error_grows():
     result = measure(m, t, {"y": run(m, t)[0]}, threshold=0.9999)
     assert not {d["op_type"] for d in result["departures"]} & {"Sin", "Cos", "Mul", "Concat"}, result
     assert result["min_cosine"] > 0.999, result
+
+
+class _TimeEmbedding(torch.nn.Module):
+    """Kandinsky 3's time projection (the timestep expanded to the sample's batch, diffusers' Timesteps with
+    downscale_freq_shift=1), then a linear layer added to the sample."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.proj = Timesteps(16, flip_sin_to_cos=False, downscale_freq_shift=1)
+        self.linear = torch.nn.Linear(16, 8)
+
+    def forward(self, t: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+        return self.linear(self.proj(t.expand(x.shape[0]))) + x
+
+
+@pytest.mark.parametrize("exporter", ["dynamo", "torchscript"])
+def test_the_exported_timestep_sinusoids_argument_stays_fp32(exporter, tmp_path):
+    """As torch's exporters write it (TorchScript expands the timestep to the batch through Where / Equal /
+    ConstantOfShape first): the argument and the timestep stay fp32, and the rounding departs at no Sin or Cos."""
+    module = _TimeEmbedding().eval()
+    t, x = torch.tensor([500.0]), torch.zeros(1, 8)
+    path = tmp_path / "m.onnx"
+    with torch.no_grad():
+        if exporter == "dynamo":
+            torch.onnx.export(module, (t, x), dynamo=True, opset_version=18, input_names=["t", "x"],
+                              output_names=["y"], verbose=False, report=False).save(str(path))
+        else:
+            torch.onnx.export(module, (t, x), str(path), dynamo=False, opset_version=17, input_names=["t", "x"],
+                              output_names=["y"])
+    m = onnx.load(str(path))
+    trig = [node for node in m.graph.node if node.op_type in ("Sin", "Cos")]
+    assert trig and all(node.input[0] in fp32_arguments(m) for node in trig) and "t" in fp32_arguments(m)
+    feeds = {"t": t.numpy(), "x": x.numpy()}
+    result = measure(m, feeds, {"y": run(m, feeds)[0]}, threshold=0.9999)
+    assert not {d["op_type"] for d in result["departures"]} & {"Sin", "Cos"}, result
