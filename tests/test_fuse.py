@@ -15,7 +15,7 @@ from sdnpu.formats.keys import RULE_TAG
 from sdnpu.passes.fuse import fuse
 from sdnpu.passes.canonical import constants
 from sdnpu.passes.canonical.driver import sweep
-from sdnpu.passes.pipeline import canonicalize
+from sdnpu.passes.pipeline import CompileOptions, canonicalize, compile_model
 
 from .fuzz_repro import check
 from .graphs import model, ops, to_ir, to_proto
@@ -647,3 +647,19 @@ def test_the_grouped_and_transposed_convs_torch_exports_fuse_or_say_why(name, ex
         assert set(ops(irm)) - set(expected) <= {"Transpose", "Reshape"}, ops(irm)
     assert_same(m, irm, atol=1e-4)
     check(_folded(m) if exporter == "torchscript" else m, "bf16")
+
+
+@pytest.mark.parametrize("exporter", ["dynamo", "torchscript"])
+def test_a_depthwise_conv_past_the_dense_bound_is_one_cpu_island(exporter, tmp_path):
+    """Stable Cascade's ResBlock at its own width (here 704 channels: the dense weight would pass the bound),
+    after a 1x1 conv: the depthwise conv stays on the CPU with the registry's reason, its layout Transposes and
+    casts beside it in one CPU island between the NPU's convolution and Linear."""
+    block = {"ConvNeXt block": (lambda: torch.nn.Sequential(torch.nn.Conv2d(8, 704, 1), _ConvNeXt(704)),
+                                (1, 8, 2, 2), None)}
+    m = _export("ConvNeXt block", exporter, tmp_path / "m.onnx", block)
+    irm = to_ir(m)
+    records = compile_model(irm, CompileOptions())
+    counts = next(r.result.counts for r in records if r.name == "partition")
+    assert counts["CPU islands around ops the registry lacks"] == 1 and counts["CPU islands avoidable"] == 0, counts
+    assert ops(irm)["Conv"] == 1 and dispatch_ops(irm) == {"SDConv": 1, "SDGemm": 1}, ops(irm)
+    assert any("group=704: SDConv has no groups" in why for why in declined(irm)), declined(irm)
