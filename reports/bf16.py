@@ -38,6 +38,13 @@ def round_bf16(a: np.ndarray) -> np.ndarray:
     return a.astype(ml_dtypes.bfloat16).astype(a.dtype) if a.dtype in (np.float32, np.float16) else a
 
 
+def rounded_feeds(model: onnx.ModelProto, feeds: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+    """``feeds`` as ``rounded(model)`` takes them: rounded to bf16 but the inputs a bf16 run keeps in fp32 (the
+    timestep a sinusoid reads: ``fp32_arguments``)."""
+    keep = fp32_arguments(model)
+    return {k: v if k in keep else round_bf16(v) for k, v in feeds.items()}
+
+
 def _elem(vi: onnx.ValueInfoProto) -> int:
     return vi.type.tensor_type.elem_type
 
@@ -89,7 +96,7 @@ def float_outputs(model: onnx.ModelProto) -> dict[str, tuple[int, list[int]]]:
 def rounded(model: onnx.ModelProto) -> onnx.ModelProto:
     """``model`` (not changed) with its float weights and every float node output rounded to bf16 (a Cast there
     and back after each) but the sinusoids' arguments (``fp32_arguments``), under the same value names: what bf16
-    rounding does to this graph's result. Feed it ``round_bf16``-ed inputs, but those ``fp32_arguments`` names."""
+    rounding does to this graph's result. Feed it ``rounded_feeds``."""
     m = copy.deepcopy(model)
     fp32 = fp32_arguments(m)
     keep = selectors(m) | fp32
@@ -163,9 +170,8 @@ def measure(model: onnx.ModelProto, feeds: dict[str, np.ndarray], reference: dic
     probe.graph.output.extend(helper.make_tensor_value_info(n, floats[n][0], None) for n in names)
     exact = dict(zip([o.name for o in probe.graph.output],
                      _session(probe).run(None, feeds), strict=True))
-    low, fp32 = rounded(probe), fp32_arguments(probe)
-    got = dict(zip([o.name for o in low.graph.output],
-                   _session(low).run(None, {k: v if k in fp32 else round_bf16(v) for k, v in feeds.items()}),
+    low = rounded(probe)
+    got = dict(zip([o.name for o in low.graph.output], _session(low).run(None, rounded_feeds(probe, feeds)),
                    strict=True))
     outs = [k for k in reference if k in got]
     cos = min((_cosine(reference[k], got[k]) for k in outs), default=1.0)
