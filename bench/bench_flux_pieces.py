@@ -15,12 +15,21 @@ each on PyTorch's fp32 inputs of the piece against PyTorch's fp32 outputs, the c
 memory (the process's; a piece's large runs go to worker processes, as in a conversion: ``/usr/bin/time -v``
 gives the largest of all). The per-piece dispatch models keep their casts at both ends (the stitched model
 cancels them).
+
+With ``--target qnn-htp`` each piece is compiled the way the conversion compiles it for Qualcomm's HTP (its
+rewrites, QNN's compiler with CPU fallback disabled, its context(s)), and each context is run on the HTP emulator
+alone, on PyTorch's fp32 inputs of the piece, against PyTorch's fp32 outputs, beside PyTorch's own fp16 run of
+the piece (the HTP's precision). A double-stream block at 1024 px is about 900 GMAC: half an hour or more on the
+emulator here, and 10-15 GB. The emulator's times are this CPU's, not the NPU's.
+
+    python bench/bench_flux_pieces.py --target qnn-htp --pieces 1,19 --out /work/runs/flux-qnn-pieces
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
 from collections import Counter
 import shutil
 import sys
@@ -38,7 +47,10 @@ def main() -> None:
     ap.add_argument("--res", default="1024")
     ap.add_argument("--pieces", default="0,1,19", help="piece indices, increasing (0 is always run first)")
     ap.add_argument("--out", type=Path, required=True, help="a work folder (emptied)")
+    ap.add_argument("--target", default="amd-xdna2", choices=("amd-xdna2", "qnn-htp"))
     args = ap.parse_args()
+    if args.target == "qnn-htp":  # each piece alone on the emulator below, not the chain of them
+        os.environ["SDNPU_EMULATOR_MINUTES"] = "0"
     sys.path.insert(0, str(ROOT))
     import torch
 
@@ -56,7 +68,7 @@ def main() -> None:
     wanted = sorted({0, *(int(x) for x in args.pieces.split(","))})
     shutil.rmtree(args.out, ignore_errors=True)
     run_ = _prepare(args.source, "transformer", args.out / "folder",
-                    ConvertOptions(res=[Size.of(args.res)], blockwise=True))
+                    ConvertOptions(res=[Size.of(args.res)], blockwise=True, target=args.target))
     job = run_.job("transformer", Variant(Size.of(args.res), 1))
     src, sig = run_.src, job.signature()
     work = args.out / "pieces"
@@ -64,13 +76,24 @@ def main() -> None:
     run = Run(job, work, job.sample_inputs(), tuple(sig.outputs))
     config = flux._config(src, "transformer")
     weights = Weights(src, "transformer")
+    qnn = args.target == "qnn-htp"
+    if qnn:
+        from sdnpu.convert.blockwise import state
+
+        run = state.fresh(job, work)
+    low_dtype = torch.float16 if qnn else torch.bfloat16  # the target's precision
     rows = []
     for piece in flux.pieces(src, "transformer", sig, weights, only=set(wanted)):
         before = run.feeds if run.chain is None else run.chain.torch
         inputs = {k: before[k] for k in piece.inputs}
-        low = piece.module.to(torch.bfloat16)  # PyTorch's own bf16 on the same inputs, first (then fp32 again)
+        if qnn:
+            if run.qnn is None:
+                raise SystemExit("the qnn-htp target's chain did not start (is --no-compile set?)")
+            feed_names = {x: run.qnn.names[x] for x in piece.inputs}  # the chain's names of the piece's inputs
+            parts_before = len(run.qnn.parts)
+        low = piece.module.to(low_dtype)  # PyTorch's own bf16 / fp16 on the same inputs, first (then fp32 again)
         with torch.no_grad():
-            got = low(*(torch.from_numpy(v).to(torch.bfloat16) for v in inputs.values()))
+            got = low(*(torch.from_numpy(v).to(low_dtype) for v in inputs.values()))
         bf16 = [o.float().numpy() for o in (got if isinstance(got, tuple) else (got,))]
         piece.module = low.float()
         del got, low
@@ -79,6 +102,15 @@ def main() -> None:
         i = piece.i
         driver._piece(run, piece)
         wall = time.perf_counter() - start
+        if qnn:
+            rows.append(_qnn_row(run, piece, i, config, inputs, feed_names, run.qnn.parts[parts_before:], bf16,
+                                 wall, seconds_before))
+            print(json.dumps(rows[-1]), flush=True)
+            for part in run.qnn.parts[parts_before:]:  # the disk holds one piece's contexts at a time
+                for f in [part.context, *part.binaries]:
+                    f.unlink(missing_ok=True)
+            shutil.rmtree(work / f"piece{i:03d}", ignore_errors=True)
+            continue
         report = json.loads((work / f"piece{i:03d}" / "dd" / "report.json").read_text())
         chain = run.chain
         assert chain is not None and chain.dispatch is not None
@@ -102,6 +134,10 @@ def main() -> None:
         })
         print(json.dumps(rows[-1]), flush=True)
         shutil.rmtree(work / f"piece{i:03d}", ignore_errors=True)  # the disk holds one piece at a time
+    if qnn:
+        _qnn_table(rows)
+        shutil.rmtree(args.out, ignore_errors=True)
+        return
     print("| piece | what | dispatch | CPU | offload | MACs on NPU | contract problems | ONNX vs PyTorch "
           "| ours: max abs / 1-cos | PyTorch bf16: max abs / 1-cos | ratio max abs / 1-cos | seconds | peak GB |")
     print("|---|---|---|---|---|---|---|---|---|---|---|---|---|")
@@ -113,6 +149,52 @@ def main() -> None:
               f"{r['ours_max_abs'] / r['torch_bf16_max_abs']:.2f} / {r['ours_1mcos'] / r['torch_bf16_1mcos']:.2f} | "
               f"{r['seconds']} | {r['peak_gb']} |")
     shutil.rmtree(args.out, ignore_errors=True)
+
+
+def _qnn_row(run, piece, i: int, config: dict, inputs: dict, feed_names: dict, parts: list, fp16: list,
+             wall: float, seconds_before: dict) -> dict:
+    """Piece ``i``'s QNN contexts run one after another on the HTP emulator on PyTorch's fp32 inputs."""
+    from sdnpu.backends import backend_of
+    from sdnpu.convert.standard import run_compiled
+    from sdnpu.progress import peak_rss_bytes
+    from sdnpu.reports.fidelity import fidelity
+    from sdnpu.worker import run_in_worker
+
+    chain = run.qnn
+    arch = backend_of(chain.options.target).parse_arch(chain.options.htp_arch, chain.options.htp_optimization)
+    values = {feed_names[k]: v for k, v in inputs.items()}
+    t0 = time.perf_counter()
+    for part in parts:
+        values.update(run_in_worker(run_compiled, part.context, arch, not part.whole, values,
+                                    what=f"running QNN's compile of piece {i}"))
+    emulated = time.perf_counter() - t0
+    names = list(piece.outputs)
+    last = i == piece.n - 1
+    got = {n: values[n if last and n in chain.module_outputs else f"b{i}/{n}"] for n in names}
+    want = {n: run.chain.torch[_link(n)] for n in names}
+    ours = fidelity(want, got)
+    low = fidelity(want, dict(zip(names, fp16, strict=True)))
+    trace = chain.rows[-len(parts):]
+    return {"piece": i, "what": _what(i, config), "contexts": len(parts),
+            "context_mb": round(sum(f.stat().st_size for p in parts for f in [p.context, *p.binaries]) / 1e6),
+            "whole": all(p.whole for p in parts), "nodes": sum(r.get("nodes", 0) for r in trace),
+            "ours_max_abs": ours["max_abs"], "ours_1mcos": 1 - ours["min_cosine"], "finite": bool(
+                all(np.isfinite(v).all() for v in got.values())),
+            "torch_fp16_max_abs": low["max_abs"], "torch_fp16_1mcos": 1 - low["min_cosine"],
+            "seconds": round(wall, 1), "emulator_seconds": round(emulated, 1),
+            "stage_seconds": {k: round(run.seconds[k] - seconds_before.get(k, 0), 1) for k in run.seconds},
+            "peak_gb": round(peak_rss_bytes() / 1e9, 2)}
+
+
+def _qnn_table(rows: list) -> None:
+    print("| piece | what | contexts | MB | taken whole | QNN (fp16, emulated): max abs / 1-cos | finite "
+          "| PyTorch fp16: max abs / 1-cos | convert s | emulator s | peak GB |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|")
+    for r in rows:
+        print(f"| {r['piece']} | {r['what']} | {r['contexts']} | {r['context_mb']} | {r['whole']} | "
+              f"{r['ours_max_abs']:.3g} / {r['ours_1mcos']:.3g} | {r['finite']} | "
+              f"{r['torch_fp16_max_abs']:.3g} / {r['torch_fp16_1mcos']:.3g} | {r['seconds']} | "
+              f"{r['emulator_seconds']} | {r['peak_gb']} |")
 
 
 def _link(name: str) -> str:

@@ -221,7 +221,7 @@ _HERE = "; integer limits measured here (bench/bench_qnn_table.py)"
 
 TABLE: tuple[OpSupport, ...] = (
     # element-wise: no checks in the EP; QNN's own validation and broadcasting decide
-    OpSupport("Sqrt", _EW + "; rank 5 refused (\"CreateQnnNode failed\"), rank 4 taken: measured here",
+    OpSupport("Sqrt", _EW + "; rank 5 refused (\"Failed to add node\"), rank 4 taken: measured here",
               (_ranks(0, 4),)),
     *(OpSupport(op, _EW) for op in (
         "Neg", "Abs", "Exp", "Log", "Sin", "Cos", "Tanh", "Sigmoid", "Relu", "Gelu", "Elu", "LeakyRelu",

@@ -40,8 +40,14 @@ takes and computes right, then say what it takes:
     htp_recip     x * (1 / d) as x / d: QNN's fused RmsNorm fails on the exported RMS norm (T5, Flux's q/k norms)
     htp_angles    Sin / Cos of x * W (the sinusoidal embeddings) with the angle reduced exactly: the HTP's fp16
                   angle and its Sin / Cos drift past a few hundred radians
+    htp_ranks     nodes the table refuses for their rank or type in a form it takes, the same values: a nearest
+                  upsampling spelled as rank-6/8 movements (Wan 2.2) as a Resize, a rank-5 reduction (ReduceL2)
+                  over a lower-rank view, a Gather of rank-6 data (HiDream's rotary) over a rank-3 view, a bool
+                  GatherND (Qwen2's padding mask) on int32 (passes/htp/ranks.py)
     htp_rank6     DiT's rank-6 unpatchify as DepthToSpace, any other rank-6 permutation as rank-4 steps (QNN has
                   no rank-6 Reshape or Transpose)
+    htp_tokens    an attention over a token count not a multiple of 64 (SD 3.5's 4429) padded to one, the padded
+                  keys masked: QNN compiles it in seconds, not many minutes and gigabytes; exact
     htp_heads     an attention whose scores pass 1 GiB in groups of its heads (QNN's compile of SD 3.5's 3.5 GB
                   scores did not fit this machine, nor would they the HTP's address space); exact
     partition     the NPU's regions and the reason for every node its table refuses (what QNN's own compiler
@@ -77,6 +83,7 @@ from sdnpu.passes.htp import common as htp_common
 from sdnpu.passes.htp import (demote_float64, divide_reciprocal_products, group_attention_heads, guard_fp16_range,
                               lower_pixel_shuffles, lower_rank6_movements, pad_attention_tokens, reduce_angles_exactly,
                               rewrite_broadcast_into_layernorm)
+from sdnpu.passes.htp.ranks import gather_bool_as_int32, lower_gathers, lower_reductions
 from sdnpu.passes.joint import split_joint_attention
 from sdnpu.passes.layout import lay_out_nhwc
 from sdnpu.passes.parallel import join_parallel
@@ -290,8 +297,10 @@ def _filled_constants(model: ir.Model) -> int:
     return done
 
 
-def _both(a: PassResult, b: PassResult) -> PassResult:
-    return PassResult(modified=a.modified or b.modified, counts={**a.counts, **b.counts})
+def _all(*results: PassResult) -> PassResult:
+    """Several passes' results as one row: modified where any was, their counts side by side."""
+    return PassResult(modified=any(r.modified for r in results),
+                      counts={k: v for r in results for k, v in r.counts.items()})
 
 
 def standard_pipeline(options: CompileOptions) -> list[Entry]:
@@ -304,7 +313,9 @@ def standard_pipeline(options: CompileOptions) -> list[Entry]:
         ("htp_norms", rewrite_broadcast_into_layernorm),
         ("htp_recip", divide_reciprocal_products),
         ("htp_angles", reduce_angles_exactly),
-        ("htp_rank6", lambda m: _both(lower_pixel_shuffles(m), lower_rank6_movements(m))),
+        ("htp_ranks", lambda m: _all(movement.resize_repeated_pixels(m), sweep(m), lower_reductions(m, t),
+                                     lower_gathers(m, t), gather_bool_as_int32(m, t))),  # before rank6's movements
+        ("htp_rank6", lambda m: _all(lower_pixel_shuffles(m), lower_rank6_movements(m))),
         ("htp_tokens", pad_attention_tokens),  # before the head groups, which then split the padded form
         ("htp_heads", group_attention_heads),
         ("partition", lambda m: partition(m, t)),

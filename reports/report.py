@@ -359,6 +359,11 @@ def render_text(r: dict[str, Any]) -> str:
                 lines.append(f"  {name[:28]:<28} max abs {e['max_abs']:.3e}  cosine {e['cosine']:.6f}{psnr}")
         if fid.get("bf16_rounding"):
             lines += textwrap.wrap(bf16_sensitive(fid), 77, initial_indent="  ", subsequent_indent="    ")
+        rounding = fid.get("input_rounding")
+        if rounding and rounding.get("inputs"):
+            lines += textwrap.wrap("the fp32 graph on each float input rounded to fp16 (as the HTP takes it): "
+                                   + ", ".join(f"{k} cosine {c:.6f}" for k, c in rounding["inputs"].items()), 77,
+                                   initial_indent="  ", subsequent_indent="    ")
         if fid.get("inputs"):
             lines += textwrap.wrap(f"inputs: {fid['inputs']}", 77, initial_indent="  ", subsequent_indent="    ")
         pipe = fid.get("pipeline")

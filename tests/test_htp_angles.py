@@ -44,6 +44,18 @@ def test_sinusoids_are_reduced_exactly_in_float32():
     assert np.abs(ours - exact).max() < 1e-4
 
 
+def test_negative_angles_are_reduced_exactly_too():
+    """Positions and offsets can be negative: the digits are taken of |x| and the sign put back on the sine (a
+    negative x's fraction x - floor(x) is not exact in fp16; the fp32 check: the same values as before)."""
+    m, _ = timestep_embedding(0.0)
+    after = to_ir(m)
+    assert htp.reduce_angles_exactly(after).counts["sin/cos of x * W reduced exactly"] == 1
+    feeds = {"t": np.asarray([-0.987, -0.13], np.float32)}
+    angles = np.float64(feeds["t"])[:, None] * 1000 * np.exp(-np.log(10000.0) * np.arange(8) / 8)
+    exact = np.concatenate([np.cos(angles), np.sin(angles)], axis=-1)
+    assert np.abs(run(to_proto(after), feeds)[0] - exact).max() < 1e-4
+
+
 def test_a_scale_after_the_frequencies_is_folded_too():
     """diffusers' get_timestep_embedding(scale=1000) (AuraFlow) scales the product, not the timestep."""
     freqs = np.exp(-np.log(10000.0) * np.arange(8) / 8).astype(np.float32)

@@ -109,24 +109,55 @@ def test_a_node_qnn_refuses_is_named_with_qnns_reason(tmp_path):
     assert "erf" in (tmp_path / "out" / "onnx_report.txt").read_text()
 
 
+def test_a_low_cosine_from_an_inputs_fp16_rounding_is_named(tmp_path):
+    """A float32 input reaches the HTP in fp16 (0.6 + 3e-5 arrives as 0.6: measured). Stable Cascade's
+    ``timestep_ratio`` is multiplied by 10000 before its sinusoid, so that rounding alone moves the angles by up
+    to a radian (its zoo row: cosine 0.995). The compile looks at a cosine below 0.999: the fp32 graph on the
+    input rounded to fp16 loses as much, and the report and the log say the loss is the input's rounding."""
+    from onnx import TensorProto as T
+    from onnx import helper
+
+    freqs = np.exp(-np.log(10000.0) * np.arange(16) / 15).astype(np.float32).reshape(1, 16)
+    nodes = [helper.make_node("Unsqueeze", ["r", "one"], ["r1"]),
+             helper.make_node("Mul", ["r1", "scale"], ["t"]), helper.make_node("Mul", ["t", "freqs"], ["a"]),
+             helper.make_node("Sin", ["a"], ["s"]), helper.make_node("Cos", ["a"], ["c"]),
+             helper.make_node("Concat", ["s", "c"], ["y"], axis=1)]
+    inits = [onnx.numpy_helper.from_array(np.asarray([1], np.int64), "one"),
+             onnx.numpy_helper.from_array(np.asarray(10000.0, np.float32), "scale"),
+             onnx.numpy_helper.from_array(freqs, "freqs")]
+    g = helper.make_graph(nodes, "g", [helper.make_tensor_value_info("r", T.FLOAT, [2])],
+                          [helper.make_tensor_value_info("y", T.FLOAT, [2, 32])], inits)
+    (tmp_path / "m").mkdir()
+    onnx.save(helper.make_model(g, opset_imports=[helper.make_opsetid("", 17)]), str(tmp_path / "m" / "model.onnx"))
+    report = compile_file(tmp_path / "m" / "model.onnx", tmp_path / "out", CompileOptions.named("qnn-htp"))
+    fid = report["fidelity"]
+    assert report["qnn"]["whole"] and fid["min_cosine"] < MIN_COSINE
+    rounding = fid["input_rounding"]
+    assert rounding["worst"] == "r" and 1 - rounding["min_cosine"] >= 0.5 * (1 - fid["min_cosine"])
+    text = " ".join((tmp_path / "out" / "onnx_report.txt").read_text().split())
+    assert f"rounded to fp16 (as the HTP takes it): r cosine {rounding['min_cosine']:.6f}" in text
+    assert show.find(tmp_path / "out" / "report.json")  # validates against the schema
+
+
 # tiny-sdxl's text encoder holds 3.24 MB of fp16 weights, 3.16 MB of them its token table: at 3.2 MB a context it
 # is cut in two (as the SDXL UNet's 5.1 GB is at the default 2 GB a context), the contexts chained in one ctx.onnx
 TEXT_ENCODER_CONTEXT_GB = 0.0032
 
 
 def test_a_graph_qnn_takes_nothing_of_is_reported_and_the_table_agrees(tmp_path):
-    """A rank-5 ReduceL2 (a 3-D VAE's F.normalize over channels): QNN refuses it ("CreateQnnNode failed", measured),
-    so it takes no node (its op trace says null where it has nothing to count: a TypeError in sdnpu before) and
-    there is no context to write: one line naming the node and QNN's reason; sdnpu's table refuses it too."""
+    """A rank-5 Sqrt: QNN refuses it ("CreateQnnNode failed", measured; a rank-5 ReduceL2 was this graph before
+    ``htp_ranks`` wrote reductions over lower-rank views), so it takes no node (its op trace says null where it has
+    nothing to count: a TypeError in sdnpu before) and there is no context to write: one line naming the node and
+    QNN's reason; sdnpu's table refuses it too."""
     from onnx import TensorProto as T
     from onnx import helper
 
-    g = helper.make_graph([helper.make_node("ReduceL2", ["x"], ["y"], axes=[1], keepdims=1)], "g",
+    g = helper.make_graph([helper.make_node("Sqrt", ["x"], ["y"])], "g",
                           [helper.make_tensor_value_info("x", T.FLOAT, [1, 32, 1, 16, 16])],
-                          [helper.make_tensor_value_info("y", T.FLOAT, [1, 1, 1, 16, 16])])
+                          [helper.make_tensor_value_info("y", T.FLOAT, [1, 32, 1, 16, 16])])
     (tmp_path / "m").mkdir()
     onnx.save(helper.make_model(g, opset_imports=[helper.make_opsetid("", 17)]), str(tmp_path / "m" / "model.onnx"))
-    with pytest.raises(SdnpuError, match=r"QNN takes none of model.onnx's 1 nodes \(ReduceL2: .*CreateQnnNode"):
+    with pytest.raises(SdnpuError, match=r"QNN takes none of model.onnx's 1 nodes \(Sqrt: Failed to add node"):
         compile_file(tmp_path / "m" / "model.onnx", tmp_path / "out", CompileOptions.named("qnn-htp"))
     assert not (tmp_path / "out").exists()
     import onnx_ir as ir
@@ -234,6 +265,10 @@ def test_block_by_block_each_piece_is_a_context_and_the_chain_computes_the_modul
             raise KeyboardInterrupt
         real(run, p)
         done.append(p.i)
+        # the chain keeps each piece's graph to the end for the report: without its weights (Flux.1 dev's 57
+        # pieces held 1.4 GB each, and its state file with them: 7 GB after 5 pieces, measured)
+        held = [t for g in run.qnn.graphs for t in g.graph.initializer if np.prod(t.dims) * 4 > 1024]
+        assert held and all(t.data_location == onnx.TensorProto.EXTERNAL and not t.raw_data for t in held)
 
     monkeypatch.setattr(driver, "_piece", piece)
     from sdnpu.convert.blockwise import state

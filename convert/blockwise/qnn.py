@@ -71,6 +71,10 @@ class QnnChain:
     def __getstate__(self) -> dict[str, Any]:  # the options are the job's: a run that goes on has its own
         return {k: v for k, v in self.__dict__.items() if k != "options"}
 
+    def __setstate__(self, state: dict[str, Any]) -> None:  # a state written before the graphs went weightless
+        self.__dict__.update(state)
+        self.graphs = [_weightless(g) for g in self.graphs]
+
 
 def start(out_dir: Path, options: CompileOptions, feeds: dict[str, np.ndarray], outputs: tuple[str, ...],
           emulate: bool) -> QnnChain:
@@ -123,7 +127,7 @@ def compile_piece(chain: QnnChain, i: int, n: int, path: Path, inputs: tuple[str
     chain.parts += parts
     chain.rows += ([{"nodes": len(structure.graph.node), "weight_bytes": _fp16_bytes(structure)}] if cut is None
                    else [p.to_json() for p in cut])
-    chain.graphs.append(structure)
+    chain.graphs.append(_weightless(structure))  # a piece's weights, held to the end, added up (Flux.1: 1.4 GB each)
     if chain.values is not None and i == 0:  # the first piece's MACs, n times: the chain's time on the emulator
         slow = too_slow(backend, macs_of(structure, options.target) * n)
         if slow:
@@ -206,6 +210,31 @@ def finish(chain: QnnChain, component: str, source: Path, info: dict[str, Any],
                              vendor_taken=qnn["trace"].get("supported_nodes", 0), vendor_whole=compiled.whole)
     reports.write(chain.out_dir, report)
     return report
+
+
+_KEPT_BYTES = 1024  # constants up to this size keep their values (shapes, axes: the report's analysis reads them)
+
+
+def _weightless(m: onnx.ModelProto) -> onnx.ModelProto:
+    """A copy of ``m`` without the data of its larger initializers (their names, types and shapes kept): the chain
+    keeps each piece's graph for the report only, which reads its weights' sizes, not their values. A copy, not
+    the fields cleared in place: protobuf keeps a message's memory until the whole message goes."""
+    lean = onnx.ModelProto()
+    lean.ir_version, lean.producer_name, lean.producer_version = m.ir_version, m.producer_name, m.producer_version
+    lean.opset_import.extend(m.opset_import)
+    lean.metadata_props.extend(m.metadata_props)
+    g = lean.graph
+    g.name = m.graph.name
+    for field_name in ("node", "input", "output", "value_info", "sparse_initializer"):
+        getattr(g, field_name).extend(getattr(m.graph, field_name))
+    for t in m.graph.initializer:
+        if t.data_location == onnx.TensorProto.EXTERNAL or t.ByteSize() <= _KEPT_BYTES:
+            g.initializer.append(t)
+            continue
+        kept = g.initializer.add(name=t.name, data_type=t.data_type, dims=t.dims,
+                                 data_location=onnx.TensorProto.EXTERNAL)
+        kept.external_data.add(key="location", value="(not kept: the piece's weights are in its context)")
+    return lean
 
 
 def _fp16_bytes(m: onnx.ModelProto) -> int:

@@ -132,7 +132,7 @@ def continued(job: Job, work: Path) -> Run | None:
     key = _key()
     if key is None:
         return None
-    blob = state.read_bytes()
+    blob = memoryview(state.read_bytes())  # slices of it are views: a large state is not held twice
     if not hmac.compare_digest(blob[:32], hmac.new(key, blob[32:], hashlib.sha256).digest()):
         log.warning("[%s] the state in %s is not signed by this user's sdnpu: starting again (it is not read: a "
                     "pickle runs code)", job.component, work)

@@ -343,13 +343,15 @@ def resize_nearest_gathers(node: ir.Node) -> bool:
     return True
 
 
-_UPSAMPLE_CHAIN = ("Reshape", "Transpose", "Expand")
+_UPSAMPLE_CHAIN = ("Reshape", "Transpose", "Expand", "Unsqueeze", "Squeeze", "Flatten")  # the last three: views
 
 
-@node_rewrite("nearest upsampling movements -> Resize", "Reshape", "Transpose")
+@node_rewrite("nearest upsampling movements -> Resize", "Reshape", "Transpose", "Squeeze", "Flatten")
 def resize_repeated_pixels(node: ir.Node) -> bool:
-    """A chain of Reshape / Transpose / Expand (a constant shape) that copies each pixel of its source into an
-    s x s block, found by running the chain on an index tensor: Wan 2.2's ``DupUp3D`` (each channel repeated
+    """A chain of Reshape / Transpose / Expand (a constant shape) and the views Unsqueeze / Squeeze / Flatten
+    (static shapes; AMD's canonical form has made them Reshapes by here, a standard target's has not) that
+    copies each pixel of its source into an s x s block, found by running the chain on an index tensor: Wan
+    2.2's ``DupUp3D`` (each channel repeated
     s * s times, then the copies moved into space) where it repeats as many times as it moves, a nearest
     upsampling by s. Written as the Resize it is (nearest, asymmetric, floor) of the source viewed as
     [B, C', H, W], then viewed back. Anchored at the chain's last node."""

@@ -23,6 +23,9 @@ and outputs, so a runtime can swap the QNN model for the fp32 graph.
 - **A product with a reciprocal** (``divide_reciprocal_products``): the RMS norm as exported, which QNN fuses into an
   RmsNorm that fails to compile or computes wrong, is written with a division.
 - **Rank-6 pixel shuffles** (``lower_pixel_shuffles``): DiT's unpatchify, in rank 4.
+- **Ranks and types the HTP refuses** (``passes/htp/ranks.py``): a rank-5 reduction over a lower-rank view, a Gather
+  of rank-6 data over a rank-3 view, a bool GatherND on int32 (and, from the canonical movements, a nearest
+  upsampling in rank-8 movements as a Resize): Wan 2.2's and Qwen-Image's VAEs, HiDream, Qwen2 / Qwen3.
 - **fp16's range** (``guard_fp16_range``): masks' minus infinity, and values near 65504 scaled into their norms.
 - **An attention's tokens padded** (``pad_attention_tokens``): a token count that is not a multiple of 64 (SD 3.5's
   4429 at 1024 px) padded to one, the padded keys masked and the padded queries dropped: QNN compiles it in seconds

@@ -80,7 +80,9 @@ def reduce_angles_exactly(model: ir.Model) -> PassResult:
     past 2000 they give sin 0, cos 1: measured on the emulator), while diffusion models feed angles up to
     t * 1000 (SD's timesteps, Flux's t and guidance scaled by 1000) and image sizes (SDXL's 1024). So ``x``
     (read before a scalar the graph scales it by, which is folded into ``W``) is split into digits exactly in
-    fp16, ``x = 256 hi + lo + (f + r) / 256`` (Floor and Sub of powers of two: exact for ``|x| < 32768``), the
+    fp16, ``|x| = 256 hi + lo + (f + r) / 256`` (Floor and Sub of powers of two: exact for ``|x| < 32768``; the
+    digits of ``|x|``, its sign applied to the sine at the end, because a negative ``x``'s fraction ``x -
+    floor(x)`` is not exact in fp16: cosine 0.90 for ``x = -0.13`` scaled by 10000, measured), the
     cos and sin of ``hi * 256 W``, ``lo * W`` and ``f * W / 256`` are read from constant tables (float64 offline,
     reduced mod 2 pi), the small rest ``r * W / 256`` goes to the HTP's Sin and Cos, and the four are
     combined by the angle-addition formulas. The graph's inputs do not change; where they arrive rounded to
@@ -130,6 +132,8 @@ def _rewrite_angles(graph: ir.Graph, site: _Site, users: list[ir.Node]) -> None:
             x = op(site.move.op_type, [x, *site.move.inputs[1:]], lead + [1], **{
                 a.name: a.value for a in site.move.attributes.values()})
     flat = op("Reshape", [x, const(np.asarray(lead or [1], np.int64), "rows", np.int64)], lead or [1])
+    sign = op("Sign", [flat], lead or [1])  # the digits of |x|: a negative x's fraction 1 - |f| is not exact
+    flat = op("Abs", [flat], lead or [1])
     n = op("Floor", [flat], lead or [1])
     frac = op("Mul", [op("Sub", [flat, n], lead or [1]), const(float(_DIGIT), "digit")], lead or [1])
     f = op("Floor", [frac], lead or [1])
@@ -154,6 +158,8 @@ def _rewrite_angles(graph: ir.Graph, site: _Site, users: list[ir.Node]) -> None:
     for c2, s2 in factors[1:]:
         c, s = (op("Sub", [op("Mul", [c, c2], shape), op("Mul", [s, s2], shape)], shape),
                 op("Add", [op("Mul", [s, c2], shape), op("Mul", [c, s2], shape)], shape))
+    s = op("Mul", [s, op("Unsqueeze", [sign, const(np.asarray([-1], np.int64), "sign_last", np.int64)],
+                         (lead or [1]) + [1])], shape)  # sin(-a) = -sin(a), cos(-a) = cos(a)
     out_shape = [int(d) for d in site.angle.shape]  # type: ignore[union-attr]
     for user in users:
         y = c if user.op_type == "Cos" else s
