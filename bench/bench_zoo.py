@@ -140,11 +140,13 @@ def _rounded_op_by_op(path: Path, feeds: dict[str, np.ndarray]) -> list[np.ndarr
     import onnx
     import onnxruntime as ort
 
-    from tests.fuzz_repro import _round_bf16, bf16_everywhere
+    from sdnpu.reports.bf16 import rounded_feeds
+    from tests.fuzz_repro import bf16_everywhere
 
-    model = bf16_everywhere(onnx.load(str(path)))
+    exported = onnx.load(str(path))
+    model = bf16_everywhere(exported)
     session = ort.InferenceSession(model.SerializeToString(), providers=["CPUExecutionProvider"])
-    return session.run(None, {k: _round_bf16(v) if v.dtype == np.float32 else v for k, v in feeds.items()})
+    return session.run(None, rounded_feeds(exported, feeds))
 
 
 def draw_errors(name: str, exporter: str, tmp: Path, draws: int) -> list[tuple[float, float, float, float]]:

@@ -19,7 +19,7 @@ from sdnpu.passes.manager import PassResult
 from sdnpu.passes.rules.activation import GeGLUFusion
 from sdnpu.passes.rules.attention import AttentionFusion
 from sdnpu.passes.rules.base import Rule, RuleStats, apply_rules
-from sdnpu.passes.rules.conv import ConvFusion, PoolFusion
+from sdnpu.passes.rules.conv import ConvFusion, PoolFusion, TransposedConvFusion
 from sdnpu.passes.rules.gemm import GemmFusion
 from sdnpu.passes.rules.norm import GroupNormFusion, LayerNormFusion
 from sdnpu.passes.rules.resize import ResizeFusion
@@ -30,6 +30,7 @@ FUSION_RULES: tuple[type[Rule], ...] = (
     GroupNormFusion,
     ConvFusion,
     PoolFusion,
+    TransposedConvFusion,
     LayerNormFusion,
     RMSNormFusion,
     GeGLUFusion,

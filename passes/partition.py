@@ -4,8 +4,8 @@
 A region must be callable as one unit: nothing it needs may come from a CPU node that itself needs the
 region. The proposal starts from the connected components of the dispatch ops (maximal); where one of them
 would close a cycle through the CPU, its nodes are regrouped in topological order, each joining the region of
-one of its dispatch producers unless that would close a cycle (checked on the graph of regions), so regions
-stay as large as the cycles allow.
+one of its dispatch producers unless that would close a cycle (checked on the graph of regions), and then the
+regions that meet along an edge merged where that closes none, so regions stay as large as the cycles allow.
 
 What the NPU takes is the target's to say: for a dispatch target (AMD's), its registry's ops; for a standard
 target (Qualcomm's HTP), every node its table's limits accept (``sdnpu.passes.standard.refusals``).
@@ -76,7 +76,36 @@ def _regroup(g: nx.DiGraph, members: list[ir.Node], owner: dict[ir.Node, int], n
         if node not in owner:
             owner[node] = next_id
             next_id += 1
+    _merge_neighbours(g, members, owner)
     return next_id
+
+
+def _merge_neighbours(g: nx.DiGraph, members: list[ir.Node], owner: dict[ir.Node, int]) -> None:
+    """Regions of the regrouped ``members`` that one dispatch op's output joins to another's input, merged where
+    that closes no cycle: a node joins one producer's region, so a region that starts at its own root (a
+    linear layer on a CPU value, Stable Cascade's timestep mappers) would otherwise stay apart from the region
+    that reads it."""
+    member_set = set(members)
+    tried: set[tuple[int, int]] = set()
+    merged = True
+    while merged:
+        merged = False
+        for u in members:
+            for v in g.successors(u):
+                a, b = owner.get(u), owner.get(v)
+                if v not in member_set or a is None or b is None or a == b or (a, b) in tried:
+                    continue
+                tried.add((a, b))
+                moved = [n for n in members if owner.get(n) == b]
+                for n in moved:
+                    owner[n] = a
+                if _acyclic(g, owner):
+                    merged = True
+                    break
+                for n in moved:
+                    owner[n] = b
+            if merged:
+                break
 
 
 def refused(graph: ir.Graph, target: Target) -> dict[ir.Node, str]:

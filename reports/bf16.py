@@ -5,6 +5,12 @@ within a few times that error, the graph is sensitive to bf16 itself (no rewrite
 NPU computes in); far past it, a rewrite broke the numbers. ``departures`` names where bf16's error grows: the
 first nodes whose outputs, rounded op by op, leave the fp32 run's.
 
+A sinusoid's argument (the timestep times its frequencies, read by Sin or Cos) is the one value a bf16 run
+keeps in fp32: PyTorch's ``get_timestep_embedding`` computes it and its Sin / Cos in float32 and casts after,
+and sdnpu's compile keeps it on the CPU in fp32 (Sin and Cos have no dispatch op). ``rounded`` keeps it so too
+(``fp32_arguments``): rounded to bf16, t = 500 times a frequency near 1 is off by up to 1 rad, which no bf16 run
+of the module computes (Kandinsky 3's UNet, whose rounding departed first at that Cos).
+
 Measured on the zoo (``bench/bench_zoo.py``, bench/results.md): every member's dispatch model keeps 0.12x-1.24x
 the max abs error and 0.01x-1.00x the 1 - cosine of its graph rounded op by op.
 """
@@ -32,6 +38,13 @@ def round_bf16(a: np.ndarray) -> np.ndarray:
     return a.astype(ml_dtypes.bfloat16).astype(a.dtype) if a.dtype in (np.float32, np.float16) else a
 
 
+def rounded_feeds(model: onnx.ModelProto, feeds: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+    """``feeds`` as ``rounded(model)`` takes them: rounded to bf16 but the inputs a bf16 run keeps in fp32 (the
+    timestep a sinusoid reads: ``fp32_arguments``)."""
+    keep = fp32_arguments(model)
+    return {k: v if k in keep else round_bf16(v) for k, v in feeds.items()}
+
+
 def _elem(vi: onnx.ValueInfoProto) -> int:
     return vi.type.tensor_type.elem_type
 
@@ -39,6 +52,38 @@ def _elem(vi: onnx.ValueInfoProto) -> int:
 def selectors(model: onnx.ModelProto) -> set[str]:
     """Float values that select rather than compute (``_SELECTING``): never rounded or perturbed."""
     return {n.input[i] for n in model.graph.node for i in _SELECTING.get(n.op_type, ()) if i < len(n.input)}
+
+
+# the arithmetic that computes a sinusoid's argument from the timestep, the moves that shape it and the shape
+# arithmetic they read (TorchScript expands the timestep to the batch through Where / Equal / ConstantOfShape)
+_ARGUMENT_OPS = frozenset({"Mul", "Add", "Sub", "Div", "Neg", "Cast", "Unsqueeze", "Reshape", "Expand", "Squeeze",
+                           "Concat", "Slice", "Gather", "Constant", "Exp", "Range", "Shape", "ConstantOfShape",
+                           "Where", "Equal", "Less", "Greater", "Not", "And", "Or"})
+
+
+def fp32_arguments(model: onnx.ModelProto) -> set[str]:
+    """The values a bf16 run computes in fp32: what Sin and Cos read where it is computed from the graph's inputs
+    and constants alone by ``_ARGUMENT_OPS`` (the timestep's sinusoid, not an activation's), with the chain before
+    it: its nodes' outputs, the inputs (the pipeline hands the timestep over in float32) and the constants (the
+    frequencies) it starts from (module docstring)."""
+    producer = {o: n for n in model.graph.node for o in n.output}
+    leaves = {i.name for i in model.graph.input} | {t.name for t in model.graph.initializer}
+    from_inputs = set(leaves)  # computed from the inputs and constants alone, in the graph's (topological) order
+    for node in model.graph.node:
+        if node.op_type in _ARGUMENT_OPS and all(i in from_inputs for i in node.input if i):
+            from_inputs.update(o for o in node.output if o)
+    keep: set[str] = set()
+    todo = [n.input[0] for n in model.graph.node
+            if n.op_type in ("Sin", "Cos") and n.input and n.input[0] in from_inputs]
+    while todo:
+        name = todo.pop()
+        if name in keep:
+            continue
+        keep.add(name)
+        node = producer.get(name)
+        if node is not None:
+            todo.extend(i for i in node.input if i)
+    return keep
 
 
 def float_outputs(model: onnx.ModelProto) -> dict[str, tuple[int, list[int]]]:
@@ -50,30 +95,34 @@ def float_outputs(model: onnx.ModelProto) -> dict[str, tuple[int, list[int]]]:
 
 def rounded(model: onnx.ModelProto) -> onnx.ModelProto:
     """``model`` (not changed) with its float weights and every float node output rounded to bf16 (a Cast there
-    and back after each), under the same value names: what bf16 rounding does to this graph's result. Feed it
-    ``round_bf16``-ed inputs."""
+    and back after each) but the sinusoids' arguments (``fp32_arguments``), under the same value names: what bf16
+    rounding does to this graph's result. Feed it ``rounded_feeds``."""
     m = copy.deepcopy(model)
-    keep = selectors(m)
+    fp32 = fp32_arguments(m)
+    keep = selectors(m) | fp32
     for i, t in enumerate(m.graph.initializer):
         if t.data_type in FLOAT_TYPES and t.name not in keep:
             m.graph.initializer[i].CopyFrom(onnx.numpy_helper.from_array(
                 round_bf16(onnx.numpy_helper.to_array(t)), t.name))
     for node in m.graph.node:
+        if node.op_type == "Constant" and set(node.output) & fp32:
+            continue
         for a in node.attribute:
             if a.type == onnx.AttributeProto.TENSOR and a.t.data_type in FLOAT_TYPES:
                 a.t.CopyFrom(onnx.numpy_helper.from_array(round_bf16(onnx.numpy_helper.to_array(a.t)), a.t.name))
     return after_each_output(m, lambda exact, name, elem, _: [
         helper.make_node("Cast", [exact], [f"{name}__bf16"], to=T.BFLOAT16),
-        helper.make_node("Cast", [f"{name}__bf16"], [name], to=elem)])
+        helper.make_node("Cast", [f"{name}__bf16"], [name], to=elem)], keep=fp32)
 
 
-def after_each_output(model: onnx.ModelProto, wrap: Callable[[str, str, int, list[int]], list[onnx.NodeProto]]
-                      ) -> onnx.ModelProto:
+def after_each_output(model: onnx.ModelProto, wrap: Callable[[str, str, int, list[int]], list[onnx.NodeProto]],
+                      keep: set[str] | frozenset[str] = frozenset()) -> onnx.ModelProto:
     """``model`` (changed in place) with ``wrap(exact, name, type, shape)`` nodes after every float node output
     ``name``: the node now writes ``exact``, the inserted nodes write ``name``, so the readers see the changed
-    value (rounded, perturbed). Values that select rather than compute (``selectors``) are left alone."""
+    value (rounded, perturbed). Values that select rather than compute (``selectors``) and those in ``keep`` are
+    left alone."""
     floats = float_outputs(model)
-    for name in selectors(model):
+    for name in selectors(model) | set(keep):
         floats.pop(name, None)
     nodes: list[onnx.NodeProto] = []
     for node in model.graph.node:
@@ -122,8 +171,8 @@ def measure(model: onnx.ModelProto, feeds: dict[str, np.ndarray], reference: dic
     exact = dict(zip([o.name for o in probe.graph.output],
                      _session(probe).run(None, feeds), strict=True))
     low = rounded(probe)
-    got = dict(zip([o.name for o in low.graph.output],
-                   _session(low).run(None, {k: round_bf16(v) for k, v in feeds.items()}), strict=True))
+    got = dict(zip([o.name for o in low.graph.output], _session(low).run(None, rounded_feeds(probe, feeds)),
+                   strict=True))
     outs = [k for k in reference if k in got]
     cos = min((_cosine(reference[k], got[k]) for k in outs), default=1.0)
     max_abs = max((float(np.nanmax(np.abs(reference[k].astype(np.float64) - got[k]))) for k in outs if got[k].size),

@@ -95,7 +95,7 @@ from onnx import TensorProto as T
 from onnx import helper
 
 from sdnpu.reports.bf16 import after_each_output as _after_each_output
-from sdnpu.reports.bf16 import round_bf16 as _round_bf16
+from sdnpu.reports.bf16 import rounded_feeds
 from sdnpu.reports.bf16 import rounded as bf16_everywhere  # weights and every float output rounded to bf16
 from sdnpu.reports.bf16 import selectors as _selectors
 
@@ -376,7 +376,7 @@ def check(model: onnx.ModelProto, precision: str = "bf16") -> Outcome:
     wide, feeds32 = as_fp32(model), {k: v.astype(np.float32) if v.dtype == np.float16 else v for k, v in feeds.items()}
     ref = run(wide, feeds32)
     outcome = Outcome()
-    ideal = run(bf16_everywhere(model), {k: _round_bf16(v) for k, v in feeds.items()})
+    ideal = run(bf16_everywhere(model), rounded_feeds(model, feeds))
     outcome.sensitivity = _sensitivity(wide, feeds32, ref, BF16_EPS, ideal)
     if fp16:
         outcome.sensitivity16 = _sensitivity(wide, feeds32, ref, FP16_EPS, run(model, feeds))
@@ -439,8 +439,8 @@ def check(model: onnx.ModelProto, precision: str = "bf16") -> Outcome:
                 raise Mismatch(message)
         name, _, message = over[0]
         for k, feeds_k, feeds32_k, ref_k in fresh:
-            sens_k = _sensitivity(wide, feeds32_k, ref_k, BF16_EPS, run(bf16_everywhere(model), {
-                n: _round_bf16(v) for n, v in feeds_k.items()}))
+            sens_k = _sensitivity(wide, feeds32_k, ref_k, BF16_EPS, run(bf16_everywhere(model),
+                                                                         rounded_feeds(model, feeds_k)))
             outs_k = checked_run(final, feeds_k, f"{where}, feed {k}")
             try:
                 outcome.compared += _compare(precision, outs_k, ref_k, bound(sens_k), f"{where}, feed {k}")

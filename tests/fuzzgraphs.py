@@ -14,7 +14,8 @@ thousand elements (MAX_ELEMS caps the steps that grow them), and passes
 
 Families (``FAMILIES``):
   conv         Conv with random kernel/stride/pads (asymmetric too)/dilation/groups (depthwise too), bias or
-               not, + SiLU, after TorchScript's zero Pad
+               not, + SiLU, after TorchScript's zero Pad; ConvTranspose (kernel == stride 1-3, or overlapping,
+               grouped, output-padded), bias or not
   gemm         MatMul + bias ([N], [1, N], [1, 1, N]), Gemm (transB, bias or not), tied weights, activation
                x activation MatMul
   attention    self/cross attention, 1-4 heads, dynamo / TorchScript / plain spellings of the head split and
@@ -292,6 +293,33 @@ def step_conv(g: G, x: str) -> str:
     g.desc.append(f"Conv(oc={spec.oc}, k={spec.kernel}, s={spec.strides}, p={spec.pads}, d={spec.dilations}, "
                   f"g={spec.group}){'+SiLU' if silu else ''}")
     return _silu(g, y) if silu else y
+
+
+def step_conv_transpose(g: G, x: str) -> str:
+    """A ConvTranspose: mostly kernel == stride (1-3, non-overlapping: Kandinsky 3's upsampling, an unpatchify),
+    which becomes SDConvs; else an overlapping (k 4, s 2, p 1), grouped or output-padded one, which stays."""
+    b, c, h, w = g.shape[x]
+    kind = g.pick(["phases", "phases", "phases", "overlapping", "grouped", "output_padding"])
+    s = g.num(1, 3) if kind == "phases" else 2
+    k, pad, group, extra = s, 0, 1, 0
+    if kind == "overlapping":
+        k, pad = 4, 1
+    elif kind == "grouped":
+        group = g.pick([d for d in _divisors(c) if d > 1] or [1])
+    elif kind == "output_padding":
+        extra = 1
+    oc = group * g.num(1, max(1, 8 // group))
+    while b * oc * (h * s) * (w * s) > MAX_ELEMS and oc > group:
+        oc -= group
+    out = (b, oc, (h - 1) * s - 2 * pad + k + extra, (w - 1) * s - 2 * pad + k + extra)
+    ins = [x, g.weight((c, oc // group, k, k))] + ([g.weight((oc,), 0.1, "b")] if g.flag() else [])
+    attrs: dict[str, Any] = {"strides": [s, s], "pads": [pad] * 4, "group": group}
+    if extra:
+        attrs["output_padding"] = [extra, extra]
+    if g.flag():
+        attrs["kernel_shape"] = [k, k]
+    g.desc.append(f"ConvTranspose(oc={oc}, k={k}, s={s}, p={pad}, g={group}, out_pad={extra})")
+    return g.op("ConvTranspose", ins, out, **attrs)
 
 
 def step_video_conv(g: G, x: str) -> str:
@@ -2624,6 +2652,7 @@ class Step:
 
 STEPS: dict[str, Step] = {
     "conv": Step(step_conv, (4,)),
+    "conv_transpose": Step(step_conv_transpose, (4,)),
     "video_conv": Step(step_video_conv, (4,)),
     "conv1d": Step(step_conv1d, (3,)),
     "frame_tokens": Step(step_frame_tokens, (3,)),
@@ -2720,7 +2749,7 @@ MUTATIONS: dict[str, Step] = {  # each makes its own input: ranks (0,)
 }
 
 FAMILIES: dict[str, list[str]] = {
-    "conv": ["conv"],
+    "conv": ["conv", "conv_transpose"],
     "video": ["video_conv", "conv1d", "frame_tokens"],
     "gemm": ["linear", "gemm", "tied_linear", "matmul_act"],
     "attention": ["attention"],

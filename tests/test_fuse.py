@@ -15,7 +15,7 @@ from sdnpu.formats.keys import RULE_TAG
 from sdnpu.passes.fuse import fuse
 from sdnpu.passes.canonical import constants
 from sdnpu.passes.canonical.driver import sweep
-from sdnpu.passes.pipeline import canonicalize
+from sdnpu.passes.pipeline import CompileOptions, canonicalize, compile_model
 
 from .fuzz_repro import check
 from .graphs import model, ops, to_ir, to_proto
@@ -28,6 +28,11 @@ def conv_silu():
     return model([n("Conv", ["x", "w", "b"], ["c"], pads=[1, 1, 1, 1]), n("Sigmoid", ["c"], ["s"]),
                   n("Mul", ["c", "s"], ["y"])], {"x": [1, 4, 6, 6]}, {"y": [1, 8, 6, 6]},
                  {"w": w(8, 4, 3, 3), "b": w(8)})
+
+
+def conv_grouped():
+    return model([n("Conv", ["x", "w"], ["y"], group=2)], {"x": [1, 4, 6, 6]}, {"y": [1, 8, 4, 4]},
+                 {"w": w(8, 2, 3, 3)})
 
 
 def group_norm(silu: bool, rank: int = 4, grouping: list[int] | None = None):
@@ -119,6 +124,7 @@ def upsample(factor: int = 2, mode: str = "nearest"):
 @pytest.mark.parametrize(
     ("build", "expected"),
     [(conv_silu, {"SDConv": 1, "SDSilu": 1}),
+     (conv_grouped, {"SDConv": 1}),  # the dense conv with a block-diagonal weight
      (lambda: group_norm(True), {"SDGroupNorm": 1}),
      (lambda: group_norm(False), {"SDGroupNorm": 1}),
      (lambda: group_norm(True, rank=3), {"SDGroupNorm": 1}),
@@ -196,11 +202,6 @@ def conv_dynamic_weight():
     return model([n("Conv", ["x", "w"], ["y"])], {"x": [1, 4, 6, 6], "w": [8, 4, 3, 3]}, {"y": [1, 8, 4, 4]})
 
 
-def conv_grouped():
-    return model([n("Conv", ["x", "w"], ["y"], group=2)], {"x": [1, 4, 6, 6]}, {"y": [1, 8, 4, 4]},
-                 {"w": w(8, 2, 3, 3)})
-
-
 def conv_rectangular():
     return model([n("Conv", ["x", "w"], ["y"])], {"x": [1, 4, 6, 6]}, {"y": [1, 8, 4, 5]}, {"w": w(8, 4, 3, 2)})
 
@@ -247,7 +248,6 @@ def attention_wrong_heads():
 @pytest.mark.parametrize(
     ("build", "anchor_op", "reason"),
     [(conv_dynamic_weight, "Conv", "the weight is not a constant"),
-     (conv_grouped, "Conv", "group=2: SDConv has no groups"),
      (conv_rectangular, "Conv", "kernel 3x2 is not square"),
      (conv_column_strided, "Conv", "kernel 3x1 is not square"),
      (conv_dilated, "Conv", "SDConv has none"),
@@ -590,3 +590,76 @@ def _folded(m: onnx.ModelProto) -> onnx.ModelProto:
                  constants.fold_small, sweep):
         step(irm)
     return onnx.shape_inference.infer_shapes(to_proto(irm), strict_mode=True, data_prop=True)
+
+
+# --- grouped and transposed convolutions as torch's exporters write them (issue 42) -----------------------------------
+
+class _ConvNeXt(torch.nn.Module):
+    """Stable Cascade's SDCascadeResBlock's start: a depthwise conv, then the channels permuted last for a Linear."""
+
+    def __init__(self, channels: int) -> None:
+        super().__init__()
+        self.depthwise = torch.nn.Conv2d(channels, channels, 3, padding=1, groups=channels)
+        self.linear = torch.nn.Linear(channels, channels)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.linear(self.depthwise(x).permute(0, 2, 3, 1)).permute(0, 3, 1, 2)
+
+
+TORCH_GROUPED = {  # name: (module, input shape, {dispatch op: count}, or a reason)
+    "depthwise Conv2d (Stable Cascade's ResBlock)": (lambda: torch.nn.Conv2d(8, 8, 3, padding=1, groups=8),
+                                                     (1, 8, 5, 5), {"SDConv": 1}),
+    "grouped Conv2d, 2 groups, stride 2": (lambda: torch.nn.Conv2d(8, 16, 3, stride=2, padding=1, groups=2),
+                                           (1, 8, 6, 6), {"SDConv": 1}),
+    "depthwise Conv2d, then a Linear over the channels": (lambda: _ConvNeXt(8), (1, 8, 4, 4),
+                                                          {"SDConv": 1, "SDGemm": 1}),
+    "ConvTranspose2d k2 s2 (Kandinsky 3's upsampling)": (lambda: torch.nn.ConvTranspose2d(8, 4, 2, stride=2),
+                                                          (1, 8, 3, 5), {"SDConv": 2, "SDConcat": 1}),
+    "ConvTranspose2d k3 s3, no bias": (lambda: torch.nn.ConvTranspose2d(8, 4, 3, stride=3, bias=False),
+                                       (1, 8, 2, 3), {"SDConv": 3, "SDConcat": 2}),
+    "ConvTranspose2d k1 s1": (lambda: torch.nn.ConvTranspose2d(8, 4, 1), (1, 8, 3, 3), {"SDConv": 1}),
+    # near misses
+    "depthwise Conv2d over 704 channels": (lambda: torch.nn.Conv2d(704, 704, 3, padding=1, groups=704),
+                                           (1, 704, 2, 2), "group=704: SDConv has no groups"),
+    "ConvTranspose2d k4 s2 p1 (overlapping windows)": (
+        lambda: torch.nn.ConvTranspose2d(8, 4, 4, stride=2, padding=1), (1, 8, 3, 3),
+        "only a square kernel equal to its stride (non-overlapping windows), unpadded"),
+    "grouped ConvTranspose2d k2 s2": (lambda: torch.nn.ConvTranspose2d(8, 8, 2, stride=2, groups=2), (1, 8, 3, 3),
+                                      "group 2: the target has no transposed conv"),
+}
+
+
+@pytest.mark.parametrize("exporter", ["dynamo", "torchscript"])
+@pytest.mark.parametrize("name", list(TORCH_GROUPED))
+def test_the_grouped_and_transposed_convs_torch_exports_fuse_or_say_why(name, exporter, tmp_path):
+    """A grouped conv is the dense SDConv with a block-diagonal weight (within the dense-weight bound); a
+    ConvTranspose whose kernel is its stride is s 1x1 SDConvs, one a row phase, and their SDConcat: no CPU node
+    but the graph's edge Transposes. Every other one keeps its op with the reason. The numbers are the graph's
+    (fp32 before precision; the whole compile within bf16's tolerance, onnx's full check at every stage)."""
+    m = _export(name, exporter, tmp_path / "m.onnx", TORCH_GROUPED)
+    expected = TORCH_GROUPED[name][2]
+    irm = lowered(m)
+    if isinstance(expected, str):
+        assert not dispatch_ops(irm), ops(irm)
+        assert any(expected in why for why in declined(irm)), declined(irm)
+    else:
+        assert dispatch_ops(irm) == expected, ops(irm)
+        assert set(ops(irm)) - set(expected) <= {"Transpose", "Reshape"}, ops(irm)
+    assert_same(m, irm, atol=1e-4)
+    check(_folded(m) if exporter == "torchscript" else m, "bf16")
+
+
+@pytest.mark.parametrize("exporter", ["dynamo", "torchscript"])
+def test_a_depthwise_conv_past_the_dense_bound_is_one_cpu_island(exporter, tmp_path):
+    """Stable Cascade's ResBlock at its own width (here 704 channels: the dense weight would pass the bound),
+    after a 1x1 conv: the depthwise conv stays on the CPU with the registry's reason, its layout Transposes and
+    casts beside it in one CPU island between the NPU's convolution and Linear."""
+    block = {"ConvNeXt block": (lambda: torch.nn.Sequential(torch.nn.Conv2d(8, 704, 1), _ConvNeXt(704)),
+                                (1, 8, 2, 2), None)}
+    m = _export("ConvNeXt block", exporter, tmp_path / "m.onnx", block)
+    irm = to_ir(m)
+    records = compile_model(irm, CompileOptions())
+    counts = next(r.result.counts for r in records if r.name == "partition")
+    assert counts["CPU islands around ops the registry lacks"] == 1 and counts["CPU islands avoidable"] == 0, counts
+    assert ops(irm)["Conv"] == 1 and dispatch_ops(irm) == {"SDConv": 1, "SDGemm": 1}, ops(irm)
+    assert any("group=704: SDConv has no groups" in why for why in declined(irm)), declined(irm)

@@ -47,6 +47,11 @@ CASES = {
     "a cycle elsewhere leaves other regions whole": (
         [npu("a", ["x", "x"]), npu("a2", ["a", "a"]), cpu("c", ["a2"]), npu("b", ["a2", "c"]),
          cpu("e", ["b"]), npu("f", ["e", "e"]), npu("g", ["f", "f"])], "g", [["a", "a2"], ["b"], ["f", "g"]]),
+    # Stable Cascade's timestep mappers: a linear layer on a CPU value (r) read by a region split for a cycle
+    # (b -> Floor -> e): r starts a region of its own when regrouped, then joins the one that reads it
+    "a root on a CPU value joins the region that reads it": (
+        [npu("a", ["x", "x"]), cpu("c", ["x"]), npu("r", ["c", "c"]), npu("b", ["a", "r"]), cpu("d", ["b"]),
+         npu("e", ["b", "d"])], "e", [["a", "r", "b"], ["e"]]),
 }
 
 

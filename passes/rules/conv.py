@@ -7,6 +7,25 @@ The weight is transposed offline (lazily, at save time); a missing bias is zeros
 the weight blob either way). The Transposes around the op are the layout boundary: the layout pass cancels
 them between neighbouring NHWC ops. A SiLU after the Conv stays a separate SDSilu: the target has no fused
 form (only GroupNorm takes one).
+
+AMD's SDConv has no groups and no transposed form (DD src/ops/sd/conv2d.cpp:405-446: IC is the weight's last
+axis, tiled by 8, and no ``group`` attribute is read; op_registration_db.def:253-305 registers no deconvolution
+among the SD ops), so the other members of the family are written as what it takes, where that is exact and
+worth its cost, and declined with the registry's reason otherwise:
+
+- a grouped conv (``group`` G > 1, depthwise when G = C) as the dense conv with a block-diagonal weight
+  ``[OC, IC, KH, KW]``: the same sums (the zeros add nothing), G times the multiply-accumulates and the weight.
+  Taken while the dense weight stays within ``_DENSE_LIMIT`` elements (8 MB in bf16), as the average pool is;
+  past it (Stable Cascade's depthwise convs at 2048 channels: 2048 times the MACs, 75 MB each) the conv stays
+  on the CPU with the registry's reason, one CPU island with its layout Transposes and casts;
+- a transposed conv whose kernel is its stride s (non-overlapping windows: Kandinsky 3's 2x upsampling,
+  an unpatchify), ``ConvTranspose(x [B, C, H, W], w [C, OC, s, s])``: output row ``s i + a``, column
+  ``s j + c`` is ``x[:, :, i, j] . w[:, :, a, c]``. So for each row phase a, a 1x1 SDConv with ``s OC``
+  outputs (channel ``c OC + o`` = ``w[:, o, a, c]``) gives in NHWC ``[B, H, W, s OC]``, which is
+  ``[B, H, 1, s W OC]``: row phase a of the output; the s phases' Concat along that axis is ``[B, H s, W s, OC]``
+  read as it lies. s SDConvs and s - 1 SDConcats, the MACs of the ConvTranspose itself, no CPU node. Any other
+  ConvTranspose (overlapping windows, padding, output padding, groups, dilation) stays on the CPU with its
+  reason.
 """
 
 from __future__ import annotations
@@ -71,10 +90,16 @@ class ConvFusion(Rule):
             if squared is not None:
                 widths, pads = squared
                 kh = kw = max(kh, kw)
+        ic = icg * group  # a grouped conv is taken as the dense one (block-diagonal weight): see the docstring
         reason, assumed = self.target.op("conv").check(
-            {"w": (oc, kh, kw, icg), "group": group, "dilations": dilations, "strides": strides, "pads": pads})
+            {"w": (oc, kh, kw, ic), "group": 1, "dilations": dilations, "strides": strides, "pads": pads})
         if reason:
             return reason
+        if group > 1 and oc * ic * kh * kw > _DENSE_LIMIT:
+            grouped, _ = self.target.op("conv").check(
+                {"w": (oc, kh, kw, icg), "group": group, "dilations": dilations, "strides": strides, "pads": pads})
+            return (f"{grouped}; as a dense conv its weight would be {oc}x{ic}x{kh}x{kw} ({group} times the "
+                    "grouped conv's multiply-accumulates)")
         return Match([node], [node.outputs[0]], ConvParams(x, w, b, strides, pads, dilations, group,  # type: ignore
                                                           assumed, widths))
 
@@ -84,16 +109,20 @@ class ConvFusion(Rule):
         x_shape = static_shape(p.x)
         out_shape = static_shape(m.outputs[0])
         assert w_shape is not None and x_shape is not None and out_shape is not None
+        steps = []
+        if p.group > 1:  # zeros between the groups make it dense: the same sums, G times the products
+            w_shape = (w_shape[0], w_shape[1] * p.group, *w_shape[2:])
+            steps.append(step("block_diagonal", groups=p.group))
         if p.widths:  # zero taps around a (K, 1) kernel make it K x K: the same sums, K times the products
             w_shape = tuple(d + lo + hi for d, (lo, hi) in zip(w_shape, p.widths, strict=True))
-        w = b.derived(p.w, [*([step("pad", widths=[list(x) for x in p.widths])] if p.widths else []),
-                            step("transpose", perm=[0, 2, 3, 1])], nhwc_shape(w_shape), f"{p.w.name}_ohwi")
+            steps.append(step("pad", widths=[list(x) for x in p.widths]))
+        w = b.derived(p.w, [*steps, step("transpose", perm=[0, 2, 3, 1])], nhwc_shape(w_shape), f"{p.w.name}_ohwi")
         bias = p.b if p.b is not None else b.const(np.zeros(w_shape[0], np.float32), f"{p.w.name}_zero_bias")
         xt = b.op("Transpose", [p.x], {"perm": NCHW_TO_NHWC}, dtype=p.x.dtype, shape=nhwc_shape(x_shape))
         conv = b.dispatch(self.target.op("conv").op_type, [xt.outputs[0], w, bias],
                           {"input_shape": nhwc_shape(x_shape), "output_shape": nhwc_shape(out_shape),
                            "weight_shape": nhwc_shape(w_shape), "strides": p.strides, "pads": p.pads,
-                           "dilations": p.dilations, "group": p.group, "kernel_shape": list(w_shape[2:])},
+                           "dilations": p.dilations, "group": 1, "kernel_shape": list(w_shape[2:])},
                           dtype=p.x.dtype, shape=nhwc_shape(out_shape), assumed=p.assumed)
         back = b.op("Transpose", [conv.outputs[0]], {"perm": NHWC_TO_NCHW}, dtype=p.x.dtype, shape=out_shape)
         return [back.outputs[0]]
@@ -169,4 +198,88 @@ class PoolFusion(Rule):
                            "dilations": [1, 1], "group": 1, "kernel_shape": [kh, kw]},
                           dtype=p.x.dtype, shape=nhwc_shape(out_shape), assumed=p.assumed)
         back = b.op("Transpose", [conv.outputs[0]], {"perm": NHWC_TO_NCHW}, dtype=p.x.dtype, shape=out_shape)
+        return [back.outputs[0]]
+
+
+@dataclass(frozen=True)
+class TransposedParams:
+    x: ir.Value
+    w: ir.Value
+    b: ir.Value | None
+    stride: int
+    assumed: list[str]
+
+
+class TransposedConvFusion(Rule):
+    """A ConvTranspose whose kernel is its stride s as s 1x1 SDConvs, one a row phase, and their Concat along
+    the row phase (the module's docstring has the algebra): exact, the ConvTranspose's own MACs."""
+
+    name = "TransposedConvFusion"
+    anchors = ("ConvTranspose",)
+
+    def match(self, node: ir.Node) -> Match | str | None:
+        x, w = node.inputs[0], node.inputs[1]
+        b = node.inputs[2] if len(node.inputs) > 2 else None
+        w_shape, x_shape, y_shape = static_shape(w), static_shape(x), static_shape(node.outputs[0])
+        if w is None or w.const_value is None or w_shape is None:
+            return "the weight is not a constant"
+        if len(w_shape) != 4 or x_shape is None or y_shape is None:
+            return "only 2-D transposed convolutions with static shapes are offloaded"
+        if b is not None and const(b) is None:
+            return "the bias is not a constant"
+        kernel = [int(k) for k in w_shape[2:]]
+        strides = [int(s) for s in attr(node, "strides", [1, 1])]
+        pads = [int(p) for p in attr(node, "pads", [0, 0, 0, 0])]
+        out_pads = [int(p) for p in attr(node, "output_padding", [0, 0])]
+        dilations = [int(d) for d in attr(node, "dilations", [1, 1])]
+        group = int(attr(node, "group", 1))
+        if attr(node, "auto_pad", "NOTSET") not in ("NOTSET", b"NOTSET") or attr(node, "output_shape", None):
+            return "auto_pad or output_shape is not supported (the exporters write explicit pads)"
+        if kernel != strides or kernel[0] != kernel[1] or any(pads) or any(out_pads) or dilations != [1, 1] \
+                or group != 1:
+            return (f"ConvTranspose with kernel {kernel}, strides {strides}, pads {pads}, output_padding {out_pads}, "
+                    f"dilations {dilations}, group {group}: the target has no transposed conv; only a square "
+                    "kernel equal to its stride (non-overlapping windows), unpadded, is written as SDConvs")
+        s = kernel[0]
+        c, oc = w_shape[0], w_shape[1]
+        reason, assumed = self.target.op("conv").check(
+            {"w": (s * oc, 1, 1, c), "group": 1, "dilations": [1, 1], "strides": [1, 1], "pads": [0, 0, 0, 0]})
+        if reason:
+            return reason
+        if s > 1 and "concat" not in self.target.families:
+            return "the target has no concat to interleave the row phases"
+        return Match([node], [node.outputs[0]], TransposedParams(x, w, b, s, assumed))
+
+    def rewrite(self, b: Builder, m: Match) -> list[ir.Value]:
+        p: TransposedParams = m.params
+        s = p.stride
+        x_shape, w_shape, y_shape = static_shape(p.x), static_shape(p.w), static_shape(m.outputs[0])
+        assert x_shape is not None and w_shape is not None and y_shape is not None
+        n, c, h, wd = x_shape
+        oc = w_shape[1]
+        xt = b.op("Transpose", [p.x], {"perm": NCHW_TO_NHWC}, dtype=p.x.dtype, shape=[n, h, wd, c])
+        if p.b is not None:  # every phase adds the bias to each of its s column phases
+            bias = b.derived(p.b, [step("reshape", shape=[1, oc]), step("broadcast", shape=[s, oc]),
+                                   step("reshape", shape=[s * oc])], [s * oc], f"{p.b.name}_phases")
+        else:
+            bias = b.const(np.zeros(s * oc, np.float32), f"{p.w.name}_zero_bias")
+        rows = []
+        for a in range(s):
+            # w [C, OC, s, s] -> row phase a [C, OC, 1, s] -> [s (column phase), OC, C, 1] -> OHWI [s OC, 1, 1, C]
+            wa = b.derived(p.w, [step("slice", axis=2, start=a, stop=a + 1), step("transpose", perm=[3, 1, 0, 2]),
+                                 step("reshape", shape=[s * oc, 1, 1, c])], [s * oc, 1, 1, c],
+                           f"{p.w.name}_row{a}_ohwi")
+            conv = b.dispatch(self.target.op("conv").op_type, [xt.outputs[0], wa, bias],
+                              {"input_shape": [n, h, wd, c], "output_shape": [n, h, wd, s * oc],
+                               "weight_shape": [s * oc, 1, 1, c], "strides": [1, 1], "pads": [0, 0, 0, 0],
+                               "dilations": [1, 1], "group": 1, "kernel_shape": [1, 1]},
+                              dtype=p.x.dtype, shape=[n, h, wd, s * oc], assumed=p.assumed)
+            row = b.op("Reshape", [conv.outputs[0], b.const(np.asarray([n, h, 1, wd * s * oc], np.int64), "shape")],
+                       dtype=p.x.dtype, shape=[n, h, 1, wd * s * oc])
+            rows.append(row.outputs[0])
+        y = rows[0] if s == 1 else b.op("Concat", rows, {"axis": 2}, dtype=p.x.dtype,
+                                        shape=[n, h, s, wd * s * oc]).outputs[0]
+        nhwc = b.op("Reshape", [y, b.const(np.asarray([n, h * s, wd * s, oc], np.int64), "shape")],
+                    dtype=p.x.dtype, shape=[n, h * s, wd * s, oc])
+        back = b.op("Transpose", [nhwc.outputs[0]], {"perm": NHWC_TO_NCHW}, dtype=p.x.dtype, shape=y_shape)
         return [back.outputs[0]]

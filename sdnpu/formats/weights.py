@@ -99,6 +99,17 @@ def _frames_in_channels(a: np.ndarray, frames: int, out_frames: int, stride: int
     return out.reshape(out_frames * oc, frames * ic, *rest)
 
 
+def _block_diagonal(a: np.ndarray, groups: int) -> np.ndarray:
+    """A grouped convolution's weight ``[OC, IC / G, ...]`` as the dense one ``[OC, IC, ...]``: output channel
+    o reads its own group's input channels (block o // (OC / G)), zeros elsewhere."""
+    oc, icg, *rest = a.shape
+    out = np.zeros((oc, icg * groups, *rest), a.dtype)
+    per = oc // groups
+    for g in range(groups):
+        out[g * per:(g + 1) * per, g * icg:(g + 1) * icg] = a[g * per:(g + 1) * per]
+    return out
+
+
 STEPS: dict[str, Callable[..., np.ndarray]] = {
     "transpose": lambda a, perm: np.ascontiguousarray(np.transpose(a, perm)),
     "reshape": lambda a, shape: a.reshape(shape),
@@ -111,6 +122,7 @@ STEPS: dict[str, Callable[..., np.ndarray]] = {
     "bfp16": _bfp16,  # AMD's block format (ops/bfp.py) along ``axis``, stored as bfloat16
     "pad": lambda a, widths: np.pad(a, [tuple(w) for w in widths]),  # zeros around (a kernel made square)
     "frames_in_channels": _frames_in_channels,  # a Conv3d's weight as the 2-D conv's over frames in channels
+    "block_diagonal": _block_diagonal,  # a grouped conv's weight as the dense conv's (zeros between groups)
 }
 
 
