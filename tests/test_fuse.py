@@ -607,18 +607,18 @@ class _ConvNeXt(torch.nn.Module):
 
 
 TORCH_GROUPED = {  # name: (module, input shape, {dispatch op: count}, or a reason)
-    "depthwise Conv2d (Stable Cascade's ResBlock)": (lambda: torch.nn.Conv2d(8, 8, 3, padding=1, groups=8),
-                                                     (1, 8, 5, 5), {"SDConv": 1}),
     "grouped Conv2d, 2 groups, stride 2": (lambda: torch.nn.Conv2d(8, 16, 3, stride=2, padding=1, groups=2),
                                            (1, 8, 6, 6), {"SDConv": 1}),
-    "depthwise Conv2d, then a Linear over the channels": (lambda: _ConvNeXt(8), (1, 8, 4, 4),
-                                                          {"SDConv": 1, "SDGemm": 1}),
     "ConvTranspose2d k2 s2 (Kandinsky 3's upsampling)": (lambda: torch.nn.ConvTranspose2d(8, 4, 2, stride=2),
                                                           (1, 8, 3, 5), {"SDConv": 2, "SDConcat": 1}),
     "ConvTranspose2d k3 s3, no bias": (lambda: torch.nn.ConvTranspose2d(8, 4, 3, stride=3, bias=False),
                                        (1, 8, 2, 3), {"SDConv": 3, "SDConcat": 2}),
     "ConvTranspose2d k1 s1": (lambda: torch.nn.ConvTranspose2d(8, 4, 1), (1, 8, 3, 3), {"SDConv": 1}),
     # near misses
+    "depthwise Conv2d (Stable Cascade's ResBlock)": (lambda: torch.nn.Conv2d(8, 8, 3, padding=1, groups=8),
+                                                     (1, 8, 5, 5), "8 times the grouped conv's multiply-accumulates"),
+    "grouped Conv2d, 4 groups": (lambda: torch.nn.Conv2d(8, 8, 3, padding=1, groups=4), (1, 8, 5, 5),
+                                 "group=4: SDConv has no groups"),
     "depthwise Conv2d over 704 channels": (lambda: torch.nn.Conv2d(704, 704, 3, padding=1, groups=704),
                                            (1, 704, 2, 2), "group=704: SDConv has no groups"),
     "ConvTranspose2d k4 s2 p1 (overlapping windows)": (
@@ -632,7 +632,8 @@ TORCH_GROUPED = {  # name: (module, input shape, {dispatch op: count}, or a reas
 @pytest.mark.parametrize("exporter", ["dynamo", "torchscript"])
 @pytest.mark.parametrize("name", list(TORCH_GROUPED))
 def test_the_grouped_and_transposed_convs_torch_exports_fuse_or_say_why(name, exporter, tmp_path):
-    """A grouped conv is the dense SDConv with a block-diagonal weight (within the dense-weight bound); a
+    """A grouped conv of 2 groups is the dense SDConv with a block-diagonal weight (twice its MACs, the bound; a
+    depthwise conv would be C times them: declined with the reason); a
     ConvTranspose whose kernel is its stride is s 1x1 SDConvs, one a row phase, and their SDConcat: no CPU node
     but the graph's edge Transposes. Every other one keeps its op with the reason. The numbers are the graph's
     (fp32 before precision; the whole compile within bf16's tolerance, onnx's full check at every stage)."""
@@ -651,8 +652,8 @@ def test_the_grouped_and_transposed_convs_torch_exports_fuse_or_say_why(name, ex
 
 @pytest.mark.parametrize("exporter", ["dynamo", "torchscript"])
 def test_a_depthwise_conv_past_the_dense_bound_is_one_cpu_island(exporter, tmp_path):
-    """Stable Cascade's ResBlock at its own width (here 704 channels: the dense weight would pass the bound),
-    after a 1x1 conv: the depthwise conv stays on the CPU with the registry's reason, its layout Transposes and
+    """Stable Cascade's ResBlock (here 704 channels; as a dense conv 704 times the MACs and past the weight
+    bound), after a 1x1 conv: the depthwise conv stays on the CPU with the registry's reason, its layout Transposes and
     casts beside it in one CPU island between the NPU's convolution and Linear."""
     block = {"ConvNeXt block": (lambda: torch.nn.Sequential(torch.nn.Conv2d(8, 704, 1), _ConvNeXt(704)),
                                 (1, 8, 2, 2), None)}

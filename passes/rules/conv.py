@@ -15,9 +15,12 @@ worth its cost, and declined with the registry's reason otherwise:
 
 - a grouped conv (``group`` G > 1, depthwise when G = C) as the dense conv with a block-diagonal weight
   ``[OC, IC, KH, KW]``: the same sums (the zeros add nothing), G times the multiply-accumulates and the weight.
-  Taken while the dense weight stays within ``_DENSE_LIMIT`` elements (8 MB in bf16), as the average pool is;
-  past it (Stable Cascade's depthwise convs at 2048 channels: 2048 times the MACs, 75 MB each) the conv stays
-  on the CPU with the registry's reason, one CPU island with its layout Transposes and casts;
+  Taken where that costs at most ``STACK_OVERHEAD`` (2) times the grouped conv's MACs, as a conv's frames
+  stacked in channels are (``sdnpu.passes.canonical.convs``), and the dense weight stays within
+  ``_DENSE_LIMIT`` elements (8 MB in bf16), as the average pool's: G <= 2. A depthwise conv (G = C: Stable
+  Cascade's and Sana's, C times the MACs; 2048 times and 75 MB a conv at Stable Cascade's full size) stays on
+  the CPU with the registry's reason, one CPU island with its layout Transposes and casts: an NPU that
+  multiplies C - 1 zeros for every product it needs is no gain, and a tiny model's few channels would hide it;
 - a transposed conv whose kernel is its stride s (non-overlapping windows: Kandinsky 3's 2x upsampling,
   an unpatchify), ``ConvTranspose(x [B, C, H, W], w [C, OC, s, s])``: output row ``s i + a``, column
   ``s j + c`` is ``x[:, :, i, j] . w[:, :, a, c]``. So for each row phase a, a 1x1 SDConv with ``s OC``
@@ -35,7 +38,7 @@ from dataclasses import dataclass
 import numpy as np
 import onnx_ir as ir
 
-from sdnpu.passes.canonical.convs import stacking_reason
+from sdnpu.passes.canonical.convs import STACK_OVERHEAD, stacking_reason
 from sdnpu.passes.irutil import Builder, attr, const, static_shape
 from sdnpu.passes.provenance import step
 from sdnpu.passes.rules.base import Match, Rule
@@ -95,11 +98,12 @@ class ConvFusion(Rule):
             {"w": (oc, kh, kw, ic), "group": 1, "dilations": dilations, "strides": strides, "pads": pads})
         if reason:
             return reason
-        if group > 1 and oc * ic * kh * kw > _DENSE_LIMIT:
+        if group > 1 and (group > STACK_OVERHEAD or oc * ic * kh * kw > _DENSE_LIMIT):
             grouped, _ = self.target.op("conv").check(
                 {"w": (oc, kh, kw, icg), "group": group, "dilations": dilations, "strides": strides, "pads": pads})
-            return (f"{grouped}; as a dense conv its weight would be {oc}x{ic}x{kh}x{kw} ({group} times the "
-                    "grouped conv's multiply-accumulates)")
+            return (f"{grouped}; as a dense conv its weight would be {oc}x{ic}x{kh}x{kw}, {group} times the "
+                    f"grouped conv's multiply-accumulates (taken up to {STACK_OVERHEAD:g} times, as a conv's "
+                    "frames stacked in channels are)")
         return Match([node], [node.outputs[0]], ConvParams(x, w, b, strides, pads, dilations, group,  # type: ignore
                                                           assumed, widths))
 
