@@ -213,6 +213,11 @@ def _attention(info: NodeInfo) -> str | None:
 def _einsum(info: NodeInfo) -> str | None:
     if len([i for i in info.inputs if i is not None]) < 2:
         return "one operand (QNN's Einsum takes the matrix-product forms, two operands)"
+    eq = str(info.attrs.get("equation", "")).replace(" ", "")
+    lhs, _, out = eq.partition("->")
+    if out and "." not in eq and set(lhs.replace(",", "")) <= set(out):
+        return (f"equation {eq}: no index summed (an outer or element-wise product; QNN takes the matrix-product "
+                "forms: 'i,j->ij' refused, \"Einsum unsupported equation\", measured on Flux.1's TorchScript rotary)")
     return None
 
 

@@ -161,3 +161,17 @@ def test_qnn_takes_the_four_whole_and_computes_them_right(tmp_path):
     assert q["whole"] and q["trace"]["unsupported_nodes"] == 0, q["trace"].get("refused")
     assert report["summary"]["cpu_nodes"] == 0  # sdnpu's table agrees
     assert report["fidelity"]["min_cosine"] > 0.999
+
+
+def test_an_outer_product_einsum_becomes_a_matmul():
+    """Flux.1's rotary in its TorchScript export, ``torch.outer(pos, omega)`` as ``Einsum("i,j->ij")``: QNN has no
+    form for it ("Einsum unsupported equation: i,j->ij", measured on the zoo's Flux.1, Flux.2 and Chroma); a
+    matrix-product Einsum QNN takes stays."""
+    nodes = [helper.make_node("Einsum", ["x", "w"], ["y"], equation="i,j->ij"),
+             helper.make_node("Einsum", ["y", "v"], ["z"], equation="ij,jk->ik")]
+    m = model(nodes, {"x": [6]}, {"z": None}, {"w": np.linspace(0.1, 1.0, 4).astype(np.float32),
+                                                "v": np.ones((4, 3), np.float32)})
+    counts, after = _counts(m)
+    assert counts["refused Einsums -> MatMul"] == 1 and ops(after)["Einsum"] == 1 and ops(after)["MatMul"] == 1
+    assert all(n.name for n in after.graph.node)  # named: the table's reasons and QNN's trace name nodes
+    same(m, after, tol=dict(rtol=0, atol=0))

@@ -1,6 +1,7 @@
-"""Nodes the HTP refuses for their rank or element type, written in a form it takes, the same values: a
+"""Nodes the HTP refuses for their rank, element type or form, written in a form it takes, the same values: a
 reduction of rank 5 over a view of rank 4 or less, a Gather of rank-6 data over a rank-3 view, a GatherND of
-bool data on int32. See ``sdnpu.passes.htp``."""
+bool data on int32, an Einsum QNN has no form for as the Transposes and MatMul it is. See
+``sdnpu.passes.htp``."""
 
 from __future__ import annotations
 
@@ -8,6 +9,7 @@ import numpy as np
 import onnx_ir as ir
 
 from sdnpu.ops.target import StandardTarget
+from sdnpu.passes.canonical.movement import lower_einsum
 from sdnpu.passes.htp.common import RULE, node_name
 from sdnpu.passes.irutil import Builder, attr, const, static_shape
 from sdnpu.passes.manager import PassResult
@@ -175,3 +177,15 @@ def gather_bool_as_int32(model: ir.Model, target: StandardTarget) -> PassResult:
         back.outputs[0].name = name
         done += 1
     return PassResult(modified=bool(done), counts={"bool gathers on int32": done})
+
+
+def lower_refused_einsums(model: ir.Model, target: StandardTarget) -> PassResult:
+    """An Einsum the table refuses (QNN has no form for an outer product, ``i,j->ij``: Flux.1's rotary in its
+    TorchScript export, ``torch.outer(pos, omega)``) written as the Transposes, Reshapes and MatMul it is
+    (``sdnpu.passes.canonical.movement.lower_einsum``, AMD's canonical step; an outer product is a MatMul over a
+    summed axis of size 1, each product exact). Einsums QNN takes stay as they are."""
+    done = 0
+    for node in [n for n in model.graph if n.op_type == "Einsum" and n.domain in ("", "ai.onnx")]:
+        if _refused(target, node) and lower_einsum.rewrite(node):
+            done += 1
+    return PassResult(modified=bool(done), counts={"refused Einsums -> MatMul": done})
