@@ -51,9 +51,18 @@ from sdnpu.passes.views import absorb_views
 log = logging.getLogger(__name__)
 
 RULE = "FrameTokens"
-TOKENWISE = frozenset({"SDLayerNorm", "SDGemm", "SDMatMul", "SDGelu", "SDSilu"})
-BINARY = frozenset({"SDAdd", "SDMul"})
-MHA = frozenset({"SDMHA", "SDFlatMHA", "SDMHA_VAE"})
+TOKENWISE = ("layer_norm", "gemm", "matmul", "gelu", "silu")  # the target's families (its ops' names are its own)
+BINARY = ("add", "mul")
+
+
+def _family_ops(target: DispatchTarget, families: tuple[str, ...]) -> frozenset[str]:
+    return frozenset(target.op(f).op_type for f in families)
+
+
+def _is_attention(target: DispatchTarget, op: str) -> bool:
+    """An attention op of the target: Q, K, V and its mask (as the specializer reads them)."""
+    spec = target.base_spec(op)
+    return len(spec.inputs) >= 4 and spec.inputs[3].role == "mask"
 SWAP = (0, 2, 1, 3)
 
 
@@ -157,16 +166,16 @@ def grow(t: ir.Node, dims: tuple[int, int, int, int], target: DispatchTarget) ->
             if not target.is_dispatch(node.domain, node.op_type):
                 return f"{node.op_type} (on the CPU) reads the frame tokens"
             op = target.bfp_variants.get(node.op_type, node.op_type)
-            if op in MHA:
+            if _is_attention(target, op):
                 region.attentions.append(node)
-            elif op in TOKENWISE:
+            elif op in _family_ops(target, TOKENWISE):
                 views = _views(target, node)
                 if i not in views or i != 0:
                     return f"{node.op_type} reads the frame tokens as a weight"
                 out = list(attr(node, "output_shape") or [])
                 if views[0][:-1] != out[:-1] or views[0][-1] != _width(v):
                     return f"{node.op_type} {views[0]} -> {out} does not keep its tokens"
-            elif op in BINARY:
+            elif op in _family_ops(target, BINARY):
                 why = _binary_ok(region, node, i, target)
                 if why:
                     return why
@@ -227,7 +236,7 @@ def _broadcast_context(v: ir.Value, region: Region, target: DispatchTarget) -> C
     the canonical steps write for it. None for anything else."""
     gemm = v.producer()
     if gemm is None or not target.is_dispatch(gemm.domain, gemm.op_type) or \
-            target.bfp_variants.get(gemm.op_type, gemm.op_type) != "SDGemm" or len(v.uses()) != 1:
+            target.bfp_variants.get(gemm.op_type, gemm.op_type) != target.op("gemm").op_type or len(v.uses()) != 1:
         return None
     rows, n, c = (int(d) for d in attr(gemm, "input_shape"))
     x = gemm.inputs[0]

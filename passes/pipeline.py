@@ -305,10 +305,28 @@ def _filled_constants(model: ir.Model) -> int:
 
 
 def _named(model: ir.Model) -> PassResult:
-    """Every node named again (the canonical rewrites a standard target borrows leave theirs unnamed; the table's
-    reasons and QNN's op trace name nodes)."""
-    common.NameFixPass()(model)
+    """The nodes and values the canonical rewrites a standard target borrows leave unnamed, named (the table's
+    reasons and QNN's op trace name nodes); names already given stay as they are (the fp16 headroom list reads
+    values by name, and a pass may keep a value's name on purpose)."""
+    graph = model.graph
+    nodes = {n.name for n in graph if n.name}
+    values = {v.name for n in graph for v in n.outputs if v.name} | {v.name for v in graph.inputs if v.name} | set(
+        graph.initializers)
+    for node in graph:
+        if not node.name:
+            node.name = _fresh(nodes, f"{node.op_type}_htp")
+        for v in node.outputs:
+            if not v.name:
+                v.name = _fresh(values, node.name)
     return PassResult(modified=False, counts={})
+
+
+def _fresh(taken: set[str], hint: str) -> str:
+    name, i = hint, 1
+    while name in taken:
+        name, i = f"{hint}_{i}", i + 1
+    taken.add(name)
+    return name
 
 
 def _all(*results: PassResult) -> PassResult:

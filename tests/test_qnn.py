@@ -206,9 +206,11 @@ def test_convert_writes_the_qnn_folder(qnn_text_encoder):
     assert summary["vendor_whole"] and summary["vendor_taken"] == summary["vendor_nodes"]
     report = json.loads((comp / "qnn" / "report.json").read_text())
     assert report["target"] == "qnn-htp" and report["precision"] == "fp16"
-    # CLIP's causal mask (float32's lowest) is within 4x of fp16's range: listed, with its guard
+    # CLIP's causal mask (float32's lowest) is within 4x of fp16's range: listed, with its guard; the last layer's
+    # is no longer computed (the pipeline reads no output of that layer: htp_ranks' sweep removes the dead nodes)
     room = report["fp16_headroom"]
-    assert room and all(e["guard"].startswith("a mask's") and e["after"] * 4 < 65504 for e in room)
+    assert room and all(e["guard"].startswith("a mask's") for e in room)
+    assert all(e["after"] * 4 < 65504 for e in room if e["after"] is not None) and any(e["after"] for e in room)
     assert report["fidelity"]["min_cosine"] >= MIN_COSINE
     assert "QNN takes" in show.summary_lines(show.find(out))
 
