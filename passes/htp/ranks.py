@@ -89,7 +89,7 @@ def lower_reductions(model: ir.Model, target: StandardTarget) -> PassResult:
                  shape=view).outputs[0]
         attrs = {k: a.value for k, a in node.attributes.items() if k not in ("axes", "keepdims")}
         reduced_shape = [1 if i in new_axes else d for i, d in enumerate(view)]
-        if opset >= 18 or node.op_type == "ReduceSum":
+        if opset >= 18 or (node.op_type == "ReduceSum" and opset >= 13):  # axes an input (ReduceSum: from 13)
             r = b.op(node.op_type, [v, b.const(np.asarray(new_axes, np.int64), "reduce_axes")],
                      {**attrs, "keepdims": 1}, dtype=y.dtype, shape=reduced_shape).outputs[0]
         else:
