@@ -309,24 +309,13 @@ def _named(model: ir.Model) -> PassResult:
     reasons and QNN's op trace name nodes); names already given stay as they are (the fp16 headroom list reads
     values by name, and a pass may keep a value's name on purpose)."""
     graph = model.graph
-    nodes = {n.name for n in graph if n.name}
-    values = {v.name for n in graph for v in n.outputs if v.name} | {v.name for v in graph.inputs if v.name} | set(
-        graph.initializers)
     for node in graph:
         if not node.name:
-            node.name = _fresh(nodes, f"{node.op_type}_htp")
+            node.name = htp_common.node_name(graph, f"{node.op_type}_htp")
         for v in node.outputs:
             if not v.name:
-                v.name = _fresh(values, node.name)
+                v.name = htp_common.unique_name(graph, node.name)
     return PassResult(modified=False, counts={})
-
-
-def _fresh(taken: set[str], hint: str) -> str:
-    name, i = hint, 1
-    while name in taken:
-        name, i = f"{hint}_{i}", i + 1
-    taken.add(name)
-    return name
 
 
 def _all(*results: PassResult) -> PassResult:
