@@ -143,6 +143,7 @@ def _binary_ok(region: Region, node: ir.Node, i: int, target: DispatchTarget) ->
 def grow(t: ir.Node, dims: tuple[int, int, int, int], target: DispatchTarget) -> Region | str:
     """The region a frame transpose opens, or why it cannot be read in the spatial order."""
     region = Region(*dims)
+    tokenwise, binary = _family_ops(target, TOKENWISE), _family_ops(target, BINARY)
     todo = [t.outputs[0]]
     seen_nodes: set[ir.Node] = set()
     while todo:
@@ -168,14 +169,14 @@ def grow(t: ir.Node, dims: tuple[int, int, int, int], target: DispatchTarget) ->
             op = target.bfp_variants.get(node.op_type, node.op_type)
             if _is_attention(target, op):
                 region.attentions.append(node)
-            elif op in _family_ops(target, TOKENWISE):
+            elif op in tokenwise:
                 views = _views(target, node)
                 if i not in views or i != 0:
                     return f"{node.op_type} reads the frame tokens as a weight"
                 out = list(attr(node, "output_shape") or [])
                 if views[0][:-1] != out[:-1] or views[0][-1] != _width(v):
                     return f"{node.op_type} {views[0]} -> {out} does not keep its tokens"
-            elif op in _family_ops(target, BINARY):
+            elif op in binary:
                 why = _binary_ok(region, node, i, target)
                 if why:
                     return why

@@ -27,9 +27,9 @@ from transformers import AutoTokenizer, CLIPTokenizer
 
 from sdnpu import families
 from sdnpu.errors import SdnpuError
-from sdnpu.runtime.session import Component, add_command, component_path
-from sdnpu.runtime.stages import TransformerStages, check_generate, graph_inputs, load_scheduler, plan_calls
-from sdnpu.signatures import flux_image_ids, vae_scale_factor
+from sdnpu.runtime.session import Component, add_command
+from sdnpu.runtime.stages import TransformerStages, check_generate, load_scheduler, plan_calls
+from sdnpu.signatures import flux_image_ids
 
 log = logging.getLogger(__name__)
 
@@ -60,18 +60,7 @@ class FluxPipeline(TransformerStages):
     def _set_up(self) -> None:
         self.text_len = self.inputs["encoder_hidden_states"][1]
         self.guided = "guidance" in self.inputs
-        channels = int(self.vae_config.get("latent_channels", 16))
-        tokens, factor = self.inputs["hidden_states"][1], vae_scale_factor(self.vae_config)
-        if self.size is None:  # the primary size, from the VAE decoder beside it (tokens alone do not say)
-            decoder = graph_inputs(component_path(self.folder, "vae_decoder", self.reference))
-            lh, lw = next(iter(decoder.values()))[2:]
-        else:
-            lh, lw = self.size.height // factor, self.size.width // factor
-        if (lh // 2) * (lw // 2) != tokens:
-            raise SdnpuError(f"the transformer takes {tokens} image tokens, latents of {lh}x{lw} make "
-                             f"{(lh // 2) * (lw // 2)}", hint="convert the transformer and the VAE at one size")
-        self.latent_shape = (1, channels, lh, lw)
-        self.image_size = (factor * lh, factor * lw)  # (height, width) in pixels
+        self._packed_latents(int(self.vae_config.get("latent_channels", 16)))
 
     @property
     def encoders(self) -> tuple[str, ...]:

@@ -33,9 +33,9 @@ from sdnpu import families
 from sdnpu.errors import SdnpuError
 from sdnpu.formats.generation import uses_guidance
 from sdnpu.runtime.flux import pack, unpack
-from sdnpu.runtime.session import Component, add_command, component_path
-from sdnpu.runtime.stages import TransformerStages, check_generate, graph_inputs, load_scheduler, plan_calls
-from sdnpu.signatures import QWEN_TEMPLATE_TOKENS, latent_channels, vae_scale_factor
+from sdnpu.runtime.session import Component, add_command
+from sdnpu.runtime.stages import TransformerStages, check_generate, load_scheduler, plan_calls
+from sdnpu.signatures import QWEN_TEMPLATE_TOKENS, latent_channels
 
 log = logging.getLogger(__name__)
 
@@ -59,18 +59,7 @@ class QwenImagePipeline(TransformerStages):
             raise SdnpuError(f"{self.folder} is a Qwen-Image pipeline: sdnpu applies no LoRA to it yet",
                              hint="drop --lora")
         self.text_len = self.inputs["encoder_hidden_states"][1]
-        channels = latent_channels(self.vae_config)
-        tokens, factor = self.inputs["hidden_states"][1], vae_scale_factor(self.vae_config)
-        if self.size is None:  # the primary size, from the VAE decoder beside it ([1, L, 1, h, w])
-            decoder = graph_inputs(component_path(self.folder, "vae_decoder", self.reference))
-            lh, lw = next(iter(decoder.values()))[3:]
-        else:
-            lh, lw = self.size.height // factor, self.size.width // factor
-        if (lh // 2) * (lw // 2) != tokens:
-            raise SdnpuError(f"the transformer takes {tokens} image tokens, latents of {lh}x{lw} make "
-                             f"{(lh // 2) * (lw // 2)}", hint="convert the transformer and the VAE at one size")
-        self.latent_shape = (1, channels, lh, lw)
-        self.image_size = (factor * lh, factor * lw)  # (height, width) in pixels
+        self._packed_latents(latent_channels(self.vae_config))  # its VAE decoder takes [1, L, 1, h, w]
 
     @property
     def encoders(self) -> tuple[str, ...]:

@@ -20,7 +20,7 @@ from sdnpu.formats import generation
 from sdnpu.imagesize import Size
 from sdnpu.progress import release_memory
 from sdnpu.runtime.session import Component, RuntimeOptions, batches_at, component_path, open_component
-from sdnpu.signatures import CFG_BATCH, batched
+from sdnpu.signatures import CFG_BATCH, batched, vae_scale_factor
 
 
 class Stages:
@@ -102,6 +102,22 @@ class TransformerStages(Stages):
     def _set_up(self) -> None:
         """The family's own set-up after the shared one: its latent shape, image size and text length."""
         raise NotImplementedError
+
+    def _packed_latents(self, channels: int) -> None:
+        """``latent_shape`` and ``image_size`` of a transformer that takes its latents packed 2 x 2 into tokens
+        (Flux.1's, Qwen-Image's): at the folder's size, or the primary one read from the VAE decoder beside it
+        (its last two dims; the tokens alone do not say the aspect); refused where the two disagree."""
+        tokens, factor = self.inputs["hidden_states"][1], vae_scale_factor(self.vae_config)
+        if self.size is None:
+            decoder = graph_inputs(component_path(self.folder, "vae_decoder", self.reference))
+            lh, lw = next(iter(decoder.values()))[-2:]
+        else:
+            lh, lw = self.size.height // factor, self.size.width // factor
+        if (lh // 2) * (lw // 2) != tokens:
+            raise SdnpuError(f"the transformer takes {tokens} image tokens, latents of {lh}x{lw} make "
+                             f"{(lh // 2) * (lw // 2)}", hint="convert the transformer and the VAE at one size")
+        self.latent_shape = (1, channels, lh, lw)
+        self.image_size = (factor * lh, factor * lw)  # (height, width) in pixels
 
     def _ids(self, name: str, text: str, length: int) -> np.ndarray:
         """``text`` as text encoder ``name``'s token ids, padded or cut to ``length``: [1, length] int64."""

@@ -64,3 +64,14 @@ def unique_name(graph: ir.Graph, hint: str) -> str:
     while name in taken:
         name, i = f"{hint}_{i}", i + 1
     return name
+
+
+def take_place(graph: ir.Graph, node: ir.Node, new_nodes: list[ir.Node], value: ir.Value) -> None:
+    """``new_nodes`` put before ``node``, whose one output ``value`` replaces everywhere and under its name (the
+    fp16 headroom list and the graph's outputs read values by name); ``node`` removed."""
+    graph.insert_before(node, new_nodes)
+    out = node.outputs[0]
+    name = out.name
+    out.replace_all_uses_with(value, replace_graph_outputs=True)
+    graph.remove(node, safe=True)
+    value.name = name

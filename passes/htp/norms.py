@@ -6,7 +6,7 @@ from __future__ import annotations
 import onnx_ir as ir
 
 from sdnpu.formats.keys import RULE_TAG
-from sdnpu.passes.htp.common import F32, RULE, constant, new_op, reduce_mean, scalar_const, unique_name
+from sdnpu.passes.htp.common import F32, RULE, constant, new_op, reduce_mean, scalar_const, take_place, unique_name
 from sdnpu.passes.manager import PassResult
 
 
@@ -141,11 +141,7 @@ def divide_reciprocal_products(model: ir.Model) -> PassResult:
             div.metadata_props[RULE_TAG] = RULE
             out = mul.outputs[0]
             div.outputs[0].dtype, div.outputs[0].shape = out.dtype, out.shape
-            graph.insert_before(mul, div)
-            name = out.name
-            out.replace_all_uses_with(div.outputs[0], replace_graph_outputs=True)
-            graph.remove(mul, safe=True)
-            div.outputs[0].name = name
+            take_place(graph, mul, [div], div.outputs[0])
             done += 1
         if not r.uses():
             graph.remove(rec, safe=True)

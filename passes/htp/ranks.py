@@ -10,7 +10,7 @@ import onnx_ir as ir
 
 from sdnpu.ops.target import StandardTarget
 from sdnpu.passes.canonical.movement import lower_einsum
-from sdnpu.passes.htp.common import RULE, node_name
+from sdnpu.passes.htp.common import RULE, node_name, take_place
 from sdnpu.passes.irutil import Builder, attr, const, static_shape
 from sdnpu.passes.manager import PassResult
 from sdnpu.passes.standard import node_info
@@ -96,11 +96,7 @@ def lower_reductions(model: ir.Model, target: StandardTarget) -> PassResult:
             r = b.op(node.op_type, [v], {**attrs, "axes": new_axes, "keepdims": 1}, dtype=y.dtype,
                      shape=reduced_shape).outputs[0]
         back = b.op("Reshape", [r, b.const(np.asarray(out, np.int64), "reduce_back")], dtype=y.dtype, shape=out)
-        graph.insert_before(node, _named(graph, b, f"{node.name}_rank{len(view)}"))
-        name = y.name
-        y.replace_all_uses_with(back.outputs[0], replace_graph_outputs=True)
-        graph.remove(node, safe=True)
-        back.outputs[0].name = name
+        take_place(graph, node, _named(graph, b, f"{node.name}_rank{len(view)}"), back.outputs[0])
         done += 1
     return PassResult(modified=bool(done), counts={"reductions over a lower-rank view": done})
 
@@ -143,11 +139,7 @@ def lower_gathers(model: ir.Model, target: StandardTarget) -> PassResult:
             out = static_shape(y)
             assert out is not None
             back = b.op("Reshape", [g, b.const(np.asarray(out, np.int64), "gather_back")], dtype=y.dtype, shape=out)
-            graph.insert_before(r, _named(graph, b, f"{r.name}_rank3"))
-            name = y.name
-            y.replace_all_uses_with(back.outputs[0], replace_graph_outputs=True)
-            graph.remove(r, safe=True)
-            back.outputs[0].name = name
+            take_place(graph, r, _named(graph, b, f"{r.name}_rank3"), back.outputs[0])
             done += 1
         if not data.uses():
             graph.remove(view, safe=True)
@@ -170,11 +162,7 @@ def gather_bool_as_int32(model: ir.Model, target: StandardTarget) -> PassResult:
         gathered = b.op(node.op_type, [as_int, *node.inputs[1:]], {k: a.value for k, a in node.attributes.items()},
                         dtype=ir.DataType.INT32, shape=static_shape(y)).outputs[0]
         back = b.op("Cast", [gathered], {"to": ir.DataType.BOOL}, dtype=ir.DataType.BOOL, shape=static_shape(y))
-        graph.insert_before(node, _named(graph, b, f"{node.name}_int32"))
-        name = y.name
-        y.replace_all_uses_with(back.outputs[0], replace_graph_outputs=True)
-        graph.remove(node, safe=True)
-        back.outputs[0].name = name
+        take_place(graph, node, _named(graph, b, f"{node.name}_int32"), back.outputs[0])
         done += 1
     return PassResult(modified=bool(done), counts={"bool gathers on int32": done})
 
