@@ -109,6 +109,7 @@ QWEN_IMAGE = Family(
                                "VaeEncoder": "QwenImageVaeEncoder", "VaeDecoder": "QwenImageVaeDecoder"}),
     generation=MappingProxyType({"steps": 50, "guidance": 4.0}),  # QwenImagePipeline's (true_cfg_scale 4)
     timestep_divisor=1000,
+    blockwise="sdnpu.convert.blockwise.qwenimage",
     vae_class="AutoencoderKLQwenImage",
     sample_size=128,  # QwenImagePipeline.default_sample_size: 1024 px at the VAE's 8
 )

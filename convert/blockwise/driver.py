@@ -2,7 +2,7 @@
 Flux.1's transformer: 47.6 GB) converted one piece at a time (``sdnpu.convert.blockwise.piece.Piece``: a torch
 module, the names of its inputs, the module's own for the first, earlier pieces' outputs for the others, and of
 its outputs), the pieces from the module of its class (``PIECES``: ``t5``, and each family's row in
-``sdnpu.families``: ``flux``).
+``sdnpu.families``: ``flux``, ``qwenimage``).
 
 Each piece is built with its weights alone, run in PyTorch, exported, checked against PyTorch, compiled, and its
 dispatch model run (a standard target's pieces: ``sdnpu.convert.blockwise.qnn``); then the pieces' files are
@@ -81,10 +81,13 @@ def _pieces_module(src: Source, key: str) -> Any:
     return families.load(PIECES[cls])
 
 
-def pieces(src: Source, key: str, sig: Signature, start: int = 0) -> Iterator[Piece]:
+def pieces(src: Source, key: str, sig: Signature, start: int = 0, latent: tuple[int, int] | None = None
+           ) -> Iterator[Piece]:
     """The module's pieces in order for its graph's signature ``sig``, each built when asked for (the caller
-    drops it); from piece ``start`` on (those before it are not built: a run that goes on after another)."""
-    yield from _pieces_module(src, key).pieces(src, key, sig, Weights(src, key), start=start)
+    drops it); from piece ``start`` on (those before it are not built: a run that goes on after another);
+    ``latent``: the image's latent size (H/f, W/f), for a module whose graph depends on it beyond its inputs'
+    shapes (Qwen-Image's rotary tables)."""
+    yield from _pieces_module(src, key).pieces(src, key, sig, Weights(src, key), start=start, latent=latent)
 
 
 def whole_module(src: Source, key: str) -> Any:
@@ -107,7 +110,9 @@ def convert_blockwise(src: Source, job: Job, stage: Path) -> ComponentResult:
     checkpoint(run)
     started = time.perf_counter()
     try:
-        for piece in pieces(src, job.key, job.signature(), start=len(run.fp32_parts)):
+        factor = job.spec.vae_factor
+        latent = (job.res.height // factor, job.res.width // factor)
+        for piece in pieces(src, job.key, job.signature(), start=len(run.fp32_parts), latent=latent):
             i, n = piece.i, piece.n
             shutil.rmtree(work / f"piece{i:03d}", ignore_errors=True)  # what a run that stopped in it left
             _piece(run, piece)
