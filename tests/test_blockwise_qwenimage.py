@@ -139,3 +139,112 @@ def test_the_transformer_converts_block_by_block_as_it_converts_whole(qwen_conve
     params = {e["param"] for e in json.loads((out / "parameters.json").read_text())["initializers"].values()
               if e.get("param")}
     assert {"img_in.weight", "transformer_blocks.1.attn.to_q.weight", "proj_out.bias"} <= params
+
+
+@pytest.fixture(scope="module")
+def dispatch_only(tmp_path_factory, qwen_conversions):
+    """The folder's transformer converted block by block with --dispatch-only, beside the run that keeps the
+    fp32 graph."""
+    from sdnpu.convert import ConvertOptions, convert
+
+    blocks, _ = qwen_conversions
+    options = ConvertOptions(res=RES, blockwise=True, dispatch_only=True)
+    return once(tmp_path_factory, "qwen-dispatch-only",
+                lambda out: convert(blocks.source.root, "transformer", out=out, options=options)), blocks
+
+
+def _walk(*expr):
+    for e in expr:
+        if isinstance(e, dict):
+            if "init" in e:
+                yield e["init"]
+            yield from _walk(*e.values())
+        elif isinstance(e, list):
+            yield from _walk(*e)
+
+
+def test_dispatch_only_keeps_the_same_dispatch_model_and_no_fp32_graph(dispatch_only):
+    """--dispatch-only writes the dispatch model the run that keeps the fp32 graph writes, byte for byte (its
+    checks measured the same way: the pieces' fp32 graphs against PyTorch before they went), and no model.onnx;
+    export.json and both reports say so; parameters.json maps the same parameters, and the dispatch model's
+    weight records name their constants."""
+    from sdnpu.formats import reference
+    from sdnpu.formats import weights as provenance
+
+    small, full = dispatch_only
+    out, ref = small.out / "transformer", full.out / "transformer"
+    assert not any(out.glob("model.onnx*")) and (ref / "model.onnx").is_file()
+    for f in ("dd/replaced.onnx", "dd/replaced.onnx.data"):
+        assert (out / f).read_bytes() == (ref / f).read_bytes(), f
+    export, export_full = (json.loads((d / "export.json").read_text()) for d in (out, ref))
+    assert export[reference.KEY] is True and reference.KEY not in export_full and reference.dispatch_only(out)
+    assert export["check"]["max_rel_error"] == export_full["check"]["max_rel_error"]
+    report = json.loads((out / "dd" / "report.json").read_text())
+    assert report["blockwise"] == {"pieces": 2, reference.KEY: True}
+    assert report["summary"]["weight_bytes_before"] is None and report["fidelity"]["min_cosine"] > 0.9999
+    assert "none kept (--dispatch-only)" in (out / "dd" / "onnx_report.txt").read_text()
+    names = set(_walk(provenance.read_record(out / "dd" / provenance.FILE)["weights"]))
+    mapped = [json.loads((d / "parameters.json").read_text())["initializers"] for d in (out, ref)]
+    params = [{e["param"] for e in m.values() if e.get("param")} for m in mapped]
+    # the same, and those whose constant the fp32 stitch keeps once under an earlier piece's name (equal norm
+    # weights: the RMS norms' ones) besides
+    assert params[1] <= params[0] and "transformer_blocks.1.img_mlp.net.2.weight" in params[1]
+    by_param = {n for n, e in mapped[0].items() if e.get("param")}
+    assert len(names & by_param) > len(params[0]) // 2  # the dispatch weights name the parameters' constants
+
+
+def test_what_needs_the_fp32_graph_refuses_a_dispatch_only_folder_in_one_line(dispatch_only, tmp_path):
+    """generate --reference (the runtime's component_path), convert --add and a LoRA's replay each fail with one
+    line naming --dispatch-only; the dispatch model opens as ever. A folder whose fp32 graph is merely missing
+    keeps the old error."""
+    from sdnpu.convert import ConvertOptions, convert
+    from sdnpu.errors import SdnpuError
+    from sdnpu.lora import overlay
+    from sdnpu.runtime.session import component_path
+
+    small, full = dispatch_only
+    assert component_path(small.out, "transformer") == small.out / "transformer" / "dd" / "replaced.onnx"
+    with pytest.raises(SdnpuError, match="converted with --dispatch-only: it has no fp32 graph") as e:
+        component_path(small.out, "transformer", reference=True)
+    assert "\n" not in e.value.message and "without --dispatch-only" in (e.value.hint or "")
+    with pytest.raises(SdnpuError, match="--dispatch-only.*derive the added sizes"):
+        convert(small.source.root, "transformer", out=small.out, options=ConvertOptions(res=96, add=True))
+    with pytest.raises(SdnpuError, match="--dispatch-only.*a LoRA's changes"):
+        overlay._sources(small.out / "transformer")
+    copy = tmp_path / "copy"
+    shutil.copytree(full.out / "transformer", copy / "transformer")
+    (copy / "transformer" / "model.onnx").unlink()
+    with pytest.raises(SdnpuError, match="not found"):
+        component_path(copy, "transformer", reference=True)
+
+
+@pytest.mark.parametrize(("kwargs", "message"), [
+    ({"compile": False}, "needs the compile"), ({"target": "qnn-htp"}, "compiles from the fp32 graph"),
+    ({"add": True}, "adds no sizes")])
+def test_dispatch_only_is_refused_where_it_cannot_apply(kwargs, message):
+    from sdnpu.convert import ConvertOptions
+    from sdnpu.errors import SdnpuError
+
+    with pytest.raises(SdnpuError, match=message):
+        ConvertOptions(dispatch_only=True, **kwargs)
+
+
+def test_the_disk_check_counts_what_dispatch_only_writes_and_names_it(tmp_path, monkeypatch):
+    """Block by block a module's folder takes 1.5x its fp32 weights (fp32 graph and dispatch model), with
+    --dispatch-only 0.6x (the dispatch model and one piece at a time): a disk with room for the one and not the
+    other is refused with a hint that names --dispatch-only, and taken with it."""
+    from collections import namedtuple
+
+    from sdnpu.convert import budget
+    from sdnpu.errors import SdnpuError
+
+    usage = namedtuple("usage", "total used free")
+    monkeypatch.setattr(shutil, "disk_usage", lambda _where: usage(0, 0, 75_000_000_000))  # this machine, later
+    weights = {"transformer": 81_700_000_000}  # Qwen-Image's transformer in fp32
+    with pytest.raises(SdnpuError, match=r"need about 122.55 GB on disk") as e:
+        budget.check_disk(budget.Budget(weights, by_block={"transformer"}), ["transformer"], tmp_path)
+    assert "--dispatch-only keeps transformer without the fp32 graph" in (e.value.hint or "")
+    budget.check_disk(budget.Budget(weights, by_block={"transformer"}, dispatch_only=True), ["transformer"], tmp_path)
+    with pytest.raises(SdnpuError) as e:  # a module converted whole keeps its fp32 graph: no such hint
+        budget.check_disk(budget.Budget(weights, dispatch_only=True), ["transformer"], tmp_path)
+    assert "--dispatch-only" not in (e.value.hint or "")
