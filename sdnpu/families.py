@@ -20,7 +20,8 @@ Qwen-Image has its own VAE (``AutoencoderKLQwenImage``: Wan 2.1's causal 3-D VAE
 normalized by per-channel ``latents_mean`` / ``latents_std``), its own wrappers (the transformer on packed latents
 with the caption's mask, the VAE on 5-D tensors of one frame), its text encoder's class (Qwen2.5-VL, whose language
 model's last hidden states are the prompt), ``QwenImagePipeline``'s defaults (50 steps, ``true_cfg_scale`` 4,
-512 prompt tokens; a drawing size of 128 latent pixels a side) and timestep (diffusers' / 1000).
+512 prompt tokens; a drawing size of 128 latent pixels a side), timestep (diffusers' / 1000) and block-by-block
+pieces.
 
 Flux.1 also has its own transformer wrapper (packed latents and position ids), generation defaults
 (``FluxPipeline``'s 28 steps at guidance 3.5, embedded), timestep (diffusers' / 1000) and block-by-block pieces.
