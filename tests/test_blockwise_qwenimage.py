@@ -102,8 +102,9 @@ def qwen_conversions(tmp_path_factory):
 def test_the_transformer_converts_block_by_block_as_it_converts_whole(qwen_conversions):
     """Stitched from its two pieces, the fp32 graph computes what the whole graph computes (the rotary tables
     constants in both), the dispatch model what the whole dispatch model does, with the same CPU nodes, NPU
-    regions and MACs; the one op more is the SiLU of the timestep embedding that the second piece computes again
-    (the whole graph computes it once for every block: a piece reads temb through its seam's view). Every weight
+    regions and MACs; the one op more is the SiLU of the timestep embedding, which the whole graph computes once
+    for every block and the pieces after the first compute again (once for all of them: they read temb through
+    their seam's view, and the stitch keeps their repeats once; measured so at 3 and 4 blocks too). Every weight
     replays from the stitched graph's constants, named as the whole module names them."""
     import onnx
     import onnx_ir as ir
@@ -128,9 +129,8 @@ def test_the_transformer_converts_block_by_block_as_it_converts_whole(qwen_conve
         assert report["summary"][key] == ref["summary"][key], key
     assert report["summary"]["macs_offloaded_share"] == 1.0
     assert sorted(n["op_type"] for n in report["cpu_nodes"]) == sorted(n["op_type"] for n in ref["cpu_nodes"])
-    pieces = report["blockwise"]["pieces"]
-    assert pieces == 2
-    want = dict(ref["offloaded_by_type"], SDSilu=ref["offloaded_by_type"]["SDSilu"] + pieces - 1)
+    assert report["blockwise"]["pieces"] == 2
+    want = dict(ref["offloaded_by_type"], SDSilu=ref["offloaded_by_type"]["SDSilu"] + 1)
     assert report["offloaded_by_type"] == want
     record = provenance.read_record(out / "dd" / provenance.FILE)
     counts, problems = provenance.check_replay(record["weights"], ir.load(out / "dd" / "replaced.onnx").graph,
