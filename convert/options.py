@@ -74,7 +74,7 @@ class ConvertOptions:
     loras: tuple[LoraSpec, ...] = ()  # diffusers' fuse_lora, before export
     add: bool = False
     blockwise: bool = False  # T5 and Flux's transformer block by block even where they fit (they do where not)
-    dispatch_only: bool = False  # block by block: keep the dispatch model only (no fp32 graph; half the disk)
+    dispatch_only: bool = False  # block by block: keep the dispatch model only (no fp32 graph; a third of the disk)
     batch: int | str | Sequence[int] | None = None
 
     def __post_init__(self) -> None:

@@ -395,7 +395,7 @@ def _convert_parser(sub: argparse._SubParsersAction) -> None:  # type: ignore[ty
     conv.add_argument("--dispatch-only", action="store_true",
                       help="for a big model on a small disk: the modules converted block by block keep their dispatch "
                       "model only (dd/), each piece's fp32 graph deleted once its dispatch model is checked and no "
-                      "fp32 model.onnx stitched: half the disk (Qwen-Image's transformer: about 41 GB instead of "
+                      "fp32 model.onnx stitched: a third of the disk (Qwen-Image's transformer: about 41 GB instead of "
                       "123 GB); generate --reference, lora apply and --add then refuse that component")
     conv.add_argument("--pack", action="store_true",
                       help="then pack the folder's dispatch models in AMD's loading format (sdnpu pack: "

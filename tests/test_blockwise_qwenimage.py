@@ -35,7 +35,8 @@ def _chain(src, config: dict | None = None, monkeypatch=None):
     with torch.no_grad():
         for piece in driver.pieces(src, "transformer", sig, latent=latent):
             got = piece.module(*(torch.from_numpy(values[k]) for k in piece.inputs))
-            values = link_values(values, piece.outputs, [o.numpy() for o in (got if isinstance(got, tuple) else (got,))])
+            outs = [o.numpy() for o in (got if isinstance(got, tuple) else (got,))]
+            values = link_values(values, piece.outputs, outs)
             n += 1
         module = qwenimage.QwenImageTransformer2DModel.from_config(config) if config else None
         whole = driver.whole_module(src, "transformer") if module is None else qwenimage.whole_module(

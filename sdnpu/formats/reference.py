@@ -1,9 +1,10 @@
 """A component folder's fp32 reference graph (``model.onnx``), which a block-by-block conversion with
 ``--dispatch-only`` does not keep: each piece's fp32 graph is deleted once its dispatch model is checked, and
-no stitched fp32 graph is written (the folder needs half the disk: the bf16 dispatch model alone).
-``export.json`` says so (``KEY``: true), and so does the offload report (``blockwise.dispatch_only``). Its
+no stitched fp32 graph is written (the folder holds the bf16 dispatch model alone: a third of the disk the fp32
+graph and it take). ``export.json`` says so (``KEY``: true), and so does the offload report (``blockwise.dispatch_only``). Its
 ``parameters.json`` and ``dd/weights.json`` name the constants as the stitched fp32 graph would (``b<i>/<name>``,
-each piece's own: no fp32 stitch merged equal constants): a record of where each weight came from, with no graph to replay them on.
+each piece's own: no fp32 stitch merged equal constants): a record of where each weight came from, with no graph
+to replay them on.
 
 Every reader that needs the fp32 graph (``generate --reference``, ``serve --reference``, ``lora apply``,
 ``convert --add``) asks ``require`` first and, on such a folder, fails with its one line.
