@@ -153,6 +153,22 @@ def test_joint_attention_keeps_the_streams_apart_and_records_the_assumed_norm():
     assert all(node.metadata_props[ASSUMED_TAG] == "registry" for node in norms)
 
 
+def test_a_masked_joint_attention_shares_its_mask_and_widened_keys_between_the_query_parts():
+    """Qwen-Image's caption mask, computed from an input: each query part's SDMHA carries it as a channel of Q
+    and K (``attention_masks.key_channel_operands``); the mask row is spread over the heads once (one Expand on
+    the CPU) and K and V are widened once for both parts (before, each part built its own: three SDConcats more
+    a block and an Expand a part, measured on tiny-qwen-image)."""
+    m = joint_attention(norm=False, masked=True)
+    irm = lowered(m)
+    counts = dispatch_ops(irm)
+    assert counts.get("SDMHA", 0) + counts.get("SDFlatMHA", 0) == 2
+    assert ops(irm)["Expand"] == 1
+    # the streams' K and V joined (2), each part's Q widened (2), K widened once (zeros, the mask row, zeros,
+    # the NaN guard's sentinel key: 4) and V once (zeros, the sentinel's value: 2); each part its own: 16
+    assert counts["SDConcat"] == 10, counts
+    assert_same(m, irm)
+
+
 @pytest.mark.parametrize(
     ("build", "anchor_op", "reason"),
     [(lambda: joint_attention(parts="misaligned"), "Slice", "SDSlice has no start/end attributes"),
