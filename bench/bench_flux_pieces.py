@@ -52,7 +52,8 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--source", default="flux-dev")
     ap.add_argument("--res", default="1024")
-    ap.add_argument("--pieces", default="0,1,19", help="piece indices, increasing (0 is always run first)")
+    ap.add_argument("--pieces", default="0,1,19", help="piece indices, increasing (0 is always run first; with "
+                    "--target qnn-htp emulated only if listed)")
     ap.add_argument("--out", type=Path, required=True, help="a work folder (emptied)")
     ap.add_argument("--target", default="amd-xdna2", choices=("amd-xdna2", "qnn-htp"))
     ap.add_argument("--batch", type=int, default=1, help="the transformer's batch (default 1, Flux.1's)")
@@ -77,7 +78,8 @@ def main() -> None:
     from sdnpu.convert import budget
 
     budget.check_disk = lambda *_: None  # the whole folder's need: this run keeps one piece on the disk at a time
-    wanted = sorted({0, *(int(x) for x in args.pieces.split(","))})
+    asked = {int(x) for x in args.pieces.split(",")}
+    wanted = sorted({0, *asked})
     shutil.rmtree(args.out, ignore_errors=True)
     run_ = _prepare(args.source, "transformer", args.out / "folder",
                     ConvertOptions(res=[Size.of(args.res)], blockwise=True, target=args.target))
@@ -120,6 +122,12 @@ def main() -> None:
         i = piece.i
         driver._piece(run, piece)
         wall = time.perf_counter() - start
+        if qnn and i not in asked:  # piece 0 only computes the blocks' inputs: not emulated unless asked for
+            for part in run.qnn.parts[parts_before:]:
+                for f in [part.context, *part.binaries]:
+                    f.unlink(missing_ok=True)
+            shutil.rmtree(work / f"piece{i:03d}", ignore_errors=True)
+            continue
         if qnn:
             rows.append(_qnn_row(run, piece, i, config, inputs, feed_names, run.qnn.parts[parts_before:], bf16,
                                  wall, seconds_before))
