@@ -25,8 +25,9 @@ the ``+ 1``. Folded, the modulation ``1 + scale`` carries two roundings at 1's s
 output's) where the module carries one: about 1.4x its error in every conditional norm's scale, a per-channel
 error that no later op averages out (Kandinsky 3's conditional GroupNorms, measured with
 ``bench/trace_bf16.py``). So the constants fold only where the rounded sum is the rounded parts' sum exactly
-(a zero or absent bias and a constant bf16 holds, as the ``1 +`` of a bias-free projection); otherwise the
-SDGemm keeps its own bias and one Add after it adds the constants (the glue's SDAdd): the module's order.
+(a zero or absent bias and a constant bf16 holds, as the ``1 +`` of a bias-free projection). In the order they
+are added, each constant joins the bias, or the Add before it, while the sum stays exact, else it starts an
+Add of its own after the layer (the glue's SDAdd): the module's order.
 
 Each value where the walk stops gets its SDGemm (viewed back to that value's shape). A layer without a bias
 gets a zero one, as AMD's pass writes a fake bias (its SDXL shape lists have SDGemm, not SDMatMul, for the
@@ -117,11 +118,13 @@ def emit_gemm(b: Builder, p: GemmParams, out_shape: tuple[int, ...] | None, nonl
             step("astype", dtype="float32"), step("reshape", shape=[n]), step("slice", axis=0, start=cols.start,
                                                                               stop=cols.stop)]
         parts.append((bias, own))
-    added: list[tuple[ir.Value, list[Step]]] = []
-    if extra and not folds_exactly(b, [*parts, *extra], width):
-        added = list(extra)  # added after the layer, where the bias cannot hold the sum
-    else:
-        parts += extra or []
+    groups = [parts]  # the bias's, then each Add's after the layer: in order, each as long as its sum is exact
+    for e in extra or []:
+        if folds_exactly(b, [*groups[-1], e], width):
+            groups[-1].append(e)
+        else:
+            groups.append([e])
+    parts = groups[0]
     if not parts:
         bias = b.const(np.zeros(width, np.float32), f"{w.name}_zero_bias")
     elif len(parts) == 1 and not parts[0][1]:
@@ -138,7 +141,7 @@ def emit_gemm(b: Builder, p: GemmParams, out_shape: tuple[int, ...] | None, nonl
     node = b.dispatch(b.target.op("gemm").op_type, [p.x, w, bias], attrs, dtype=p.x.dtype, shape=[*p.view[:2], width],
                       assumed=p.assumed)
     y = node.outputs[0]
-    if added:
+    for added in groups[1:]:
         vector = b.summed(added, [width], f"{w.name}_added_{cols.start}", dtype=ir.DataType.FLOAT)
         y = b.op("Add", [y, vector], dtype=p.x.dtype, shape=[*p.view[:2], width]).outputs[0]
     return unview(b, y, out_shape)
