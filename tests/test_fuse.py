@@ -705,3 +705,47 @@ def test_a_depthwise_conv_past_the_dense_bound_is_one_cpu_island(exporter, tmp_p
     assert counts["CPU islands around ops the registry lacks"] == 1 and counts["CPU islands avoidable"] == 0, counts
     assert ops(irm)["Conv"] == 1 and dispatch_ops(irm) == {"SDConv": 1, "SDGemm": 1}, ops(irm)
     assert any("group=704: SDConv has no groups" in why for why in declined(irm)), declined(irm)
+
+
+class _MaskedCrossAttention(torch.nn.Module):
+    """diffusers' Attention over a caption with its padding mask as Kandinsky 3 and diffusers' UNets give it:
+    ``(1 - mask) * -10000`` over the keys, which ``prepare_attention_mask`` repeats over the heads and views as
+    [B, H, 1, N] (TorchScript writes the repeat; dynamo's graph broadcasts)."""
+
+    def __init__(self) -> None:
+        from diffusers.models.attention_processor import Attention
+
+        super().__init__()
+        self.attention = Attention(32, 24, heads=2, dim_head=16, out_bias=False)
+
+    def forward(self, x, context, mask):
+        bias = ((1 - mask) * -10000.0).unsqueeze(1)
+        return self.attention(x, context, bias)
+
+
+@pytest.mark.parametrize("exporter", ["dynamo", "torchscript"])
+def test_a_caption_mask_repeated_over_the_heads_rides_in_q_and_k_in_both_exporters(exporter, tmp_path):
+    """The caption's padding mask is one row over the keys per batch, however the exporter repeats it over the
+    heads: the attention is an SDFlatMHA with the mask as a key channel (one Expand over the heads on the CPU),
+    no MultiHeadAttention left on the CPU; the numbers are the graph's."""
+    module = _seeded(_MaskedCrossAttention())
+    mask = torch.ones(1, 6)
+    mask[:, 4:] = 0
+    args = (torch.randn(1, 10, 32, generator=torch.Generator().manual_seed(0)),
+            torch.randn(1, 6, 24, generator=torch.Generator().manual_seed(1)), mask)
+    path = tmp_path / "m.onnx"
+    with torch.no_grad():
+        if exporter == "dynamo":
+            torch.onnx.export(module, args, dynamo=True, opset_version=20, input_names=["x", "context", "mask"],
+                              output_names=["y"], verbose=False, report=False).save(str(path))
+        else:
+            torch.onnx.export(module, args, str(path), dynamo=False, opset_version=20,
+                              input_names=["x", "context", "mask"], output_names=["y"])
+    m = onnx.shape_inference.infer_shapes(onnx.load(str(path)), strict_mode=True, data_prop=True)
+    irm = lowered(m)
+    assert dispatch_ops(irm).get("SDFlatMHA") == 1 and "MultiHeadAttention" not in ops(irm), ops(irm)
+    assert any("key mask over the heads" in why for why in declined(irm)), declined(irm)
+    feeds = {"x": args[0].numpy(), "context": args[1].numpy(), "mask": mask.numpy()}
+    want = run(m, feeds)[0]
+    got = run(with_functions(irm, TARGET), feeds)[0]
+    np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-4)
