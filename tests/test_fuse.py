@@ -78,6 +78,8 @@ def attention(variant: str, s: int = 5, mask: str | None = None, scale: float | 
         inits["mask"] = np.zeros((1, 1, 1, s), np.float32)
         inits["mask"][..., -1] = np.finfo(np.float32).min
         nodes += [n("Add", ["sc", "mask"], ["scm"]), n("Softmax", ["scm"], ["p"], axis=-1)]
+    elif mask == "input":  # a per-query mask the graph is given (a decoder's causal and padding mask)
+        nodes += [n("Add", ["sc", "mask"], ["scm"]), n("Softmax", ["scm"], ["p"], axis=-1)]
     elif mask == "softcap":  # Gemma 2's attention logit softcapping: cap * tanh(scores / cap)
         inits["cap"] = np.array(2.0, np.float32)
         nodes += [n("Div", ["sc", "cap"], ["scd"]), n("Tanh", ["scd"], ["sct"]), n("Mul", ["sct", "cap"], ["scc"]),
@@ -86,7 +88,8 @@ def attention(variant: str, s: int = 5, mask: str | None = None, scale: float | 
         nodes += [n("Softmax", ["sc"], ["p"], axis=-1)]
     nodes += [n("MatMul", ["p", "vh"], ["o"]), n("Transpose", ["o"], ["ot"], perm=[0, 2, 1, 3]),
               n("Reshape", ["ot", "merge"], ["y"])]
-    return model(nodes, {"x": [b, s, c]}, {"y": [b, s, c]}, inits)
+    return model(nodes, {"x": [b, s, c], **({"mask": [b, 1, s, s]} if mask == "input" else {})}, {"y": [b, s, c]},
+                 inits)
 
 
 def linear():
@@ -297,6 +300,9 @@ def attention_wrong_heads():
      (attention_wrong_heads, "Softmax", "not merged back"),
      (sub_from_a_constant, "Sub", "Sub with the constant first (k - x)"),
      (lambda: attention("torchscript", mask="causal"), "MultiHeadAttention", "a causal mask varies per query"),
+     # a mask the graph computes: the report names what it is computed from
+     (lambda: attention("dynamo", mask="input"), "MultiHeadAttention", "computed, not a constant mask (from the "
+      "graph input mask), and it varies per query"),
      (lambda: attention("torchscript", scale=0.3), "MultiHeadAttention", "is not 1/sqrt(4): the kernel has no scale"),
      (lambda: attention("torchscript", mask="softcap"), "Softmax", "the scores are soft-capped"),
      # on the CPU for its scale, its key row spread over the queries for onnxruntime's attention_bias
