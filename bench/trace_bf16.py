@@ -193,14 +193,26 @@ def trace(name: str, exporter: str, dd: Path | None, draws: int, work: Path) -> 
             r = rows.setdefault(key, {"layer": key, "note": note, "ours": [], "pytorch": []})
             r["ours"].append(_rel(ours, ref))
             r["pytorch"].append(_rel(pt, ref))
+            if key == "<output>":  # bench_zoo's measures too: max abs and 1 - cosine
+                for who, got in (("ours", ours), ("pytorch", pt)):
+                    m, c = _errors(got, ref)
+                    r.setdefault(f"{who}_max_abs", []).append(m)
+                    r.setdefault(f"{who}_1-cos", []).append(c)
             if draw == 0:
                 order.append(key)
     out = []
     for layer in order:
         r = rows[layer]
         o, p = float(np.mean(r["ours"])), float(np.mean(r["pytorch"]))
-        out.append({"layer": layer, "note": r["note"], "ours": o, "pytorch": p, "ratio": o / p if p else None})
+        row = {"layer": layer, "note": r["note"], "ours": o, "pytorch": p, "ratio": o / p if p else None}
+        row.update({k: v for k, v in r.items() if "max_abs" in k or "1-cos" in k})
+        out.append(row)
     return out
+
+
+def _errors(got: np.ndarray, want: np.ndarray) -> tuple[float, float]:
+    a, b = got.astype(np.float64).ravel(), want.astype(np.float64).ravel()
+    return float(np.abs(a - b).max()), 1.0 - float(a @ b / (np.linalg.norm(a) * np.linalg.norm(b)))
 
 
 def main() -> None:
@@ -217,6 +229,11 @@ def main() -> None:
     for i, r in enumerate(rows):
         ratio = "-" if r["ratio"] is None else f"{r['ratio']:.2f}"
         print(f"| {i} | {r['layer']} | {r['note'].replace('NHWC', '').strip(', ')} | {r['ours']:.2e} | {r['pytorch']:.2e} | {ratio} |")
+    last = rows[-1]
+    for m in ("max_abs", "1-cos"):
+        ours, theirs = np.asarray(last[f"ours_{m}"]), np.asarray(last[f"pytorch_{m}"])
+        print(f"output, {m} over PyTorch bf16's: per draw {', '.join(f'{x:.2f}' for x in ours / theirs)}; of the "
+              f"means {ours.mean() / theirs.mean():.2f}")
     if args.json:
         args.json.write_text(json.dumps(rows, indent=1))
 
