@@ -228,7 +228,8 @@ def main() -> None:
     print("| # | layer | note | ours: rel. error | PyTorch bf16 | ratio |\n|---|---|---|---|---|---|")
     for i, r in enumerate(rows):
         ratio = "-" if r["ratio"] is None else f"{r['ratio']:.2f}"
-        print(f"| {i} | {r['layer']} | {r['note'].replace('NHWC', '').strip(', ')} | {r['ours']:.2e} | {r['pytorch']:.2e} | {ratio} |")
+        note = r["note"].replace("NHWC", "").strip(", ")
+        print(f"| {i} | {r['layer']} | {note} | {r['ours']:.2e} | {r['pytorch']:.2e} | {ratio} |")
     last = rows[-1]
     for m in ("max_abs", "1-cos"):
         ours, theirs = np.asarray(last[f"ours_{m}"]), np.asarray(last[f"pytorch_{m}"])

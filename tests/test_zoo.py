@@ -56,7 +56,8 @@ def fidelity_problem(fidelity: dict, floor_cosine: float) -> str | None:
             f"{rounding['min_cosine']:.6f}" if rounding else "what bf16 usually keeps (not measured)")
     if 1 - cos > SENSITIVE_RATIO * (1 - rounding["min_cosine"]):
         return (f"bf16-sensitive graph (op by op in bf16: cosine {rounding['min_cosine']:.6f}), but the dispatch "
-                f"model's error {1 - cos:.2e} is past {SENSITIVE_RATIO}x that rounding's {1 - rounding['min_cosine']:.2e}")
+                f"model's error {1 - cos:.2e} is past {SENSITIVE_RATIO}x that rounding's "
+                f"{1 - rounding['min_cosine']:.2e}")
     return None
 
 

@@ -19,11 +19,11 @@ The layer's output z [R rows, N columns] is followed down through the ops that k
   again.
 
 **The bias's precision.** SDGemm's bias is bf16 (the registry's type list). A constant folded into it is rounded
-with it: ``bf16(b + 1)`` keeps the learned bias only to bf16's spacing at 1 (2^-8), where the module in bf16
-(PyTorch's bf16 run, or the layer then an Add) keeps ``bf16(b)`` to its own spacing and rounds once more after
-the ``+ 1``. Folded, the modulation ``1 + scale`` carries two roundings at 1's scale (the bias's and the
-output's) where the module carries one: about 1.4x its error in every conditional norm's scale, a per-channel
-error that no later op averages out (Kandinsky 3's conditional GroupNorms, measured with
+with it: ``bf16(b + 1)`` keeps the learned bias only to bf16's spacing at 1 (2^-7, an error up to 2^-8), where
+the module in bf16 (PyTorch's bf16 run, or the layer then an Add) keeps ``bf16(b)`` to its own spacing and
+rounds once more after the ``+ 1``. Folded, the modulation ``1 + scale`` carries two roundings at 1's scale (the
+bias's and the output's) where the module carries one: about 1.4x its error in every conditional norm's scale,
+a per-channel error that no later op averages out (Kandinsky 3's conditional GroupNorms, measured with
 ``bench/trace_bf16.py``). So the constants fold only where the rounded sum is the rounded parts' sum exactly
 (a zero or absent bias and a constant bf16 holds, as the ``1 +`` of a bias-free projection). In the order they
 are added, each constant joins the bias, or the Add before it, while the sum stays exact, else it starts an
