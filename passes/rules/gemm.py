@@ -143,6 +143,9 @@ def emit_gemm(b: Builder, p: GemmParams, out_shape: tuple[int, ...] | None, nonl
     y = node.outputs[0]
     for added in groups[1:]:
         vector = b.summed(added, [width], f"{w.name}_added_{cols.start}", dtype=ir.DataType.FLOAT)
+        if p.x.dtype not in (None, ir.DataType.FLOAT):  # the Add's operands share the activation's type (fp16)
+            vector = b.derived(vector, [step("astype", dtype=np.dtype(p.x.dtype.numpy()).name)], [width],
+                               f"{vector.name}_{np.dtype(p.x.dtype.numpy()).name}", p.x.dtype)
         y = b.op("Add", [y, vector], dtype=p.x.dtype, shape=[*p.view[:2], width]).outputs[0]
     return unview(b, y, out_shape)
 
