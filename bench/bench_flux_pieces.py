@@ -23,6 +23,13 @@ the piece (the HTP's precision). A double-stream block at 1024 px is about 900 G
 emulator here, and 10-15 GB. The emulator's times are this CPU's, not the NPU's.
 
     python bench/bench_flux_pieces.py --target qnn-htp --pieces 1,19 --out /work/runs/flux-qnn-pieces
+
+Another family's transformer that converts block by block takes the same run (its row's pieces: Qwen-Image's
+60 dual-stream blocks, piece 0 with the embeddings, piece 59 with the output layers); ``--batch`` is the
+transformer's (Qwen-Image's true CFG: 2), ``--no-low`` skips PyTorch's own bf16 run (and its comparison), which
+holds a second copy of the piece's weights:
+
+    python bench/bench_flux_pieces.py --source qwen-image --res 256 --batch 2 --pieces 0 --no-low --out DIR
 """
 
 from __future__ import annotations
@@ -45,16 +52,19 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--source", default="flux-dev")
     ap.add_argument("--res", default="1024")
-    ap.add_argument("--pieces", default="0,1,19", help="piece indices, increasing (0 is always run first)")
+    ap.add_argument("--pieces", default="0,1,19", help="piece indices, increasing (0 is always run first; with "
+                    "--target qnn-htp emulated only if listed)")
     ap.add_argument("--out", type=Path, required=True, help="a work folder (emptied)")
     ap.add_argument("--target", default="amd-xdna2", choices=("amd-xdna2", "qnn-htp"))
+    ap.add_argument("--batch", type=int, default=1, help="the transformer's batch (default 1, Flux.1's)")
+    ap.add_argument("--no-low", action="store_true", help="skip PyTorch's own bf16 / fp16 run of each piece")
     args = ap.parse_args()
     if args.target == "qnn-htp":  # each piece alone on the emulator below, not the chain of them
         os.environ["SDNPU_EMULATOR_MINUTES"] = "0"
     sys.path.insert(0, str(ROOT))
     import torch
 
-    from sdnpu.convert.blockwise import driver, flux
+    from sdnpu.convert.blockwise import driver
     from sdnpu.convert.blockwise.piece import Weights
     from sdnpu.convert.blockwise.state import Run
     from sdnpu.convert.driver import _prepare
@@ -65,16 +75,23 @@ def main() -> None:
     from sdnpu.reports.fidelity import fidelity
     from tests.contract import problems
 
-    wanted = sorted({0, *(int(x) for x in args.pieces.split(","))})
+    from sdnpu.convert import budget
+
+    budget.check_disk = lambda *_: None  # the whole folder's need: this run keeps one piece on the disk at a time
+    asked = {int(x) for x in args.pieces.split(",")}
+    wanted = sorted({0, *asked})
     shutil.rmtree(args.out, ignore_errors=True)
     run_ = _prepare(args.source, "transformer", args.out / "folder",
                     ConvertOptions(res=[Size.of(args.res)], blockwise=True, target=args.target))
-    job = run_.job("transformer", Variant(Size.of(args.res), 1))
+    job = run_.job("transformer", Variant(Size.of(args.res), args.batch))
     src, sig = run_.src, job.signature()
     work = args.out / "pieces"
     work.mkdir(parents=True)
     run = Run(job, work, job.sample_inputs(), tuple(sig.outputs))
-    config = flux._config(src, "transformer")
+    module = driver._pieces_module(src, "transformer")  # the family's pieces (Flux.1's, Qwen-Image's)
+    config = module._config(src, "transformer")
+    factor = job.spec.vae_factor
+    latent = (job.res.height // factor, job.res.width // factor)
     weights = Weights(src, "transformer")
     qnn = args.target == "qnn-htp"
     if qnn:
@@ -83,7 +100,7 @@ def main() -> None:
         run = state.fresh(job, work)
     low_dtype = torch.float16 if qnn else torch.bfloat16  # the target's precision
     rows = []
-    for piece in flux.pieces(src, "transformer", sig, weights, only=set(wanted)):
+    for piece in module.pieces(src, "transformer", sig, weights, only=set(wanted), latent=latent):
         before = run.feeds if run.chain is None else run.chain.torch
         inputs = {k: before[k] for k in piece.inputs}
         if qnn:
@@ -91,17 +108,26 @@ def main() -> None:
                 raise SystemExit("the qnn-htp target's chain did not start (is --no-compile set?)")
             feed_names = {x: run.qnn.names[x] for x in piece.inputs}  # the chain's names of the piece's inputs
             parts_before = len(run.qnn.parts)
-        low = piece.module.to(low_dtype)  # PyTorch's own bf16 / fp16 on the same inputs, first (then fp32 again)
-        with torch.no_grad():
-            got = low(*(torch.from_numpy(v).to(low_dtype) for v in inputs.values()))
-        bf16 = [o.float().numpy() for o in (got if isinstance(got, tuple) else (got,))]
-        piece.module = low.float()
-        del got, low
+        bf16 = None
+        if not args.no_low:
+            low = piece.module.to(low_dtype)  # PyTorch's own bf16 / fp16 on the same inputs, first (then fp32)
+            with torch.no_grad():
+                got = low(*(torch.from_numpy(v).to(low_dtype) if v.dtype.kind == "f" else torch.from_numpy(v)
+                            for v in inputs.values()))
+            bf16 = [o.float().numpy() for o in (got if isinstance(got, tuple) else (got,))]
+            piece.module = low.float()
+            del got, low
         seconds_before = dict(run.seconds)
         start = time.perf_counter()
         i = piece.i
         driver._piece(run, piece)
         wall = time.perf_counter() - start
+        if qnn and i not in asked:  # piece 0 only computes the blocks' inputs: not emulated unless asked for
+            for part in run.qnn.parts[parts_before:]:
+                for f in [part.context, *part.binaries]:
+                    f.unlink(missing_ok=True)
+            shutil.rmtree(work / f"piece{i:03d}", ignore_errors=True)
+            continue
         if qnn:
             rows.append(_qnn_row(run, piece, i, config, inputs, feed_names, run.qnn.parts[parts_before:], bf16,
                                  wall, seconds_before))
@@ -114,10 +140,12 @@ def main() -> None:
         report = json.loads((work / f"piece{i:03d}" / "dd" / "report.json").read_text())
         chain = run.chain
         assert chain is not None and chain.dispatch is not None
-        names = list(piece.outputs)
+        names = [n for n in piece.outputs if chain.torch[_link(n)].dtype.kind == "f"]  # not Qwen-Image's mask
         dd = driver._run_graph(work / f"piece{i:03d}" / "dd" / "replaced.onnx", inputs)  # alone, on PyTorch's
         ours = fidelity({n: chain.torch[_link(n)] for n in names}, {n: dd[n] for n in names})
-        torch_fid = fidelity({n: chain.torch[_link(n)] for n in names}, dict(zip(names, bf16, strict=True)))
+        torch_fid = (fidelity({n: chain.torch[_link(n)] for n in names},
+                              {n: v for n, v in zip(piece.outputs, bf16, strict=True) if n in names})
+                     if bf16 is not None else {"max_abs": float("nan"), "min_cosine": float("nan")})
         s = report["summary"]
         rows.append({
             "piece": i, "what": _what(i, config),
@@ -202,6 +230,9 @@ def _link(name: str) -> str:
 
 
 def _what(i: int, config: dict) -> str:
+    if "num_single_layers" not in config:  # one kind of block (Qwen-Image's)
+        n = int(config.get("num_layers", 60))
+        return ("embeddings + " if i == 0 else "") + f"block {i}" + (" + output layers" if i == n - 1 else "")
     doubles = int(config.get("num_layers", 19))
     total = doubles + int(config.get("num_single_layers", 38))
     if i == 0:

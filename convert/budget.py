@@ -41,6 +41,11 @@ DISK_SHARE = 1.5
 # A standard target's (qnn-htp): the fp32 graph (1x), the rewritten fp32 graph (1x) and the fp16 context (0.5x;
 # sd-turbo's UNet: 3.46 + 3.46 + 1.74 GB); block by block, the rewritten pieces are deleted once compiled.
 STANDARD_DISK_SHARE = 2.5
+# Block by block with --dispatch-only: the dispatch model (0.5x), and while a piece compiles its fp32 graph and
+# dispatch model besides (1.5x a piece's weights: 0.025x for one of Qwen-Image's 60 blocks, 0.094x for one of
+# T5-XXL's 24 with its 0.5 GB token table, the largest piece of a module sdnpu converts so). Stitching consumes
+# each piece's dispatch model as it copies it.
+DISPATCH_ONLY_DISK_SHARE = 0.6
 
 
 def human(n: int) -> str:
@@ -78,9 +83,12 @@ class Budget:
     weights: dict[str, int]
     by_block: set[str] = field(default_factory=set)
     standard: bool = False  # compiled for a standard target (its vendor's context beside a rewritten graph)
+    dispatch_only: bool = False  # the modules converted block by block keep no fp32 graph (--dispatch-only)
 
     def disk_share(self, key: str) -> float:
         """What module ``key``'s folder takes on disk, as a share of its fp32 weight bytes."""
+        if key in self.by_block and self.dispatch_only:
+            return DISPATCH_ONLY_DISK_SHARE
         return STANDARD_DISK_SHARE if self.standard and key not in self.by_block else DISK_SHARE
 
     def isolate(self, key: str) -> bool:
@@ -91,7 +99,8 @@ class Budget:
 def plan(src: Source, comps: list[str], options: ConvertOptions) -> Budget:
     """The budget of converting ``comps`` of ``src``; a module that cannot fit is refused now."""
     budget = Budget({key: module_bytes(src, key) for key in dict.fromkeys(module_of(c) for c in comps)},
-                    standard=options.compile and options.compile_options.target.kind == "standard")
+                    standard=options.compile and options.compile_options.target.kind == "standard",
+                    dispatch_only=options.dispatch_only)
     for key, need in budget.weights.items():  # one that cannot fit: before anything is written
         if blockwise.supports(src, key) and (options.blockwise or not fits(need, BLOCKWISE_SHARE)):
             budget.by_block.add(key)
@@ -101,13 +110,19 @@ def plan(src: Source, comps: list[str], options: ConvertOptions) -> Budget:
     if options.blockwise and not budget.by_block:
         log.warning("--blockwise: none of %s converts block by block (only %s do); converting them whole",
                     ", ".join(comps), ", ".join(blockwise.CLASSES))
+    whole = [c for c in comps if module_of(c) not in budget.by_block]
+    if options.dispatch_only and whole:
+        log.warning("--dispatch-only: %s %s whole and %s the fp32 graph (--dispatch-only drops it for the modules "
+                    "converted block by block: %s)", ", ".join(whole), "converts" if len(whole) == 1 else "convert",
+                    "keeps" if len(whole) == 1 else "keep", ", ".join(sorted(budget.by_block)) or "none here")
     return budget
 
 
 def check_disk(budget: Budget, comps: list[str], out_dir: Path) -> None:
     """Refuse now, before any export, a conversion whose folders would not fit on ``out_dir``'s disk
     (``Budget.disk_share`` of each component's module weights), less what a stopped block-by-block run of
-    them already wrote (its finished pieces, which this run goes on after)."""
+    them already wrote (its finished pieces, which this run goes on after). Where the modules converted block by
+    block keep their fp32 graphs, the hint names ``--dispatch-only``, which needs about 40% of that."""
     need = int(sum(budget.disk_share(module_of(c)) * budget.weights[module_of(c)] for c in comps))
     need -= sum(f.stat().st_size for c in comps if module_of(c) in budget.by_block
                 for f in blockwise.work_dir(out_dir / c, c).rglob("*") if f.is_file())
@@ -116,6 +131,9 @@ def check_disk(budget: Budget, comps: list[str], out_dir: Path) -> None:
         where = where.parent
     free = shutil.disk_usage(where).free
     if need > free:
+        smaller = [c for c in comps if module_of(c) in budget.by_block] if not budget.dispatch_only else []
         raise SdnpuError(f"{', '.join(comps)} need about {human(need)} on disk and {where} has {human(free)} free",
                          hint="free some space, or convert to another disk with --out DIR (or fewer components "
-                         "with --model)")
+                         "with --model)" + (f"; --dispatch-only keeps {', '.join(smaller)} without the fp32 graph "
+                                            f"(about {DISPATCH_ONLY_DISK_SHARE / DISK_SHARE:.0%} of the disk)"
+                                            if smaller else ""))

@@ -16,6 +16,7 @@ from sdnpu import __version__
 from sdnpu.convert.options import ComponentResult, ConvertOptions
 from sdnpu.convert.sources import Source
 from sdnpu.fileio import atomic_write_json
+from sdnpu.formats import reference
 from sdnpu.formats.parameters import FILE as PARAMETERS_FILE
 from sdnpu.formats.sizes import Variant
 from sdnpu.imagesize import Size
@@ -93,8 +94,9 @@ def compile_info(job: Job, lora: dict[str, Any] | None) -> dict[str, Any]:
 
 
 def write_records(job: Job, stage: Path, result: ComponentResult, sources: dict[str, Any],
-                  lora: dict[str, Any] | None = None, blockwise: bool = False) -> None:
-    """config.json, parameters.json (``sources``) and export.json beside the component's graph in ``stage``."""
+                  lora: dict[str, Any] | None = None, blockwise: bool = False, dispatch_only: bool = False) -> None:
+    """config.json, parameters.json (``sources``) and export.json beside the component's graph in ``stage``
+    (``dispatch_only``: no fp32 graph was kept, ``sdnpu.formats.reference``)."""
     o, options = job.origin, job.options
     sig = job.signature()
     (stage / "config.json").write_bytes(o.config_file.read_bytes())
@@ -113,6 +115,7 @@ def write_records(job: Job, stage: Path, result: ComponentResult, sources: dict[
         "check": result.check,
         "lora_fused": lora,
         "blockwise": blockwise,
+        **({reference.KEY: True} if dispatch_only else {}),
         "seconds": result.seconds,
         "peak_rss_bytes": result.peak_rss_bytes,
         "tool": {"sdnpu": __version__, "python": platform.python_version(), **_versions()},

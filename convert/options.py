@@ -54,7 +54,9 @@ class ConvertOptions:
     or "all"; ``target``: the NPU whose op contract the dispatch models are written in; ``precision``: bf16
     or bfp16 (amd-xdna2), fp16 (qnn-htp; "" the target's first); ``htp_arch``: qnn-htp's HTP generation; ``htp_optimization``: QNN's
     graph finalization mode; ``context_gb``: its weights per QNN context;
-    ``loras``: LoRAs fused into the UNet and text encoders before export; ``batch``: the
+    ``loras``: LoRAs fused into the UNet and text encoders before export; ``blockwise``: the modules that can,
+    block by block even where they fit; ``dispatch_only``: the block-by-block ones keep their dispatch model only
+    (``sdnpu.formats.reference``); ``batch``: the
     denoiser's batches (an int, "1,2" or a sequence; the first the primary's; None: the source's default,
     ``sdnpu.formats.generation``: 2 where its pipeline uses guidance, 1 where it is guidance-free)."""
 
@@ -72,6 +74,7 @@ class ConvertOptions:
     loras: tuple[LoraSpec, ...] = ()  # diffusers' fuse_lora, before export
     add: bool = False
     blockwise: bool = False  # T5 and Flux's transformer block by block even where they fit (they do where not)
+    dispatch_only: bool = False  # block by block: keep the dispatch model only (no fp32 graph; a third of the disk)
     batch: int | str | Sequence[int] | None = None
 
     def __post_init__(self) -> None:
@@ -94,6 +97,13 @@ class ConvertOptions:
             raise SdnpuError(f"--target {target.name} converts one size and one batch per folder for now",
                              hint="give one RES and one BATCH (and no --add); convert other sizes into other folders")
         object.__setattr__(self, "loras", tuple(LoraSpec.parse(x) if isinstance(x, str) else x for x in self.loras))
+        if self.dispatch_only and (not self.compile or target.kind == "standard" or self.add):
+            why = ("keeps the dispatch model in place of the fp32 graph: it needs the compile" if not self.compile
+                   else f"is for AMD's dispatch models; --target {target.name} compiles from the fp32 graph"
+                   if target.kind == "standard" else "adds no sizes: the sizes --add writes are derived from the "
+                   "fp32 graph")
+            raise SdnpuError(f"--dispatch-only {why}", hint="drop --dispatch-only" if not self.add else
+                             "convert the sizes you need in one run: --res A,B")
 
     @property
     def batches(self) -> tuple[int, ...] | None:

@@ -25,7 +25,7 @@ from sdnpu.convert.stages import compile_stage, export_component
 from sdnpu.convert.torch_stage import read_loras, run_torch_stage, run_torch_stage_in_worker
 from sdnpu.errors import SdnpuError
 from sdnpu.fileio import atomic_write_bytes
-from sdnpu.formats import prologue
+from sdnpu.formats import prologue, reference
 from sdnpu.formats.sizes import SizeFiles, Variant, read_manifest, sizes_of, write_manifest
 from sdnpu.passes.specialize import CannotSpecialize
 from sdnpu.progress import release_memory, step
@@ -50,6 +50,7 @@ def check_addable(src: Source, job: Job, comp_dir: Path) -> None:
     if not export.is_file():
         raise SdnpuError(f"--add: {comp_dir} holds no converted {comp}",
                          hint=f"convert it first without --add: make convert MODEL={comp} OUT={comp_dir.parent}")
+    reference.require(comp_dir, "derive the added sizes from (--add)")
     try:
         theirs = _settings(json.loads(export.read_text()))
     except (OSError, ValueError) as e:

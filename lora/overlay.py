@@ -41,7 +41,7 @@ from sdnpu import families
 from sdnpu.components import LORA_COMPONENTS, module_of
 from sdnpu.errors import SdnpuError
 from sdnpu.fileio import atomic_write_json, recover_staging, staged_dir
-from sdnpu.formats import parameters, weights
+from sdnpu.formats import parameters, reference, weights
 from sdnpu.formats.overlay import ALIGN, DATA, FORMAT, MANIFEST, OVERLAY_DIR, VERSION, base_digest, read_manifest
 from sdnpu.lora.adapters import Adapters, LoraFile, LoraSpec, read_lora, sha256
 from sdnpu.reports.report import write as write_report
@@ -102,6 +102,7 @@ class _Sources:
 
 
 def _sources(comp_dir: Path) -> _Sources:
+    reference.require(comp_dir, "compute a LoRA's changes from")  # they are replayed from its constants
     params = parameters.constants_by_parameter(parameters.read_record(comp_dir))
     return _Sources(comp_dir, params, weights.read_record(comp_dir / "dd" / weights.FILE)["weights"])
 

@@ -47,7 +47,8 @@ takes and computes right, then say what it takes:
                   upsampling spelled as rank-6/8 movements (Wan 2.2) as a Resize, a rank-5 reduction (ReduceL2)
                   over a lower-rank view, a Gather of rank-6 data (HiDream's rotary) over a rank-3 view, a bool
                   GatherND (Qwen2's padding mask) on int32, an outer-product Einsum (Flux.1's TorchScript
-                  rotary) as a MatMul (passes/htp/ranks.py)
+                  rotary) as a MatMul; and a GatherND of slices of two or more axes (a 3-D VAE's nearest-exact
+                  upsampling), which QNN computes wrong, over a view of one (passes/htp/ranks.py)
     htp_rank6     DiT's rank-6 unpatchify as DepthToSpace, any other rank-6 permutation as rank-4 steps (QNN has
                   no rank-6 Reshape or Transpose)
     htp_tokens    an attention over a token count not a multiple of 64 (SD 3.5's 4429) padded to one, the padded
@@ -88,7 +89,7 @@ from sdnpu.passes.htp import common as htp_common
 from sdnpu.passes.htp import (demote_float64, divide_reciprocal_products, group_attention_heads, guard_fp16_range,
                               lower_pixel_shuffles, lower_rank6_movements, pad_attention_tokens, reduce_angles_exactly,
                               rewrite_broadcast_into_layernorm)
-from sdnpu.passes.htp.ranks import (gather_bool_as_int32, lower_gathers, lower_reductions,
+from sdnpu.passes.htp.ranks import (gather_bool_as_int32, gather_nd_flat_slices, lower_gathers, lower_reductions,
                                    lower_refused_einsums)
 from sdnpu.passes.joint import split_joint_attention
 from sdnpu.passes.layout import lay_out_nhwc
@@ -336,8 +337,8 @@ def standard_pipeline(options: CompileOptions) -> list[Entry]:
         ("htp_recip", divide_reciprocal_products),
         ("htp_angles", reduce_angles_exactly),
         ("htp_ranks", lambda m: _all(movement.resize_repeated_pixels(m), sweep(m), lower_reductions(m, t),
-                                     lower_gathers(m, t), gather_bool_as_int32(m, t),
-                                     lower_refused_einsums(m, t), _named(m))),  # before rank6's movements
+                                     lower_gathers(m, t), gather_bool_as_int32(m, t), lower_refused_einsums(m, t),
+                                     gather_nd_flat_slices(m), _named(m))),  # before rank6's movements
         ("htp_rank6", lambda m: _all(lower_pixel_shuffles(m), lower_rank6_movements(m))),
         ("htp_tokens", pad_attention_tokens),  # before the head groups, which then split the padded form
         ("htp_heads", group_attention_heads),

@@ -45,8 +45,10 @@ MIN_ROWS = 8
 Bounds = tuple[tuple[int, int], ...]
 
 UNARY = frozenset({"Cast", "Neg", "Sigmoid", "Tanh", "Relu", "Gelu", "Erf", "Exp", "Log", "Sqrt", "Reciprocal",
-                   "Abs", "Sin", "Cos", "Softplus", "HardSigmoid", "HardSwish", "LeakyRelu", "Elu", "Identity"})
-NARY = frozenset({"Add", "Sub", "Mul", "Div", "Pow", "Where", "Max", "Min"})
+                   "Abs", "Sin", "Cos", "Softplus", "HardSigmoid", "HardSwish", "LeakyRelu", "Elu", "Identity",
+                   "IsNaN", "IsInf", "Not"})  # the last: a masked softmax's fully-masked rows set to 0 (dynamo's SDPA)
+NARY = frozenset({"Add", "Sub", "Mul", "Div", "Pow", "Where", "Max", "Min", "Clip", "Equal", "Less", "Greater",
+                  "LessOrEqual", "GreaterOrEqual", "And", "Or", "Xor"})
 REDUCE = frozenset({"ReduceMean", "ReduceSum", "ReduceMax", "ReduceMin", "ReduceL2"})
 WEIGHTED = frozenset({"MatMul", "Gemm", "Conv", "LayerNormalization", "Softmax", "InstanceNormalization"})
 

@@ -303,6 +303,8 @@ def render_text(r: dict[str, Any]) -> str:
               f"CPU<->NPU transitions  {s['transitions']}",
               *_islands_line(s),
               f"weights                {_gb(s['weight_bytes_before'])} -> {_gb(s['weight_bytes_after'])}",
+              *(["fp32 graph             none kept (--dispatch-only): generate --reference cannot run it"]
+                if (r.get("blockwise") or {}).get("dispatch_only") else []),
               ""]
     lines += _lora_lines(r)
     lines += _vendor_lines(r)

@@ -28,6 +28,7 @@ from sdnpu import external, onnxrun
 from sdnpu.components import LORA_COMPONENTS, SIZED, TEXT_ENCODERS
 from sdnpu.errors import SdnpuError
 from sdnpu.formats import handoff, prologue
+from sdnpu.formats import reference as fp32_graph  # ``reference`` names the argument here
 from sdnpu.formats.overlay import DATA, OVERLAY_DIR, overlay_initializers, read_manifest
 from sdnpu.formats.sizes import Variant, sizes_of
 from sdnpu.imagesize import Size
@@ -218,6 +219,8 @@ def component_path(folder: Path, component: str, reference: bool = False, size: 
     if not reference and not path.is_file() and (comp_dir / QNN_MODEL).is_file() and (
             path.name == DISPATCH_MODEL.name and _is_primary(comp_dir, size, batch)):
         path = comp_dir / QNN_MODEL  # converted for Qualcomm's HTP (--target qnn-htp): its EPContext model
+    if reference and not path.is_file():
+        fp32_graph.require(comp_dir, "run (--reference runs the fp32 graphs)")
     if not path.is_file():
         raise SdnpuError(f"{path} not found",
                          hint=f"convert it first: make convert MODEL={component} (OUT={Path(folder)})")

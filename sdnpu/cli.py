@@ -54,7 +54,7 @@ def _cmd_convert(args: argparse.Namespace) -> int:
                              htp_optimization=args.htp_optimization,
                              loras=tuple(args.lora or ()),
                              add=args.add,
-                             blockwise=args.blockwise, batch=args.batch)
+                             blockwise=args.blockwise, dispatch_only=args.dispatch_only, batch=args.batch)
     if args.pack and options.compile_options.target.kind != "dispatch":
         raise SdnpuError(f"--pack writes AMD's loading format; --target {args.target} has its own (QNN's context "
                          "binaries are written by the convert itself)", hint="drop --pack")
@@ -388,9 +388,15 @@ def _convert_parser(sub: argparse._SubParsersAction) -> None:  # type: ignore[ty
     conv.add_argument("--no-check", action="store_true", help="skip the onnxruntime-vs-PyTorch check")
     conv.add_argument("--no-compile", action="store_true", help="export only (no dd/ dispatch model)")
     conv.add_argument("--blockwise", action="store_true",
-                      help="convert T5 (SD3's text_encoder_3, Flux's text_encoder_2) and Flux's transformer one block "
-                      "at a time and stitch the graphs, even where they fit whole (done so by itself where the fp32 "
-                      "weights exceed half the available memory, as T5-XXL's 19 GB and Flux's 47.6 GB do here)")
+                      help="convert T5 (SD3's text_encoder_3, Flux's text_encoder_2) and Flux.1's and Qwen-Image's "
+                      "transformers one block at a time and stitch the graphs, even where they fit whole (done so by "
+                      "itself where the fp32 weights exceed half the available memory, as T5-XXL's 19 GB, Flux.1's "
+                      "47.6 GB and Qwen-Image's 81.7 GB do here)")
+    conv.add_argument("--dispatch-only", action="store_true",
+                      help="for a big model on a small disk: the modules converted block by block keep their dispatch "
+                      "model only (dd/), each piece's fp32 graph deleted once its dispatch model is checked and no "
+                      "fp32 model.onnx stitched: a third of the disk (Qwen-Image's transformer: about 41 GB instead of "
+                      "123 GB); generate --reference, lora apply and --add then refuse that component")
     conv.add_argument("--pack", action="store_true",
                       help="then pack the folder's dispatch models in AMD's loading format (sdnpu pack: "
                       "DynamicDispatch nodes, their DD cache, AMD's packed weights; needs AMD's "

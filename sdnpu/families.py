@@ -20,7 +20,8 @@ Qwen-Image has its own VAE (``AutoencoderKLQwenImage``: Wan 2.1's causal 3-D VAE
 normalized by per-channel ``latents_mean`` / ``latents_std``), its own wrappers (the transformer on packed latents
 with the caption's mask, the VAE on 5-D tensors of one frame), its text encoder's class (Qwen2.5-VL, whose language
 model's last hidden states are the prompt), ``QwenImagePipeline``'s defaults (50 steps, ``true_cfg_scale`` 4,
-512 prompt tokens; a drawing size of 128 latent pixels a side) and timestep (diffusers' / 1000).
+512 prompt tokens; a drawing size of 128 latent pixels a side), timestep (diffusers' / 1000) and block-by-block
+pieces.
 
 Flux.1 also has its own transformer wrapper (packed latents and position ids), generation defaults
 (``FluxPipeline``'s 28 steps at guidance 3.5, embedded), timestep (diffusers' / 1000) and block-by-block pieces.
@@ -109,6 +110,7 @@ QWEN_IMAGE = Family(
                                "VaeEncoder": "QwenImageVaeEncoder", "VaeDecoder": "QwenImageVaeDecoder"}),
     generation=MappingProxyType({"steps": 50, "guidance": 4.0}),  # QwenImagePipeline's (true_cfg_scale 4)
     timestep_divisor=1000,
+    blockwise="sdnpu.convert.blockwise.qwenimage",
     vae_class="AutoencoderKLQwenImage",
     sample_size=128,  # QwenImagePipeline.default_sample_size: 1024 px at the VAE's 8
 )

@@ -14,8 +14,10 @@ from sdnpu.convert.sources import PRESETS_DIR
 from sdnpu.errors import SdnpuError
 
 ROOT = Path(__file__).resolve().parent.parent
-# Flux.1's block-by-block pieces: the module its row names, which builds its transformer by class
-OWN_MODULES = {Path("convert/blockwise/flux.py")}
+# the families' block-by-block pieces (Flux.1's, Qwen-Image's): the modules their rows name, which build their
+# transformers by class
+OWN_MODULES = {Path(*f.blockwise.removeprefix("sdnpu.").split(".")).with_suffix(".py")
+               for f in families.TABLE if f.blockwise}
 
 
 def _sources() -> list[Path]:
@@ -158,6 +160,7 @@ def test_no_denoiser_class_is_spelled_outside_the_table():
     found = {(str(p), c) for p in _sources() if p != Path("sdnpu/families.py") and p not in OWN_MODULES
              for c in own if c in (ROOT / p).read_text(encoding="utf-8")}
     assert not found, f"family class names outside sdnpu/families.py: {sorted(found)}"
+    assert Path("convert/blockwise/qwenimage.py") in OWN_MODULES
     assert any("FluxTransformer2DModel" in (ROOT / p).read_text() for p in OWN_MODULES)  # the scan sees files
 
 

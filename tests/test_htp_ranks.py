@@ -1,7 +1,7 @@
 """Nodes the HTP refuses for their rank or type, in forms it takes (``sdnpu.passes.htp.ranks``, the standard
 pipeline's ``htp_ranks``) on small graphs in the zoo's spellings, as op counts and ranks, onnx's full check and
 onnxruntime's numbers before and after (data movement and sums over the same elements: exact in fp32); then one
-graph of all four on Qualcomm's compiler and its HTP emulator, taken whole."""
+graph of all of them on Qualcomm's compiler and its HTP emulator, taken whole and computed right."""
 
 from __future__ import annotations
 
@@ -91,6 +91,31 @@ def test_a_bool_gather_nd_gathers_int32():
     same(m, after, tol=dict(rtol=0, atol=0))
 
 
+def _index_upsample(h: int, c: int) -> tuple[list[onnx.NodeProto], dict[str, np.ndarray]]:
+    """A 3-D VAE's nearest-exact upsampling of one frame as dynamo exports it (``_unsafe_index``): [1, C, H, W]
+    moved to [H, W, 1, C], a GatherND of a constant grid of index pairs, moved back to [1, C, 2H, 2W]."""
+    grid = np.stack(np.meshgrid(np.arange(2 * h) // 2, np.arange(2 * h) // 2, indexing="ij"), -1).astype(np.int64)
+    return ([helper.make_node("Transpose", ["img"], ["hw"], perm=[2, 3, 0, 1]),
+             helper.make_node("GatherND", ["hw", "grid"], ["up_hw"]),
+             helper.make_node("Transpose", ["up_hw"], ["up"], perm=[2, 3, 0, 1])], {"grid": grid})
+
+
+@pytest.mark.parametrize("k_slice", [(2, [5, 5, 1, 3]), (1, [5, 2, 3]), (2, [5, 5, 3])])
+def test_a_gather_nd_of_slices_of_two_axes_runs_over_a_flat_view(k_slice):
+    """Slices of two or more axes are gathered from the view whose slices have one (QNN computes the first form
+    wrong: the emulator test below); a GatherND whose slices have one axis already is left."""
+    k, shape = k_slice
+    rng = np.random.default_rng(0)
+    idx = np.stack([rng.integers(0, shape[a], (4, 6)) for a in range(k)], -1).astype(np.int64)
+    m = model([helper.make_node("GatherND", ["x", "idx"], ["y"])], {"x": shape}, {"y": None}, {"idx": idx})
+    counts, after = _counts(m)
+    flat = len(shape) - k >= 2
+    assert counts["GatherND slices viewed flat"] == int(flat)
+    assert ops(after).get("Reshape", 0) == (2 if flat else 0)
+    onnx.checker.check_model(after, full_check=True)
+    same(m, after, tol=dict(rtol=0, atol=0))
+
+
 def _upsample() -> list[onnx.NodeProto]:
     """Wan 2.2's ``DupUp3D`` over one frame, as dynamo exports it: each pixel of [B, C, 1, H, W] copied 4 times
     along a new axis, the copies moved into 2 x 2 blocks in rank 8, viewed as [B, C, 1, 2H, 2W]."""
@@ -127,14 +152,17 @@ def test_a_movement_chain_that_is_not_an_upsampling_is_left():
     assert counts["nearest upsampling movements -> Resize"] == 0
 
 
-def test_qnn_takes_the_four_whole_and_computes_them_right(tmp_path):
-    """One graph of the four forms, on Qualcomm's compiler with CPU fallback disabled and its HTP emulator: every
-    node taken (before the rewrites QNN refused each of them: its op trace on the zoo's Wan 2.2 and Qwen-Image VAE
-    decoders, HiDream and Qwen2), and the emulated fp16 outputs against fp32 (the compile's own check)."""
+def test_qnn_takes_the_forms_whole_and_computes_them_right(tmp_path):
+    """One graph of the forms (and the GatherND QNN takes but computes wrong), on Qualcomm's compiler with CPU
+    fallback disabled and its HTP emulator: every node taken (before the rewrites QNN refused each of them: its op
+    trace on the zoo's Wan 2.2 and Qwen-Image VAE decoders, HiDream and Qwen2), and the emulated fp16 outputs against
+    fp32 (the compile's own check: without the flat view, the GatherND's cosine was 0.014)."""
     pytest.importorskip("sdnpu.backends.qnn_htp")
     from sdnpu.convert.compile import compile_file
 
     b, c, h, w = 1, 8, 4, 4
+    # 130 x 130 index pairs over [65, 65, 1, 8]: 98% of the values wrong on the emulator before the flat view
+    up_nodes, up_inits = _index_upsample(65, 8)
     nodes = [*_upsample(), *[helper.make_node(n.op_type, [{"x": "y"}.get(i, i) for i in n.input],
                                               [{"y": "z"}.get(o, o) for o in n.output],
                                               **{a.name: helper.get_attribute_value(a) for a in n.attribute})
@@ -145,18 +173,21 @@ def test_qnn_takes_the_four_whole_and_computes_them_right(tmp_path):
              helper.make_node("Sub", ["even", "odd"], ["out"]),
              helper.make_node("Greater", ["keep", "zero"], ["pos"]),
              helper.make_node("GatherND", ["pos", "idx"], ["picked"]),
-             helper.make_node("Cast", ["picked"], ["mask"], to=T.FLOAT)]
+             helper.make_node("Cast", ["picked"], ["mask"], to=T.FLOAT),
+             *up_nodes]
     idx = np.stack(np.meshgrid(np.arange(2), np.arange(7)[::-1], indexing="ij"), -1).astype(np.int64)
     inits = {**_upsample_inits(b, c, h, w), "eps": np.asarray(1e-12, np.float32),
              "s6": np.asarray([b, c, 2 * h, w, 1, 2], np.int64), "i0": np.asarray(0, np.int64),
-             "i1": np.asarray(1, np.int64), "zero": np.asarray(0.0, np.float32), "idx": idx}
-    m = model(nodes, {"x": [b, c, 1, h, w], "keep": [2, 7]}, {"out": None, "mask": None}, inits, opset=17)
+             "i1": np.asarray(1, np.int64), "zero": np.asarray(0.0, np.float32), "idx": idx, **up_inits}
+    m = model(nodes, {"x": [b, c, 1, h, w], "keep": [2, 7], "img": [1, 8, 65, 65]},
+              {"out": None, "mask": None, "up": None}, inits, opset=17)
     (tmp_path / "m").mkdir()
     onnx.save(m, str(tmp_path / "m" / "model.onnx"))
     report = compile_file(tmp_path / "m" / "model.onnx", tmp_path / "out", QNN)
     fired = next(p["counts"] for p in report["passes"] if p["name"] == "htp_ranks")
     assert all(fired.get(k) for k in ("nearest upsampling movements -> Resize", "reductions over a lower-rank view",
-                                      "Gathers of rank-6 data over a rank-3 view", "bool gathers on int32")), fired
+                                      "Gathers of rank-6 data over a rank-3 view", "bool gathers on int32",
+                                      "GatherND slices viewed flat")), fired
     q = report["qnn"]
     assert q["whole"] and q["trace"]["unsupported_nodes"] == 0, q["trace"].get("refused")
     assert report["summary"]["cpu_nodes"] == 0  # sdnpu's table agrees

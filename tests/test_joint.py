@@ -51,6 +51,18 @@ def test_one_attention_per_query_part_and_the_slices_go(norm, spelling):
     assert_same(m, irm)
 
 
+def test_a_masked_joint_attention_is_split_through_its_nan_guard():
+    """Qwen-Image's: a key mask computed from an input, and dynamo's ``Where(IsNaN(p), 0, p)`` after the softmax
+    (row by row, so each query part keeps it); before, the cut stayed whole ("IsNaN is not computed row by
+    row") and each block kept a CPU Split between two NPU regions."""
+    m = joint_attention(norm=False, masked=True)
+    result, irm, before = jointed(m)
+    assert result.counts[SPLIT] == 2
+    after = ops(irm)
+    assert after["Slice"] == 0 and after["Softmax"] == 2 and after["IsNaN"] == 2
+    assert_same(m, irm)
+
+
 def test_the_per_head_norms_run_on_rows_before_the_head_transpose():
     """SD3.5's Q/K RMSNorm over D commutes with the head split's Transpose, which moves below it: the norms'
     ReduceMean then reads [B, S, H, D] rows."""

@@ -33,12 +33,15 @@ def _rms(nodes: list, inits: dict, x: str, y: str, spelling: str = "dynamo", sca
         nodes.append(n("Mul", [f"{t}n", f"{t}w"], [y]))
 
 
-def joint_attention(norm: bool = True, parts: str = "both", spelling: str = "dynamo", softmax_axis: int = -1):
+def joint_attention(norm: bool = True, parts: str = "both", spelling: str = "dynamo", softmax_axis: int = -1,
+                    masked: bool = False):
     """SD3's JointAttnProcessor: image x [B, S1, C] and text c [B, S2, C] projected to q, k, v, split into
     heads ([B, H, S, D]), Q and K normalized per head (SD3.5), the streams concatenated along the sequence,
     scaled dot-product attention (dynamo's spelling: q and kᵀ each scaled by D^-1/4), heads merged, the result
     sliced back into the streams (``parts``: both, or the image only as in the last block; ``misaligned``: a
-    cut that is not the streams')."""
+    cut that is not the streams'). ``masked``: a key mask computed from an input (Qwen-Image's caption mask),
+    as dynamo writes SDPA's boolean mask: ``Where(keep, 0, -inf)`` added to the scores, and the softmax's fully
+    masked rows set to 0 after it (``Where(IsNaN(p), 0, p)``)."""
     s = S1 + S2
     nodes, inits = [], {"split": np.array([B, -1, H, D]), "merge": np.array([B, s, C]),
                         "flat": np.array([-1, s, D]), "back": np.array([B, H, D, s]),
@@ -57,8 +60,16 @@ def joint_attention(norm: bool = True, parts: str = "both", spelling: str = "dyn
     nodes += [n("Reshape", ["kj", "flat"], ["kf"]), n("Transpose", ["kf"], ["kft"], perm=[0, 2, 1]),
               n("Reshape", ["kft", "back"], ["kt"]), n("Mul", ["qj", "scale"], ["qs"]),
               n("Mul", ["kt", "scale"], ["ks"]),
-              n("MatMul", ["qs", "ks"], ["sc"]), n("Softmax", ["sc"], ["p"], axis=softmax_axis),
-              n("MatMul", ["p", "vj"], ["o"]),
+              n("MatMul", ["qs", "ks"], ["sc"])]
+    if masked:
+        inits.update(zero=np.array(0.0, np.float32), neg=np.array(-np.inf, np.float32),
+                     cut_mask=np.array(-0.5, np.float32))
+        nodes += [n("Greater", ["mk", "cut_mask"], ["keep"]), n("Where", ["keep", "zero", "neg"], ["bias"]),
+                  n("Add", ["sc", "bias"], ["scm"]), n("Softmax", ["scm"], ["p0"], axis=softmax_axis),
+                  n("IsNaN", ["p0"], ["nan"]), n("Where", ["nan", "zero", "p0"], ["p"])]
+    else:
+        nodes.append(n("Softmax", ["sc"], ["p"], axis=softmax_axis))
+    nodes += [n("MatMul", ["p", "vj"], ["o"]),
               n("Transpose", ["o"], ["ot"], perm=[0, 2, 1, 3]), n("Reshape", ["ot", "merge"], ["y"])]
     cut = {"both": [(0, S1, "yx"), (S1, 2**62, "yc")], "image": [(0, S1, "yx")],
            "misaligned": [(0, S1 - 1, "yx"), (S1 - 1, s, "yc")]}[parts]
@@ -67,7 +78,8 @@ def joint_attention(norm: bool = True, parts: str = "both", spelling: str = "dyn
         inits[f"{name}_lo"], inits[f"{name}_hi"], inits["ax1"] = np.array([lo]), np.array([hi]), np.array([1])
         nodes.append(n("Slice", ["y", f"{name}_lo", f"{name}_hi", "ax1"], [name]))
         outs[name] = [B, min(hi, s) - lo, C]
-    return model(nodes, {"x": [B, S1, C], "c": [B, S2, C]}, outs, inits)
+    ins = {"x": [B, S1, C], "c": [B, S2, C], **({"mk": [B, 1, 1, s]} if masked else {})}
+    return model(nodes, ins, outs, inits)
 
 
 def rms_norm(spelling: str = "dynamo", scale: bool = True, rank: int = 3, axis: int = -1,
@@ -139,6 +151,22 @@ def test_joint_attention_keeps_the_streams_apart_and_records_the_assumed_norm():
     norms = [node for node in irm.graph if node.op_type == "SDRMSNorm"]
     assert {tuple(node.attributes["input_shape"].value) for node in norms} == {(B, S1, H, D), (B, S2, H, D)}
     assert all(node.metadata_props[ASSUMED_TAG] == "registry" for node in norms)
+
+
+def test_a_masked_joint_attention_shares_its_mask_and_widened_keys_between_the_query_parts():
+    """Qwen-Image's caption mask, computed from an input: each query part's SDMHA carries it as a channel of Q
+    and K (``attention_masks.key_channel_operands``); the mask row is spread over the heads once (one Expand on
+    the CPU) and K and V are widened once for both parts (before, each part built its own: three SDConcats more
+    a block and an Expand a part, measured on tiny-qwen-image)."""
+    m = joint_attention(norm=False, masked=True)
+    irm = lowered(m)
+    counts = dispatch_ops(irm)
+    assert counts.get("SDMHA", 0) + counts.get("SDFlatMHA", 0) == 2
+    assert ops(irm)["Expand"] == 1
+    # the streams' K and V joined (2), each part's Q widened (2), K widened once (zeros, the mask row, zeros,
+    # the NaN guard's sentinel key: 4) and V once (zeros, the sentinel's value: 2); each part its own: 16
+    assert counts["SDConcat"] == 10, counts
+    assert_same(m, irm)
 
 
 @pytest.mark.parametrize(

@@ -2,7 +2,7 @@
 Flux.1's transformer: 47.6 GB) converted one piece at a time (``sdnpu.convert.blockwise.piece.Piece``: a torch
 module, the names of its inputs, the module's own for the first, earlier pieces' outputs for the others, and of
 its outputs), the pieces from the module of its class (``PIECES``: ``t5``, and each family's row in
-``sdnpu.families``: ``flux``).
+``sdnpu.families``: ``flux``, ``qwenimage``).
 
 Each piece is built with its weights alone, run in PyTorch, exported, checked against PyTorch, compiled, and its
 dispatch model run (a standard target's pieces: ``sdnpu.convert.blockwise.qnn``); then the pieces' files are
@@ -10,6 +10,13 @@ stitched into the component's graphs (``sdnpu.convert.stitch``), each deleted as
 the stitched dispatch model runs (``sdnpu.passes.pipeline.stitched_pipeline``). Memory holds one block (T5-XXL:
 5.7 GB peak), the disk the pieces' graphs until they become the stitched ones (T5-XXL: 19.05 GB fp32 and 9.79 GB
 bf16). A run that stops keeps the finished pieces, and the next goes on after them (``state``).
+
+With ``--dispatch-only`` (``ConvertOptions.dispatch_only``) the disk holds half that: each piece's fp32 graph is
+deleted once its dispatch model is compiled and checked (its export check, its parameter record and its node
+count taken first), and no fp32 graph is stitched; the folder has ``dd/`` alone beside its records, which say so
+(``sdnpu.formats.reference``). Everything the checks measure is measured as without it: the fp32 chain is
+PyTorch's, and the stitched dispatch model's records name the pieces' constants as the stitched fp32 graph
+would (``b<i>/<name>``).
 
 The checks: each piece runs in PyTorch on what PyTorch's earlier pieces gave, so its last piece's outputs are the
 whole module's, without holding it whole. Each piece's fp32 graph runs on the same inputs as its PyTorch run:
@@ -48,6 +55,7 @@ from sdnpu.convert.parameters import map_parameters
 from sdnpu.convert.sources import Source
 from sdnpu.convert.stitch import StitchStats, stitch
 from sdnpu.errors import SdnpuError
+from sdnpu.formats import reference
 from sdnpu.formats.prologue import FILE as PROLOGUE_FILE
 from sdnpu.formats.weights import FILE as WEIGHTS_FILE
 from sdnpu.formats.weights import make_record, read_record, write_record
@@ -81,10 +89,13 @@ def _pieces_module(src: Source, key: str) -> Any:
     return families.load(PIECES[cls])
 
 
-def pieces(src: Source, key: str, sig: Signature, start: int = 0) -> Iterator[Piece]:
+def pieces(src: Source, key: str, sig: Signature, start: int = 0, latent: tuple[int, int] | None = None
+           ) -> Iterator[Piece]:
     """The module's pieces in order for its graph's signature ``sig``, each built when asked for (the caller
-    drops it); from piece ``start`` on (those before it are not built: a run that goes on after another)."""
-    yield from _pieces_module(src, key).pieces(src, key, sig, Weights(src, key), start=start)
+    drops it); from piece ``start`` on (those before it are not built: a run that goes on after another);
+    ``latent``: the image's latent size (H/f, W/f), for a module whose graph depends on it beyond its inputs'
+    shapes (Qwen-Image's rotary tables)."""
+    yield from _pieces_module(src, key).pieces(src, key, sig, Weights(src, key), start=start, latent=latent)
 
 
 def whole_module(src: Source, key: str) -> Any:
@@ -93,8 +104,9 @@ def whole_module(src: Source, key: str) -> Any:
 
 
 def convert_blockwise(src: Source, job: Job, stage: Path) -> ComponentResult:
-    """Convert ``job`` (T5, Flux.1's transformer) into ``stage`` block by block: ``model.onnx`` (+ data)
-    stitched from the pieces' fp32 graphs, ``dd/`` from their dispatch models (a standard target's ``qnn/``: a
+    """Convert ``job`` (T5, Flux.1's and Qwen-Image's transformers) into ``stage`` block by block: ``model.onnx``
+    (+ data) stitched from the pieces' fp32 graphs (none with ``--dispatch-only``), ``dd/`` from their dispatch
+    models (a standard target's ``qnn/``: a
     context a piece, ``sdnpu.convert.blockwise.qnn``). Where a run of the same job stopped before, this one goes
     on after the pieces it finished (``STATE``). Returns the ComponentResult."""
     work = work_dir(stage, job.component)
@@ -107,7 +119,9 @@ def convert_blockwise(src: Source, job: Job, stage: Path) -> ComponentResult:
     checkpoint(run)
     started = time.perf_counter()
     try:
-        for piece in pieces(src, job.key, job.signature(), start=len(run.fp32_parts)):
+        factor = job.spec.vae_factor
+        latent = (job.res.height // factor, job.res.width // factor)
+        for piece in pieces(src, job.key, job.signature(), start=len(run.fp32_parts), latent=latent):
             i, n = piece.i, piece.n
             shutil.rmtree(work / f"piece{i:03d}", ignore_errors=True)  # what a run that stopped in it left
             _piece(run, piece)
@@ -133,7 +147,8 @@ def convert_blockwise(src: Source, job: Job, stage: Path) -> ComponentResult:
     result = ComponentResult(component=job.component, path=stage / MODEL_FILE, nodes=s32.nodes,
                              parameters=run.n_params, seconds=seconds, peak_rss_bytes=peak_rss_bytes(),
                              check=check_data, report=summary)
-    write_records(job, stage, result, _parameters(run.params, run.wholes, s32.alias), blockwise=True)
+    write_records(job, stage, result, _parameters(run.params, run.wholes, s32.alias), blockwise=True,
+                  dispatch_only=job.options.dispatch_only)
     return result
 
 
@@ -183,7 +198,19 @@ def _piece(run: Run, piece: Piece) -> None:
                       None if dispatch is None else link_values(
                           run.feeds if previous is None or previous.dispatch is None else previous.dispatch,
                           piece.outputs, dispatch))
+    if options.dispatch_only:
+        run.fp32_nodes += _drop_fp32(path)
     run.fp32_parts.append(path)
+
+
+def _drop_fp32(path: Path) -> int:
+    """``--dispatch-only``: the piece's fp32 graph at ``path`` deleted, with its weight files (its dispatch model
+    is compiled and checked, and holds weights of its own: ``sdnpu.passes.modelfile.save``); its node count."""
+    nodes = len(onnx.load(str(path), load_external_data=False).graph.node)
+    for f in path.parent.iterdir():
+        if f.is_file():
+            f.unlink()
+    return nodes
 
 
 def _run_graph(path: Path, feeds: dict[str, np.ndarray], optimize: bool = False) -> dict[str, np.ndarray]:
@@ -259,8 +286,13 @@ def _stitch(run: Run, stage: Path) -> tuple[StitchStats, dict[str, Any] | None]:
     is copied), both checked, and the dispatch model's report. Returns the fp32 stitch and the summary."""
     comp, options = run.job.component, run.job.options
     t0 = time.perf_counter()
-    with step(log, f"[{comp}] stitching {len(run.fp32_parts)} pieces into {MODEL_FILE}"):
-        s32 = stitch(run.fp32_parts, stage / MODEL_FILE, CHAIN_INPUT, consume=True)
+    if options.dispatch_only:
+        s32 = StitchStats(pieces=len(run.fp32_parts), nodes=run.fp32_nodes)
+        log.info("[%s] --dispatch-only: no fp32 graph stitched (the %d pieces' were deleted as they compiled)",
+                 comp, len(run.fp32_parts))
+    else:
+        with step(log, f"[{comp}] stitching {len(run.fp32_parts)} pieces into {MODEL_FILE}"):
+            s32 = stitch(run.fp32_parts, stage / MODEL_FILE, CHAIN_INPUT, consume=True)
     sdd = None
     if options.compile and run.qnn is None:
         (stage / "dd").mkdir(exist_ok=True)
@@ -277,9 +309,10 @@ def _stitch(run: Run, stage: Path) -> tuple[StitchStats, dict[str, Any] | None]:
     if run.qnn is not None:  # the contexts go where the component's folder has them
         qnn.move(run.qnn, stage / options.compile_options.target.out_dir)
     shutil.rmtree(run.work, ignore_errors=True)
-    with step(log, f"[{comp}] validating the stitched graph (onnx.checker, full check)") as t:
-        onnx.checker.check_model(str(stage / MODEL_FILE), full_check=True)
-    run.seconds["onnx_check"] = t.seconds
+    if not options.dispatch_only:
+        with step(log, f"[{comp}] validating the stitched graph (onnx.checker, full check)") as t:
+            onnx.checker.check_model(str(stage / MODEL_FILE), full_check=True)
+        run.seconds["onnx_check"] = t.seconds
     if run.qnn is not None:
         info = {**compile_info(run.job, None), "peak_rss_bytes": peak_rss_bytes()}
         reference = run.chain.torch if run.chain is not None and options.check else None
@@ -312,8 +345,10 @@ def _report(run: Run, stage: Path, sdd: StitchStats) -> dict[str, Any]:
                               "repeated nodes kept once": sdd.repeated_nodes}})
     info = {**compile_info(run.job, None), "target": options.compile_options.target.name,
             "precision": options.precision, "peak_rss_bytes": peak_rss_bytes(),
-            "blockwise": {"pieces": len(run.dd_parts)}}
-    report = write_report(stage / "dd", stage / "dd" / REPLACED, stage / MODEL_FILE, passes, info, fid_dd)
+            "blockwise": {"pieces": len(run.dd_parts),
+                          **({reference.KEY: True} if options.dispatch_only else {})}}
+    source = None if options.dispatch_only else stage / MODEL_FILE
+    report = write_report(stage / "dd", stage / "dd" / REPLACED, source, passes, info, fid_dd)
     log_offload(comp, report)
     return report["summary"]  # type: ignore[no-any-return]
 

@@ -129,10 +129,10 @@ class FluxPiece(torch.nn.Module):
 
 
 def pieces(src: Source, key: str, sig: Signature, weights: Weights, only: Collection[int] | None = None,
-           start: int = 0) -> Iterator[Piece]:
+           start: int = 0, latent: tuple[int, int] | None = None) -> Iterator[Piece]:
     """Flux.1's pieces in order (``blockwise.Piece``) for the transformer's signature ``sig``, each built when
     asked for; ``only``: these pieces alone, the others not built (``bench/bench_flux_pieces.py``); ``start``:
-    the pieces from it on."""
+    the pieces from it on; ``latent``: the image size, which the pieces take from the position ids instead."""
     config = _config(src, key)
     blocks = [f"transformer_blocks.{i}" for i in range(int(config.get("num_layers", 19)))]
     blocks += [f"single_transformer_blocks.{i}" for i in range(int(config.get("num_single_layers", 38)))]

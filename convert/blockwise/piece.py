@@ -1,6 +1,7 @@
 """What a piece of a block-by-block conversion is (``Piece``), where its weights come from (``Weights``), and how
 one piece's outputs reach the next (``link_values``): shared by the driver (``sdnpu.convert.blockwise.driver``)
-and the modules that cut a module into pieces (``t5``, ``flux``), which import nothing else of the package.
+and the modules that cut a module into pieces (``t5``, ``flux``, ``qwenimage``), which import nothing else of the
+package.
 
 Weights: a folder's come tensor by tensor from its safetensors files (``Weights``), a single file's a block at a
 time through its reader (``sdnpu.convert.singlefile.PartReader``: diffusers' names from the original layout);

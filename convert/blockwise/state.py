@@ -57,7 +57,8 @@ class Run:
     out_names: tuple[str, ...]
     seconds: dict[str, float] = field(default_factory=lambda: dict.fromkeys(
         ("torch_run", "export", "onnx_run", "compile", "stitch"), 0.0))
-    fp32_parts: list[Path] = field(default_factory=list)
+    fp32_parts: list[Path] = field(default_factory=list)  # with --dispatch-only, deleted once compiled
+    fp32_nodes: int = 0  # the pieces' fp32 graphs' nodes (the stitched graph's, where none is stitched)
     dd_parts: list[Path] = field(default_factory=list)
     records: dict[str, dict[str, int]] = field(default_factory=dict)  # the pieces' pass counts, summed
     params: list[dict[str, Any]] = field(default_factory=list)  # each piece's parameters.json
@@ -102,7 +103,7 @@ def _fingerprint(job: Job) -> str:
                        "component": job.component, "inputs": [x.to_json() for x in sig.inputs],
                        "outputs": list(sig.outputs),
                        "options": [o.exporter, o.opset, o.check, o.compile, o.outputs, o.target, o.precision,
-                                   o.htp_arch, o.context_gb, repr(o.loras)]
+                                   o.htp_arch, o.context_gb, repr(o.loras), o.dispatch_only]
                                   + ([o.htp_optimization] if o.htp_optimization is not None else [])},
                       sort_keys=True)
 
@@ -151,7 +152,8 @@ def continued(job: Job, work: Path) -> Run | None:
         log.info("[%s] the pieces left in %s are another conversion's: starting again", job.component, work)
         return None
     run: Run = saved["run"]
-    if not all(p.is_file() for p in [*run.fp32_parts, *run.dd_parts]):
+    kept = run.dd_parts if job.options.dispatch_only else [*run.fp32_parts, *run.dd_parts]  # fp32 ones deleted
+    if not all(p.is_file() for p in kept):
         log.warning("[%s] the pieces left in %s are incomplete: starting again", job.component, work)
         return None
     run.job = job

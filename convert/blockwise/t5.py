@@ -97,9 +97,11 @@ def _whole(i: int, param: str) -> str:
     return f"encoder.block.{i}.{param}"
 
 
-def pieces(src: Source, key: str, sig: Signature, weights: Weights, start: int = 0) -> Iterator[Piece]:
+def pieces(src: Source, key: str, sig: Signature, weights: Weights, start: int = 0,
+           latent: tuple[int, int] | None = None) -> Iterator[Piece]:
     """T5's pieces in order for the encoder's signature ``sig``, each built when asked for; from piece ``start``
-    on (block 0 is built all the same: its bucket table makes the position bias)."""
+    on (block 0 is built all the same: its bucket table makes the position bias). ``latent``: the image size,
+    which a text encoder does not depend on."""
     seq_len, in_name, out_name = int(sig.inputs[0].shape[1]), sig.inputs[0].name, sig.outputs[0]
     config = _config(src, key)
     n = config.num_layers

@@ -1,6 +1,7 @@
 """Nodes the HTP refuses for their rank, element type or form, written in a form it takes, the same values: a
 reduction of rank 5 over a view of rank 4 or less, a Gather of rank-6 data over a rank-3 view, a GatherND of
-bool data on int32, an Einsum QNN has no form for as the Transposes and MatMul it is. See
+bool data on int32, an Einsum QNN has no form for as the Transposes and MatMul it is; and one form QNN takes but
+computes wrong: a GatherND whose slices have two or more axes, over a view whose slices have one. See
 ``sdnpu.passes.htp``."""
 
 from __future__ import annotations
@@ -165,6 +166,36 @@ def gather_bool_as_int32(model: ir.Model, target: StandardTarget) -> PassResult:
         take_place(graph, node, _named(graph, b, f"{node.name}_int32"), back.outputs[0])
         done += 1
     return PassResult(modified=bool(done), counts={"bool gathers on int32": done})
+
+
+def gather_nd_flat_slices(model: ir.Model) -> PassResult:
+    """A GatherND whose gathered slices have two or more axes (data ``[H, W, 1, C]`` with index pairs: dynamo's
+    nearest-exact upsampling of a 3-D VAE's one frame, ``_unsafe_index``) over the view of its data whose slices
+    have one (``[H, W, C]``), the output viewed back. QNN takes the first form whole and computes it wrong, with no
+    error: measured here on its HTP emulator, 98-99% of the values wrong for 130 x 130 index pairs over
+    ``[65, 65, 1, 8]``, for 16384 pairs over ``[64, 64, 1, 8]``, and in tiny-qwen-image's VAE decoder (cosine 0.41);
+    the view's form exact at every size tried (up to 256 x 256 pairs over ``[128, 128, 32]``). The same elements."""
+    graph = model.graph
+    done = 0
+    for node in [n for n in graph if n.op_type == "GatherND" and n.domain in ("", "ai.onnx")]:
+        data, idx, y = node.inputs[0], node.inputs[1], node.outputs[0]
+        shape, ishape, out = static_shape(data), static_shape(idx), static_shape(y)
+        if (data is None or idx is None or shape is None or ishape is None or out is None or not ishape
+                or int(attr(node, "batch_dims", 0)) != 0):
+            continue
+        k = ishape[-1]
+        if len(shape) - k < 2:
+            continue
+        b = Builder(graph, RULE)
+        flat = [*shape[:k], int(np.prod(shape[k:]))]
+        view = b.op("Reshape", [data, b.const(np.asarray(flat, np.int64), "slices_flat")], dtype=data.dtype,
+                    shape=flat).outputs[0]
+        gathered = b.op("GatherND", [view, idx], dtype=data.dtype, shape=[*ishape[:-1], flat[-1]]).outputs[0]
+        back = b.op("Reshape", [gathered, b.const(np.asarray(out, np.int64), "slices_back")], dtype=y.dtype,
+                    shape=out)
+        take_place(graph, node, _named(graph, b, f"{node.name}_flat"), back.outputs[0])
+        done += 1
+    return PassResult(modified=bool(done), counts={"GatherND slices viewed flat": done})
 
 
 def lower_refused_einsums(model: ir.Model, target: StandardTarget) -> PassResult:

@@ -158,8 +158,10 @@ def _signature(v: ir.Value | None, memo: dict[int, str], budget: list[int]) -> s
         return memo[id(v)]
     if v.const_value is not None:
         a = v.const_value.numpy()
+        if a.size > 1 << 20:  # a weight, not a mask's ones or zeros
+            return None
         digest = hashlib.blake2b(np.ascontiguousarray(a).tobytes(), digest_size=16).hexdigest()
-        sig = f"c{a.dtype}{list(a.shape)}{digest}" if a.size <= 1 << 12 else None
+        sig = f"c{a.dtype}{list(a.shape)}{digest}"
     elif v.is_graph_input():
         sig = f"in:{v.name}"
     else:
@@ -241,6 +243,12 @@ def key_channel_operands(b: Builder, p: MHAParams, q: ir.Value, k: ir.Value, v: 
     q4 = b.op("Mul", [_reshape(b, q, [bq, m, h, d]), b.const(np.asarray(2.0, np_dtype), "two")], dtype=dtype,
               shape=[bq, m, h, d]).outputs[0]
     q_wide = _concat(b, [q4, b.shared_const(q_extra, f"sdnpu_key_channel_q_{bq}_{m}_{h}_{d}")], 3)
+    # the attentions of one K and V (a joint attention's query parts: ``passes.streams``) share their widened K
+    # and V, as they share the mask row (keyed by the values' identities, which ``made`` keeps alive)
+    wide = f"wide|{id(p.k)}|{id(p.v)}|{id(row)}|{bq}|{n}|{h}|{d}|{bool(p.guard)}"
+    if wide + "|k" in made:
+        return _reshape(b, q_wide, [bq, m, 4 * cq]), made[wide + "|k"], made[wide + "|v"]
+    made[wide + "|sources"], made[wide + "|source_v"] = p.k, p.v
     k_parts = [_reshape(b, k, [bq, n, h, d])]
     if e > d:
         k_parts.append(b.shared_const(np.zeros((bq, n, h, e - d), np_dtype), f"sdnpu_zeros_{bq}_{n}_{h}_{e - d}"))
@@ -256,8 +264,8 @@ def key_channel_operands(b: Builder, p: MHAParams, q: ir.Value, k: ir.Value, v: 
         v_wide = _concat(b, [v_wide, b.shared_const(np.zeros((bq, 1, h, 4 * d), np_dtype),
                                                     f"sdnpu_zeros_{bq}_1_{h}_{4 * d}")], 1)
         n += 1
-    return (_reshape(b, q_wide, [bq, m, 4 * cq]), _reshape(b, k_wide, [bq, n, 4 * cq]),
-            _reshape(b, v_wide, [bq, n, 4 * cq]))
+    made[wide + "|k"], made[wide + "|v"] = _reshape(b, k_wide, [bq, n, 4 * cq]), _reshape(b, v_wide, [bq, n, 4 * cq])
+    return _reshape(b, q_wide, [bq, m, 4 * cq]), made[wide + "|k"], made[wide + "|v"]
 
 
 def first_quarters(b: Builder, out: ir.Value, heads: int) -> ir.Value:

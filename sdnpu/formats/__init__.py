@@ -14,5 +14,7 @@ module              what                                       written by -> rea
 ``sizes``           ``sizes.json`` and each size's file names   convert -> runtime, reports, pack
 ``handoff``         the handoff record and its two forms        passes -> runtime, convert, reports
 ``prologue``        the step-prologue record                    passes -> runtime, convert, reports, pack
+``reference``       whether the fp32 graph was kept             convert -> runtime, LoRA overlay, convert
+                    (``--dispatch-only``), the one refusal
 =================== ========================================== =======================================
 """
