@@ -223,6 +223,7 @@ CANONICAL = Group("canonical", [
     ("expand_consts", movement.fold_expands_into_constants),  # after broadcasts: one Expand of the timestep
     ("sweep", sweep),
     TABLES,  # the CPU work on the inputs alone, in as few nodes as it takes
+    ("broadcast_expands", noops.drop_broadcast_expands),  # the repeats the tables write as an Expand
     ("rotary", rotary.write_rotations_as_matmuls),  # after tables: the edge region it leaves alone is the tables' form
     ("heads", heads.sink_head_transposes),  # after rotary, whose MatMul it moves the head Transpose past
     ("head_repeats", movement.concat_head_repeats),  # after heads, which brings the repeat to [B, S, Hkv, 1, D]

@@ -16,7 +16,7 @@ import torch
 from onnx import helper
 
 from sdnpu.onnxrun import run_onnx
-from sdnpu.passes.canonical import tables
+from sdnpu.passes.canonical import noops, tables
 from sdnpu.passes.canonical.driver import sweep
 from sdnpu.passes.manager import run_passes
 from sdnpu.passes.pipeline import TABLES
@@ -86,3 +86,31 @@ def test_a_value_computed_twice_is_computed_once(other, once):
     irm, counts = rewritten(m, tables.compute_repeats_once, sweep)
     assert counts["repeated table ops computed once"] == int(once)
     assert dict(ops(irm)) == {"Sin": 1 if once else 2, "Mul": 1}
+
+
+@pytest.mark.parametrize(("reader", "repeated"), [("Add", True), ("Concat", False)])
+def test_a_table_repeated_over_an_axis_its_reader_broadcasts_is_written_once(reader, repeated):
+    """A caption mask ``(1 - m) * -1e4`` repeated over 4 heads (TorchScript's repeat_interleave: a Gather of the
+    columns 4 times) and viewed [1, 4, 1, 8], then added to the scores: the table once ([1, 1, 1, 8], every
+    column in order: no Gather) and an Expand the canonical ``broadcast_expands`` drops, so the Add reads the
+    one key row. Near miss: read by a Concat, which does not broadcast: the repeat stays part of the table."""
+    other = {"Add": [1, 4, 5, 8], "Concat": [1, 4, 1, 8]}[reader]
+    out = {"Add": [1, 4, 5, 8], "Concat": [1, 8, 1, 8]}[reader]
+    m = model([helper.make_node("Sub", ["one", "mask"], ["inv"]),
+               helper.make_node("Gather", ["inv", "cols"], ["rep"], axis=1),
+               helper.make_node("Mul", ["rep", "big"], ["neg"]),
+               helper.make_node("Reshape", ["neg", "heads"], ["bias"]),
+               helper.make_node(reader, ["scores", "bias"], ["y"], **({"axis": 1} if reader == "Concat" else {}))],
+              {"mask": [1, 8], "scores": other}, {"y": out},
+              {"one": np.array(1.0, np.float32), "cols": np.tile(np.arange(8), 4), "big": np.array(-1e4, np.float32),
+               "heads": np.array([1, 4, 1, 8])})
+    irm, _ = rewritten(m, tables.collapse_table_chains, noops.drop_broadcast_expands, sweep,
+                       feeds={"mask": np.array([[1, 1, 1, 1, 1, 1, 0, 0]], np.float32),
+                              "scores": np.random.default_rng(0).standard_normal(other).astype(np.float32)})
+    found = ops(irm)
+    if repeated:
+        assert found["Gather"] == 0 and found["Expand"] == 0, found
+        bias = next(n for n in irm.graph if n.op_type == "Add").inputs[1]
+        assert list(bias.shape) == [1, 1, 1, 8]
+    else:
+        assert found["Gather"] == 1 and found["Expand"] == 0, found

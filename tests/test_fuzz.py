@@ -392,7 +392,23 @@ def rotary_output_by_cancellation() -> onnx.ModelProto:
 
 
 # Wrong or invalid results, each found by the fuzzer; every one passes the full differential check now.
-REGRESSIONS = [fp16_div_output, fp16_conv_into_cpu_op, fp16_erf_gelu, pad_crop_before_conv, identity_of_an_output,
+def fp16_modulation_one_plus() -> onnx.ModelProto:
+    """[fp16] AdaLN's projection with a bias, chunked, ``x * (1 + scale) + shift``: the ``1 +`` no longer folds
+    into the bf16 bias (``passes.rules.gemm.folds_exactly``) and is added after the layer; that Add's constant was
+    fp32 beside the fp16 activation (`after fuse: ... node_Add_11: B has inconsistent type tensor(float)`). It now
+    takes the activation's type."""
+    n = helper.make_node
+    f16 = T.FLOAT16
+    return _model([n("MatMul", ["cond", "w"], ["m"]), n("Add", ["b", "m"], ["p"]), n("Reshape", ["p", "shape"], ["r"]),
+                   n("Split", ["r"], [f"c{i}" for i in range(6)], axis=1, num_outputs=6),
+                   n("Add", ["one", "c1"], ["scale"]), n("Mul", ["x", "scale"], ["xs"]), n("Add", ["xs", "c0"], ["h"]),
+                   n("Mul", ["c2", "h"], ["g"]), n("Add", ["x", "g"], ["y"])],
+                  {"x": (f16, [1, 1, 1, 1]), "cond": (f16, [1, 3])}, {"y": (f16, [1, 1, 1, 1])},
+                  {"w": _w(3, 6, dtype=np.float16), "b": _w(6, dtype=np.float16), "shape": np.array([1, 6, 1, 1]),
+                   "one": np.array(1.0, np.float16)})
+
+
+REGRESSIONS = [fp16_modulation_one_plus, fp16_div_output, fp16_conv_into_cpu_op, fp16_erf_gelu, pad_crop_before_conv, identity_of_an_output,
                quick_gelu_rank_raising_constant, erf_gelu_rank_raising_constant, transpose_without_perm,
                transposed_output_also_read, linear_bias_raises_rank, concat_of_three_into_sine, sine_of_a_large_product,
                group_norm_batch_folded, group_norm_groups_on_two_axes, clip_pooling_non_legacy, geglu_odd_torchscript,

@@ -185,6 +185,20 @@ def _stable_cascade() -> Built:
                  ("sample", "timestep_ratio", "clip_text_pooled", "clip_text", "clip_img"))
 
 
+@member("kandinsky3-unet", "unet", "Kandinsky 3 UNet (Kandinsky3UNet: conditional group norms, attention pooling, "
+        "caption mask)")
+def _kandinsky3() -> Built:
+    import torch
+
+    m = _diffusers("Kandinsky3UNet", in_channels=4, time_embedding_dim=64, groups=8, attention_head_dim=16,
+                   layers_per_block=2, block_out_channels=[32, 64], cross_attention_dim=64, encoder_hid_dim=48)
+    mask = torch.ones(1, 8)
+    mask[:, 6:] = 0  # padded caption tokens
+    return Built(m, lambda m, s, t, e, mk: m(s, t, e, mk).sample,
+                 (_randn(1, 4, 16, 16), torch.tensor([500.0]), _randn(1, 8, 48, seed=2), mask),
+                 ("sample", "timestep", "encoder_hidden_states", "encoder_attention_mask"))
+
+
 # --- transformers -----------------------------------------------------------------------------------------
 
 def _flux_ids(h: int, w: int, text: int, axes: int = 3) -> tuple[Any, Any]:

@@ -83,7 +83,7 @@ def drop_noop_casts(node: ir.Node) -> bool:
 
 # the ops that broadcast their inputs against each other (numpy's rules): an Expand in front of one is redundant
 # where the broadcast gives the output its shape anyway
-_BROADCASTING = frozenset({"Add", "Sub", "Mul", "Div", "Pow", "Mod", "Max", "Min", "Sum", "Mean", "Where", "And",
+BROADCASTING = frozenset({"Add", "Sub", "Mul", "Div", "Pow", "Mod", "Max", "Min", "Sum", "Mean", "Where", "And",
                            "Or", "Xor", "Equal", "Greater", "GreaterOrEqual", "Less", "LessOrEqual", "BitShift"})
 
 
@@ -101,7 +101,7 @@ def drop_broadcast_expands(node: ir.Node) -> bool:
         return False
     for use in uses:
         reader = use.node
-        if reader.op_type not in _BROADCASTING or reader.domain not in ("", "ai.onnx"):
+        if reader.op_type not in BROADCASTING or reader.domain not in ("", "ai.onnx"):
             return False
         out = static_shape(reader.outputs[0])
         shapes = [static_shape(v) if v is not y else static_shape(x) for v in reader.inputs if v is not None]

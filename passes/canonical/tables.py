@@ -15,7 +15,9 @@ make them the few ops they are, each exact:
 - *a per-row gather and scale*: a value reached from one input by data movement, Casts and products with
   constants, where each element is one element of the input's same row times a constant of its column, is
   ``Gather(input, columns, axis=-1) * scale`` (found by running that subgraph on probe inputs: ones give
-  each element's constant, 1, 2, 3, ... which element it reads; a random input checks the result).
+  each element's constant, 1, 2, 3, ... which element it reads; a random input checks the result). A table
+  that repeats along an axis its readers broadcast anyway (a key mask repeated over the heads) is written
+  once and expanded; the canonical ``broadcast_expands`` after the tables drops the Expand.
 
 Only values in the edge region change: nothing that a dispatch op computes, nothing a rule matches.
 
@@ -33,6 +35,7 @@ import onnx_ir as ir
 from onnx import helper
 from onnx.reference import ReferenceEvaluator
 
+from sdnpu.passes.canonical.noops import BROADCASTING
 from sdnpu.passes.irutil import Builder, attr, reroute, static_shape
 from sdnpu.passes.manager import PassResult
 from sdnpu.passes.provenance import step
@@ -260,6 +263,12 @@ def _gather_scale(graph: ir.Graph, edge: set[ir.Value]) -> int:
         if np.any(np.abs(src - rounded) > 1e-6) or np.any(rounded < 1) or np.any(rounded > n):
             continue
         src = rounded.astype(np.int64) - 1
+        full_shape = tuple(v_shape)
+        repeats = _repeat_axes(v, src, scale)
+        if repeats:  # the table repeated along axes its readers broadcast: the table once, then an Expand
+            keep = tuple(slice(0, 1) if a in repeats else slice(None) for a in range(len(v_shape)))
+            src, scale, v1 = src[keep], scale[keep], v1[keep]
+            v_shape = list(src.shape)
         cu = u_shape[-1]
         rows_u = n // cu
         flat_src, flat_scale = src.reshape(-1), scale.reshape(-1)
@@ -272,20 +281,24 @@ def _gather_scale(graph: ir.Graph, edge: set[ir.Value]) -> int:
         if np.any(src2 // cu != row) or not (np.all(cols == cols[:1]) and np.all(scale2 == scale2[:1])):
             continue
         check = _run(u, v, nodes, np.random.default_rng(0).standard_normal(u_shape))
+        if check is not None and repeats:
+            check = check[keep]
         u_rand = np.random.default_rng(0).standard_normal(u_shape).reshape(rows_u, cu)
         want = u_rand[:, cols[0]] * scale2[0]
         if check is None or not np.allclose(check.reshape(rows_u, cv), want, rtol=1e-6, atol=0):
             continue
+        in_order = cv == cu and np.array_equal(cols[0], np.arange(cu))  # every column, in order: no Gather
         if cu == 1:
             spread = np.broadcast_shapes(tuple(u_shape), (1,) * (len(v_shape) - 1) + (cv,)) == tuple(v_shape)
             need = 1 + (v.dtype != u.dtype) + (not spread)
         else:
-            need = 1 + (v.dtype != u.dtype) + bool(np.any(scale2[0] != 1)) + (tuple(v_shape) != (*u_shape[:-1], cv))
-        if len(nodes) <= need:
+            need = (not in_order) + (v.dtype != u.dtype) + bool(np.any(scale2[0] != 1)) + (
+                tuple(v_shape) != (*u_shape[:-1], cv))
+        if len(nodes) <= need and not repeats:
             continue  # already as short
         b = Builder(graph, RULE)
-        if cu == 1:  # one column: the table is that value spread, times the constants (a broadcast Mul)
-            y = u
+        if cu == 1 or in_order:  # one column: the table is that value spread, times the constants (a broadcast
+            y = u  # Mul); every column in order: that value
         else:
             y = b.op("Gather", [u, b.const(cols[0].astype(np.int64), "table_columns")], {"axis": len(u_shape) - 1},
                      dtype=u.dtype, shape=[*u_shape[:-1], cv]).outputs[0]
@@ -305,11 +318,27 @@ def _gather_scale(graph: ir.Graph, edge: set[ir.Value]) -> int:
         if tuple(static_shape(y) or ()) != tuple(v_shape):
             y = b.op("Reshape", [y, b.const(np.asarray(v_shape, np.int64), "shape")], dtype=v.dtype,
                      shape=list(v_shape)).outputs[0]
+        if repeats:
+            y = b.op("Expand", [y, b.const(np.asarray(full_shape, np.int64), "shape")], dtype=v.dtype,
+                     shape=list(full_shape)).outputs[0]
         graph.insert_before(node, b.nodes)
         reroute(graph, v, y)
         edge.update(n.outputs[0] for n in b.nodes)
         done += 1
     return done
+
+
+def _repeat_axes(v: ir.Value, src: np.ndarray, scale: np.ndarray) -> set[int]:
+    """The axes (of size > 1) along which a table reads the same element times the same constant, where every
+    reader of the table broadcasts its inputs (``noops.BROADCASTING``): a mask repeated over the heads
+    (diffusers' ``prepare_attention_mask``: repeat_interleave by the head count, then a [B, H, 1, N] view; as
+    TorchScript writes it), before the Add of the scores. Those axes are an Expand the canonical
+    ``broadcast_expands`` drops, so the reader sees the row it is: one key row per batch. Empty where a reader
+    does not broadcast (the repeat stays a part of the table)."""
+    if v.is_graph_output() or not all(_onnx(u.node) and u.node.op_type in BROADCASTING for u in v.uses()):
+        return set()
+    return {a for a in range(src.ndim) if src.shape[a] > 1 and np.all(src == src.take([0], axis=a))
+            and np.all(scale == scale.take([0], axis=a))}
 
 
 _DOUBLE_OK = UNARY | MOVES | {"Concat", "Mul", "Div", "Add", "Sub", "Split"}

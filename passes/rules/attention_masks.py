@@ -84,10 +84,35 @@ def computed_reason(bias: ir.Value) -> str:
     the padding mask) cannot be SDMHA's mask: it is no constant, and where it varies per query, no row over the
     keys either (a key row rides in Q and K instead: ``key_channel_operands``)."""
     full = _scores_shape(bias)
+    named = f"{COMPUTED} ({mask_sources(bias)})"
     if full is not None and full[2] > 1:
-        return (f"{COMPUTED}, and it varies per query ({list(static_shape(bias) or ())}: a causal mask built in "
+        return (f"{named}, and it varies per query ({list(static_shape(bias) or ())}: a causal mask built in "
                 "the graph): SDMHA's mask is one row of N keys")
-    return COMPUTED
+    return named
+
+
+def mask_sources(bias: ir.Value, budget: int = 64) -> str:
+    """What a computed addend of the scores is made from, for the report: the graph inputs it reads (the
+    caption's ``encoder_attention_mask``, an ``attention_mask``), found within ``budget`` nodes upstream."""
+    seen: set[int] = set()
+    inputs: list[str] = []
+    stack = [bias]
+    while stack and budget > 0:
+        v = stack.pop()
+        if v is None or id(v) in seen or v.const_value is not None:
+            continue
+        seen.add(id(v))
+        if v.is_graph_input():
+            inputs.append(v.name or "?")
+            continue
+        node = v.producer()
+        if node is None:
+            continue
+        budget -= 1
+        stack.extend(node.inputs)
+    if not inputs:
+        return "from no graph input within a few nodes"
+    return "from the graph input" + ("s " if len(inputs) > 1 else " ") + ", ".join(sorted(set(inputs)))
 
 
 def every_row_has_a_key(mask: np.ndarray | None) -> bool:

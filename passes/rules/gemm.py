@@ -10,12 +10,24 @@ The layer's output z [R rows, N columns] is followed down through the ops that k
 - *views* (Reshape): the same numbers, another shape;
 - *constants added or subtracted* that are the same for every row once read in z's layout (a bias, PixArt's
   AdaLN-single table added to the [B, 6, C] view of its projection, the ``1 +`` of ``x * (1 + scale)``):
-  they fold into the bias;
+  they fold into the bias where the target's bias holds the sum exactly (``folds_exactly``), else they are
+  added after the layer, as the module computes it (see below);
 - *parts* (a Split, or Slices with steps of one, through the views): each part that is a block of z's
   columns for every row (SD3's and Flux's AdaLayerNorm chunks, a scale-shift resnet's [B, 2C, 1, 1] chunked
   along C) becomes an SDGemm of its own over those columns of the weight and bias: the same MACs, no Slice
   (DD's SDSlice is keyed on shapes alone and cannot say which part it takes). Each part is followed down
   again.
+
+**The bias's precision.** SDGemm's bias is bf16 (the registry's type list). A constant folded into it is rounded
+with it: ``bf16(b + 1)`` keeps the learned bias only to bf16's spacing at 1 (2^-7, an error up to 2^-8), where
+the module in bf16 (PyTorch's bf16 run, or the layer then an Add) keeps ``bf16(b)`` to its own spacing and
+rounds once more after the ``+ 1``. Folded, the modulation ``1 + scale`` carries two roundings at 1's scale (the
+bias's and the output's) where the module carries one: about 1.4x its error in every conditional norm's scale,
+a per-channel error that no later op averages out (Kandinsky 3's conditional GroupNorms, measured with
+``bench/trace_bf16.py``). So the constants fold only where the rounded sum is the rounded parts' sum exactly
+(a zero or absent bias and a constant bf16 holds, as the ``1 +`` of a bias-free projection). In the order they
+are added, each constant joins the bias, or the Add before it, while the sum stays exact, else it starts an
+Add of its own after the layer (the glue's SDAdd): the module's order.
 
 Each value where the walk stops gets its SDGemm (viewed back to that value's shape). A layer without a bias
 gets a zero one, as AMD's pass writes a fake bias (its SDXL shape lists have SDGemm, not SDMatMul, for the
@@ -27,9 +39,10 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+import ml_dtypes
 import numpy as np
 import onnx_ir as ir
-from sdnpu.passes import movement
+from sdnpu.passes import movement, provenance
 from sdnpu.passes.irutil import Builder, attr, bmk_view, const, is_float, static_shape, unview
 from sdnpu.passes.provenance import Step, step
 from sdnpu.passes.rules.base import Match, Rule
@@ -105,7 +118,13 @@ def emit_gemm(b: Builder, p: GemmParams, out_shape: tuple[int, ...] | None, nonl
             step("astype", dtype="float32"), step("reshape", shape=[n]), step("slice", axis=0, start=cols.start,
                                                                               stop=cols.stop)]
         parts.append((bias, own))
-    parts += extra or []
+    groups = [parts]  # the bias's, then each Add's after the layer: in order, each as long as its sum is exact
+    for e in extra or []:
+        if folds_exactly(b, [*groups[-1], e], width):
+            groups[-1].append(e)
+        else:
+            groups.append([e])
+    parts = groups[0]
     if not parts:
         bias = b.const(np.zeros(width, np.float32), f"{w.name}_zero_bias")
     elif len(parts) == 1 and not parts[0][1]:
@@ -121,7 +140,36 @@ def emit_gemm(b: Builder, p: GemmParams, out_shape: tuple[int, ...] | None, nonl
         attrs["nonlinear"] = nonlinear
     node = b.dispatch(b.target.op("gemm").op_type, [p.x, w, bias], attrs, dtype=p.x.dtype, shape=[*p.view[:2], width],
                       assumed=p.assumed)
-    return unview(b, node.outputs[0], out_shape)
+    y = node.outputs[0]
+    for added in groups[1:]:
+        vector = b.summed(added, [width], f"{w.name}_added_{cols.start}", dtype=ir.DataType.FLOAT)
+        if p.x.dtype not in (None, ir.DataType.FLOAT):  # the Add's operands share the activation's type (fp16)
+            vector = b.derived(vector, [step("astype", dtype=np.dtype(p.x.dtype.numpy()).name)], [width],
+                               f"{vector.name}_{np.dtype(p.x.dtype.numpy()).name}", p.x.dtype)
+        y = b.op("Add", [y, vector], dtype=p.x.dtype, shape=[*p.view[:2], width]).outputs[0]
+    return unview(b, y, out_shape)
+
+
+def folds_exactly(b: Builder, parts: list[tuple[ir.Value, list[Step]]], width: int) -> bool:
+    """Whether the layer's bias and the constants added after it (``parts``: each a value and the steps to its
+    [width] vector) can be one bias of the target's gemm without losing what each holds: true where the bias
+    input is wider than bf16, or where the sum rounded to bf16 is exactly the sum of the parts rounded to bf16
+    (the parameters as a bf16 run of the module holds them)."""
+    assert b.target is not None
+    spec = b.target.op("gemm")
+    if len(spec.inputs) < 3 or spec.inputs[2].dtype != "bfloat16":
+        return True
+    vectors = []
+    for v, steps in parts:
+        c = const(v)
+        if c is None:
+            return False
+        vectors.append(np.asarray(provenance.apply(steps, c), np.float64).reshape(width))
+
+    def bf16(a: np.ndarray) -> np.ndarray:
+        return a.astype(np.float32).astype(ml_dtypes.bfloat16).astype(np.float64)
+
+    return bool(np.array_equal(bf16(np.sum(vectors, axis=0)), np.sum([bf16(v) for v in vectors], axis=0)))
 
 
 def _row_vector(c: np.ndarray, shape: tuple[int, ...], rows: int, width: int) -> list[Step] | None:
