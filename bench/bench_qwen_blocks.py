@@ -23,16 +23,20 @@ ROOT = Path(__file__).resolve().parent.parent
 
 
 def params(preset: str) -> None:
+    import diffusers
     import torch
-    from diffusers import QwenImageTransformer2DModel
 
+    from sdnpu import families
     from sdnpu.convert import budget
     from sdnpu.convert.blockwise import qwenimage
     from sdnpu.convert.sources import PRESETS_DIR
 
+    index = json.loads((PRESETS_DIR / preset / "model_index.json").read_text())
+    model_class = getattr(diffusers, families.detect(index).denoiser_class)  # the family's row names the class
+
     config = json.loads((PRESETS_DIR / preset / "transformer" / "config.json").read_text())
     with torch.device("meta"):
-        model = QwenImageTransformer2DModel.from_config(config)
+        model = model_class.from_config(config)
 
     def n(name: str) -> int:
         return sum(p.numel() for p in model.get_submodule(name).parameters())
@@ -47,11 +51,15 @@ def params(preset: str) -> None:
 
 
 def layers(counts: list[int], out: Path) -> None:
+    import diffusers
     import torch
-    from diffusers import QwenImageTransformer2DModel
 
+    from sdnpu import families
     from sdnpu.convert import convert
     from sdnpu.convert.sources import PRESETS_DIR
+
+    index = json.loads((PRESETS_DIR / "tiny-qwen-image" / "model_index.json").read_text())
+    model_class = getattr(diffusers, families.detect(index).denoiser_class)  # the family's row names the class
 
     for blocks in counts:
         folder = out / f"tiny-qwen-image-{blocks}"
@@ -60,7 +68,7 @@ def layers(counts: list[int], out: Path) -> None:
         config = json.loads((folder / "transformer" / "config.json").read_text())
         config["num_layers"] = blocks
         torch.manual_seed(0)
-        QwenImageTransformer2DModel.from_config(config).save_pretrained(folder / "transformer")
+        model_class.from_config(config).save_pretrained(folder / "transformer")
         for mode, kw in (("whole", {}), ("blocks", {"blockwise": True})):
             done = convert(folder, "transformer", out=out / f"out-{mode}-{blocks}", res=64, **kw)
             report = json.loads((done.out / "transformer" / "dd" / "report.json").read_text())
