@@ -26,8 +26,8 @@ import torch
 from diffusers import FluxTransformer2DModel
 from diffusers.models.transformers import transformer_flux as tf
 
-from sdnpu.convert.blockwise.piece import Piece, Weights
-from sdnpu.convert.sources import PRESET_SEED, Source
+from sdnpu.convert.blockwise.piece import Load, Piece, Weights, holding, transformer_pieces, whole_from_pieces
+from sdnpu.convert.sources import Source
 from sdnpu.errors import SdnpuError
 from sdnpu.signatures import Signature
 
@@ -68,14 +68,13 @@ def _part(name: str, config: dict[str, Any]) -> Any:
     raise ValueError(name)
 
 
-def _load(name: str, config: dict[str, Any], weights: Weights, seed: int | None) -> Any:
-    """Submodule ``name`` with its weights: seeded (a preset: from ``seed``, None: the stream as it stands) or
-    read from the folder's safetensors."""
-    if weights.preset:
-        if seed is not None:
-            torch.manual_seed(seed)
-        return _part(name, config).float().eval()
-    return weights.load(lambda: _part(name, config), f"{name}.", f"the transformer's {name}")
+def _loader(config: dict[str, Any], weights: Weights) -> Load:
+    return lambda name, seed: weights.part(lambda: _part(name, config), name, seed)
+
+
+def _blocks(config: dict[str, Any]) -> list[str]:
+    blocks = [f"transformer_blocks.{i}" for i in range(int(config.get("num_layers", 19)))]
+    return blocks + [f"single_transformer_blocks.{i}" for i in range(int(config.get("num_single_layers", 38)))]
 
 
 class FluxPiece(torch.nn.Module):
@@ -85,15 +84,7 @@ class FluxPiece(torch.nn.Module):
 
     def __init__(self, parts: dict[str, Any], config: dict[str, Any], first: bool, last: bool) -> None:
         super().__init__()
-        self.whole = torch.nn.Module()
-        for name, part in parts.items():
-            holder = self.whole
-            *path, leaf = name.split(".")
-            for p in path:
-                if not hasattr(holder, p):
-                    holder.add_module(p, torch.nn.ModuleDict() if p.endswith("blocks") else torch.nn.Module())
-                holder = getattr(holder, p)
-            holder.add_module(leaf, part)
+        self.whole = holding(parts)
         self.first, self.last = first, last
         self.guidance = bool(config.get("guidance_embeds"))
         self.pos_embed = tf.FluxPosEmbed(theta=10000, axes_dim=tuple(config.get("axes_dims_rope", (16, 56, 56))))
@@ -134,41 +125,18 @@ def pieces(src: Source, key: str, sig: Signature, weights: Weights, only: Collec
     asked for; ``only``: these pieces alone, the others not built (``bench/bench_flux_pieces.py``); ``start``:
     the pieces from it on; ``latent``: the image size, which the pieces take from the position ids instead."""
     config = _config(src, key)
-    blocks = [f"transformer_blocks.{i}" for i in range(int(config.get("num_layers", 19)))]
-    blocks += [f"single_transformer_blocks.{i}" for i in range(int(config.get("num_single_layers", 38)))]
+    blocks = _blocks(config)
     if len(blocks) < 2:
         raise SdnpuError(f"a Flux transformer of {len(blocks)} block converts whole, not block by block",
                          hint="drop --blockwise")
-    n = len(blocks)
-    nexts = tuple(f"{s}.next" for s in STREAMS)
-    for i, block in enumerate(blocks):
-        if i < start or (only is not None and i not in only):
-            continue
-        first, last = i == 0, i == n - 1
-        parts = {}
-        if first:
-            parts.update((name, _load(name, config, weights, PRESET_SEED if name == EDGES[0] else None))
-                         for name in EDGES[:3])
-        parts[block] = _load(block, config, weights, PRESET_SEED + 1 + i)
-        if last:
-            parts.update((name, _load(name, config, weights, PRESET_SEED if name == EDGES[3] else None))
-                         for name in EDGES[3:])
-        inputs = tuple(s.name for s in sig.inputs) if first else (*STREAMS, *SHARED)
-        outputs = tuple(sig.outputs) if last else ((*nexts, *SHARED) if first else nexts)
-        yield Piece(i, n, FluxPiece(parts, config, first, last).eval(), inputs, outputs)
+    yield from transformer_pieces(blocks, EDGES[:3], EDGES[3:], _loader(config, weights),
+                                  lambda parts, first, last: FluxPiece(parts, config, first, last),
+                                  tuple(s.name for s in sig.inputs), tuple(sig.outputs), SHARED, STREAMS, only, start)
 
 
 def whole_module(src: Source, key: str, weights: Weights) -> Any:
     """The FluxTransformer2DModel whose weights the pieces hold (small modules only: tests compare against
     it)."""
     config = _config(src, key)
-    model = FluxTransformer2DModel.from_config(config).eval()
-    blocks = [f"transformer_blocks.{i}" for i in range(int(config.get("num_layers", 19)))]
-    blocks += [f"single_transformer_blocks.{i}" for i in range(int(config.get("num_single_layers", 38)))]
-    with torch.no_grad():
-        for name in EDGES:
-            seed = PRESET_SEED if name in (EDGES[0], EDGES[3]) else None
-            model.get_submodule(name).load_state_dict(_load(name, config, weights, seed).state_dict())
-        for i, name in enumerate(blocks):
-            model.get_submodule(name).load_state_dict(_load(name, config, weights, PRESET_SEED + 1 + i).state_dict())
-    return model
+    return whole_from_pieces(FluxTransformer2DModel.from_config(config), _blocks(config), EDGES[:3], EDGES[3:],
+                             _loader(config, weights))

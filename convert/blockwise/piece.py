@@ -14,13 +14,13 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass
 from pathlib import Path
-from collections.abc import Callable
+from collections.abc import Callable, Collection, Iterator, Sequence
 from typing import Any
 
 from safetensors import safe_open
 
 from sdnpu.convert import singlefile
-from sdnpu.convert.sources import Source
+from sdnpu.convert.sources import PRESET_SEED, Source
 from sdnpu.convert.stitch import link_name
 from sdnpu.errors import SdnpuError
 
@@ -105,6 +105,77 @@ class Weights:
         if any(p.is_meta for p in module.parameters()):
             raise SdnpuError(f"{what}'s weights are incomplete in {sorted(set(self.where.values()))[0].parent}")
         return module.float().eval()
+
+    def part(self, build: Callable[[], Any], name: str, seed: int | None) -> Any:
+        """Submodule ``name`` as ``build()`` makes it, with its weights: a preset's drawn from ``seed`` (None: the
+        random stream as it stands), a folder's read from its tensors under ``name.``."""
+        if self.preset:
+            import torch  # with the first piece: the convert stage is imported without torch
+
+            if seed is not None:
+                torch.manual_seed(seed)
+            return build().float().eval()
+        return self.load(build, f"{name}.", f"the transformer's {name}")
+
+
+Load = Callable[[str, "int | None"], Any]  # a submodule by name, with its weights from a seed (``Weights.part``)
+
+
+def holding(parts: dict[str, Any]) -> Any:
+    """A module holding ``parts`` under their whole module's dotted names (``transformer_blocks.3``: ModuleDicts
+    for the ``*blocks`` containers), so a piece's parameters are named as the whole module's."""
+    import torch  # with the first piece: the convert stage is imported without torch
+
+    whole = torch.nn.Module()
+    for name, part in parts.items():
+        holder = whole
+        *path, leaf = name.split(".")
+        for p in path:
+            if not hasattr(holder, p):
+                holder.add_module(p, torch.nn.ModuleDict() if p.endswith("blocks") else torch.nn.Module())
+            holder = getattr(holder, p)
+        holder.add_module(leaf, part)
+    return whole
+
+
+def transformer_pieces(blocks: Sequence[str], first: Sequence[str], last: Sequence[str], load: Load,
+                       make: Callable[[dict[str, Any], bool, bool], Any], inputs: tuple[str, ...],
+                       outputs: tuple[str, ...], shared: tuple[str, ...], streams: tuple[str, ...],
+                       only: Collection[int] | None, start: int) -> Iterator[Piece]:
+    """A transformer's pieces in order, a block each: the first with the submodules ``first`` before it (its
+    inputs the module's ``inputs``; it hands ``shared`` on beside the ``streams``), the last with ``last`` after it
+    (its outputs the module's ``outputs``). ``make(parts, is_first, is_last)`` is the piece's module. A preset
+    draws the edges from ``PRESET_SEED`` (each group's first from it, the rest in turn) and block ``i`` from
+    ``PRESET_SEED + 1 + i``. ``only``: these pieces alone, the others not built; ``start``: from it on."""
+    n = len(blocks)
+    nexts = tuple(f"{s}.next" for s in streams)
+    for i, block in enumerate(blocks):
+        if i < start or (only is not None and i not in only):
+            continue
+        is_first, is_last = i == 0, i == n - 1
+        parts = {}
+        if is_first:
+            parts.update((name, load(name, PRESET_SEED if name == first[0] else None)) for name in first)
+        parts[block] = load(block, PRESET_SEED + 1 + i)
+        if is_last:
+            parts.update((name, load(name, PRESET_SEED if name == last[0] else None)) for name in last)
+        ins = inputs if is_first else (*streams, *shared)
+        outs = outputs if is_last else ((*nexts, *shared) if is_first else nexts)
+        yield Piece(i, n, make(parts, is_first, is_last).eval(), ins, outs)
+
+
+def whole_from_pieces(model: Any, blocks: Sequence[str], first: Sequence[str], last: Sequence[str], load: Load) -> Any:
+    """``model`` (the whole module) holding the weights ``transformer_pieces`` gives its pieces (small modules
+    only: tests compare against it)."""
+    import torch  # with the first piece: the convert stage is imported without torch
+
+    with torch.no_grad():
+        for name in (*first, *last):
+            seed = PRESET_SEED if name in (first[0], last[0]) else None
+            model.get_submodule(name).load_state_dict(load(name, seed).state_dict())
+        for i, name in enumerate(blocks):
+            model.get_submodule(name).load_state_dict(load(name, PRESET_SEED + 1 + i).state_dict())
+    return model.eval()
 
 
 def link_values(values: dict[str, Any], names: tuple[str, ...], outs: list[Any] | tuple[Any, ...]) -> dict[str, Any]:

@@ -41,8 +41,8 @@ import torch
 from diffusers import QwenImageTransformer2DModel
 from diffusers.models.transformers import transformer_qwenimage as tq
 
-from sdnpu.convert.blockwise.piece import Piece, Weights
-from sdnpu.convert.sources import PRESET_SEED, Source
+from sdnpu.convert.blockwise.piece import Load, Piece, Weights, holding, transformer_pieces, whole_from_pieces
+from sdnpu.convert.sources import Source
 from sdnpu.errors import SdnpuError
 from sdnpu.signatures import Signature
 
@@ -89,14 +89,8 @@ def _part(name: str, config: dict[str, Any]) -> Any:
     raise ValueError(name)
 
 
-def _load(name: str, config: dict[str, Any], weights: Weights, seed: int | None) -> Any:
-    """Submodule ``name`` with its weights: seeded (a preset: from ``seed``, None: the stream as it stands) or
-    read from the folder's safetensors."""
-    if weights.preset:
-        if seed is not None:
-            torch.manual_seed(seed)
-        return _part(name, config).float().eval()
-    return weights.load(lambda: _part(name, config), f"{name}.", f"the transformer's {name}")
+def _loader(config: dict[str, Any], weights: Weights) -> Load:
+    return lambda name, seed: weights.part(lambda: _part(name, config), name, seed)
 
 
 def _blocks(config: dict[str, Any]) -> list[str]:
@@ -121,15 +115,7 @@ class QwenImagePiece(torch.nn.Module):
     def __init__(self, parts: dict[str, Any], config: dict[str, Any], latent: tuple[int, int], first: bool,
                  last: bool) -> None:
         super().__init__()
-        self.whole = torch.nn.Module()
-        for name, part in parts.items():
-            holder = self.whole
-            *path, leaf = name.split(".")
-            for p in path:
-                if not hasattr(holder, p):
-                    holder.add_module(p, torch.nn.ModuleDict() if p.endswith("blocks") else torch.nn.Module())
-                holder = getattr(holder, p)
-            holder.add_module(leaf, part)
+        self.whole = holding(parts)
         self.first, self.last = first, last
         self.pos_embed = tq.QwenEmbedRope(theta=10000, axes_dim=list(config.get("axes_dims_rope", (16, 56, 56))),
                                           scale_rope=True)
@@ -169,24 +155,9 @@ def pieces(src: Source, key: str, sig: Signature, weights: Weights, only: Collec
         raise SdnpuError("Qwen-Image's transformer is converted for one image size: give its latent size",
                          hint="pieces(..., latent=(height // f, width // f))")
     config = _config(src, key)
-    blocks = _blocks(config)
-    n = len(blocks)
-    nexts = tuple(f"{s}.next" for s in STREAMS)
-    for i, block in enumerate(blocks):
-        if i < start or (only is not None and i not in only):
-            continue
-        first, last = i == 0, i == n - 1
-        parts = {}
-        if first:
-            parts.update((name, _load(name, config, weights, PRESET_SEED if name == FIRST[0] else None))
-                         for name in FIRST)
-        parts[block] = _load(block, config, weights, PRESET_SEED + 1 + i)
-        if last:
-            parts.update((name, _load(name, config, weights, PRESET_SEED if name == LAST[0] else None))
-                         for name in LAST)
-        inputs = tuple(s.name for s in sig.inputs) if first else (*STREAMS, *SHARED)
-        outputs = tuple(sig.outputs) if last else ((*nexts, *SHARED) if first else nexts)
-        yield Piece(i, n, QwenImagePiece(parts, config, latent, first, last).eval(), inputs, outputs)
+    yield from transformer_pieces(_blocks(config), FIRST, LAST, _loader(config, weights),
+                                  lambda parts, first, last: QwenImagePiece(parts, config, latent, first, last),
+                                  tuple(s.name for s in sig.inputs), tuple(sig.outputs), SHARED, STREAMS, only, start)
 
 
 def whole_module(src: Source, key: str, weights: Weights) -> Any:
@@ -194,11 +165,5 @@ def whole_module(src: Source, key: str, weights: Weights) -> Any:
     it)."""
     config = _config(src, key)
     blocks = _blocks(config)
-    model = QwenImageTransformer2DModel.from_config(config).eval()
-    with torch.no_grad():
-        for name in EDGES:
-            seed = PRESET_SEED if name in (FIRST[0], LAST[0]) else None
-            model.get_submodule(name).load_state_dict(_load(name, config, weights, seed).state_dict())
-        for i, name in enumerate(blocks):
-            model.get_submodule(name).load_state_dict(_load(name, config, weights, PRESET_SEED + 1 + i).state_dict())
-    return model
+    return whole_from_pieces(QwenImageTransformer2DModel.from_config(config), blocks, FIRST, LAST,
+                             _loader(config, weights))
