@@ -94,6 +94,16 @@ class Builder:
         record_views(node, self.target)
         return node
 
+    def discard(self) -> None:
+        """Forget the nodes made and not inserted (a rewrite given up part way): each stops reading its inputs,
+        which would otherwise keep it among their uses, a reader no graph holds (a dead node's producer then
+        looks read, and stays)."""
+        for node in reversed(self.nodes):
+            if node.graph is None:
+                for i in range(len(node.inputs)):
+                    node.replace_input_with(i, None)
+        self.nodes.clear()
+
     def shared_const(self, array: np.ndarray, name: str) -> ir.Value:
         """One initializer of this name per graph, shared by every op that needs it (dummies, masks)."""
         existing = self.graph.initializers.get(name)

@@ -381,6 +381,7 @@ def _cut_once(graph: ir.Graph, cut: ir.Node, edges: dict[ir.Value, bool],
         pieces = planner.parts(x, axis, bounds)
     except _Fail as e:
         log.debug("cut %s stays: %s", cut.name, e)
+        planner.b.discard()
         return False
     if cut.op_type == "Split":
         targets = list(zip(cut.outputs, pieces, strict=True))

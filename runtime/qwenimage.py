@@ -11,7 +11,9 @@ step as diffusers' pipeline does it:
 
 The guidance is ``QwenImagePipeline``'s ``true_cfg_scale``: above 1 the unconditional half runs with the
 negative prompt (the empty prompt where none is given: diffusers runs it so for ``negative_prompt=""``), both
-halves in one transformer call of batch 2 (each row with its own caption mask); at most 1, none, batch 1.
+halves in one transformer call of batch 2 (each row with its own caption mask), or, where the transformer is
+converted at batch 1 only, in two calls of one row, as ``QwenImagePipeline`` itself runs them; at most 1, none,
+batch 1.
 Several images per call go through the transformer's converted batches, each its own noise and scheduler.
 Image-to-image, inpainting, ControlNets and LoRAs are refused with the reason.
 """
@@ -34,7 +36,7 @@ from sdnpu.errors import SdnpuError
 from sdnpu.formats.generation import uses_guidance
 from sdnpu.runtime.flux import pack, unpack
 from sdnpu.runtime.session import Component, add_command
-from sdnpu.runtime.stages import TransformerStages, check_generate, load_scheduler, plan_calls
+from sdnpu.runtime.stages import TransformerStages, check_generate, load_scheduler, plan_calls, run_rows
 from sdnpu.signatures import QWEN_TEMPLATE_TOKENS, latent_channels
 
 log = logging.getLogger(__name__)
@@ -108,7 +110,7 @@ class QwenImagePipeline(TransformerStages):
                              hint="drop --image / --mask / --controlnet")
         cfg = uses_guidance(opts.guidance)
         calls = plan_calls(opts.num_images, cfg, self.batches,
-                           lambda b: add_command(self.folder, "transformer", self.size, b))
+                           lambda b: add_command(self.folder, "transformer", self.size, b), apart=True)
         log.info("Qwen-Image: %s, %d prompt tokens", f"true guidance {opts.guidance:g}" if cfg else "no guidance",
                  self.text_len)
         with self._using(*self.encoders) as parts:
@@ -148,12 +150,14 @@ class QwenImagePipeline(TransformerStages):
         latents = [torch.from_numpy(pack(self.noise(seed))) for seed in seeds]
         timesteps = schedulers[0].timesteps
         divisor = np.float32(self.family.timestep_divisor)  # the transformer takes diffusers' timestep / 1000
+        rows = 2 * k if cfg else k  # a transformer of batch k runs the guided rows in two calls (``run_rows``)
         with self._using("transformer", batch=batch) as parts:
             for i, t in enumerate(timesteps):
                 x = torch.cat(latents * 2 if cfg else latents).numpy().astype(np.float32)
                 step_feeds = {**feeds, "hidden_states": x,
-                              "timestep": np.full((batch,), np.float32(float(t)) / divisor, np.float32)}
-                pred = torch.from_numpy(parts["transformer"].run(step_feeds, ["out_sample"])["out_sample"])
+                              "timestep": np.full((rows,), np.float32(float(t)) / divisor, np.float32)}
+                out = run_rows(parts["transformer"], step_feeds, ["out_sample"], batch)
+                pred = torch.from_numpy(out["out_sample"])
                 if cfg:
                     pred = guided(pred[:k], pred[k:], opts.guidance)
                 latents = [s.step(pred[j : j + 1], t, latents[j], return_dict=False)[0]

@@ -161,13 +161,19 @@ def check_generate(opts: Any) -> None:
         raise SdnpuError("--mask needs the picture it masks", hint="give --image in.png with --mask mask.png")
 
 
-def plan_calls(images: int, cfg: bool, batches: list[int], add: Callable[[int], str]) -> list[tuple[int, int]]:
+def plan_calls(images: int, cfg: bool, batches: list[int], add: Callable[[int], str], apart: bool = False
+               ) -> list[tuple[int, int]]:
     """The denoiser calls that draw ``images``: (batch, images in it) each, as few as the converted ``batches``
     allow (the largest that fits first). With guidance (``cfg``) an image takes two rows of a batch
-    (unconditional, conditional), without one. A rest no batch fits is refused, naming the ``--add`` (``add``:
-    batch -> command) that fixes it."""
+    (unconditional, conditional), without one. With ``apart`` (a pipeline whose reference runs the guidance's
+    halves as two calls, as diffusers' ``QwenImagePipeline`` does) a batch of ``k`` also draws ``k`` guided images,
+    in two runs (``run_rows``): the call is ``(k, k)``, and a batch of ``2k`` in one run is taken before it. A rest
+    no batch fits is refused, naming the ``--add`` (``add``: batch -> command) that fixes it."""
     rows = 2 if cfg else 1
-    per_call = sorted({b // rows for b in batches if b % rows == 0 and b >= rows}, reverse=True)
+    fits = {b // rows: b for b in sorted(batches) if b % rows == 0 and b >= rows}  # images -> one-run batch
+    if cfg and apart:
+        fits = {**{b: b for b in batches}, **fits}
+    per_call = sorted(fits, reverse=True)
     calls: list[tuple[int, int]] = []
     left = images
     while left:
@@ -180,9 +186,26 @@ def plan_calls(images: int, cfg: bool, batches: list[int], add: Callable[[int], 
                 f"{'the' if left == images else 'the last'} {left} image{'s' if left > 1 else ''} at {mode}",
                 hint=f"add batch {want}: {add(want)}"
                 + ("; or generate with --guidance above 1" if not cfg and CFG_BATCH in batches else ""))
-        calls.append((rows * k, k))
+        calls.append((fits[k], k))
         left -= k
     return calls
+
+
+def run_rows(component: Component, feeds: dict[str, np.ndarray], outputs: list[str], batch: int
+             ) -> dict[str, np.ndarray]:
+    """``component`` (converted at ``batch``) run on ``feeds`` whose every input holds ``n * batch`` rows along
+    its first axis: ``n`` runs of ``batch`` rows each, their outputs concatenated in order (one run where
+    ``n`` is 1)."""
+    counts = {len(v) for v in feeds.values()}
+    if len(counts) != 1 or next(iter(counts)) % batch:
+        raise SdnpuError(f"{component.name} is converted at batch {batch}: its feeds hold "
+                         f"{sorted(counts)} rows, not a multiple of it")
+    n = next(iter(counts)) // batch
+    if n == 1:
+        return component.run(feeds, outputs)
+    parts = [component.run({k: v[i * batch : (i + 1) * batch] for k, v in feeds.items()}, outputs)
+             for i in range(n)]
+    return {name: np.concatenate([p[name] for p in parts]) for name in outputs}
 
 
 def halves(neg: np.ndarray | None, pos: np.ndarray | None, k: int) -> np.ndarray:

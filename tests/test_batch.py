@@ -203,6 +203,12 @@ def test_the_calls_a_number_of_images_takes():
     assert plan_calls(3, True, [2], add) == [(2, 1)] * 3
     assert plan_calls(2, True, [4, 2], add) == [(4, 2)]
     assert plan_calls(5, True, [2, 4, 8], add) == [(8, 4), (2, 1)]
+    # the guidance's halves apart (QwenImagePipeline's way): a batch of k draws k guided images in two runs; for
+    # as many images, a batch of 2k in one run is taken first
+    assert plan_calls(3, True, [1], add, apart=True) == [(1, 1)] * 3
+    assert plan_calls(3, True, [2, 1], add, apart=True) == [(2, 2), (2, 1)]
+    assert plan_calls(5, True, [4, 1], add, apart=True) == [(4, 4), (1, 1)]
+    assert plan_calls(2, True, [4, 2], add, apart=True) == [(4, 2)]
     with pytest.raises(SdnpuError, match="none draws the 2 images"):  # a batch larger than the images asked for
         plan_calls(2, False, [4], add)
     with pytest.raises(SdnpuError, match="none draws the last 1 image") as e:

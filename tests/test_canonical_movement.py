@@ -98,6 +98,7 @@ def test_a_zero_pad_before_a_conv_becomes_its_pads(pads, mode, fires):
     ("nhwpqc->nchpwq", [(1, 2, 3, 2, 2, 4)], (1, 4, 2, 2, 3, 2), {"Transpose": 1}),  # the DiTs' unpatchify
     ("bij,bjk->bik", [(2, 3, 4), (2, 4, 5)], (2, 3, 5), {"Reshape": 3, "MatMul": 1}),
     ("bhqd,bhkd->bhqk", [(2, 2, 3, 4), (2, 2, 5, 4)], (2, 2, 3, 5), {"Transpose": 1, "Reshape": 3, "MatMul": 1}),
+    ("i,j->ij", [(3,), (4,)], (3, 4), {"Reshape": 3, "Mul": 1}),  # torch.outer: nothing summed, a broadcast Mul
 ])
 def test_an_einsum_that_moves_or_multiplies_is_those_ops(eq, shapes, out, expect):
     names = [f"x{i}" for i in range(len(shapes))]

@@ -75,3 +75,77 @@ def test_a_movement_across_the_rows_stays():
     irm, counts = rewritten(roped("roll"), rotary.write_rotations_as_matmuls, sweep)
     assert counts["signed permutations (rotary embeddings) -> MatMul"] == 0
     assert ops(irm)["Neg"] == 1 and ops(irm)["MatMul"] == 1
+
+
+H = 2
+PAIR = "rotations by tables of 2 x 2 matrices -> x * A + (x @ P) * B"
+
+
+def rope_matrices(pick: str = "gather", tables: str = "constant", source: str = "heads") -> onnx.ModelProto:
+    """BFL's and HiDream's ``apply_rope``: x viewed [B, S, H, D/2, 1, 2], ``f[..., 0] * x[..., 0] + f[..., 1] *
+    x[..., 1]`` with f [1, S, 1, D/2, 2, 2] (each pair's 2 x 2 rotation: cos -sin / sin cos), viewed back to
+    [B, S, H, D]. ``pick``: the pair's element as a Gather (both exporters' ``x[..., 0]``) or a Slice keeping
+    its axis; ``tables``: constants, or computed from a graph input (the CPU's edge region); ``source``: x
+    the [B, S, H, D] heads, or the [B, S, H * D] projection the view splits (HiDream's single-stream blocks);
+    ``"across"``: the second term reads the next position's pair (a movement across the rows)."""
+    angle = R.standard_normal((1, S, 1, D // 2)).astype(np.float32)
+    c, s = np.cos(angle), np.sin(angle)
+    f = np.stack([np.stack([c, -s], -1), np.stack([s, c], -1)], -2)  # [1, S, 1, D/2, 2, 2]
+    inits: dict[str, np.ndarray] = {"wq": (R.standard_normal((H * D, H * D)) * 0.3).astype(np.float32),
+                                    "pairs": np.array([B, S, H, D // 2, 1, 2]), "flat": np.array([B, S, H, D])}
+    nodes = [n("MatMul", ["x", "wq"], ["proj"])]
+    if source == "heads":
+        inits["heads"] = np.array([B, S, H, D])
+        nodes += [n("Reshape", ["proj", "heads"], ["q"]), n("Reshape", ["q", "pairs"], ["qp"])]
+    else:
+        nodes += [n("Reshape", ["proj", "pairs"], ["qp"])]
+    inputs = {"x": [B, S, H * D]}
+    for k in (0, 1):
+        table = f[..., k] if pick == "gather" else f[..., k : k + 1]
+        if tables == "constant":
+            inits[f"f{k}"] = table
+        else:  # the table times a graph input's [1]: computed on the CPU
+            inits[f"t{k}"] = table
+            inputs["scale"] = [1]
+            nodes.append(n("Mul", [f"t{k}", "scale"], [f"f{k}"]))
+        if pick == "gather":
+            inits[f"i{k}"] = np.array(k)
+            nodes.append(n("Gather", ["qp", f"i{k}"], [f"x{k}"], axis=-1))
+        else:
+            inits |= {f"lo{k}": np.array([k]), f"hi{k}": np.array([k + 1]), "last": np.array([-1])}
+            nodes.append(n("Slice", ["qp", f"lo{k}", f"hi{k}", "last"], [f"x{k}"]))
+        if source == "across" and k == 1:  # the next position's pair: a row of another row
+            inits |= {"s1": np.array([1]), "sn": np.array([S]), "s0": np.array([0]), "ax1": np.array([1])}
+            nodes += [n("Slice", [f"x{k}", "s1", "sn", "ax1"], ["tail"]), n("Slice", [f"x{k}", "s0", "s1", "ax1"], ["head"]),
+                      n("Concat", ["tail", "head"], [f"x{k}r"], axis=1)]
+            nodes.append(n("Mul", [f"f{k}", f"x{k}r"], [f"m{k}"]))
+        else:
+            nodes.append(n("Mul", [f"f{k}", f"x{k}"], [f"m{k}"]))
+    nodes += [n("Add", ["m0", "m1"], ["sum"]), n("Reshape", ["sum", "flat"], ["y"])]
+    return model(nodes, inputs, {"y": [B, S, H, D]}, inits)
+
+
+@pytest.mark.parametrize("pick", ["gather", "slice"])
+@pytest.mark.parametrize("source", ["heads", "projection"])
+def test_a_rotation_by_2x2_tables_is_two_products(pick, source):
+    """BFL's / HiDream's spelling becomes x * A + (x @ P) * B, bit for bit (the same two products a value, their
+    sum taken either way round): P swaps each pair, A and B keep the tables' own broadcast (one row for the heads
+    and the batch)."""
+    irm, counts = rewritten(rope_matrices(pick, source=source), rotary.write_rotations_as_matmuls, sweep)
+    assert counts[PAIR] == 1
+    assert dict(ops(irm)) == {"MatMul": 2, "Mul": 2, "Add": 1, "Reshape": 1}  # the heads' view, or x's in y's shape
+    swap = next(x for x in irm.graph if x.op_type == "MatMul" and x.inputs[1].name != "wq").inputs[1]
+    p = swap.const_value.numpy()
+    assert np.array_equal(p, np.kron(np.eye(D // 2), [[0, 1], [1, 0]]).astype(np.float32))
+    tables = [x.inputs[1].const_value.numpy() for x in irm.graph if x.op_type == "Mul"]
+    assert all(t.shape == (1, S, 1, D) for t in tables)
+
+
+@pytest.mark.parametrize("case", ["computed tables", "across the rows"])
+def test_a_rotation_by_2x2_tables_near_misses_stay(case):
+    """Tables the CPU computes from the graph's inputs, and a term reading another position's pair: no
+    x * A + (x @ P) * B says them, so the graph stays as it is."""
+    m = rope_matrices(tables="computed") if case == "computed tables" else rope_matrices(source="across")
+    irm, counts = rewritten(m, rotary.write_rotations_as_matmuls, sweep)
+    assert counts[PAIR] == 0
+    assert ops(irm)["Gather"] == 2

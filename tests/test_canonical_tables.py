@@ -19,7 +19,7 @@ from sdnpu.onnxrun import run_onnx
 from sdnpu.passes.canonical import noops, tables
 from sdnpu.passes.canonical.driver import sweep
 from sdnpu.passes.manager import run_passes
-from sdnpu.passes.pipeline import TABLES
+from sdnpu.passes.pipeline import TABLES, canonicalize
 
 from .graphs import model, ops, rewritten
 
@@ -28,15 +28,19 @@ class _Angles(torch.nn.Module):
     """Flux.1's rotary angles (``FluxPosEmbed``'s per-axis position x frequency, repeated pairwise, in float64)
     from its ids [S, 3], and their cosine."""
 
-    def __init__(self, axes: tuple[int, ...] = (16, 56, 56), theta: float = 10000.0) -> None:
+    def __init__(self, axes: tuple[int, ...] = (16, 56, 56), theta: float = 10000.0, outer: bool = False) -> None:
         super().__init__()
-        self.axes, self.theta = axes, theta
+        self.axes, self.theta, self.outer = axes, theta, outer
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
         parts = []
         for i, d in enumerate(self.axes):
-            freqs = 1.0 / self.theta ** (torch.arange(0, d, 2, dtype=torch.float64) / d)
-            angles = ids[:, i].to(torch.float64)[:, None] * freqs[None, :]
+            if self.outer:  # float32 and torch.outer (an Einsum in TorchScript's graph): diffusers' on MPS
+                freqs = 1.0 / self.theta ** (torch.arange(0, d, 2, dtype=torch.float32) / d)
+                angles = torch.outer(ids[:, i], freqs)
+            else:
+                freqs = 1.0 / self.theta ** (torch.arange(0, d, 2, dtype=torch.float64) / d)
+                angles = ids[:, i].to(torch.float64)[:, None] * freqs[None, :]
             parts.append(angles.repeat_interleave(2, dim=1))
         return torch.cos(torch.cat(parts, dim=-1)).float()
 
@@ -62,6 +66,27 @@ def test_the_rotary_tables_collapse_at_any_token_count(tokens, tmp_path):
     # ulp of float32 at most, so the cosines by one ulp of the largest angle at most (flux-dev: 71 rad, 7.6e-6)
     bound = float(np.spacing(np.float32(ids.max().item())))
     np.testing.assert_allclose(run_onnx(out, {"ids": ids.numpy()})["table"], want, rtol=0, atol=bound)
+
+
+def test_torchscripts_float32_outer_product_tables_collapse_too(tmp_path):
+    """TorchScript writes ``torch.outer`` as an Einsum (``i,j->ij``), which the canonical form makes a broadcast
+    Mul (a MatMul of one summed element was a weight-bearing layer to the edge region, and the table was cut
+    and computed per stream, 64 CPU nodes in the zoo's Flux.1 dev); in float32, ``i * f / f`` is not i to 1e-6
+    at 4608 positions, within float32's rounding of it. One Gather, one Mul, one Cos, bit for bit."""
+    tokens = 4608
+    ids = torch.stack([torch.zeros(tokens), torch.arange(tokens) // 64, torch.arange(tokens) % 64], dim=1).float()
+    path = tmp_path / "angles.onnx"
+    torch.onnx.export(_Angles(outer=True).eval(), (ids,), str(path), input_names=["ids"], output_names=["table"],
+                      dynamo=False, opset_version=17)
+    assert any(n.op_type == "Einsum" for n in ir.load(path).graph)
+    model = ir.load(path)
+    canonicalize(model)
+    ops = Counter(n.op_type for n in model.graph)
+    assert ops["Gather"] == 1 and ops["Mul"] == 1 and ops["Cos"] == 1 and not ops["Einsum"] and not ops["MatMul"], ops
+    out = tmp_path / "collapsed.onnx"
+    ir.save(model, out)
+    np.testing.assert_array_equal(run_onnx(out, {"ids": ids.numpy()})["table"],
+                                  run_onnx(path, {"ids": ids.numpy()})["table"])
 
 
 @pytest.mark.parametrize(("second", "sinks"), [("Cos", True), ("Sin", False)])

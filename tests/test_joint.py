@@ -115,3 +115,20 @@ def test_the_joint_pass_runs_right_after_the_canonical_steps():
     both = pass_names(CompileOptions(handoff=frozenset({"a"}), prologue=frozenset({"b"})), steps=False)
     assert both == ["canonical", "joint", "fuse", "layout", "glue", "views", "frames", "parallel", "precision",
                     "cuts", "handoff", "cleanup", "prologue", "partition"]
+
+
+def test_a_cut_given_up_part_way_leaves_no_reader_behind():
+    """The planner makes the parts of one operand (the Mul's, through the projection) before it meets one it
+    cannot cut (a softmax over the cut axis): the parts it made are dropped, and none of them stays among its
+    inputs' readers (such a reader, in no graph, kept a dead producer looking read: HiDream's six avoidable CPU
+    islands of CastAvx's after the attention took its rotary)."""
+    s1, s = 8, 16  # parts of 8 rows and more: the layer is worth cutting (``streams.MIN_ROWS``)
+    nodes = [n("MatMul", ["x", "wp"], ["h"]), n("Mul", ["h", "c"], ["hc"]), n("Softmax", ["h"], ["sm"], axis=1),
+             n("Add", ["hc", "sm"], ["y"]), n("Slice", ["y", "s0", "s1", "ax"], ["out"])]
+    m = model(nodes, {"x": [B, s, C]}, {"out": [B, s1, C]},
+              {"wp": w(C, C), "c": w(C), "s0": np.array([0]), "s1": np.array([s1]), "ax": np.array([1])})
+    result, irm, _ = jointed(m)
+    assert result.counts[SPLIT] == 0 and ops(irm)["Slice"] == 1
+    values = [*irm.graph.inputs, *irm.graph.initializers.values(), *(o for x in irm.graph for o in x.outputs)]
+    assert all(u.node.graph is irm.graph for v in values for u in v.uses())
+    assert_same(m, irm)

@@ -174,6 +174,26 @@ def test_without_guidance_one_row_an_image(tiny_qwen_image, diffusers_pipe, tmp_
     assert worst <= 1 and share < 1e-3, (worst, share)
 
 
+def test_guidance_in_two_calls_on_a_batch_1_transformer(tiny_qwen_image, diffusers_pipe, tmp_path):
+    """A transformer converted at batch 1 alone (as the full-size one is, `bench/results.md`) draws guided images
+    as QwenImagePipeline runs them: the unconditional and the conditional row in two calls a step. Two images:
+    two such calls, each what diffusers draws."""
+    from sdnpu.convert import convert
+
+    folder = tmp_path / "qwen"
+    shutil.copytree(tiny_qwen_image.out, folder)
+    shutil.rmtree(folder / "transformer")
+    convert("tiny-qwen-image", "transformer", out=folder, res=64, batch=1, compile=False)
+    ours = Pipeline(folder, reference=True)
+    assert ours.batches == [1]
+    opts = GenerateOptions(OPTS.prompt, negative_prompt=OPTS.negative_prompt, steps=2, guidance=OPTS.guidance,
+                           seed=OPTS.seed, num_images=2)
+    images = ours.generate(opts)
+    for got, want in zip(images, _diffusers_images(diffusers_pipe, ours, opts), strict=True):
+        worst, share = levels(want, got)
+        assert worst <= 1 and share < 1e-3, (worst, share)
+
+
 def test_another_size_draws_what_diffusers_draws(tiny_qwen_image, diffusers_pipe, tmp_path):
     """128x96 added to a copy of the folder (`convert --res 128x96 --add`): the transformer's rotary tables are
     constants of its size, so the specializer declines and the graph is exported and compiled anew at the new

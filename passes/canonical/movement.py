@@ -148,7 +148,7 @@ def lower_einsum(node: ir.Node) -> bool:
     """An Einsum that moves data or multiplies matrices, written as those ops: one operand with every index
     once (``nhwpqc->nchpwq``, the DiTs' unpatchify) is a Transpose; two operands with no index summed alone
     or repeated are a batched MatMul between Transposes and Reshapes (``bij,bjk->bik``, ``bhqd,bhkd->bhqk``),
-    which the layout pass simplifies and the rules fuse. Anything else (an ellipsis, a diagonal, a sum over an
+    which the layout pass simplifies and the rules fuse; an outer product (``i,j->ij``) a broadcast Mul. Anything else (an ellipsis, a diagonal, a sum over an
     index of one operand) stays an Einsum."""
     eq = attr(node, "equation", "")
     eq = (eq.decode() if isinstance(eq, bytes) else str(eq)).replace(" ", "")
@@ -179,8 +179,8 @@ def lower_einsum(node: ir.Node) -> bool:
 
 def _einsum_matmul(b: Builder, node: ir.Node, terms: list[str], out: str, shapes: list[tuple[int, ...]],
                    y_shape: tuple[int, ...]) -> ir.Value:
-    """A two-operand Einsum as Transpose, Reshape to [batch, rows, summed] and [batch, summed, cols], MatMul,
-    Reshape and Transpose to the output's order."""
+    """A two-operand Einsum as Transpose, Reshape to [batch, rows, summed] and [batch, summed, cols], MatMul
+    (a Mul where nothing is summed), Reshape and Transpose to the output's order."""
     a, c = terms
     dims = {ch: d for t, sh in zip(terms, shapes, strict=True) for ch, d in zip(t, sh, strict=True)}
     batch = [ch for ch in out if ch in a and ch in c]
@@ -191,15 +191,21 @@ def _einsum_matmul(b: Builder, node: ir.Node, terms: list[str], out: str, shapes
 
     def arrange(v: ir.Value, term: str, order: list[str], groups: list[list[str]]) -> ir.Value:
         perm = [term.index(ch) for ch in order]
+        shape = [int(np.prod([dims[ch] for ch in g])) for g in groups]
+        if v.const_value is not None:  # a constant operand (the rotary's frequencies, a weight) arranged offline
+            return b.derived(v, [step("transpose", perm=perm), step("reshape", shape=shape)], shape,
+                             f"{v.name}_einsum")
         if perm != list(range(len(perm))):
             v = b.op("Transpose", [v], {"perm": perm}, dtype=dtype, shape=[dims[ch] for ch in order]).outputs[0]
-        shape = [int(np.prod([dims[ch] for ch in g])) for g in groups]
         return b.op("Reshape", [v, b.const(np.asarray(shape, np.int64), "shape")], dtype=dtype, shape=shape).outputs[0]
 
     left = arrange(node.inputs[0], a, batch + rows + summed, [batch, rows, summed])  # type: ignore[arg-type]
     right = arrange(node.inputs[1], c, batch + summed + cols, [batch, summed, cols])  # type: ignore[arg-type]
     n_b, n_r, n_c = (int(np.prod([dims[ch] for ch in g])) for g in (batch, rows, cols))
-    prod = b.op("MatMul", [left, right], dtype=dtype, shape=[n_b, n_r, n_c]).outputs[0]
+    # nothing summed (an outer product, ``torch.outer``: the rotary's positions times its frequencies): the
+    # [batch, rows, 1] and [batch, 1, cols] views broadcast in a Mul, the same products; a MatMul of one
+    # summed element would count as a weight-bearing layer, and the table it makes would not be the CPU's edge
+    prod = b.op("Mul" if not summed else "MatMul", [left, right], dtype=dtype, shape=[n_b, n_r, n_c]).outputs[0]
     order = batch + rows + cols
     full = b.op("Reshape", [prod, b.const(np.asarray([dims[ch] for ch in order], np.int64), "shape")], dtype=dtype,
                 shape=[dims[ch] for ch in order]).outputs[0]

@@ -6,6 +6,15 @@ axis the same way for every row, is that tensor times a constant signed permutat
 (cat(-x2, x1)) and the interleaved pairs' stack(-x_odd, x_even) become one [D, D] MatMul, which the Gemm rule
 puts on the NPU. The subgraph is read by running it on x = 1, 2, 3, ...: each output is plus or minus one input.
 
+The rotation written with its tables as 2 x 2 matrices (BFL's ``apply_rope``, HiDream's: x viewed
+[.., D/2, 1, 2], ``f[..., 0] * x[..., 0] + f[..., 1] * x[..., 1]`` with f [.., D/2, 2, 2]) is a sum of
+constant tables times movements of x, each reading within x's row of its last axis: each term is
+``(x @ P) * A``, P the [D, D] movement of the row (the identity for x itself), A the term's table in x's shape
+(each axis along which it does not vary kept as 1: the heads, the batch), the terms added in their order. Of
+two terms, the first takes each column's own element (a + b is b + a, exactly): x * A + (x @ P) * B, P the
+pairs swapped, one MatMul. The same products and sums, exact; a table the CPU computes from the graph's inputs
+leaves the rotation as it is.
+
 A function of the whole graph, not a node rewrite: it reads the edge region (``tables.edge_values``: a table
 the CPU computes from the graph's inputs stays as it is, as a MatMul it would cost MACs there) once for every
 rotation, and sorts the graph after its rewrites.
@@ -90,8 +99,139 @@ def _probe(x: ir.Value, y: ir.Value, nodes: list[ir.Node]) -> np.ndarray | None:
 def write_rotations_as_matmuls(model: ir.Model) -> PassResult:
     """Every rotation outside the edge region as a MatMul by its signed permutation (``_rotations``)."""
     graph = model.graph
-    done = _rotations(graph, edge_values(graph))
-    return PassResult(modified=bool(done), counts={"signed permutations (rotary embeddings) -> MatMul": done})
+    edge = edge_values(graph)
+    pairs = _table_rotations(graph, edge)
+    done = _rotations(graph, edge_values(graph) if pairs else edge)
+    return PassResult(modified=bool(done or pairs), counts={
+        "signed permutations (rotary embeddings) -> MatMul": done,
+        "rotations by tables of 2 x 2 matrices -> x * A + (x @ P) * B": pairs})
+
+
+_ROW_MOVES = frozenset({"Reshape", "Transpose", "Slice", "Split", "Gather", "Neg"})  # one data input each
+
+
+def _moved_term(v: ir.Value, shape: tuple[int, ...]) -> tuple[ir.Value, list[ir.Node]] | None:
+    """(x, nodes): ``v`` computed up a chain of one-input movements and negations with constant parameters
+    (``_ROW_MOVES``) from the nearest value ``x`` of ``shape``, or else from the chain's start where it holds as
+    many elements (the [B, S, C] projection a head split reshapes); None otherwise."""
+    nodes: list[ir.Node] = []
+    cur = v
+    while True:
+        if nodes and static_shape(cur) == shape:
+            return cur, nodes
+        p = cur.producer()
+        if (p is None or p.op_type not in _ROW_MOVES or p.domain not in ("", "ai.onnx") or p.inputs[0] is None
+                or any(w is not None and w.const_value is None for w in p.inputs[1:])):
+            start = static_shape(cur)
+            if nodes and start is not None and int(np.prod(start)) == int(np.prod(shape)):
+                return cur, nodes
+            return None
+        nodes.append(p)
+        cur = p.inputs[0]
+
+
+def _terms(v: ir.Value, top: bool = True) -> list[ir.Node] | None:
+    """The Muls whose sum ``v`` is (a tree of Adds, each inner one read by its parent alone), in the order they
+    are added; None where it is not such a sum."""
+    p = v.producer()
+    if p is None or p.domain not in ("", "ai.onnx") or (not top and (len(v.uses()) != 1 or v.is_graph_output())):
+        return None
+    if p.op_type == "Mul":
+        return [p]
+    if p.op_type != "Add" or any(w is None for w in p.inputs):
+        return None
+    out: list[ir.Node] = []
+    for w in p.inputs:
+        sub = _terms(w, top=False)  # type: ignore[arg-type]
+        if sub is None:
+            return None
+        out += sub
+    return out
+
+
+def _smallest_broadcast(a: np.ndarray) -> np.ndarray:
+    """``a`` with every axis along which it does not vary kept as 1 (it broadcasts back to ``a``)."""
+    for axis in range(a.ndim):
+        if a.shape[axis] > 1 and np.all(a == a.take([0], axis=axis)):
+            a = a.take([0], axis=axis)
+    return np.ascontiguousarray(a)
+
+
+def _table_rotations(graph: ir.Graph, edge: set[ir.Value]) -> int:
+    """Each sum of constant tables times movements of one tensor x within its rows (``y = Add(Mul(t0, m0(x)),
+    Mul(t1, m1(x)), ...)``, maybe through a Reshape back to x's shape) as ``sum_k (x @ P_k) * A_k``: the rotary
+    with its tables written as 2 x 2 matrices (module docstring). The movements are read by running them on
+    x = 1, 2, 3, ...; the tables broadcast to the sum's shape."""
+    done = 0
+    for node in list(graph):
+        if node.graph is None or node.op_type not in ("Add", "Reshape") or node.domain not in ("", "ai.onnx"):
+            continue
+        y = node.outputs[0]
+        shape = static_shape(y)
+        if shape is None or not shape or y.dtype != ir.DataType.FLOAT or shape[-1] > _MAX_ROTATION:
+            continue
+        total = node if node.op_type == "Add" else node.inputs[0].producer()  # type: ignore[union-attr]
+        if total is None or total.op_type != "Add" or (total is not node and len(total.outputs[0].uses()) != 1):
+            continue
+        if node.op_type == "Add" and any(u.node.op_type in ("Add", "Reshape") for u in y.uses()):
+            continue  # the outermost node of the sum is the one rewritten
+        sum_shape = static_shape(total.outputs[0])
+        muls = _terms(total.outputs[0])
+        if sum_shape is None or muls is None or len(muls) < 2 or int(np.prod(sum_shape)) != int(np.prod(shape)):
+            continue
+        d, n = shape[-1], int(np.prod(shape))
+        terms: list[tuple[np.ndarray, np.ndarray]] = []  # (column map of a row, table in y's shape)
+        x = None
+        for mul in muls:
+            sides = [i for i, w in enumerate(mul.inputs) if w is not None and w.const_value is not None]
+            if len(sides) != 1 or static_shape(mul.outputs[0]) != sum_shape:
+                break
+            table = mul.inputs[sides[0]].const_value.numpy()  # type: ignore[union-attr]
+            found = _moved_term(mul.inputs[1 - sides[0]], shape)  # type: ignore[arg-type]
+            if found is None or (x is not None and found[0] is not x) or found[0] in edge:
+                break
+            x = found[0]
+            moved = _probe(x, mul.inputs[1 - sides[0]], found[1])  # type: ignore[arg-type]
+            if moved is None or table.dtype != np.float32:
+                break
+            try:
+                at = np.broadcast_to(moved, sum_shape).reshape(-1)
+                coef = np.broadcast_to(table, sum_shape).reshape(shape)
+            except ValueError:
+                break
+            src = np.abs(at).astype(np.int64) - 1
+            cols = (src % d).reshape(-1, d)
+            if np.any(src // d != np.arange(n) // d) or not np.all(cols == cols[:1]):
+                break
+            terms.append((cols[0], coef * np.sign(at).reshape(shape).astype(np.float32)))
+        else:
+            if x is None or all(np.array_equal(c, np.arange(d)) for c, _ in terms):
+                continue
+            if len(terms) == 2:  # each column's own element read by the first term (a + b is b + a, exactly)
+                (c0, a0), (c1, a1) = terms
+                swap = (c1 == np.arange(d)) & (c0 != np.arange(d))
+                terms = [(np.where(swap, c1, c0), np.where(swap, a1, a0)), (np.where(swap, c0, c1), np.where(swap, a0, a1))]
+            b = Builder(graph, RULE)
+            if static_shape(x) != shape:  # the flat order is the rows': a view of x in y's shape
+                x = b.op("Reshape", [x, b.const(np.array(shape, np.int64), "shape")], dtype=y.dtype,
+                         shape=shape).outputs[0]
+            acc = None
+            for cols, coef in terms:
+                moved_x = x
+                if not np.array_equal(cols, np.arange(d)):
+                    rows = np.zeros((d, d), np.float32)
+                    rows[cols, np.arange(d)] = 1.0
+                    moved_x = b.op("MatMul", [x, b.const(rows, "rotation")], dtype=y.dtype, shape=shape).outputs[0]
+                term = b.op("Mul", [moved_x, b.const(_smallest_broadcast(coef), "rotary_table")], dtype=y.dtype,
+                            shape=shape).outputs[0]
+                acc = term if acc is None else b.op("Add", [acc, term], dtype=y.dtype, shape=shape).outputs[0]
+            graph.insert_before(node, b.nodes)
+            reroute(graph, y, acc)  # type: ignore[arg-type]
+            done += 1
+    if done:
+        remove_dead_nodes(graph)
+        graph.sort()
+    return done
 
 
 def _rotations(graph: ir.Graph, edge: set[ir.Value]) -> int:
