@@ -116,8 +116,8 @@ def rope_matrices(pick: str = "gather", tables: str = "constant", source: str = 
             nodes.append(n("Slice", ["qp", f"lo{k}", f"hi{k}", "last"], [f"x{k}"]))
         if source == "across" and k == 1:  # the next position's pair: a row of another row
             inits |= {"s1": np.array([1]), "sn": np.array([S]), "s0": np.array([0]), "ax1": np.array([1])}
-            nodes += [n("Slice", [f"x{k}", "s1", "sn", "ax1"], ["tail"]), n("Slice", [f"x{k}", "s0", "s1", "ax1"], ["head"]),
-                      n("Concat", ["tail", "head"], [f"x{k}r"], axis=1)]
+            nodes += [n("Slice", [f"x{k}", "s1", "sn", "ax1"], ["tail"]),
+                      n("Slice", [f"x{k}", "s0", "s1", "ax1"], ["head"]), n("Concat", ["tail", "head"], [f"x{k}r"], axis=1)]
             nodes.append(n("Mul", [f"f{k}", f"x{k}r"], [f"m{k}"]))
         else:
             nodes.append(n("Mul", [f"f{k}", f"x{k}"], [f"m{k}"]))

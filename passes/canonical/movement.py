@@ -148,8 +148,8 @@ def lower_einsum(node: ir.Node) -> bool:
     """An Einsum that moves data or multiplies matrices, written as those ops: one operand with every index
     once (``nhwpqc->nchpwq``, the DiTs' unpatchify) is a Transpose; two operands with no index summed alone
     or repeated are a batched MatMul between Transposes and Reshapes (``bij,bjk->bik``, ``bhqd,bhkd->bhqk``),
-    which the layout pass simplifies and the rules fuse; an outer product (``i,j->ij``) a broadcast Mul. Anything else (an ellipsis, a diagonal, a sum over an
-    index of one operand) stays an Einsum."""
+    which the layout pass simplifies and the rules fuse; an outer product (``i,j->ij``) a broadcast Mul.
+    Anything else (an ellipsis, a diagonal, a sum over an index of one operand) stays an Einsum."""
     eq = attr(node, "equation", "")
     eq = (eq.decode() if isinstance(eq, bytes) else str(eq)).replace(" ", "")
     if "->" not in eq or "." in eq:

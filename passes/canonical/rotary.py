@@ -210,7 +210,8 @@ def _table_rotations(graph: ir.Graph, edge: set[ir.Value]) -> int:
             if len(terms) == 2:  # each column's own element read by the first term (a + b is b + a, exactly)
                 (c0, a0), (c1, a1) = terms
                 swap = (c1 == np.arange(d)) & (c0 != np.arange(d))
-                terms = [(np.where(swap, c1, c0), np.where(swap, a1, a0)), (np.where(swap, c0, c1), np.where(swap, a0, a1))]
+                terms = [(np.where(swap, c1, c0), np.where(swap, a1, a0)),
+                         (np.where(swap, c0, c1), np.where(swap, a0, a1))]
             b = Builder(graph, RULE)
             if static_shape(x) != shape:  # the flat order is the rows': a view of x in y's shape
                 x = b.op("Reshape", [x, b.const(np.array(shape, np.int64), "shape")], dtype=y.dtype,
