@@ -31,7 +31,8 @@ import onnx_ir.passes.common as common
 
 from sdnpu.passes.streams import split_rows
 from sdnpu.passes.provenance import step
-from sdnpu.passes.irutil import Builder, attr, const, remove_dead_nodes, replace, scalar, static_shape
+from sdnpu.passes.irutil import Builder, attr, const, producer, remove_dead_nodes, replace, scalar, static_shape
+from sdnpu.passes.rules.attention_masks import nan_guard
 from sdnpu.passes.manager import PassResult
 
 RULE = "JointAttention"
@@ -172,6 +173,85 @@ def sink_head_transposes(graph: ir.Graph) -> int:
     return done
 
 
+# --- the head merge above the per-head arithmetic on attention outputs ---------------------------------------
+
+_MERGE_OPS = frozenset({"Add", "Sub", "Mul", "Div"})
+
+
+def _attention_output(v: ir.Value | None, depth: int = 8) -> bool:
+    """``v`` is an attention's output [B, H, M, D] (``MatMul(Softmax(..), V)``, maybe through the NaN guard
+    after the softmax), or element-wise arithmetic of such outputs and of values broadcast over them."""
+    p = v.producer() if v is not None else None
+    if p is None or p.domain not in ("", "ai.onnx") or depth == 0:
+        return False
+    if p.op_type == "MatMul":
+        a = p.inputs[0]
+        guard = nan_guard(a)
+        return producer(guard[2] if guard else a, "Softmax") is not None
+    if p.op_type in _MERGE_OPS:
+        return any(_attention_output(w, depth - 1) for w in p.inputs)
+    return False
+
+
+def _hoist_merge(graph: ir.Graph, t: ir.Node) -> bool:
+    """``Transpose(0, 2, 1, 3)(op(a, b))`` -> ``op(T(a), T(b))`` for the element-wise ``op`` on attention
+    outputs ([B, H, M, D]) that writes the head merge's input and nothing else: each attention's output then
+    goes straight into the merge's Transpose (Lumina-Next gates its cross-attention per head and adds it to its
+    self-attention before the merge), the form the attention rule reads. A constant operand is permuted offline,
+    a computed one of a size-1 swapped axis viewed (a Reshape), another transposed."""
+    x = t.inputs[0]
+    op = x.producer() if x is not None else None
+    out_shape = static_shape(t.outputs[0])
+    if (op is None or op.domain not in ("", "ai.onnx") or op.op_type not in _MERGE_OPS or len(op.outputs) != 1
+            or len(x.uses()) != 1 or x.is_graph_output() or out_shape is None or len(out_shape) != 4  # type: ignore[union-attr]
+            or not _attention_output(x)):
+        return False
+    b = Builder(graph, RULE)
+    inputs: list[ir.Value] = []
+    for v in op.inputs:
+        shape = static_shape(v)
+        if v is None or shape is None:
+            b.discard()
+            return False
+        if v.const_value is not None:
+            moved = _moved_constant(b, v, HEADS)
+            if moved is None:
+                b.discard()
+                return False
+            inputs.append(moved)
+            continue
+        if len(shape) != 4:
+            b.discard()
+            return False
+        swapped = (shape[0], shape[2], shape[1], shape[3])
+        if 1 in (shape[1], shape[2]):  # the swap moves a size-1 axis: a view
+            inputs.append(b.op("Reshape", [v, b.const(np.asarray(swapped, np.int64), "shape")], dtype=v.dtype,
+                               shape=swapped).outputs[0])
+        else:
+            inputs.append(b.op("Transpose", [v], {"perm": list(HEADS)}, dtype=v.dtype, shape=swapped).outputs[0])
+    y = b.op(op.op_type, inputs, {}, dtype=x.dtype, shape=out_shape).outputs[0]  # type: ignore[union-attr]
+    replace(graph, t, [op, t], b.nodes, [t.outputs[0]], [y])
+    return True
+
+
+def hoist_merge_transposes(graph: ir.Graph) -> int:
+    """Every head merge's Transpose moved above the element-wise arithmetic on attention outputs
+    (``_hoist_merge``), one op a round, until each stands on an attention's output."""
+    done = 0
+    for _ in range(16):
+        moved = 0
+        for t in list(graph):
+            if t.graph is not None and _row_perm(t) == HEADS:
+                moved += _hoist_merge(graph, t)
+        done += moved
+        if not moved:
+            break
+    if done:
+        remove_dead_nodes(graph)
+        graph.sort()
+    return done
+
+
 def split_joint_attention(model: ir.Model) -> PassResult:
     """SD3's MMDiT attention in SDMHA's form: one attention per query part, the head Transposes below the
     per-head norms; a graph without joint attention is left as it is."""
@@ -179,5 +259,6 @@ def split_joint_attention(model: ir.Model) -> PassResult:
     counts: Counter[str] = Counter()
     counts["sequence cuts computed as their parts"] = split_rows(graph)
     counts["head transposes moved below row ops"] = sink_head_transposes(graph)
+    counts["head merges moved above per-head arithmetic"] = hoist_merge_transposes(graph)
     common.RemoveUnusedNodesPass()(model)
     return PassResult(modified=bool(sum(counts.values())), counts=dict(counts))

@@ -198,6 +198,7 @@ CANONICAL = Group("canonical", [
     ("neutral", noops.drop_neutral),
     ("casts", noops.drop_noop_casts),
     ("expands", noops.drop_noop_expands),
+    ("sink_expands", noops.sink_expands),  # before broadcast_expands, which then drops them where they end
     ("broadcast_expands", noops.drop_broadcast_expands),
     ("moves", noops.drop_noop_moves),  # where_rows leaves it the masks that pick one side everywhere
     ("softmax_guards", noops.drop_softmax_guards),

@@ -110,3 +110,28 @@ def test_an_expand_not_merged_into_the_heads_stays():
               {"x": [2, 3, 1, 4]}, {"y": None}, {"wide": np.array([2, 3, 2, 4])})
     irm, counts = rewritten(m, movement.concat_head_repeats)
     assert counts["head repeats (Expand of a size-1 axis) -> Concat"] == 0 and ops(irm)["Expand"] == 1
+
+
+def test_the_transpose_passes_a_rotary_applied_to_parts_of_each_head():
+    """Allegro's 3-D rotary: each head's D cut into parts along its last axis (Slice), each part rotated by its
+    axis' tables, the parts put back together (Concat on the last axis). The Transpose passes the Slices, the
+    rotation of each part and the Concat, bit for bit: the attention's products read q as the projection's
+    view (before: the attention stayed on the CPU, "q, k, v are not rank-3 tensors behind their reshapes")."""
+    half = D // 2
+    inits = {"wq": w(H * D, H * D), "qs": np.array([B, S, H, D]), "rot": np.eye(half, dtype=np.float32)[:, ::-1].copy(),
+             "z": np.array([0]), "m": np.array([half]), "e": np.array([D]), "ax": np.array([-1])}
+    nodes = [n("MatMul", ["x", "wq"], ["q0"]), n("Reshape", ["q0", "qs"], ["q1"]),
+             n("Transpose", ["q1"], ["q"], perm=[0, 2, 1, 3]),
+             n("Slice", ["q", "z", "m", "ax"], ["p0"]), n("Slice", ["q", "m", "e", "ax"], ["p1"])]
+    for i in (0, 1):
+        inits |= {f"cos{i}": w(1, 1, S, half), f"sin{i}": w(1, 1, S, half)}
+        nodes += [n("Mul", [f"p{i}", f"cos{i}"], [f"c{i}"]), n("MatMul", [f"p{i}", "rot"], [f"r{i}"]),
+                  n("Mul", [f"r{i}", f"sin{i}"], [f"s{i}"]), n("Add", [f"c{i}", f"s{i}"], [f"e{i}"])]
+    nodes += [n("Concat", ["e0", "e1"], ["qe"], axis=-1), n("Transpose", ["qe"], ["kt"], perm=[0, 1, 3, 2]),
+              n("MatMul", ["qe", "kt"], ["y"])]
+    irm, counts = rewritten(model(nodes, {"x": [B, S, H * D]}, {"y": None}, inits), heads.sink_head_transposes, sweep)
+    assert counts["head transposes sunk past per-head arithmetic"] > 0
+    producers = {x.outputs[0].name: x for x in irm.graph}
+    scores = next(x for x in irm.graph if x.op_type == "MatMul" and x.outputs[0].name == "y")
+    q = producers[scores.inputs[0].name]
+    assert q.op_type == "Transpose" and producers[q.inputs[0].name].op_type == "Concat"  # the Transpose at the end

@@ -122,6 +122,31 @@ def test_an_expand_that_gives_its_reader_its_shape_stays():
     assert counts["expands into broadcasting readers dropped"] == 0 and ops(irm)["Expand"] == 2
 
 
+def test_an_expand_moves_below_the_element_wise_op_that_only_it_widens():
+    """Lumina-Next's key mask: a bool row [B, 1, 1, N] expanded over the heads and queries, then ``Where(mask, 0,
+    -inf)`` and the scores' Add. The Where runs on the row, the Expand after it, which the Add broadcasts anyway:
+    it goes, and the scores' addend is the row, bit for bit. Near miss: a Reshape reads the Where (no broadcast):
+    the Expand moves below the Where and stays."""
+    nodes = [n("Cast", ["m"], ["mb"], to=T.BOOL), n("Expand", ["mb", "wide"], ["e"]),
+             n("Where", ["e", "zero", "ninf"], ["bias"]), n("Add", ["s", "bias"], ["y"])]
+    m = model(nodes, {"m": [2, 1, 1, 3], "s": [2, 4, 5, 3]}, {"y": [2, 4, 5, 3]},
+              {"wide": np.array([2, 4, 5, 3]), "zero": np.array(0.0, np.float32),
+               "ninf": np.array(-np.inf, np.float32)})
+    feeds = {"m": np.array([1, 1, 0, 1, 0, 1], np.float32).reshape(2, 1, 1, 3),
+             "s": np.random.default_rng(1).standard_normal((2, 4, 5, 3)).astype(np.float32)}
+    irm, counts = rewritten(m, noops.sink_expands, noops.drop_broadcast_expands, feeds=feeds)
+    assert counts["expands moved below element-wise ops"] == 1 and counts["expands into broadcasting readers dropped"] == 1
+    assert ops(irm)["Expand"] == 0
+    bias = next(x for x in irm.graph if x.op_type == "Where").outputs[0]
+    assert list(bias.shape) == [2, 1, 1, 3]
+    near = model(nodes[:3] + [n("Reshape", ["bias", "flat"], ["y"])], {"m": [2, 1, 1, 3]}, {"y": [120]},
+                 {"wide": np.array([2, 4, 5, 3]), "zero": np.array(0.0, np.float32),
+                  "ninf": np.array(-np.inf, np.float32), "flat": np.array([120])})
+    irm, counts = rewritten(near, noops.sink_expands, noops.drop_broadcast_expands, feeds={"m": feeds["m"]})
+    assert counts["expands moved below element-wise ops"] == 1 and ops(irm)["Expand"] == 1
+    assert [x.op_type for x in irm.graph].index("Where") < [x.op_type for x in irm.graph].index("Expand")
+
+
 @pytest.mark.parametrize("case", ["repeat", "grows"])
 def test_an_expand_and_a_reshape_chain_to_the_shape_they_have_go(case):
     """TorchScript's attention repeats k and v for grouped-query attention: unsqueeze, expand, reshape back;

@@ -149,3 +149,24 @@ def test_a_rotation_by_2x2_tables_near_misses_stay(case):
     irm, counts = rewritten(m, rotary.write_rotations_as_matmuls, sweep)
     assert counts[PAIR] == 0
     assert ops(irm)["Gather"] == 2
+
+
+def test_a_rotation_of_the_projection_a_head_split_views():
+    """sdnpu's real rotary (Lumina-Next's, exported in ``real_rotary``): the [B, S, H * D] projection viewed as
+    [B, S, H, D/2, 2], stack(-x_odd, x_even), viewed as [B, S, H, D]: no value of the rotation's own shape lies
+    on the way up, only the projection of as many elements. It is that projection viewed in the rotation's
+    shape, times the signed permutation."""
+    inits = {"wq": (R.standard_normal((H * D, H * D)) * 0.3).astype(np.float32),
+             "pairs": np.array([B, S, H, D // 2, 2]), "heads": np.array([B, S, H, D]), "one": np.array([1]),
+             "last": np.array([-1]), "i0": np.array([0]), "i1": np.array([1]), "i2": np.array([2]),
+             "cos": R.standard_normal((1, S, 1, D)).astype(np.float32),
+             "sin": R.standard_normal((1, S, 1, D)).astype(np.float32)}
+    nodes = [n("MatMul", ["x", "wq"], ["q"]), n("Reshape", ["q", "pairs"], ["qp"]),
+             n("Slice", ["qp", "i0", "i1", "last"], ["qe"]), n("Slice", ["qp", "i1", "i2", "last"], ["qo"]),
+             n("Neg", ["qo"], ["nqo"]), n("Concat", ["nqo", "qe"], ["rp"], axis=-1), n("Reshape", ["rp", "heads"], ["rot"]),
+             n("Reshape", ["q", "heads"], ["qh"]), n("Mul", ["qh", "cos"], ["qc"]), n("Mul", ["rot", "sin"], ["rs"]),
+             n("Add", ["qc", "rs"], ["y"])]
+    irm, counts = rewritten(model(nodes, {"x": [B, S, H * D]}, {"y": [B, S, H, D]}, inits),
+                            rotary.write_rotations_as_matmuls, sweep)
+    assert counts["signed permutations (rotary embeddings) -> MatMul"] == 1
+    assert not ops(irm)["Neg"] and not ops(irm)["Slice"] and ops(irm)["MatMul"] == 2

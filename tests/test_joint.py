@@ -132,3 +132,35 @@ def test_a_cut_given_up_part_way_leaves_no_reader_behind():
     values = [*irm.graph.inputs, *irm.graph.initializers.values(), *(o for x in irm.graph for o in x.outputs)]
     assert all(u.node.graph is irm.graph for v in values for u in v.uses())
     assert_same(m, irm)
+
+
+def test_the_head_merge_moves_above_the_per_head_gate_and_sum():
+    """Lumina-Next's block: its cross-attention's output gated per head (``* tanh(gate).view(1, 1, H, 1)``) and
+    added to its self-attention's, both still [B, H, M, D], then one head merge (Transpose, Reshape) and the
+    output projection. The merge's Transpose moves above the Add and the Mul, so each attention's output goes
+    straight into a merge of its own and both become the target's attention op (before: both stayed on the
+    CPU, "the output is not merged back to [B, M, C]")."""
+    from .lowering import assert_same as lowered_same, dispatch_ops, lowered
+
+    m_, n_, h, d = 16, 8, 2, 4
+    c = h * d
+    qk = [0, 2, 1, 3]
+    nodes = [n("MatMul", ["x", "wq"], ["q"]), n("MatMul", ["x", "wk"], ["k"]), n("MatMul", ["x", "wv"], ["v"]),
+             n("MatMul", ["ctx", "wk2"], ["k2"]), n("MatMul", ["ctx", "wv2"], ["v2"])]
+    for name, s in (("q", m_), ("k", m_), ("v", m_), ("k2", n_), ("v2", n_)):
+        nodes += [n("Reshape", [name, f"split{s}"], [f"{name}4"]), n("Transpose", [f"{name}4"], [f"{name}h"], perm=qk)]
+    for i, (kk, vv) in enumerate((("kh", "vh"), ("k2h", "v2h"))):
+        nodes += [n("Transpose", [kk], [f"kt{i}"], perm=[0, 1, 3, 2]), n("MatMul", ["qh", f"kt{i}"], [f"s{i}"]),
+                  n("Mul", [f"s{i}", "scale"], [f"ss{i}"]), n("Softmax", [f"ss{i}"], [f"p{i}"], axis=-1),
+                  n("MatMul", [f"p{i}", vv], [f"a{i}"])]
+    nodes += [n("Mul", ["a1", "gate"], ["g1"]), n("Add", ["a0", "g1"], ["mix"]),
+              n("Transpose", ["mix"], ["mixm"], perm=qk), n("Reshape", ["mixm", "flat"], ["merged"]),
+              n("MatMul", ["merged", "wo"], ["y"])]
+    m = model(nodes, {"x": [B, m_, c], "ctx": [B, n_, c]}, {"y": [B, m_, c]},
+              {**{k: w(c, c) for k in ("wq", "wk", "wv", "wk2", "wv2", "wo")},
+               f"split{m_}": np.array([B, m_, h, d]), f"split{n_}": np.array([B, n_, h, d]),
+               "scale": np.array(d ** -0.5, np.float32), "gate": np.tanh(w(1, h, 1, 1)),
+               "flat": np.array([B, m_, c])})
+    irm = lowered(m)
+    assert not ops(irm)["Softmax"] and sum(v for k, v in dispatch_ops(irm).items() if "MHA" in k) == 2
+    lowered_same(m, irm)

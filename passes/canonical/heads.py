@@ -134,8 +134,24 @@ def _sinkable(t: ir.Node) -> list[tuple[str, ir.Node]] | None:
         if _onnx(node, "Reshape") and _repeat_chain(y) is not None:
             ways.append(("repeat", node))
             continue
+        if _onnx(node, "Slice") and use.idx == 0 and _last_axis_slice(node):
+            ways.append(("slice", node))  # a part of each head's D (Allegro's 3-D rotary, an axis a part)
+            continue
+        if _onnx(node, "Concat") and int(node.attributes["axis"].value) % 4 == 3 and all(
+                _head_transpose(v) is not None and static_shape(v.producer().inputs[0]) is not None  # type: ignore[union-attr]
+                for v in node.inputs):
+            ways.append(("concat", node))  # the parts of each head's D put back together
+            continue
         return None
     return ways
+
+
+def _last_axis_slice(node: ir.Node) -> bool:
+    """A Slice of the last axis of a rank-4 value alone, its starts, ends and steps constants."""
+    if len(node.inputs) < 4 or any(const(v) is None for v in node.inputs[1:] if v is not None):
+        return False
+    axes = const(node.inputs[3])
+    return axes is not None and axes.size == 1 and int(axes.reshape(-1)[0]) % 4 == 3
 
 
 def _transposed(b: Builder, v: ir.Value, shape: list[int]) -> ir.Node:
@@ -167,8 +183,14 @@ def _sink(graph: ir.Graph, t: ir.Node) -> bool:
             continue
         y = node.outputs[0]
         ys = [list(static_shape(y))[i] for i in HEAD_PERM]  # type: ignore[arg-type]
+        attrs: dict[str, object] = {}
         if kind == "matmul":
             operands = [x, node.inputs[1]]
+        elif kind == "slice":
+            operands = [x, *node.inputs[1:]]  # the last axis stays the last: the same starts, ends, axes
+        elif kind == "concat":
+            operands = [(t if v is t.outputs[0] else _head_transpose(v)).inputs[0] for v in node.inputs]  # type: ignore[union-attr]
+            attrs = {"axis": 3}
         elif kind == "pair":
             operands = []
             for v in node.inputs:
@@ -189,7 +211,7 @@ def _sink(graph: ir.Graph, t: ir.Node) -> bool:
                 steps = [*([step("reshape", shape=full)] if c.ndim < 4 else []),
                          step("transpose", perm=list(HEAD_PERM))]
                 operands.append(b.derived(v, steps, [full[i] for i in HEAD_PERM], f"{v.name}_heads"))
-        op = b.op(node.op_type, operands, dtype=y.dtype, shape=ys)
+        op = b.op(node.op_type, operands, attrs, dtype=y.dtype, shape=ys)
         new = _transposed(b, op.outputs[0], list(static_shape(y)))  # type: ignore[arg-type]
         graph.insert_before(node, b.nodes)
         reroute(graph, y, new.outputs[0])

@@ -117,6 +117,44 @@ def drop_broadcast_expands(node: ir.Node) -> bool:
     return True
 
 
+@node_rewrite("expands moved below element-wise ops", "Expand", sweep_after=True)
+def sink_expands(node: ir.Node) -> bool:
+    """An Expand read by one element-wise op alone whose output the Expand widens (a key-padding mask
+    expanded over the heads and queries before its ``Where(mask, 0, -inf)``: Lumina-Next's) moves below it:
+    the op on the unexpanded input, then the Expand; the same elements, each computed once. It goes on down
+    while that holds; an Expand every reader of which broadcasts anyway then goes (``drop_broadcast_expands``,
+    the next step), and the scores' addend is the key row it is."""
+    graph = graph_of(node)
+    moved = False
+    while True:
+        x, y = node.inputs[0], node.outputs[0]
+        uses = list(y.uses())
+        if x is None or y.is_graph_output() or len(uses) != 1 or static_shape(x) is None:
+            return moved
+        r = uses[0].node
+        if r.op_type not in BROADCASTING or r.domain not in ("", "ai.onnx") or len(r.outputs) != 1 \
+                or r.outputs[0].is_graph_output():
+            return moved
+        out = static_shape(r.outputs[0])
+        shapes = [static_shape(v) if v is not y else static_shape(x) for v in r.inputs if v is not None]
+        if out is None or any(sh is None for sh in shapes):
+            return moved
+        try:
+            small = tuple(np.broadcast_shapes(*shapes))  # type: ignore[arg-type]
+        except ValueError:
+            return moved
+        if small == tuple(out):
+            return moved  # it broadcasts anyway: the Expand goes (``drop_broadcast_expands``)
+        b = Builder(graph, RULE)
+        inner = b.op(r.op_type, [x if v is y else v for v in r.inputs], {k: a.value for k, a in r.attributes.items()},
+                     dtype=r.outputs[0].dtype, shape=list(small)).outputs[0]
+        wide = b.op("Expand", [inner, b.const(np.asarray(out, np.int64), "shape")], dtype=r.outputs[0].dtype,
+                    shape=list(out))
+        graph.insert_before(r, b.nodes)
+        r.outputs[0].replace_all_uses_with(wide.outputs[0])
+        node, moved = wide, True
+
+
 @node_rewrite("expands and reshapes to the same shape dropped", "Expand", "Reshape", sweep_after=True)
 def drop_noop_expands(node: ir.Node) -> bool:
     """An Expand whose output has its input's static shape moves nothing, nor does a Reshape (or a chain of

@@ -71,6 +71,10 @@ def _moved_from(y: ir.Value) -> tuple[ir.Value, list[ir.Node]] | None:
             sources, nodes, _ = walk(stop)
         if len(sources) == 1 and nodes and static_shape(sources[0]) == shape:
             return sources[0], list(nodes.values())
+    sources, nodes, _ = walk(None)  # else the one source of as many elements (the [B, S, C] projection a head
+    whole = static_shape(sources[0]) if len(sources) == 1 else None  # split views as [.., D/2, 2]): y reads it
+    if nodes and whole is not None and shape is not None and int(np.prod(whole)) == int(np.prod(shape)):
+        return sources[0], list(nodes.values())  # viewed in y's shape, where each row reads a row of its own
     return None
 
 
@@ -269,12 +273,17 @@ def _rotations(graph: ir.Graph, edge: set[ir.Value]) -> int:
             if np.any(src < 0) or np.any(src // d != row) or not (np.all(cols == cols[:1]) and np.all(sign == sign[:1])):
                 continue
             if np.array_equal(cols[0], np.arange(d)) and np.all(sign[0] == 1):  # moved back where it was
+                if static_shape(x) != shape:
+                    continue  # a view of x: the layout's to read
                 reroute(graph, y, x)
                 done += 1
                 continue
             rotation = np.zeros((d, d), np.float32)
             rotation[cols[0], np.arange(d)] = sign[0]
             b = Builder(graph, RULE)
+            if static_shape(x) != shape:  # rows in x's flat order: a view of x in y's shape
+                x = b.op("Reshape", [x, b.const(np.array(shape, np.int64), "shape")], dtype=y.dtype,
+                         shape=shape).outputs[0]
             mm = b.op("MatMul", [x, b.const(rotation, "rotation")], dtype=y.dtype, shape=shape)
             graph.insert_before(node, b.nodes)
             reroute(graph, y, mm.outputs[0])

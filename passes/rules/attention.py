@@ -58,6 +58,7 @@ class MHAParams:
     guard: bool = False  # a NaN guard on the probabilities (a row whose keys are all masked gives zeros)
     key_channel: bool = False  # a computed key-padding mask carried in Q and K as one more channel per head
     views: tuple[tuple[int, ...], ...] = ()  # q, k, v read as [B, S, C]
+    merged: tuple[int, ...] | None = None  # the output's own shape where it is the heads side by side, [B, M, H, D]
 
 
 def _head_split(src: tuple[int, ...], heads: int, kind: str) -> np.ndarray | None:
@@ -100,7 +101,9 @@ def _check_split(src: ir.Value, chain: list[ir.Node], target: ir.Value, heads: i
 
 
 def _trace_down(v: ir.Value, want: tuple[int, ...], heads: int) -> tuple[list[ir.Node], ir.Value] | None:
-    """From the attention output [.., M, D] down to [B, M, C] through a head merge."""
+    """From the attention output [.., M, D] down to [B, M, C] through a head merge; or, where the graph goes on
+    from the heads side by side ([B, M, H, D], the merge's own view: Lumina-Next gates and sums its two
+    attentions per head before it flattens them), to the last such value the movements reach."""
     nodes: list[ir.Node] = []
     shape = static_shape(v)
     if shape is None:
@@ -112,15 +115,19 @@ def _trace_down(v: ir.Value, want: tuple[int, ...], heads: int) -> tuple[list[ir
     if b * m * c != idx.size or c % heads:
         return None
     expected = idx.reshape(b, heads, m, c // heads).transpose(0, 2, 1, 3).reshape(b, m, c)
+    side_by_side = (b, m, heads, c // heads)
+    found: tuple[list[ir.Node], ir.Value] | None = None
     cur = v
     while True:
-        if static_shape(cur) == want:
+        if static_shape(cur) in (want, side_by_side):
             got = movement.run_chain(nodes, idx)
             if np.array_equal(got.reshape(-1), expected.reshape(-1)):
-                return nodes, cur
+                if static_shape(cur) == want:
+                    return nodes, cur
+                found = (list(nodes), cur)
         uses = list(cur.uses())
         if cur.is_graph_output() or len(uses) != 1 or not movement.is_movement(uses[0].node):
-            return None
+            return found
         nodes.append(uses[0].node)
         cur = uses[0].node.outputs[0]
 
@@ -246,14 +253,24 @@ class AttentionFusion(Rule):
         nodes = [*q_chain, *k_chain, *v_chain, qk_mm, *reversed(between), sm, *(guard[:2] if guard else ()), node,
                  *out_chain]
         uniq = _own_nodes(list(dict.fromkeys(nodes)), {*q_chain, *k_chain, *v_chain})
+        merged = static_shape(out)
         return Match(uniq, [out], MHAParams(q_src, k_src, v_src, heads, assumed, reason, bias, total, bool(guard),
-                                            key_channel, (q_shape, k_shape, v_shape)))
+                                            key_channel, (q_shape, k_shape, v_shape),
+                                            merged if merged is not None and len(merged) == 4 else None))
 
     def rewrite(self, b: Builder, m: Match) -> list[ir.Value]:
+        out = self._rewrite(b, m)
+        merged = m.params.merged
+        if merged is None:
+            return [out]
+        return [b.op("Reshape", [out, b.const(np.asarray(merged, np.int64), "shape")], dtype=out.dtype,
+                     shape=list(merged)).outputs[0]]  # the heads side by side: a view the readers absorb
+
+    def _rewrite(self, b: Builder, m: Match) -> ir.Value:
         p: MHAParams = m.params
         q, k_in, v = (_rank3(b, x, view) for x, view in zip((p.q, p.k, p.v), p.views, strict=True))
         if p.cpu:
-            return [cpu_attention(b, self.name, p, q, k_in, v)]
+            return cpu_attention(b, self.name, p, q, k_in, v)
         if p.key_channel:
             q, k_in, v = key_channel_operands(b, p, q, k_in, v, self._key_masks)
         bq, mq, k = static_shape(q)  # type: ignore[misc]
@@ -261,8 +278,8 @@ class AttentionFusion(Rule):
         node = mha_node(b, self.target, q, k_in, v, (bq, mq, k, n), p.heads, p.assumed)
         if p.key_channel:  # each head's first quarter is its output: a 0/1 weight picks it (an SDGemm, fused next)
             node.metadata_props[BF16_ONLY_TAG] = "a mask channel in K: a shared exponent cannot hold its -inf"
-            return [first_quarters(b, node.outputs[0], p.heads)]
-        return [node.outputs[0]]
+            return first_quarters(b, node.outputs[0], p.heads)
+        return node.outputs[0]
 
     @property
     def _key_masks(self) -> dict[str, ir.Value]:
