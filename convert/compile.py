@@ -228,6 +228,16 @@ def _bf16_rounding(name: str, source: Path, feeds: dict[str, np.ndarray], refere
     ours, theirs = 1 - fid["min_cosine"], 1 - rounding["min_cosine"]
     rounding["ratio"] = round(ours / max(theirs, 1e-9), 3)
     where = ", ".join(f"{d['op_type']} {d['node']} ({d['cosine']:.4f})" for d in rounding["departures"]) or "no node"
+    broken = {k: o["reference_not_finite"] for k, o in fid["outputs"].items() if o.get("reference_not_finite")}
+    if ours > REWRITE_FACTOR * max(theirs, 1e-7) and broken:  # no rewrite to blame: the graph is not finite itself
+        raise SdnpuError(
+            f"the fp32 graph {source} computes NaN or inf itself on the check's inputs ("
+            + ", ".join(f"{k}: {v} values" for k, v in broken.items())
+            + f"), and where it is finite the dispatch model is far from it (cosine {fid['min_cosine']:.4f}; the "
+            f"graph rounded to bf16 op by op keeps {rounding['min_cosine']:.6f} there)", hint="check the export "
+            "first: a graph whose own outputs are not finite is often the exporter's fault (`sdnpu convert` runs "
+            "model.onnx against PyTorch; the other exporter may not have it); if the export is right, this is a "
+            "compiler bug worth reporting with the model. Nothing was written; `--no-compile` keeps the graph")
     if ours > REWRITE_FACTOR * max(theirs, 1e-7):
         raise SdnpuError(
             f"the dispatch model compiled from {source} computes wrong: cosine {fid['min_cosine']:.4f} against the "

@@ -234,6 +234,8 @@ def fidelity(reference: dict[str, np.ndarray], actual: dict[str, np.ndarray]) ->
         scale = float(np.max(np.abs(r))) if r.size else 0.0
         if not np.all(np.isfinite(a)):
             outputs[name] = {"max_abs": float("inf"), "ref_max_abs": scale, "max_rel": float("inf"), "cosine": 0.0}
+            if unmeasured:
+                outputs[name]["reference_not_finite"] = unmeasured
             continue
         max_abs = float(np.max(np.abs(a - r))) if r.size else 0.0
         denom = float(np.linalg.norm(a) * np.linalg.norm(r))

@@ -220,6 +220,17 @@ def test_a_rewrite_that_breaks_a_graphs_numbers_fails_the_compile(tmp_path, monk
     err = capsys.readouterr().err
     assert "computes wrong" in err and "a rewrite broke its numbers" in err
     assert not (tmp_path / "dd").exists()
+    # the same, where the fp32 graph itself gives NaN (a Sqrt of negative values: dc-ae-encoder's dynamo export
+    # gives NaN in half its outputs): the error says so, and does not blame a rewrite for what it cannot tell
+    nan = helper.make_graph([helper.make_node("MatMul", ["x", "w"], ["a"]), helper.make_node("Relu", ["a"], ["r"]),
+                             helper.make_node("Sqrt", ["x"], ["s"]), helper.make_node("Add", ["r", "s"], ["y"])],
+                            "g", [helper.make_tensor_value_info("x", T.FLOAT, [1, 16, 64])],
+                            [helper.make_tensor_value_info("y", T.FLOAT, [1, 16, 64])], list(g.initializer))
+    onnx.save(helper.make_model(nan, opset_imports=[helper.make_opsetid("", 17)]), str(tmp_path / "m" / "model.onnx"))
+    assert main(["compile", str(tmp_path / "m" / "model.onnx"), "--out", str(tmp_path / "dd")]) == 2
+    err = capsys.readouterr().err
+    assert "computes NaN or inf itself" in err and "a rewrite broke" not in err and "check the export" in err
+    assert not (tmp_path / "dd").exists()
 
 
 @pytest.mark.parametrize("exporter", ["dynamo", "torchscript"])
