@@ -1,4 +1,4 @@
-"""Joint attention (SD3's MMDiT, Flux, AuraFlow) into the form SDMHA takes: two rewrites, the joint pass (right
+"""Joint attention (SD3's MMDiT, Flux, AuraFlow) into the form SDMHA takes: three rewrites, the joint pass (right
 after the canonical steps, before the fusions).
 
 1. *One attention per query part* (``passes/streams.py``). MMDiT attends over the image and text tokens
@@ -19,6 +19,11 @@ after the canonical steps, before the fusions).
    rank-3 sources behind plain head splits. Only Transposes that reach a norm (Pow / ReduceMean, or x * x)
    or a Concat start moving; an element-wise op passes one on only when it came from such a move (a UNet's
    head split scaled by a constant stays as it is).
+
+3. *The head merge above per-head arithmetic* (``hoist_merge_transposes``). Lumina-Next gates its cross-attention's
+   output per head and adds its self-attention's while both are [B, H, M, D], then merges the heads once. The
+   merge's ``Transpose(0, 2, 1, 3)`` commutes with that arithmetic and moves above it onto each attention's
+   output, so each attention ends in a merge of its own, which the attention rule reads as [B, M, H, D].
 """
 
 from __future__ import annotations
