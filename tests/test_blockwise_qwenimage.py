@@ -232,7 +232,7 @@ def test_dispatch_only_is_refused_where_it_cannot_apply(kwargs, message):
 
 def test_the_disk_check_counts_what_dispatch_only_writes_and_names_it(tmp_path, monkeypatch):
     """Block by block a module's folder takes 1.5x its fp32 weights (fp32 graph and dispatch model), with
-    --dispatch-only 0.6x (the dispatch model and one piece at a time): a disk with room for the one and not the
+    --dispatch-only 0.75x (the dispatch model and one piece at a time): a disk with room for the one and not the
     other is refused with a hint that names --dispatch-only, and taken with it."""
     from collections import namedtuple
 
