@@ -150,6 +150,12 @@ def lower_einsum(node: ir.Node) -> bool:
     or repeated are a batched MatMul between Transposes and Reshapes (``bij,bjk->bik``, ``bhqd,bhkd->bhqk``),
     which the layout pass simplifies and the rules fuse; an outer product (``i,j->ij``) a broadcast Mul.
     Anything else (an ellipsis, a diagonal, a sum over an index of one operand) stays an Einsum."""
+    return einsum_as_ops(node, outer_as_mul=True)
+
+
+def einsum_as_ops(node: ir.Node, outer_as_mul: bool) -> bool:
+    """``lower_einsum``'s rewrite; ``outer_as_mul`` False keeps an outer product a MatMul over a summed axis of
+    size 1 (the form Qualcomm's compiler was measured taking, ``sdnpu.passes.htp.ranks``)."""
     eq = attr(node, "equation", "")
     eq = (eq.decode() if isinstance(eq, bytes) else str(eq)).replace(" ", "")
     if "->" not in eq or "." in eq:
@@ -170,7 +176,7 @@ def lower_einsum(node: ir.Node) -> bool:
                  shape=y_shape).outputs[0]
     elif len(terms) == 2 and set(out) <= set(terms[0]) | set(terms[1]) \
             and not (set(terms[0]) ^ set(terms[1])) - set(out):
-        y = _einsum_matmul(b, node, terms, out, shapes, y_shape)  # type: ignore[arg-type]
+        y = _einsum_matmul(b, node, terms, out, shapes, y_shape, outer_as_mul)  # type: ignore[arg-type]
     else:
         return False
     replace(graph, node, [node], b.nodes, [node.outputs[0]], [y])
@@ -178,7 +184,7 @@ def lower_einsum(node: ir.Node) -> bool:
 
 
 def _einsum_matmul(b: Builder, node: ir.Node, terms: list[str], out: str, shapes: list[tuple[int, ...]],
-                   y_shape: tuple[int, ...]) -> ir.Value:
+                   y_shape: tuple[int, ...], outer_as_mul: bool = True) -> ir.Value:
     """A two-operand Einsum as Transpose, Reshape to [batch, rows, summed] and [batch, summed, cols], MatMul
     (a Mul where nothing is summed), Reshape and Transpose to the output's order."""
     a, c = terms
@@ -205,7 +211,8 @@ def _einsum_matmul(b: Builder, node: ir.Node, terms: list[str], out: str, shapes
     # nothing summed (an outer product, ``torch.outer``: the rotary's positions times its frequencies): the
     # [batch, rows, 1] and [batch, 1, cols] views broadcast in a Mul, the same products; a MatMul of one
     # summed element would count as a weight-bearing layer, and the table it makes would not be the CPU's edge
-    prod = b.op("Mul" if not summed else "MatMul", [left, right], dtype=dtype, shape=[n_b, n_r, n_c]).outputs[0]
+    outer = not summed and outer_as_mul
+    prod = b.op("Mul" if outer else "MatMul", [left, right], dtype=dtype, shape=[n_b, n_r, n_c]).outputs[0]
     order = batch + rows + cols
     full = b.op("Reshape", [prod, b.const(np.asarray([dims[ch] for ch in order], np.int64), "shape")], dtype=dtype,
                 shape=[dims[ch] for ch in order]).outputs[0]

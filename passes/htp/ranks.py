@@ -10,7 +10,7 @@ import numpy as np
 import onnx_ir as ir
 
 from sdnpu.ops.target import StandardTarget
-from sdnpu.passes.canonical.movement import lower_einsum
+from sdnpu.passes.canonical.movement import einsum_as_ops
 from sdnpu.passes.htp.common import RULE, node_name, take_place
 from sdnpu.passes.irutil import Builder, attr, const, static_shape
 from sdnpu.passes.manager import PassResult
@@ -201,10 +201,10 @@ def gather_nd_flat_slices(model: ir.Model) -> PassResult:
 def lower_refused_einsums(model: ir.Model, target: StandardTarget) -> PassResult:
     """An Einsum the table refuses (QNN has no form for an outer product, ``i,j->ij``: Flux.1's rotary in its
     TorchScript export, ``torch.outer(pos, omega)``) written as the Transposes, Reshapes and MatMul it is
-    (``sdnpu.passes.canonical.movement.lower_einsum``, AMD's canonical step; an outer product is a MatMul over a
+    (``sdnpu.passes.canonical.movement.einsum_as_ops``, AMD's canonical step; an outer product is a MatMul over a
     summed axis of size 1, each product exact). Einsums QNN takes stay as they are."""
     done = 0
     for node in [n for n in model.graph if n.op_type == "Einsum" and n.domain in ("", "ai.onnx")]:
-        if _refused(target, node) and lower_einsum.rewrite(node):
+        if _refused(target, node) and einsum_as_ops(node, outer_as_mul=False):
             done += 1
     return PassResult(modified=bool(done), counts={"refused Einsums -> MatMul": done})
