@@ -100,21 +100,27 @@ def drop_broadcast_expands(node: ir.Node) -> bool:
     if x is None or y.is_graph_output() or not uses or static_shape(x) is None or x.dtype != y.dtype:
         return False
     for use in uses:
-        reader = use.node
-        if reader.op_type not in BROADCASTING or reader.domain not in ("", "ai.onnx"):
-            return False
-        out = static_shape(reader.outputs[0])
-        shapes = [static_shape(v) if v is not y else static_shape(x) for v in reader.inputs if v is not None]
-        if out is None or any(s is None for s in shapes):
-            return False
-        try:
-            if tuple(np.broadcast_shapes(*shapes)) != tuple(out):  # type: ignore[arg-type]
-                return False
-        except ValueError:
+        shapes = _without_expand(use.node, x, y)
+        if shapes is None or shapes[0] != shapes[1]:
             return False
     y.replace_all_uses_with(x)
     graph_of(node).remove(node, safe=True)
     return True
+
+
+def _without_expand(reader: ir.Node, x: ir.Value, y: ir.Value) -> tuple[tuple[int, ...], tuple[int, ...]] | None:
+    """For an element-wise ``reader`` of ``y = Expand(x)``: (the shape its inputs broadcast to with ``x`` in
+    ``y``'s place, its output's shape); None where it is no broadcasting op or a shape is unknown."""
+    if reader.op_type not in BROADCASTING or reader.domain not in ("", "ai.onnx"):
+        return None
+    out = static_shape(reader.outputs[0])
+    shapes = [static_shape(v) if v is not y else static_shape(x) for v in reader.inputs if v is not None]
+    if out is None or any(s is None for s in shapes):
+        return None
+    try:
+        return tuple(np.broadcast_shapes(*shapes)), tuple(out)  # type: ignore[arg-type]
+    except ValueError:
+        return None
 
 
 @node_rewrite("expands moved below element-wise ops", "Expand", sweep_after=True)
@@ -132,18 +138,11 @@ def sink_expands(node: ir.Node) -> bool:
         if x is None or y.is_graph_output() or len(uses) != 1 or static_shape(x) is None:
             return moved
         r = uses[0].node
-        if r.op_type not in BROADCASTING or r.domain not in ("", "ai.onnx") or len(r.outputs) != 1 \
-                or r.outputs[0].is_graph_output():
+        shapes = _without_expand(r, x, y)
+        if shapes is None or len(r.outputs) != 1 or r.outputs[0].is_graph_output():
             return moved
-        out = static_shape(r.outputs[0])
-        shapes = [static_shape(v) if v is not y else static_shape(x) for v in r.inputs if v is not None]
-        if out is None or any(sh is None for sh in shapes):
-            return moved
-        try:
-            small = tuple(np.broadcast_shapes(*shapes))  # type: ignore[arg-type]
-        except ValueError:
-            return moved
-        if small == tuple(out):
+        small, out = shapes
+        if small == out:
             return moved  # it broadcasts anyway: the Expand goes (``drop_broadcast_expands``)
         b = Builder(graph, RULE)
         inner = b.op(r.op_type, [x if v is y else v for v in r.inputs], {k: a.value for k, a in r.attributes.items()},

@@ -100,6 +100,13 @@ def _probe(x: ir.Value, y: ir.Value, nodes: list[ir.Node]) -> np.ndarray | None:
     return np.asarray(out)
 
 
+def _viewed(b: Builder, x: ir.Value, shape: tuple[int, ...]) -> ir.Value:
+    """``x`` in ``shape`` (a Reshape, a view the reader absorbs), or ``x`` itself where it has that shape."""
+    if static_shape(x) == shape:
+        return x
+    return b.op("Reshape", [x, b.const(np.array(shape, np.int64), "shape")], dtype=x.dtype, shape=shape).outputs[0]
+
+
 def write_rotations_as_matmuls(model: ir.Model) -> PassResult:
     """Every rotation outside the edge region as a MatMul by its signed permutation (``_rotations``)."""
     graph = model.graph
@@ -217,9 +224,7 @@ def _table_rotations(graph: ir.Graph, edge: set[ir.Value]) -> int:
                 terms = [(np.where(swap, c1, c0), np.where(swap, a1, a0)),
                          (np.where(swap, c0, c1), np.where(swap, a0, a1))]
             b = Builder(graph, RULE)
-            if static_shape(x) != shape:  # the flat order is the rows': a view of x in y's shape
-                x = b.op("Reshape", [x, b.const(np.array(shape, np.int64), "shape")], dtype=y.dtype,
-                         shape=shape).outputs[0]
+            x = _viewed(b, x, shape)  # the flat order is the rows'
             acc = None
             for cols, coef in terms:
                 moved_x = x
@@ -281,9 +286,7 @@ def _rotations(graph: ir.Graph, edge: set[ir.Value]) -> int:
             rotation = np.zeros((d, d), np.float32)
             rotation[cols[0], np.arange(d)] = sign[0]
             b = Builder(graph, RULE)
-            if static_shape(x) != shape:  # rows in x's flat order: a view of x in y's shape
-                x = b.op("Reshape", [x, b.const(np.array(shape, np.int64), "shape")], dtype=y.dtype,
-                         shape=shape).outputs[0]
+            x = _viewed(b, x, shape)  # rows in x's flat order
             mm = b.op("MatMul", [x, b.const(rotation, "rotation")], dtype=y.dtype, shape=shape)
             graph.insert_before(node, b.nodes)
             reroute(graph, y, mm.outputs[0])
