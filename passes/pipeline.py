@@ -215,6 +215,7 @@ CANONICAL = Group("canonical", [
     ("assembled", loops.concat_assembled_values),  # per-item loops written out, as the batched movement they are
     ("stacked", loops.batch_stacked_chains),
     ("sweep", sweep),
+    ("scatter_phases", movement.interleave_row_scatters),  # before scatter_rows: a chain whole, not its first block
     ("scatter_rows", movement.concat_row_scatters),
     ("unflip", sinusoids.unflip_concat),  # before sincos, which then reads Concat(Cos, Sin) as it is
     ("sincos", sinusoids.merge_sinusoids),

@@ -48,7 +48,8 @@ Families (``FAMILIES``):
                another axis or scaled per row, a joint attention cut where the streams do not meet or whose
                softmax is over the queries, a projection chunked along the batch, an L2 norm over a middle axis
                or two axes, with eps 0.1 / 0.5 outside the root, of another tensor than the one reduced).
-  generality   rotary embeddings (rotate-half and interleaved pairs, near misses), AdaLN modulation (chunks,
+  generality   rotary embeddings (rotate-half and interleaved pairs; the halves' products joined, stacked or
+               scattered; near misses), AdaLN modulation (chunks,
                tables, scale-shift), streams cut back along the sequence, Einsum, a modulation table read a
                few rows at a time (Slice, flatten + chunk, one Split; overlapping rows, step 2, a row output),
                tanh / sigmoid gates of one conditioning vector (a shared projection, another op, another
@@ -1394,6 +1395,55 @@ def step_rotary(g: G, x: str) -> str:
     return _project(g, g.op("Reshape", [y, g.ints([b, s, heads * d])], (b, s, heads * d)), c)
 
 
+def step_rotary_products(g: G, x: str) -> str:
+    """Rotary position embeddings written as the halves' products, with constant tables [1, S, 1, D/2] (or
+    graph inputs: then the products stay): ``x1 c - x2 s`` and ``x1 s + x2 c`` joined (a Concat of the halves),
+    stacked (interleaved: each viewed [.., D/2, 1], a Concat, a Reshape), or scattered as dynamo writes
+    ``out[..., 0::2] = ...; out[..., 1::2] = ...`` (the last axis moved first, two ScatterNDs over zeros, moved
+    back); the halves cut by Slice or Split, as the first and second halves or the even and odd elements."""
+    b, s, c = g.shape[x]
+    heads, d = g.num(1, 2), 2 * g.num(1, 4)
+    h = d // 2
+    q = _project(g, x, heads * d, keep_rank=True)
+    t = g.op("Reshape", [q, g.ints([b, s, heads, d])], (b, s, heads, d))
+    half = (b, s, heads, h)
+    if g.flag():  # the first and second halves
+        if g.flag():
+            x1, x2 = g.op_n("Split", [t], [half] * 2, axis=-1, num_outputs=2)
+        else:
+            x1 = g.op("Slice", [t, g.ints([0]), g.ints([h]), g.ints([-1])], half)
+            x2 = g.op("Slice", [t, g.ints([h]), g.ints([d]), g.ints([-1])], half)
+    else:  # the even and odd elements, as a view [.., D/2, 2] cut and squeezed
+        pairs = g.op("Reshape", [t, g.ints([b, s, heads, h, 2])], (b, s, heads, h, 2))
+        cut = [g.op("Slice", [pairs, g.ints([k]), g.ints([k + 1]), g.ints([-1])], (*half, 1)) for k in (0, 1)]
+        x1, x2 = (g.op("Reshape", [v, g.ints(list(half))], half) for v in cut)
+    source = g.pick(["constant", "input"])
+    if source == "constant":
+        ang = g.rng.uniform(-3, 3, (1, s, 1, h))
+        cos, sin = g.fconst(np.cos(ang), "cos"), g.fconst(np.sin(ang), "sin")
+    else:
+        cos, sin = g.input((1, s, 1, h), "cos"), g.input((1, s, 1, h), "sin")
+    a = g.bin("Sub", g.bin("Mul", x1, cos), g.bin("Mul", x2, sin))
+    r = g.bin("Add", g.bin("Mul", x1, sin), g.bin("Mul", x2, cos))
+    form = g.pick(["joined", "stacked", "scattered"])
+    full = (b, s, heads, d)
+    if form == "joined":
+        y = g.op("Concat", [a, r], full, axis=-1)
+    elif form == "stacked":
+        parts = [g.op("Reshape", [v, g.ints([*half, 1])], (*half, 1)) for v in (a, r)]
+        y = g.op("Reshape", [g.op("Concat", parts, (*half, 2), axis=-1), g.ints(list(full))], full)
+    else:
+        moved = (h, s, heads, b)
+        base = g.fconst(np.zeros((d, s, heads, b)), "zeros")
+        for k, v in enumerate((a, r)):
+            upd = g.op("Transpose", [v], moved, perm=[3, 1, 2, 0])
+            base = g.op("ScatterND", [base, g.tensor(np.arange(k, d, 2, dtype=np.int64)[:, None], "rows"), upd],
+                        (d, s, heads, b))
+        y = g.op("Transpose", [base], full, perm=[3, 1, 2, 0])
+    g.desc.append(f"RotaryProducts(heads={heads}, d={d}, {form}, tables {source})")
+    return _project(g, g.op("Reshape", [y, g.ints([b, s, heads * d])], (b, s, heads * d)), c)
+
+
 def nm_rotary_variants(g: G, x: str) -> str:
     """Near the rotation, but not a signed permutation of each row: the halves swapped along the sequence
     (mixing rows), or added (not one element each)."""
@@ -2698,6 +2748,7 @@ STEPS: dict[str, Step] = {
     "joint_attention": Step(step_joint_attention, (3,)),
     "adaln_chunks": Step(step_adaln_chunks, (2,)),
     "rotary": Step(step_rotary, (3,)),
+    "rotary_products": Step(step_rotary_products, (3,)),
     "modulation": Step(step_modulation, (3, 4)),
     "streams": Step(step_streams, (3,)),
     "table_rows": Step(step_table_rows, (3,)),
@@ -2762,8 +2813,8 @@ FAMILIES: dict[str, list[str]] = {
     "block": ["resnet_block", "vae_attention_block", "transformer_block", "upsample_block", "downsample_block",
               "unet_skip_block"],
     "mmdit": ["rms_norm", "joint_attention", "adaln_chunks"],
-    "generality": ["rotary", "modulation", "streams", "einsum", "table_rows", "gates", "pad_tokens",
-                   "size_conditions", "grouped_attention", "decoder_attention", "unrolled_loops"],
+    "generality": ["rotary", "rotary_products", "modulation", "streams", "einsum", "table_rows", "gates",
+                   "pad_tokens", "size_conditions", "grouped_attention", "decoder_attention", "unrolled_loops"],
     "near_miss": list(NEAR_MISSES),
     "mutation": [f"mut_{name}" for name in MUTATIONS],
 }

@@ -131,6 +131,45 @@ def test_a_scatter_of_a_block_of_rows_is_a_concat(rows, fires):
     assert dict(ops(irm)) == ({"Relu": 1, "Slice": 2, "Concat": 1} if fires else {"Relu": 1, "ScatterND": 1})
 
 
+@pytest.mark.parametrize("case", ["interleave", "transposed", "three", "computed", "half", "unordered"])
+def test_scatters_of_every_row_in_turn_are_an_interleave(case):
+    """``out[..., 0::2] = a; out[..., 1::2] = b`` as dynamo exports it: the axis moved first, two ScatterNDs
+    writing rows 0, 2, 4 and 1, 3, 5 over zeros (Wan's rotary). An interleave (each update viewed [3, 1, ..], a
+    Concat, a Reshape), and where the updates are Transposes of one perm, of their inputs then one Transpose;
+    bit for bit; a computed value the scatters overwrite everywhere goes. Near misses stay: rows left with the
+    data's (half), rows written out of order (unordered)."""
+    stride = 3 if case == "three" else 2
+    rows = 3 * stride
+    nodes, inputs, inits = [], {}, {"base": np.zeros((rows, 2, 4), np.float32)}
+    data = "base"
+    if case == "computed":
+        nodes.append(n("Relu", ["v"], ["data"]))
+        inputs["v"], data = [rows, 2, 4], "data"
+    for r in range(1 if case == "half" else stride):
+        at = np.arange(r, rows, stride)
+        inits[f"i{r}"] = (at[::-1] if case == "unordered" and r == 1 else at)[:, None].astype(np.int64)
+        if case == "transposed":  # the update [3, 2, 4] moved from [2, 4, 3]
+            inputs[f"u{r}"] = [2, 4, 3]
+            nodes.append(n("Transpose", [f"u{r}"], [f"t{r}"], perm=[2, 0, 1]))
+        else:
+            inputs[f"u{r}"] = [3, 2, 4]
+            nodes.append(n("Relu", [f"u{r}"], [f"t{r}"]))
+        nodes.append(n("ScatterND", [data, f"i{r}", f"t{r}"], [f"s{r}"]))
+        data = f"s{r}"
+    nodes.append(n("Identity", [data], ["y"]))
+    irm, counts = rewritten(model(nodes, inputs, {"y": [rows, 2, 4]}, inits), movement.interleave_row_scatters, sweep)
+    fires = case not in ("half", "unordered")
+    assert counts["strided ScatterND rows -> interleave"] == int(fires)
+    kinds = dict(ops(irm))
+    assert ("ScatterND" in kinds) != fires
+    if case == "transposed":
+        assert kinds == {"Reshape": 3, "Concat": 1, "Transpose": 1, "Identity": 1}
+        cat = next(x for x in irm.graph if x.op_type == "Concat")
+        assert cat.attributes["axis"].value == 3  # the updates' inputs' last axis, interleaved there
+    if case == "computed":
+        assert kinds == {"Relu": 2, "Reshape": 3, "Concat": 1, "Identity": 1}
+
+
 @pytest.mark.parametrize("also_read", [False, True])
 def test_a_scalar_broadcast_chain_is_one_expand_or_none(also_read):
     """The timestep broadcast to the batch: one Expand, and none where all it meets is a constant (broadcast

@@ -9,10 +9,12 @@ from __future__ import annotations
 import numpy as np
 import onnx
 import pytest
+import torch
 from onnx import helper
 
 from sdnpu.passes.canonical import rotary
 from sdnpu.passes.canonical.driver import sweep
+from sdnpu.passes.pipeline import canonicalize
 
 from .graphs import model, ops, rewritten
 
@@ -78,7 +80,7 @@ def test_a_movement_across_the_rows_stays():
 
 
 H = 2
-PAIR = "rotations by tables of 2 x 2 matrices -> x * A + (x @ P) * B"
+PAIR = SUMS = "rotations by constant tables -> x * A + (x @ P) * B"
 
 
 def rope_matrices(pick: str = "gather", tables: str = "constant", source: str = "heads") -> onnx.ModelProto:
@@ -170,3 +172,58 @@ def test_a_rotation_of_the_projection_a_head_split_views():
                             rotary.write_rotations_as_matmuls, sweep)
     assert counts["signed permutations (rotary embeddings) -> MatMul"] == 1
     assert not ops(irm)["Neg"] and not ops(irm)["Slice"] and ops(irm)["MatMul"] == 2
+
+
+ULPS = 2.0  # measured: 0 (bit for bit) on all three
+
+
+class _ExportedRope(torch.nn.Module):
+    """A projection, its heads, a rotary with constant tables in one of its exported spellings, the heads moved
+    first (as attention reads them). ``wan``: diffusers' ``WanAttnProcessor`` (``out[..., 0::2] = x1 c - x2 s``,
+    two ScatterNDs once dynamo exports it); ``cat``: the halves' products joined (``cat(x1 c - x2 s, x1 s + x2
+    c)``); ``computed``: that, its tables scaled by a graph input (the CPU's: it stays)."""
+
+    def __init__(self, spelling: str) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.spelling, self.proj = spelling, torch.nn.Linear(H * D, H * D)
+        angle = torch.randn(1, S, 1, D // 2)
+        self.register_buffer("cos", angle.cos().repeat_interleave(2, -1) if spelling == "wan" else angle.cos())
+        self.register_buffer("sin", angle.sin().repeat_interleave(2, -1) if spelling == "wan" else angle.sin())
+
+    def forward(self, x: torch.Tensor, t: torch.Tensor) -> torch.Tensor:
+        q = self.proj(x).unflatten(2, (H, D))
+        if self.spelling == "wan":
+            x1, x2 = q.unflatten(-1, (-1, 2)).unbind(-1)
+            c, s = self.cos[..., 0::2], self.sin[..., 1::2]
+            out = torch.empty_like(q)
+            out[..., 0::2] = x1 * c - x2 * s
+            out[..., 1::2] = x1 * s + x2 * c
+        else:
+            c, s = (self.cos * t, self.sin * t) if self.spelling == "computed" else (self.cos, self.sin)
+            x1, x2 = q.chunk(2, -1)
+            out = torch.cat([x1 * c - x2 * s, x1 * s + x2 * c], -1)
+        return out.transpose(1, 2)
+
+
+@pytest.mark.parametrize("spelling", ["wan", "cat", "computed"])
+def test_an_exported_rotation_of_sums_is_two_products(tmp_path, spelling):
+    """dynamo's export of each spelling through the canonical steps: x * A + (x @ P) * B, P a [D, D] movement
+    of each head's row, no ScatterND, Slice or Split left; within 2 float32 ulps of onnxruntime's run of the
+    export at the output's scale (measured: bit for bit on all three). Tables the graph computes from its
+    inputs (``computed``): nothing rewritten."""
+    path = tmp_path / "rope.onnx"
+    args = (torch.randn(B, S, H * D), torch.ones(1))
+    torch.onnx.export(_ExportedRope(spelling).eval(), args, str(path), dynamo=True, input_names=["x", "t"],
+                      verbose=False)
+    m = onnx.load(str(path))
+    assert (spelling == "wan") == any(x.op_type == "ScatterND" for x in m.graph.node)
+    irm, counts = rewritten(m, canonicalize, ulps=ULPS)
+    kinds = ops(irm)
+    rotations = [x for x in irm.graph if x.op_type == "MatMul" and x.inputs[1].const_value is not None
+                 and x.inputs[1].const_value.numpy().shape == (D, D) and "rotation" in x.inputs[1].name]
+    if spelling == "computed":
+        assert counts[SUMS] == 0 and not rotations
+        return
+    assert counts[SUMS] == 1 and len(rotations) == 1
+    assert not kinds["ScatterND"] and not kinds["Slice"] and not kinds["Split"], dict(kinds)

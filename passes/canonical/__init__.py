@@ -15,14 +15,16 @@ here holds one concern:
     movement     movement normal forms: Reshape for Squeeze / Unsqueeze / Flatten, explicit Transpose perms,
                  Tile and the head repeat's Expand as Concat, a zero Pad into its Conv (any rank), nearest
                  upsampling gathers and pixel repeats as Resize, Einsum as Transpose / MatMul (an outer
-                 product a Mul), row-block ScatterND as Concat, broadcast chains as one Expand or a constant
+                 product a Mul), row-block ScatterND as Concat, ScatterNDs writing every row in turn as an
+                 interleave, broadcast chains as one Expand or a constant
     convs        a Conv3d or Conv1d as the 2-D Conv over a view of its input (frames folded into the batch, a
                  temporal conv over the [B, C, F, H*W] view, frames stacked in channels)
     sinusoids    the sinusoidal embeddings as one Sin with a phase; several inputs' chains as one
     loops        per-item loops an exporter unrolled, as the batched movement they are
     tables       the CPU tables computed from the graph's inputs, in as few nodes as it takes
-    rotary       the rotary embeddings' rotation as a MatMul by a signed permutation; a rotation whose tables
-                 are 2 x 2 matrices (BFL's, HiDream's apply_rope) as x * A + (x @ P) * B
+    rotary       the rotary embeddings' rotation as a MatMul by a signed permutation; a rotation by constant
+                 tables in any spelling (2 x 2 matrices, the halves' products joined or interleaved) as
+                 x * A + (x @ P) * B
     heads        the head split's Transpose moved below the per-head arithmetic (the rotary, whole or on parts
                  of each head, the grouped-query repeat) down to the attention's products, which read the heads
                  through it

@@ -7,7 +7,8 @@
 - a zero Pad in front of a Conv becomes the Conv's pads;
 - an Einsum that moves data or multiplies matrices is a Transpose, or a batched MatMul between Transposes and
   Reshapes;
-- a ScatterND that writes a block of whole rows is the Concat it is;
+- a ScatterND that writes a block of whole rows is the Concat it is, and a chain of them that writes every
+  row in turn (``out[..., 0::2] = a; out[..., 1::2] = b``) the interleave it is;
 - a GatherND of constant indices, or a chain of Reshape / Expand / Transpose, that copies each pixel into an
   s x s block (dynamo's nearest-exact upsampling, Wan 2.2's DupUp3D) is the nearest-upsampling Resize it is;
 - a Gather of constant indices that picks, through movement, exactly one operand of a Concat (SVD's temporal
@@ -273,6 +274,89 @@ def concat_row_scatters(node: ir.Node) -> bool:
     y = b.op("Concat", [v for _, v in parts], {"axis": axis}, dtype=node.outputs[0].dtype,
              shape=list(d_shape)).outputs[0]
     replace(graph, node, [node], b.nodes, [node.outputs[0]], [y])
+    return True
+
+
+def _row_scatter(node: ir.Node, rows: int) -> tuple[np.ndarray, ir.Value] | None:
+    """(rows written, updates) of a ScatterND that writes whole rows along axis 0 of data with ``rows`` rows
+    (constant indices [m, 1], no reduction), in the order of the updates' rows; None otherwise."""
+    if node.op_type != "ScatterND" or node.domain not in ("", "ai.onnx") or len(node.inputs) != 3:
+        return None
+    ix, upd = const(node.inputs[1]), node.inputs[2]
+    if ix is None or upd is None or attr(node, "reduction", "none") not in ("none", b"none") or ix.ndim != 2 or \
+            ix.shape[1] != 1:
+        return None
+    at = ix[:, 0].astype(np.int64)
+    at = np.where(at < 0, at + rows, at)
+    return (at, upd) if np.all((at >= 0) & (at < rows)) else None
+
+
+@node_rewrite("strided ScatterND rows -> interleave", "ScatterND")
+def interleave_row_scatters(node: ir.Node) -> bool:
+    """A chain of ScatterNDs that writes every row along axis 0 of its data, each writing rows r, r + s,
+    r + 2s, ... from its updates in order (``out[..., 0::2] = a; out[..., 1::2] = b``, which dynamo exports
+    with the axis moved first: Wan's rotary), is the interleave of the updates: each viewed [n, 1, ...], a
+    Concat, a Reshape to [n s, ...]. Where every update is a Transpose of the same perm p (the axis moved first),
+    the interleave is of the Transposes' inputs along axis p[0], then one Transpose p: the rows of the value it
+    interleaves stay those of its producers (the rotary reads them so). Anchored at the chain's last scatter;
+    the data it starts from is overwritten everywhere and goes."""
+    out = node.outputs[0]
+    if any(u.node.op_type == "ScatterND" and u.idx == 0 for u in out.uses()):
+        return False  # not the end of its chain
+    d_shape = static_shape(out)
+    if d_shape is None or not d_shape:
+        return False
+    chain: list[tuple[np.ndarray, ir.Value]] = []
+    cur: ir.Node | None = node
+    while cur is not None:
+        found = _row_scatter(cur, d_shape[0])
+        if found is None:
+            break
+        chain.insert(0, found)
+        data = cur.inputs[0]
+        cur = data.producer() if data is not None and len(data.uses()) == 1 and not data.is_graph_output() else None
+    if len(chain) < 2:
+        return False
+    rows = d_shape[0]
+    owner, pos = np.full(rows, -1), np.zeros(rows, np.int64)
+    for j, (at, _) in enumerate(chain):
+        owner[at], pos[at] = j, np.arange(at.size)
+    stride = len(chain)
+    if np.any(owner < 0) or rows % stride:
+        return False  # some rows keep the data's: not an interleave (the row-block rule's, or the CPU's)
+    n = rows // stride
+    phases = []
+    for r in range(stride):
+        at, upd = chain[owner[r]]
+        u_shape = static_shape(upd)
+        if not (np.all(owner[r::stride] == owner[r]) and np.array_equal(pos[r::stride], np.arange(n))
+                and u_shape is not None and tuple(u_shape) == (n, *d_shape[1:])):
+            return False
+        phases.append(upd)
+    if len({id(p) for p in phases}) != stride:
+        return False
+    tps = [p.producer() for p in phases]
+    perms = {tuple(attr(t, "perm", [])) if t is not None and t.op_type == "Transpose" and t.domain in ("", "ai.onnx")
+             else None for t in tps}
+    perm = next(iter(perms)) if len(perms) == 1 else None
+    if perm:
+        phases = [t.inputs[0] for t in tps]  # type: ignore[union-attr,misc]
+    axis = perm[0] if perm else 0
+    p_shape = static_shape(phases[0])
+    if p_shape is None:
+        return False
+    graph = graph_of(node)
+    b = Builder(graph, RULE)
+    one = [*p_shape[:axis + 1], 1, *p_shape[axis + 1:]]
+    parts = [b.op("Reshape", [p, b.const(np.asarray(one, np.int64), "shape")], dtype=out.dtype, shape=one).outputs[0]
+             for p in phases]
+    both = [*p_shape[:axis + 1], stride, *p_shape[axis + 1:]]
+    cat = b.op("Concat", parts, {"axis": axis + 1}, dtype=out.dtype, shape=both).outputs[0]
+    whole = [*p_shape[:axis], rows, *p_shape[axis + 1:]]
+    y = b.op("Reshape", [cat, b.const(np.asarray(whole, np.int64), "shape")], dtype=out.dtype, shape=whole).outputs[0]
+    if perm:
+        y = b.op("Transpose", [y], {"perm": list(perm)}, dtype=out.dtype, shape=d_shape).outputs[0]
+    replace(graph, node, [node], b.nodes, [out], [y])
     return True
 
 

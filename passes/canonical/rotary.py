@@ -6,14 +6,19 @@ axis the same way for every row, is that tensor times a constant signed permutat
 (cat(-x2, x1)) and the interleaved pairs' stack(-x_odd, x_even) become one [D, D] MatMul, which the Gemm rule
 puts on the NPU. The subgraph is read by running it on x = 1, 2, 3, ...: each output is plus or minus one input.
 
-The rotation written with its tables as 2 x 2 matrices (BFL's ``apply_rope``, HiDream's: x viewed
-[.., D/2, 1, 2], ``f[..., 0] * x[..., 0] + f[..., 1] * x[..., 1]`` with f [.., D/2, 2, 2]) is a sum of
-constant tables times movements of x, each reading within x's row of its last axis: each term is
-``(x @ P) * A``, P the [D, D] movement of the row (the identity for x itself), A the term's table in x's shape
-(each axis along which it does not vary kept as 1: the heads, the batch), the terms added in their order. Of
-two terms, the first takes each column's own element (a + b is b + a, exactly): x * A + (x @ P) * B, P the
-pairs swapped, one MatMul. The same products and sums, exact; a table the CPU computes from the graph's inputs
-leaves the rotation as it is.
+A rotation written with its tables as constants is a linear map of one tensor x whose every output element
+reads at most two elements of its row of x: ``sum_k (x @ P_k) * A_k``, P_k a [D, D] movement of the row (the
+identity for x itself), A_k a table in x's shape (each axis along which it does not vary kept as 1: the heads,
+the batch). The map is read by running its nodes (movements, Neg, Mul by a constant, Add, Sub, Concat,
+ScatterND) on arrays that name, for each element, the element of x it reads and its coefficient, in float64
+(a coefficient that is a product of constants is taken once, rounded to float32; one table's, as it is). That
+takes every spelling seen: the tables as 2 x 2 matrices (BFL's ``apply_rope``, HiDream's: x viewed [.., D/2,
+1, 2], ``f[..., 0] * x[..., 0] + f[..., 1] * x[..., 1]``), the halves' products joined (``cat(x1 c - x2 s,
+x1 s + x2 c)``) or interleaved (Wan's ``out[..., 0::2] = x1 c - x2 s``, an interleave once
+``movement.interleave_row_scatters`` has read its ScatterNDs), and ``x cos + rotate_half(x) sin``. Of two
+terms, the first takes each column's own element (a + b is b + a, exactly): x * A + (x @ P) * B, one MatMul.
+A table the CPU computes from the graph's inputs leaves the products as they are (their rotation alone is
+the signed permutation's MatMul).
 
 A function of the whole graph, not a node rewrite: it reads the edge region (``tables.edge_values``: a table
 the CPU computes from the graph's inputs stays as it is, as a MatMul it would cost MACs there) once for every
@@ -30,7 +35,7 @@ from onnx.reference import ReferenceEvaluator
 from sdnpu.passes.canonical.constants import TARGET_OPSET
 from sdnpu.passes.canonical.driver import RULE
 from sdnpu.passes.canonical.tables import edge_values
-from sdnpu.passes.irutil import Builder, remove_dead_nodes, reroute, static_shape
+from sdnpu.passes.irutil import Builder, attr, remove_dead_nodes, reroute, static_shape
 from sdnpu.passes.manager import PassResult
 
 _SIGNED_MOVES = frozenset({"Reshape", "Transpose", "Slice", "Split", "Gather", "Neg", "Concat"})
@@ -101,9 +106,15 @@ def _probe(x: ir.Value, y: ir.Value, nodes: list[ir.Node]) -> np.ndarray | None:
 
 
 def _viewed(b: Builder, x: ir.Value, shape: tuple[int, ...]) -> ir.Value:
-    """``x`` in ``shape`` (a Reshape, a view the reader absorbs), or ``x`` itself where it has that shape."""
-    if static_shape(x) == shape:
-        return x
+    """``x`` in ``shape``: the value up its chain of Reshapes that has that shape (x itself, or the heads x's
+    pairs view), else a Reshape of the chain's start (a view the reader absorbs)."""
+    up: ir.Value | None = x
+    while up is not None:
+        if static_shape(up) == shape:
+            return up
+        x = up  # else the chain's start, viewed: its other views go where nothing else reads them
+        p = up.producer()
+        up = p.inputs[0] if p is not None and p.op_type == "Reshape" and p.domain in ("", "ai.onnx") else None
     return b.op("Reshape", [x, b.const(np.array(shape, np.int64), "shape")], dtype=x.dtype, shape=shape).outputs[0]
 
 
@@ -111,53 +122,11 @@ def write_rotations_as_matmuls(model: ir.Model) -> PassResult:
     """Every rotation outside the edge region as a MatMul by its signed permutation (``_rotations``)."""
     graph = model.graph
     edge = edge_values(graph)
-    pairs = _table_rotations(graph, edge)
-    done = _rotations(graph, edge_values(graph) if pairs else edge)
-    return PassResult(modified=bool(done or pairs), counts={
+    done = _rotations(graph, edge)  # first: a signed permutation keeps its signs in its matrix
+    sums = _linear_rotations(graph, edge_values(graph) if done else edge)
+    return PassResult(modified=bool(done or sums), counts={
         "signed permutations (rotary embeddings) -> MatMul": done,
-        "rotations by tables of 2 x 2 matrices -> x * A + (x @ P) * B": pairs})
-
-
-_ROW_MOVES = frozenset({"Reshape", "Transpose", "Slice", "Split", "Gather", "Neg"})  # one data input each
-
-
-def _moved_term(v: ir.Value, shape: tuple[int, ...]) -> tuple[ir.Value, list[ir.Node]] | None:
-    """(x, nodes): ``v`` computed up a chain of one-input movements and negations with constant parameters
-    (``_ROW_MOVES``) from the nearest value ``x`` of ``shape``, or else from the chain's start where it holds as
-    many elements (the [B, S, C] projection a head split reshapes); None otherwise."""
-    nodes: list[ir.Node] = []
-    cur = v
-    while True:
-        if nodes and static_shape(cur) == shape:
-            return cur, nodes
-        p = cur.producer()
-        if (p is None or p.op_type not in _ROW_MOVES or p.domain not in ("", "ai.onnx") or p.inputs[0] is None
-                or any(w is not None and w.const_value is None for w in p.inputs[1:])):
-            start = static_shape(cur)
-            if nodes and start is not None and int(np.prod(start)) == int(np.prod(shape)):
-                return cur, nodes
-            return None
-        nodes.append(p)
-        cur = p.inputs[0]
-
-
-def _terms(v: ir.Value, top: bool = True) -> list[ir.Node] | None:
-    """The Muls whose sum ``v`` is (a tree of Adds, each inner one read by its parent alone), in the order they
-    are added; None where it is not such a sum."""
-    p = v.producer()
-    if p is None or p.domain not in ("", "ai.onnx") or (not top and (len(v.uses()) != 1 or v.is_graph_output())):
-        return None
-    if p.op_type == "Mul":
-        return [p]
-    if p.op_type != "Add" or any(w is None for w in p.inputs):
-        return None
-    out: list[ir.Node] = []
-    for w in p.inputs:
-        sub = _terms(w, top=False)  # type: ignore[arg-type]
-        if sub is None:
-            return None
-        out += sub
-    return out
+        "rotations by constant tables -> x * A + (x @ P) * B": sums})
 
 
 def _smallest_broadcast(a: np.ndarray) -> np.ndarray:
@@ -166,82 +135,6 @@ def _smallest_broadcast(a: np.ndarray) -> np.ndarray:
         if a.shape[axis] > 1 and np.all(a == a.take([0], axis=axis)):
             a = a.take([0], axis=axis)
     return np.ascontiguousarray(a)
-
-
-def _table_rotations(graph: ir.Graph, edge: set[ir.Value]) -> int:
-    """Each sum of constant tables times movements of one tensor x within its rows (``y = Add(Mul(t0, m0(x)),
-    Mul(t1, m1(x)), ...)``, maybe through a Reshape back to x's shape) as ``sum_k (x @ P_k) * A_k``: the rotary
-    with its tables written as 2 x 2 matrices (module docstring). The movements are read by running them on
-    x = 1, 2, 3, ...; the tables broadcast to the sum's shape."""
-    done = 0
-    for node in list(graph):
-        if node.graph is None or node.op_type not in ("Add", "Reshape") or node.domain not in ("", "ai.onnx"):
-            continue
-        y = node.outputs[0]
-        shape = static_shape(y)
-        if shape is None or not shape or y.dtype != ir.DataType.FLOAT or shape[-1] > _MAX_ROTATION:
-            continue
-        total = node if node.op_type == "Add" else node.inputs[0].producer()  # type: ignore[union-attr]
-        if total is None or total.op_type != "Add" or (total is not node and len(total.outputs[0].uses()) != 1):
-            continue
-        if node.op_type == "Add" and any(u.node.op_type in ("Add", "Reshape") for u in y.uses()):
-            continue  # the outermost node of the sum is the one rewritten
-        sum_shape = static_shape(total.outputs[0])
-        muls = _terms(total.outputs[0])
-        if sum_shape is None or muls is None or len(muls) < 2 or int(np.prod(sum_shape)) != int(np.prod(shape)):
-            continue
-        d, n = shape[-1], int(np.prod(shape))
-        terms: list[tuple[np.ndarray, np.ndarray]] = []  # (column map of a row, table in y's shape)
-        x = None
-        for mul in muls:
-            sides = [i for i, w in enumerate(mul.inputs) if w is not None and w.const_value is not None]
-            if len(sides) != 1 or static_shape(mul.outputs[0]) != sum_shape:
-                break
-            table = mul.inputs[sides[0]].const_value.numpy()  # type: ignore[union-attr]
-            found = _moved_term(mul.inputs[1 - sides[0]], shape)  # type: ignore[arg-type]
-            if found is None or (x is not None and found[0] is not x) or found[0] in edge:
-                break
-            x = found[0]
-            moved = _probe(x, mul.inputs[1 - sides[0]], found[1])  # type: ignore[arg-type]
-            if moved is None or table.dtype != np.float32:
-                break
-            try:
-                at = np.broadcast_to(moved, sum_shape).reshape(-1)
-                coef = np.broadcast_to(table, sum_shape).reshape(shape)
-            except ValueError:
-                break
-            src = np.abs(at).astype(np.int64) - 1
-            cols = (src % d).reshape(-1, d)
-            if np.any(src // d != np.arange(n) // d) or not np.all(cols == cols[:1]):
-                break
-            terms.append((cols[0], coef * np.sign(at).reshape(shape).astype(np.float32)))
-        else:
-            if x is None or all(np.array_equal(c, np.arange(d)) for c, _ in terms):
-                continue
-            if len(terms) == 2:  # each column's own element read by the first term (a + b is b + a, exactly)
-                (c0, a0), (c1, a1) = terms
-                swap = (c1 == np.arange(d)) & (c0 != np.arange(d))
-                terms = [(np.where(swap, c1, c0), np.where(swap, a1, a0)),
-                         (np.where(swap, c0, c1), np.where(swap, a0, a1))]
-            b = Builder(graph, RULE)
-            x = _viewed(b, x, shape)  # the flat order is the rows'
-            acc = None
-            for cols, coef in terms:
-                moved_x = x
-                if not np.array_equal(cols, np.arange(d)):
-                    rows = np.zeros((d, d), np.float32)
-                    rows[cols, np.arange(d)] = 1.0
-                    moved_x = b.op("MatMul", [x, b.const(rows, "rotation")], dtype=y.dtype, shape=shape).outputs[0]
-                term = b.op("Mul", [moved_x, b.const(_smallest_broadcast(coef), "rotary_table")], dtype=y.dtype,
-                            shape=shape).outputs[0]
-                acc = term if acc is None else b.op("Add", [acc, term], dtype=y.dtype, shape=shape).outputs[0]
-            graph.insert_before(node, b.nodes)
-            reroute(graph, y, acc)  # type: ignore[arg-type]
-            done += 1
-    if done:
-        remove_dead_nodes(graph)
-        graph.sort()
-    return done
 
 
 def _rotations(graph: ir.Graph, edge: set[ir.Value]) -> int:
@@ -291,6 +184,237 @@ def _rotations(graph: ir.Graph, edge: set[ir.Value]) -> int:
             graph.insert_before(node, b.nodes)
             reroute(graph, y, mm.outputs[0])
             done += 1
+    if done:
+        remove_dead_nodes(graph)
+        graph.sort()
+    return done
+
+
+_MOVES = frozenset({"Reshape", "Transpose", "Slice", "Split", "Gather", "Squeeze", "Unsqueeze", "Identity"})
+_LINEAR = _MOVES | {"Neg", "Mul", "Add", "Sub", "Concat", "ScatterND"}  # a linear map of one tensor, tables constant
+_MAX_TERMS = 2  # a rotation's output element reads two of its input's
+_MIN_HEAD = 8  # rows narrower than this are a rotation's pairs, not a head's channels
+_MAX_MAP_NODES = 64  # the most nodes a rotation's map is read through
+
+
+def _linear_inputs(node: ir.Node) -> list[ir.Value] | None:
+    """The inputs through which ``node`` is linear in a tensor (its other inputs constant), or None where it is
+    not such a node: movements with constant parameters, Neg, Mul by a constant, Add, Sub, Concat, a
+    ScatterND with constant indices onto data that is a region value or zeros."""
+    if node.op_type not in _LINEAR or node.domain not in ("", "ai.onnx") or any(w is None for w in node.inputs):
+        return None
+    ins: list[ir.Value] = list(node.inputs)  # type: ignore[arg-type]
+    if node.op_type in ("Add", "Sub", "Concat"):
+        data = ins
+    elif node.op_type == "Mul":
+        data = [w for w in ins if w.const_value is None]
+        if len(data) != 1:
+            return None
+    elif node.op_type == "ScatterND":
+        base = ins[0].const_value
+        if attr(node, "reduction", "none") not in ("none", b"none") or ins[1].const_value is None:
+            return None
+        data = [ins[2]] if base is not None and not np.any(base.numpy()) else [ins[0], ins[2]]
+    else:
+        data = [ins[0]]
+    if any(w.const_value is not None for w in data) or any(
+            w.const_value is None for w in ins if w not in data and not (node.op_type == "ScatterND" and w is ins[0])):
+        return None
+    return data
+
+
+def _dominator(y: ir.Value, order: dict[int, int]) -> tuple[ir.Value, list[ir.Node]] | None:
+    """(x, nodes): the nearest value ``x`` that every path up from ``y`` through linear nodes
+    (``_linear_inputs``) passes, above at least one node that sums or joins two of them, and the nodes
+    between, in graph order (``order``: each node's position); None where there is none. Expanded from the
+    latest value up, the frontier of values is one value at each such meeting point."""
+    frontier: dict[int, ir.Value] = {id(y): y}
+    nodes: dict[int, ir.Node] = {}
+    joined = False
+    while True:
+        if len(frontier) == 1 and joined:
+            return next(iter(frontier.values())), sorted(nodes.values(), key=lambda n: order[id(n)])
+        latest = max(frontier.values(), key=lambda v: order.get(id(v.producer()), -1))
+        p = latest.producer()
+        data = _linear_inputs(p) if p is not None and id(p) in order else None
+        if not data or len(nodes) >= _MAX_MAP_NODES:
+            return None
+        nodes[id(p)] = p  # type: ignore[index]
+        joined = joined or len(data) > 1
+        del frontier[id(latest)]
+        for w in data:
+            frontier[id(w)] = w
+
+
+def _run_node(node: ir.Node, arrays: list[np.ndarray | None]) -> list[np.ndarray]:
+    """``node`` run on ``arrays`` in place of its inputs (None: the input's constant), float64, by the reference
+    evaluator."""
+    proto = ir.serde.serialize_node(node)
+    names = [f"in{i}" for i in range(len(node.inputs))]
+    del proto.input[:]
+    proto.input.extend(names)
+    del proto.output[:]
+    proto.output.extend(f"out{i}" for i in range(len(node.outputs)))
+    feeds = {n: (a if a is not None else node.inputs[i].const_value.numpy())  # type: ignore[union-attr]
+             for i, (n, a) in enumerate(zip(names, arrays))}
+    g = helper.make_graph([proto], "term", [helper.make_tensor_value_info(n, helper.np_dtype_to_tensor_dtype(
+        np.asarray(a).dtype), np.asarray(a).shape) for n, a in feeds.items()],
+        [helper.make_tensor_value_info(o, 0, None) for o in proto.output])
+    model = helper.make_model(g, opset_imports=[helper.make_opsetid("", TARGET_OPSET)])
+    return [np.asarray(o) for o in ReferenceEvaluator(model).run(None, feeds)]
+
+
+def _linear_terms(x: ir.Value, y: ir.Value, nodes: list[ir.Node]) -> list[tuple[np.ndarray, np.ndarray]] | None:
+    """``y`` as terms (source, coefficient), arrays in y's shape: y = sum_t coefficient_t * x.flat[source_t - 1]
+    (source 0: no element). Each node of the linear map from ``x`` runs on the terms' arrays (a movement moves
+    both alike, a Mul scales the coefficients, a sum joins the terms, a ScatterND writes each term's arrays
+    over zeros); exact, in float64. None where a node cannot run so."""
+    shape = static_shape(x)
+    if shape is None or int(np.prod(shape)) > 1 << 24:
+        return None
+    n = int(np.prod(shape))
+    terms: dict[int, list[tuple[np.ndarray, np.ndarray]]] = {
+        id(x): [(np.arange(1, n + 1, dtype=np.float64).reshape(shape), np.ones(shape))]}
+    try:
+        for node in nodes:
+            ins = [terms.get(id(w)) if w is not None else None for w in node.inputs]
+            out_shape = static_shape(node.outputs[0])
+            op = node.op_type
+            if op in ("Add", "Sub", "Mul"):
+                if out_shape is None:
+                    return None
+                new = []
+                for i, t in enumerate(ins):
+                    if t is None:
+                        continue
+                    sign = -1.0 if op == "Sub" and i == 1 else 1.0
+                    scale = node.inputs[1 - i].const_value.numpy().astype(np.float64) if op == "Mul" else sign
+                    new += [(np.broadcast_to(s, out_shape), np.broadcast_to(c * scale, out_shape)) for s, c in t]
+                terms[id(node.outputs[0])] = new
+            elif op == "Neg":
+                terms[id(node.outputs[0])] = [(s, -c) for s, c in ins[0]]  # type: ignore[union-attr]
+            elif op == "Concat":
+                k = max(len(t) for t in ins)  # type: ignore[arg-type]
+                parts = [[t[j] if j < len(t) else (np.zeros_like(t[0][0]), np.zeros_like(t[0][0])) for j in range(k)]
+                         for t in ins]  # type: ignore[union-attr]
+                terms[id(node.outputs[0])] = [tuple(_run_node(node, [p[j][a] for p in parts])[0]  # type: ignore[misc]
+                                                    for a in (0, 1)) for j in range(k)]
+            elif op == "ScatterND":
+                base, upd = ins[0], ins[2]
+                zeros_upd = np.zeros(static_shape(node.inputs[2]) or (), np.float64)
+                zeros_data = np.zeros(static_shape(node.inputs[0]) or (), np.float64)
+                new = [tuple(_run_node(node, [a, None, zeros_upd])[0] for a in t) for t in base or []]
+                new += [tuple(_run_node(node, [zeros_data, None, a])[0] for a in t)
+                        for t in upd]  # type: ignore[union-attr]
+                terms[id(node.outputs[0])] = new  # type: ignore[assignment]
+            else:  # a movement: each of its outputs, of both arrays
+                rest: list[np.ndarray | None] = [None] * (len(node.inputs) - 1)
+                outs = [[_run_node(node, [a, *rest]) for a in pair] for pair in ins[0]]  # type: ignore[union-attr]
+                for o, v in enumerate(node.outputs):
+                    terms[id(v)] = [(s[o], c[o]) for s, c in outs]
+            if sum(a.size for t in terms[id(node.outputs[0])] for a in t) > 1 << 27:
+                return None
+    except Exception:  # an op the reference evaluator takes otherwise: not a map we can read
+        return None
+    return terms.get(id(y))
+
+
+def _rotation_of(terms: list[tuple[np.ndarray, np.ndarray]], d: int) -> list[tuple[np.ndarray, np.ndarray]] | None:
+    """[(cols, table)]: terms that read, for each row of the last axis (d wide, x viewed in y's shape), at most
+    ``_MAX_TERMS`` columns of the same row of x, the same columns for every row: y = sum_k (x @ P_k) * A_k,
+    P_k taking column cols_k[i] to i. The first term reads each column's own element where it reads it at all
+    (a + b is b + a, exactly). None where the terms read across rows, or more columns."""
+    src = np.stack([np.asarray(s, np.float64).reshape(-1) for s, _ in terms], axis=1).astype(np.int64)
+    coef = np.stack([np.asarray(c, np.float64).reshape(-1) for _, c in terms], axis=1)
+    src = np.where(coef != 0, src, 0)
+    n = src.shape[0]
+    if n % d:
+        return None
+    elem = np.arange(n)[:, None]
+    live = src > 0
+    if np.any(live & ((src - 1) // d != elem // d)):
+        return None  # an element read from another row
+    col = np.where(live, (src - 1) % d, -1)
+    out_col = np.broadcast_to(elem % d, col.shape)
+    used = np.zeros((d, d), bool)
+    used[out_col[live], col[live]] = True
+    if np.any(used.sum(axis=1) > _MAX_TERMS):
+        return None
+    cols = np.full((_MAX_TERMS, d), -1, np.int64)
+    for i in range(d):
+        read = list(np.nonzero(used[i])[0])
+        if i in read:
+            read.remove(i)
+            read.insert(0, i)
+        cols[:len(read), i] = read
+    tables = np.zeros((_MAX_TERMS, n))
+    for k in range(_MAX_TERMS):
+        hit = live & (col == cols[k][out_col]) & (cols[k][out_col] >= 0)
+        np.add.at(tables[k], np.nonzero(hit)[0], coef[hit])
+    return [(np.where(cols[k] >= 0, cols[k], np.arange(d)), tables[k]) for k in range(_MAX_TERMS)
+            if np.any(cols[k] >= 0)]
+
+
+def _extends(reader: ir.Node, x: ir.Value, d: int, order: dict[int, int]) -> bool:
+    """Whether ``reader`` extends the map from ``x`` it reads, so that its output is the value to rewrite: a
+    sum or a scaling of it (the same x above), or a view that widens rows narrower than any head (the pairs of
+    an interleaved rotation, [.., D/2, 2], viewed [.., D]: one [D, D] rotation, as the other spellings'; a
+    head's rows stay a head's, not the heads side by side)."""
+    if reader.op_type == "Reshape":
+        wide = static_shape(reader.outputs[0])
+        return d < _MIN_HEAD and bool(wide) and d < wide[-1] <= _MAX_ROTATION  # type: ignore[index]
+    if reader.op_type in _MOVES or _linear_inputs(reader) is None:
+        return False
+    above = _dominator(reader.outputs[0], order)
+    return above is not None and above[0] is x
+
+
+def _linear_rotations(graph: ir.Graph, edge: set[ir.Value]) -> int:
+    """Each value ``y`` that is a linear map of the one value ``x`` every path up from it meets (movements, Neg,
+    Mul by constant tables, Add, Sub, Concat, ScatterND with constant indices), that sums or joins two of its
+    reads (a rotation), and reads, in each row of its last axis, at most two columns of the same row of x
+    viewed in y's shape, the same columns in every row: ``sum_k (x @ P_k) * A_k`` (``_rotation_of``). The
+    rotary in its other spellings: the halves' products joined (``cat(x1 c - x2 s, x1 s + x2 c)``) or
+    interleaved (Wan's, after its ScatterNDs are an interleave). The value rewritten is the last of its map
+    whose readers do not extend it (a movement may follow: the heads' Transpose)."""
+    done = 0
+    order = {id(n): i for i, n in enumerate(graph)}
+    for node in list(graph):
+        if node.graph is None or id(node) not in order or _linear_inputs(node) is None:
+            continue
+        y = node.outputs[0]
+        shape = static_shape(y)
+        if shape is None or not shape or y.dtype != ir.DataType.FLOAT or shape[-1] > _MAX_ROTATION or y in edge:
+            continue
+        found = _dominator(y, order)
+        if found is None or found[0] in edge:
+            continue
+        x, nodes = found
+        xs = static_shape(x)
+        if xs is None or int(np.prod(xs)) != int(np.prod(shape)) or x.dtype != y.dtype:
+            continue
+        if any(_extends(u.node, x, shape[-1], order) for u in y.uses()):
+            continue
+        terms = _linear_terms(x, y, nodes)
+        rotation = _rotation_of(terms, shape[-1]) if terms else None
+        if rotation is None or (len(rotation) == 1 and np.array_equal(rotation[0][0], np.arange(shape[-1]))):
+            continue
+        d = shape[-1]
+        b = Builder(graph, RULE)
+        xv = _viewed(b, x, shape)  # the flat order is the rows'
+        acc = None
+        for cols, table in rotation:
+            moved_x = xv
+            if not np.array_equal(cols, np.arange(d)):
+                rows = np.zeros((d, d), np.float32)
+                rows[cols, np.arange(d)] = 1.0
+                moved_x = b.op("MatMul", [xv, b.const(rows, "rotation")], dtype=y.dtype, shape=shape).outputs[0]
+            coef = _smallest_broadcast(table.reshape(shape).astype(np.float32))
+            term = b.op("Mul", [moved_x, b.const(coef, "rotary_table")], dtype=y.dtype, shape=shape).outputs[0]
+            acc = term if acc is None else b.op("Add", [acc, term], dtype=y.dtype, shape=shape).outputs[0]
+        graph.insert_before(node, b.nodes)
+        reroute(graph, y, acc)  # type: ignore[arg-type]
+        done += 1
     if done:
         remove_dead_nodes(graph)
         graph.sort()
