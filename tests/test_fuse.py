@@ -80,6 +80,10 @@ def attention(variant: str, s: int = 5, mask: str | None = None, scale: float | 
         nodes += [n("Add", ["sc", "mask"], ["scm"]), n("Softmax", ["scm"], ["p"], axis=-1)]
     elif mask == "input":  # a per-query mask the graph is given (a decoder's causal and padding mask)
         nodes += [n("Add", ["sc", "mask"], ["scm"]), n("Softmax", ["scm"], ["p"], axis=-1)]
+    elif mask == "position":  # T5's: a key row from the graph's input plus its position bias, folded per head
+        inits["position"] = w(1, h, s, s)
+        nodes += [n("Add", ["position", "mask"], ["bias"]), n("Add", ["sc", "bias"], ["scm"]),
+                  n("Softmax", ["scm"], ["p"], axis=-1)]
     elif mask == "softcap":  # Gemma 2's attention logit softcapping: cap * tanh(scores / cap)
         inits["cap"] = np.array(2.0, np.float32)
         nodes += [n("Div", ["sc", "cap"], ["scd"]), n("Tanh", ["scd"], ["sct"]), n("Mul", ["sct", "cap"], ["scc"]),
@@ -88,8 +92,8 @@ def attention(variant: str, s: int = 5, mask: str | None = None, scale: float | 
         nodes += [n("Softmax", ["sc"], ["p"], axis=-1)]
     nodes += [n("MatMul", ["p", "vh"], ["o"]), n("Transpose", ["o"], ["ot"], perm=[0, 2, 1, 3]),
               n("Reshape", ["ot", "merge"], ["y"])]
-    return model(nodes, {"x": [b, s, c], **({"mask": [b, 1, s, s]} if mask == "input" else {})}, {"y": [b, s, c]},
-                 inits)
+    masks = {"input": {"mask": [b, 1, s, s]}, "position": {"mask": [b, 1, 1, s]}}.get(mask or "", {})
+    return model(nodes, {"x": [b, s, c], **masks}, {"y": [b, s, c]}, inits)
 
 
 def linear():
@@ -303,6 +307,8 @@ def attention_wrong_heads():
      # a mask the graph computes: the report names what it is computed from
      (lambda: attention("dynamo", mask="input"), "MultiHeadAttention", "computed, not a constant mask (from the "
       "graph input mask), and it varies per query"),
+     (lambda: attention("dynamo", mask="position"), "MultiHeadAttention", "varies per query ([2, 4, 5, 5]: a "
+      "constant [1, 4, 5, 5] position bias)"),
      (lambda: attention("torchscript", scale=0.3), "MultiHeadAttention", "is not 1/sqrt(4): the kernel has no scale"),
      (lambda: attention("torchscript", mask="softcap"), "Softmax", "the scores are soft-capped"),
      # on the CPU for its scale, its key row spread over the queries for onnxruntime's attention_bias
@@ -755,3 +761,39 @@ def test_a_caption_mask_repeated_over_the_heads_rides_in_q_and_k_in_both_exporte
     want = run(m, feeds)[0]
     got = run(with_functions(irm, TARGET), feeds)[0]
     np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-4)
+
+
+class _SequenceFirstAttention(torch.nn.Module):
+    """torch's ``MultiheadAttention`` as HunyuanDiT's attention pool calls it: sequence first ([S, B, C]), one
+    query (the tokens' mean) over the tokens."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.attention = torch.nn.MultiheadAttention(24, 2)
+
+    def forward(self, x):
+        x = x.permute(1, 0, 2)
+        x = torch.cat([x.mean(dim=0, keepdim=True), x], dim=0)
+        return self.attention(x[:1], x, x, need_weights=False)[0]
+
+
+@pytest.mark.parametrize("batch", [1, 2])
+def test_a_sequence_first_attention_of_batch_one_is_its_batch_first_view(batch, tmp_path):
+    """[S, 1, C] is the [1, S, C] it views: the head split of torch's sequence-first attention (q, k, v viewed
+    [S, B * H, D], the heads moved first) is an SDFlatMHA at batch 1, its numbers the graph's. At batch 2 the
+    heads interleave the batch (no view of [B, S, C] splits so): the products stay, saying why."""
+    module = _seeded(_SequenceFirstAttention()).eval()
+    x = torch.randn(batch, 7, 24, generator=torch.Generator().manual_seed(0))
+    path = tmp_path / "m.onnx"
+    with torch.no_grad():
+        torch.onnx.export(module, (x,), dynamo=True, opset_version=20, input_names=["x"], output_names=["y"],
+                          verbose=False, report=False).save(str(path))
+    m = onnx.load(str(path))
+    irm = lowered(m)
+    if batch == 2:
+        assert "SDFlatMHA" not in dispatch_ops(irm)
+        assert any("not a split into 2 heads" in why for why in declined(irm)), declined(irm)
+        return
+    assert dispatch_ops(irm).get("SDFlatMHA") == 1 and "Softmax" not in ops(irm), ops(irm)
+    feeds = {"x": x.numpy()}
+    np.testing.assert_allclose(run(with_functions(irm, TARGET), feeds)[0], run(m, feeds)[0], rtol=1e-4, atol=1e-5)

@@ -75,6 +75,10 @@ def _as_rank3(shape: tuple[int, ...] | None, target: tuple[int, ...] | None, kin
     (``target``: [B, H, S, D], K's [B, H, D, S]) hold its h * d channels per token: heads already apart
     ([B, S, H, D]), or grouped-query attention's key and value heads repeated ([B, S, Hkv, r * D], the Concat
     a Tile of the heads is, ``canonical.movement.concat_tiles``). The split itself is checked on index tensors."""
+    if shape is not None and len(shape) == 3 and target is not None and len(target) == 4 and shape[1] == 1 \
+            and target[0] == 1 and shape[0] == (target[3] if kind == "k" else target[2]) and shape[0] > 1:
+        return (1, shape[0], shape[2])  # sequence first, batch 1 ([S, 1, C]: torch's MultiheadAttention, HunyuanDiT's
+        # attention pool), the [1, S, C] it views
     if shape is None or len(shape) != 4 or target is None or len(target) != 4:
         return shape
     b, s, h, d = shape
@@ -340,10 +344,10 @@ def _repeats_heads(v: ir.Value | None, depth: int = 6) -> bool:
 
 
 def _rank3(b: Builder, x: ir.Value, view: tuple[int, ...]) -> ir.Value:
-    """A [B, S, H, D] (or one head's [B, 1, S, D]) source as the [B, S, C] ``view`` SDMHA takes (the op absorbs
-    the Reshape)."""
+    """A [B, S, H, D] (or one head's [B, 1, S, D], or a sequence-first [S, 1, C]) source as the [B, S, C]
+    ``view`` SDMHA takes (the op absorbs the Reshape)."""
     shape = static_shape(x)
-    if shape is None or len(shape) == 3:
+    if shape is None or tuple(shape) == tuple(view):
         return x
     return b.op("Reshape", [x, b.const(np.asarray(view, np.int64), "shape")], dtype=x.dtype,
                 shape=list(view)).outputs[0]

@@ -86,9 +86,39 @@ def computed_reason(bias: ir.Value) -> str:
     full = _scores_shape(bias)
     named = f"{COMPUTED} ({mask_sources(bias)})"
     if full is not None and full[2] > 1:
-        return (f"{named}, and it varies per query ({list(static_shape(bias) or ())}: a causal mask built in "
-                "the graph): SDMHA's mask is one row of N keys")
+        return (f"{named}, and it varies per query ({list(static_shape(bias) or ())}: {per_query_kind(bias)}): "
+                "SDMHA's mask is one row of N keys")
     return named
+
+
+_COMPARISONS = frozenset({"Less", "LessOrEqual", "Greater", "GreaterOrEqual", "Trilu"})
+
+
+def per_query_kind(bias: ir.Value, budget: int = 64) -> str:
+    """What makes a computed addend of the scores vary per query, read from the nodes within ``budget`` upstream:
+    a learned position bias (a Gather of a constant [buckets, heads] table: T5's relative attention bias; or,
+    its positions static, that bias folded: a constant added that varies per query), a causal mask (the
+    positions compared, or Trilu), both, or neither of those."""
+    seen: set[int] = set()
+    stack, kinds = [bias], set()
+    while stack and budget > 0:
+        v = stack.pop()
+        node = v.producer() if v is not None and id(v) not in seen and v.const_value is None else None
+        if node is None:
+            continue
+        seen.add(id(v))
+        budget -= 1
+        table = node.inputs[0].const_value if node.op_type == "Gather" and node.inputs else None
+        if table is not None and len(table.shape) == 2 and is_float(node.inputs[0]):
+            kinds.add(f"a learned position bias, a Gather of a {list(table.shape)} table")
+        elif node.op_type in _COMPARISONS:
+            kinds.add("a causal mask built in the graph")
+        for w in node.inputs:  # a constant that varies per query, added (T5's bias folded for static positions)
+            full = _scores_shape(w) if w is not None and w.const_value is not None else None
+            if node.op_type == "Add" and full is not None and full[2] > 1:
+                kinds.add(f"a constant {list(w.shape)} position bias")  # type: ignore[union-attr]
+        stack.extend(node.inputs)
+    return " and ".join(sorted(kinds, reverse=True)) or "a mask per query"
 
 
 def mask_sources(bias: ir.Value, budget: int = 64) -> str:
