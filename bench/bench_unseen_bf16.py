@@ -1,6 +1,7 @@
 """A compiled unseen entry (``bench/bench_qnn_unseen.py --target=amd-xdna2``) against PyTorch's own bf16 run: the
 dispatch model's error against PyTorch fp32 over PyTorch bf16's, in max abs and in 1 - cosine (the target: at
-most 1.2x), on the entry's example inputs.
+most 1.2x), on the entry's example inputs; beside them the error of the export with every op's output rounded
+to bf16 (``op_by_op``: what bf16 costs the graph where no op keeps fp32, as PyTorch's bf16 run keeps some).
 
     python bench/bench_unseen_bf16.py NAME OUT/NAME DD [DD ...]
     python bench/bench_unseen_bf16.py --draws=0,2,3 NAME OUT/NAME DD [DD ...]   # also other inputs: draw d > 0
@@ -41,6 +42,18 @@ def errors(got: np.ndarray, want: np.ndarray) -> tuple[float, float]:
     return float(np.abs(a - b).max()), 1.0 - cos
 
 
+def _rounded_op_by_op(path: Path, feeds: dict[str, np.ndarray]) -> np.ndarray:
+    """The export run with its weights, inputs and every node's float output rounded to bf16 (the graph's own
+    op-by-op bf16 rounding, ``bench_zoo.py``'s measure): what bf16 costs where no op keeps fp32."""
+    import onnxruntime as ort
+
+    from sdnpu.reports.bf16 import rounded, rounded_feeds
+
+    exported = onnx.load(str(path))
+    session = ort.InferenceSession(rounded(exported).SerializeToString(), providers=["CPUExecutionProvider"])
+    return session.run(None, rounded_feeds(exported, feeds))[0]
+
+
 def main(argv: list[str]) -> int:
     draws = [0]
     if argv and argv[0].startswith("--draws="):
@@ -72,12 +85,14 @@ def main(argv: list[str]) -> int:
             low = copy.deepcopy(wrapper).to(torch.bfloat16)(*[a.to(torch.bfloat16) if a.is_floating_point() else a
                                                               for a in drawn]).float().numpy()
         m_pt, c_pt = errors(low, ref)
+        m_op, c_op = errors(_rounded_op_by_op(folder / "model.onnx", feeds), ref)
         for dd in dds:
             got = next(iter(run_onnx(dd / "replaced.onnx", feeds).values()))
             m_ours, c_ours = errors(got, ref)
             print(json.dumps({"name": name, "dd": str(dd), "draw": draw, "ours_max_abs": m_ours,
                               "torch_bf16_max_abs": m_pt, "ratio_max_abs": m_ours / m_pt, "ours_1mcos": c_ours,
-                              "torch_bf16_1mcos": c_pt, "ratio_1mcos": c_ours / c_pt}), flush=True)
+                              "torch_bf16_1mcos": c_pt, "ratio_1mcos": c_ours / c_pt,
+                              "op_by_op_max_abs": m_op, "op_by_op_1mcos": c_op}), flush=True)
     return 0
 
 
