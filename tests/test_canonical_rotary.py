@@ -87,7 +87,8 @@ def rope_matrices(pick: str = "gather", tables: str = "constant", source: str = 
     """BFL's and HiDream's ``apply_rope``: x viewed [B, S, H, D/2, 1, 2], ``f[..., 0] * x[..., 0] + f[..., 1] *
     x[..., 1]`` with f [1, S, 1, D/2, 2, 2] (each pair's 2 x 2 rotation: cos -sin / sin cos), viewed back to
     [B, S, H, D]. ``pick``: the pair's element as a Gather (both exporters' ``x[..., 0]``) or a Slice keeping
-    its axis; ``tables``: constants, or computed from a graph input (the CPU's edge region); ``source``: x
+    its axis; ``tables``: constants, Slices of longer constant buffers, or computed from a graph input (the
+    CPU's edge region); ``source``: x
     the [B, S, H, D] heads, or the [B, S, H * D] projection the view splits (HiDream's single-stream blocks);
     ``"across"``: the second term reads the next position's pair (a movement across the rows)."""
     angle = R.standard_normal((1, S, 1, D // 2)).astype(np.float32)
@@ -106,6 +107,10 @@ def rope_matrices(pick: str = "gather", tables: str = "constant", source: str = 
         table = f[..., k] if pick == "gather" else f[..., k : k + 1]
         if tables == "constant":
             inits[f"f{k}"] = table
+        elif tables == "sliced":  # a Slice of a longer buffer (the folder leaves a large one): still constant
+            inits[f"buf{k}"] = np.concatenate([table, table[:, :1]], axis=1)
+            inits |= {"p0": np.array([0]), "pS": np.array([S]), "ax1": np.array([1])}
+            nodes.append(n("Slice", [f"buf{k}", "p0", "pS", "ax1"], [f"f{k}"]))
         else:  # the table times a graph input's [1]: computed on the CPU
             inits[f"t{k}"] = table
             inputs["scale"] = [1]
@@ -141,6 +146,14 @@ def test_a_rotation_by_2x2_tables_is_two_products(pick, source):
     assert np.array_equal(p, np.kron(np.eye(D // 2), [[0, 1], [1, 0]]).astype(np.float32))
     tables = [x.inputs[1].const_value.numpy() for x in irm.graph if x.op_type == "Mul"]
     assert all(t.shape == (1, S, 1, D) for t in tables)
+
+
+def test_tables_sliced_from_a_buffer_are_constant_tables():
+    """A table the folder left unfolded for its size (Wan's ``freqs_cos[..., 0::2]``: a Slice of a buffer) is a
+    constant all the same: read once, the rotation is the two products, the Slices gone."""
+    irm, counts = rewritten(rope_matrices(tables="sliced"), rotary.write_rotations_as_matmuls, sweep)
+    assert counts[PAIR] == 1
+    assert dict(ops(irm)) == {"MatMul": 2, "Mul": 2, "Add": 1, "Reshape": 1}
 
 
 @pytest.mark.parametrize("case", ["computed tables", "across the rows"])

@@ -197,19 +197,55 @@ _MIN_HEAD = 8  # rows narrower than this are a rotation's pairs, not a head's ch
 _MAX_MAP_NODES = 64  # the most nodes a rotation's map is read through
 
 
-def _linear_inputs(node: ir.Node) -> list[ir.Value] | None:
+class _Constants:
+    """Values computed from constants alone, within a few nodes: a table the folder left for its size (Wan's
+    ``freqs_cos[..., 0::2]``, a Slice of a buffer of 4096 x 128), evaluated once."""
+
+    _DEPTH = 8
+    _LIMIT = 1 << 24  # elements
+
+    def __init__(self) -> None:
+        self._memo: dict[int, np.ndarray | None] = {}
+
+    def of(self, v: ir.Value | None, depth: int = 0) -> np.ndarray | None:
+        if v is None:
+            return None
+        if v.const_value is not None:
+            return v.const_value.numpy()
+        if id(v) in self._memo:
+            return self._memo[id(v)]
+        self._memo[id(v)] = None
+        p, shape = v.producer(), static_shape(v)
+        if p is None or p.domain not in ("", "ai.onnx") or depth >= self._DEPTH or shape is None or \
+                int(np.prod(shape)) > self._LIMIT or any(w is None for w in p.inputs):
+            return None
+        args = [self.of(w, depth + 1) for w in p.inputs]
+        if any(a is None for a in args):
+            return None
+        try:
+            outs = _run_node(p, args)  # type: ignore[arg-type]
+        except Exception:  # an op the reference evaluator takes otherwise: not a table we can read
+            return None
+        for o, out in zip(p.outputs, outs):
+            self._memo[id(o)] = out
+        return self._memo[id(v)]
+
+
+def _linear_inputs(node: ir.Node, consts: _Constants) -> list[ir.Value] | None:
     """The inputs through which ``node`` is linear in a tensor (its other inputs constant), or None where it is
-    not such a node: movements with constant parameters, Neg, Mul by a constant, Add, Sub, Concat, a
-    ScatterND with constant indices onto data that is a region value or zeros."""
+    not such a node: movements with constant parameters, Neg, Mul by a constant (or a value computed from
+    constants alone: ``consts``), Add, Sub, Concat, a ScatterND with constant indices onto data that is a
+    region value or zeros."""
     if node.op_type not in _LINEAR or node.domain not in ("", "ai.onnx") or any(w is None for w in node.inputs):
         return None
     ins: list[ir.Value] = list(node.inputs)  # type: ignore[arg-type]
     if node.op_type in ("Add", "Sub", "Concat"):
         data = ins
     elif node.op_type == "Mul":
-        data = [w for w in ins if w.const_value is None]
+        data = [w for w in ins if consts.of(w) is None]
         if len(data) != 1:
             return None
+        return data
     elif node.op_type == "ScatterND":
         base = ins[0].const_value
         if attr(node, "reduction", "none") not in ("none", b"none") or ins[1].const_value is None:
@@ -223,7 +259,7 @@ def _linear_inputs(node: ir.Node) -> list[ir.Value] | None:
     return data
 
 
-def _dominator(y: ir.Value, order: dict[int, int]) -> tuple[ir.Value, list[ir.Node]] | None:
+def _dominator(y: ir.Value, order: dict[int, int], consts: _Constants) -> tuple[ir.Value, list[ir.Node]] | None:
     """(x, nodes): the nearest value ``x`` that every path up from ``y`` through linear nodes
     (``_linear_inputs``) passes, above at least one node that sums or joins two of them, and the nodes
     between, in graph order (``order``: each node's position); None where there is none. Expanded from the
@@ -236,7 +272,7 @@ def _dominator(y: ir.Value, order: dict[int, int]) -> tuple[ir.Value, list[ir.No
             return next(iter(frontier.values())), sorted(nodes.values(), key=lambda n: order[id(n)])
         latest = max(frontier.values(), key=lambda v: order.get(id(v.producer()), -1))
         p = latest.producer()
-        data = _linear_inputs(p) if p is not None and id(p) in order else None
+        data = _linear_inputs(p, consts) if p is not None and id(p) in order else None
         if not data or len(nodes) >= _MAX_MAP_NODES:
             return None
         nodes[id(p)] = p  # type: ignore[index]
@@ -264,7 +300,8 @@ def _run_node(node: ir.Node, arrays: list[np.ndarray | None]) -> list[np.ndarray
     return [np.asarray(o) for o in ReferenceEvaluator(model).run(None, feeds)]
 
 
-def _linear_terms(x: ir.Value, y: ir.Value, nodes: list[ir.Node]) -> list[tuple[np.ndarray, np.ndarray]] | None:
+def _linear_terms(x: ir.Value, y: ir.Value, nodes: list[ir.Node],
+                  consts: _Constants) -> list[tuple[np.ndarray, np.ndarray]] | None:
     """``y`` as terms (source, coefficient), arrays in y's shape: y = sum_t coefficient_t * x.flat[source_t - 1]
     (source 0: no element). Each node of the linear map from ``x`` runs on the terms' arrays (a movement moves
     both alike, a Mul scales the coefficients, a sum joins the terms, a ScatterND writes each term's arrays
@@ -275,6 +312,10 @@ def _linear_terms(x: ir.Value, y: ir.Value, nodes: list[ir.Node]) -> list[tuple[
     n = int(np.prod(shape))
     terms: dict[int, list[tuple[np.ndarray, np.ndarray]]] = {
         id(x): [(np.arange(1, n + 1, dtype=np.float64).reshape(shape), np.ones(shape))]}
+    readers: dict[int, int] = {}  # the region's nodes still to read each value: its arrays go after the last
+    for node in nodes:
+        for w in node.inputs:
+            readers[id(w)] = readers.get(id(w), 0) + 1
     try:
         for node in nodes:
             ins = [terms.get(id(w)) if w is not None else None for w in node.inputs]
@@ -288,7 +329,8 @@ def _linear_terms(x: ir.Value, y: ir.Value, nodes: list[ir.Node]) -> list[tuple[
                     if t is None:
                         continue
                     sign = -1.0 if op == "Sub" and i == 1 else 1.0
-                    scale = node.inputs[1 - i].const_value.numpy().astype(np.float64) if op == "Mul" else sign
+                    table = consts.of(node.inputs[1 - i]) if op == "Mul" else None
+                    scale = table.astype(np.float64) if table is not None else sign
                     new += [(np.broadcast_to(s, out_shape), np.broadcast_to(c * scale, out_shape)) for s, c in t]
                 terms[id(node.outputs[0])] = new
             elif op == "Neg":
@@ -314,6 +356,10 @@ def _linear_terms(x: ir.Value, y: ir.Value, nodes: list[ir.Node]) -> list[tuple[
                     terms[id(v)] = [(s[o], c[o]) for s, c in outs]
             if sum(a.size for t in terms[id(node.outputs[0])] for a in t) > 1 << 27:
                 return None
+            for w in node.inputs:
+                readers[id(w)] -= 1
+                if not readers[id(w)] and w is not y:
+                    terms.pop(id(w), None)
     except Exception:  # an op the reference evaluator takes otherwise: not a map we can read
         return None
     return terms.get(id(y))
@@ -355,7 +401,7 @@ def _rotation_of(terms: list[tuple[np.ndarray, np.ndarray]], d: int) -> list[tup
             if np.any(cols[k] >= 0)]
 
 
-def _extends(reader: ir.Node, x: ir.Value, d: int, order: dict[int, int]) -> bool:
+def _extends(reader: ir.Node, x: ir.Value, d: int, order: dict[int, int], consts: _Constants) -> bool:
     """Whether ``reader`` extends the map from ``x`` it reads, so that its output is the value to rewrite: a
     sum or a scaling of it (the same x above), or a view that widens rows narrower than any head (the pairs of
     an interleaved rotation, [.., D/2, 2], viewed [.., D]: one [D, D] rotation, as the other spellings'; a
@@ -363,9 +409,9 @@ def _extends(reader: ir.Node, x: ir.Value, d: int, order: dict[int, int]) -> boo
     if reader.op_type == "Reshape":
         wide = static_shape(reader.outputs[0])
         return d < _MIN_HEAD and bool(wide) and d < wide[-1] <= _MAX_ROTATION  # type: ignore[index]
-    if reader.op_type in _MOVES or _linear_inputs(reader) is None:
+    if reader.op_type in _MOVES or _linear_inputs(reader, consts) is None:
         return False
-    above = _dominator(reader.outputs[0], order)
+    above = _dominator(reader.outputs[0], order, consts)
     return above is not None and above[0] is x
 
 
@@ -379,23 +425,24 @@ def _linear_rotations(graph: ir.Graph, edge: set[ir.Value]) -> int:
     whose readers do not extend it (a movement may follow: the heads' Transpose)."""
     done = 0
     order = {id(n): i for i, n in enumerate(graph)}
+    consts = _Constants()
     for node in list(graph):
-        if node.graph is None or id(node) not in order or _linear_inputs(node) is None:
+        if node.graph is None or id(node) not in order or _linear_inputs(node, consts) is None:
             continue
         y = node.outputs[0]
         shape = static_shape(y)
         if shape is None or not shape or y.dtype != ir.DataType.FLOAT or shape[-1] > _MAX_ROTATION or y in edge:
             continue
-        found = _dominator(y, order)
+        found = _dominator(y, order, consts)
         if found is None or found[0] in edge:
             continue
         x, nodes = found
         xs = static_shape(x)
         if xs is None or int(np.prod(xs)) != int(np.prod(shape)) or x.dtype != y.dtype:
             continue
-        if any(_extends(u.node, x, shape[-1], order) for u in y.uses()):
+        if any(_extends(u.node, x, shape[-1], order, consts) for u in y.uses()):
             continue
-        terms = _linear_terms(x, y, nodes)
+        terms = _linear_terms(x, y, nodes, consts)
         rotation = _rotation_of(terms, shape[-1]) if terms else None
         if rotation is None or (len(rotation) == 1 and np.array_equal(rotation[0][0], np.arange(shape[-1]))):
             continue
