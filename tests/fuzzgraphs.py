@@ -1587,15 +1587,15 @@ def step_grouped_attention(g: G, x: str) -> str:
     repeated r times (Unsqueeze, Tile, Reshape: repeat_interleave of the heads), the scores scaled, then a mask
     added: none; zeros of [B, 1, 1, S] (no mask at all); a constant padding row (-inf on some keys of some batch
     rows, never all); one row per batch computed from an input (a Where of a comparison: a query may lose every
-    key; both ride in Q and K as a channel); and near misses, a constant row that masks every key of a batch
-    row (the guard then acts), a guard whose other branch is not 0, a computed mask that varies per query (no
-    key row: the CPU's MultiHeadAttention). Softmax, the NaN guard Where(IsNaN(p), 0, p) or not, the product
-    with v, the heads merged."""
+    key; both ride in Q and K as a channel), or that row an input itself; and near misses, a constant row that
+    masks every key of a batch row (the guard then acts), a guard whose other branch is not 0, a computed mask
+    that varies per query (no key row: the CPU's MultiHeadAttention). Softmax, the NaN guard
+    Where(IsNaN(p), 0, p) or not, the product with v, the heads merged."""
     b, s_, c = g.shape[x]
     hkv, r, d = g.pick([1, 2]), g.pick([2, 3]), g.pick([2, 4])
     heads = hkv * r
-    mask = g.pick(["none", "zeros", "padding", "computed", "all_masked", "guard_not_zero", "per_query"])
-    guard = mask in ("computed", "all_masked", "guard_not_zero", "per_query") or g.flag()
+    mask = g.pick(["none", "zeros", "padding", "computed", "all_masked", "guard_not_zero", "per_query", "input_row"])
+    guard = mask in ("computed", "all_masked", "guard_not_zero", "per_query", "input_row") or g.flag()
     q, k, v = _project(g, x, heads * d), _project(g, x, hkv * d), _project(g, x, hkv * d)
     qh = g.op("Transpose", [g.op("Reshape", [q, g.ints([b, s_, heads, d])], (b, s_, heads, d))], (b, heads, s_, d),
               perm=[0, 2, 1, 3])
@@ -1622,6 +1622,8 @@ def step_grouped_attention(g: G, x: str) -> str:
         keep = _boolean(g, g.op("Reshape", [keep, g.ints([b, 1, rows, s_])], (b, 1, rows, s_)))
         bias = g.op("Where", [keep, g.scalar(0.0), g.scalar(-np.inf)], (b, 1, rows, s_))
         scores = g.bin("Add", scores, bias)
+    elif mask == "input_row":  # the row itself an input: its values unknown (raised to the channel's floor)
+        scores = g.bin("Add", scores, g.input((b, 1, 1, s_), "key_bias"))
     probs = g.op("Softmax", [scores], (b, heads, s_, s_), axis=-1)
     if guard:
         isnan = _boolean(g, g.op("IsNaN", [probs], (b, heads, s_, s_)))

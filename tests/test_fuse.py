@@ -763,6 +763,67 @@ def test_a_caption_mask_repeated_over_the_heads_rides_in_q_and_k_in_both_exporte
     np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-4)
 
 
+class _FilledMaskAttention(torch.nn.Module):
+    """diffusers' Attention over a caption whose padding mask is a ``torch.where`` of a fill (transformers'
+    ``finfo.min``, or -inf) per key, as [B, 1, N] (``prepare_attention_mask`` repeats it over the heads); or,
+    with no fill, the mask input is that additive row itself (its values not in the graph)."""
+
+    def __init__(self, fill: float | None) -> None:
+        from diffusers.models.attention_processor import Attention
+
+        super().__init__()
+        self.fill = fill
+        self.attention = Attention(32, 24, heads=2, dim_head=16, out_bias=False)
+
+    def forward(self, x, context, mask):
+        bias = mask if self.fill is None else torch.where(mask > 0.5, 0.0, self.fill)
+        return self.attention(x, context, bias[:, None, :])
+
+
+def _filled_mask_export(fill: float | None, args: tuple, path) -> onnx.ModelProto:
+    torch.manual_seed(0)  # the Linear layers' own draws too: the modules of every fill have one set of weights
+    module = _seeded(_FilledMaskAttention(fill))
+    with torch.no_grad():
+        torch.onnx.export(module, args, dynamo=True, opset_version=20, input_names=["x", "context", "mask"],
+                          output_names=["y"], verbose=False, report=False).save(str(path))
+    return onnx.load(str(path))
+
+
+@pytest.mark.parametrize("fill", ["finfo.min", "-inf", "input"])
+def test_a_caption_mask_that_masks_every_key_keeps_the_graphs_numbers(fill, tmp_path):
+    """A batch row whose caption is all padding. With the fill finfo.min the graph weighs every key alike (a
+    finite mean), which the key channel must keep (2 sqrt(d) times finfo.min overflowed to -inf and made it
+    NaN): one Max raises the row to what the channel holds as it spreads it over the heads. A Where of 0 and
+    -inf has nothing to raise (an Expand, as before) and its row stays the graph's NaN. A row given as an input
+    (its values unknown) is raised, -inf too, with no NaN guard to read it: that row is the finfo.min graph's
+    mean (``attention_masks._mask_floor``). The other row is the graph's in all three."""
+    mask = torch.ones(2, 6)
+    mask[0, 4:] = 0
+    mask[1] = 0
+    args = (torch.randn(2, 10, 32, generator=torch.Generator().manual_seed(0)),
+            torch.randn(2, 6, 24, generator=torch.Generator().manual_seed(1)), mask)
+    finite = _filled_mask_export(float(np.finfo(np.float32).min), args, tmp_path / "finite.onnx")
+    feeds = {"x": args[0].numpy(), "context": args[1].numpy(), "mask": mask.numpy()}
+    want_finite = run(finite, feeds)[0]
+    if fill == "input":
+        additive = torch.where(mask > 0.5, 0.0, float("-inf"))
+        m = _filled_mask_export(None, (*args[:2], additive), tmp_path / "input.onnx")
+        feeds["mask"] = additive.numpy()
+    else:
+        m = finite if fill == "finfo.min" else _filled_mask_export(float("-inf"), args, tmp_path / "inf.onnx")
+    irm = lowered(m)
+    assert dispatch_ops(irm).get("SDFlatMHA") == 1 and "MultiHeadAttention" not in ops(irm), ops(irm)
+    raised = fill != "-inf"
+    assert ops(irm).get("Max", 0) == int(raised) and ops(irm).get("Expand", 0) == int(not raised), ops(irm)
+    want, got = run(m, feeds)[0], run(with_functions(irm, TARGET), feeds)[0]
+    np.testing.assert_allclose(got[0], want[0], rtol=1e-4, atol=1e-4)
+    assert np.isnan(want[1]).all() == (fill != "finfo.min")
+    if fill == "-inf":
+        assert np.isnan(got[1]).all()
+    else:
+        np.testing.assert_allclose(got[1], want_finite[1], rtol=1e-4, atol=1e-4)
+
+
 class _SequenceFirstAttention(torch.nn.Module):
     """torch's ``MultiheadAttention`` as HunyuanDiT's attention pool calls it: sequence first ([S, B, C]), one
     query (the tokens' mean) over the tokens."""

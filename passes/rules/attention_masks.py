@@ -18,6 +18,7 @@ from __future__ import annotations
 import hashlib
 from typing import TYPE_CHECKING
 
+import ml_dtypes
 import numpy as np
 import onnx_ir as ir
 
@@ -29,7 +30,6 @@ if TYPE_CHECKING:  # the rule's params: the rule builds on this module
 
 MICROSOFT = "com.microsoft"  # onnxruntime's contrib ops: run by its CPU provider, not dispatch ops
 COMPUTED = "the scores' addend is computed, not a constant mask"
-SENTINEL = -1.0e4  # the score of the key a guarded attention gets for rows whose keys are all masked
 
 
 # --- reading the scores' addend -----------------------------------------------------------------------------------
@@ -216,6 +216,53 @@ def _extra_channel(d: int) -> int:
     return e if e < 4 * d else d
 
 
+def _mask_floor(np_dtype: np.dtype, d: int) -> float:
+    """The lowest mask value a head of width d carries in its channel: a power of two L whose product with the
+    channel's 2 sqrt(d) on Q (and twice it: the guard's sentinel key, -2L) stays a quarter below the dtype's
+    largest number. A mask below it (the exports' ``finfo.min`` fill, whose product with 2 sqrt(d) overflowed
+    to -inf and turned a query whose keys are all masked into NaN; -inf itself) is raised to -L: no key's
+    weight changes while one key is above it (exp(-L) is 0 beside it), and a query whose keys all are weighs
+    them alike, as the graph's equal fills do. A computed row whose values its spelling does not show (a float
+    input) has its -inf raised too where no guard reads it (one node, the Max that spreads the row over the
+    heads): a query whose keys are all -inf, NaN in the graph, gets the mean of V. Under the guard, in a
+    constant row and in a Where of 0 and -inf, -inf stays (the guard's zeros, the graph's NaN)."""
+    top = int(np.floor(np.log2(float(ml_dtypes.finfo(np_dtype).max))))  # numpy's finfo lacks bfloat16
+    return float(2.0 ** (top - int(np.ceil(np.log2(2.0 * np.sqrt(d)))) - 2))
+
+
+_MOVES = frozenset({"Reshape", "Unsqueeze", "Squeeze", "Flatten", "Expand", "Transpose", "Identity", "Tile"})
+
+
+def mask_values(v: ir.Value | None, depth: int = 12) -> set[float] | None:
+    """The values a computed mask can take, where its spelling says (a Where of constants, a bool cast, a
+    constant; sums and products of those with constants; through movements and casts), else None."""
+    if v is None or depth < 0:
+        return None
+    c = const(v)
+    if c is not None:
+        u = np.unique(np.asarray(c, np.float64))
+        return set(u.tolist()) if u.size <= 16 else None
+    node = v.producer()
+    if node is None or node.domain not in ("", "ai.onnx"):
+        return None
+    if node.op_type in _MOVES or node.op_type == "Cast":
+        src = node.inputs[0]
+        if node.op_type == "Cast" and src is not None and src.dtype == ir.DataType.BOOL:
+            return {0.0, 1.0}
+        return mask_values(src, depth - 1)
+    if node.op_type == "Where" and len(node.inputs) == 3:
+        a, b = mask_values(node.inputs[1], depth - 1), mask_values(node.inputs[2], depth - 1)
+        return a | b if a is not None and b is not None else None
+    if node.op_type in ("Add", "Sub", "Mul") and len(node.inputs) == 2:
+        a, b = mask_values(node.inputs[0], depth - 1), mask_values(node.inputs[1], depth - 1)
+        if a is None or b is None or len(a) * len(b) > 64:
+            return None
+        fn = {"Add": np.add, "Sub": np.subtract, "Mul": np.multiply}[node.op_type]
+        with np.errstate(all="ignore"):
+            return {float(fn(x, y)) for x in a for y in b}
+    return None
+
+
 def _reshape(b: Builder, x: ir.Value, shape: list[int]) -> ir.Value:
     return b.op("Reshape", [x, b.const(np.asarray(shape, np.int64), "shape")], dtype=x.dtype, shape=shape).outputs[0]
 
@@ -235,10 +282,14 @@ def key_channel_operands(b: Builder, p: MHAParams, q: ir.Value, k: ir.Value, v: 
     [v, 0..]. The kernel's 1/sqrt(4d) then gives q·k/sqrt(d) + c·bias/(2 sqrt(d)): the graph's scores and
     mask, with c = 2 sqrt(d) (rounded to bf16 as every constant: exact for 0 / -inf masks, within 2^-9 of
     a finite bias). The 4x width keeps the factor on q a power of two (exact in bf16), where d + 1 would
-    round q once more. The mask row is expanded over the heads on the CPU, once per distinct computation.
-    Under the NaN guard (a query whose keys are all masked gets zeros) one more key is appended: score
-    SENTINEL, value 0, which takes no weight while any key is unmasked (exp(-1e4) is 0) and all of it when
-    none is."""
+    round q once more. The mask row is spread over the heads on the CPU once per distinct computation: an
+    Expand where its spelling says it holds nothing below ``_mask_floor`` but -inf (``mask_values``: a Where
+    of 0 and -inf); otherwise one Max with a constant of the heads' shape, which also raises it to the floor
+    (c times the exports' ``finfo.min`` overflows), and under the NaN guard, where the row may hold -inf,
+    IsInf and Where beside it keep -inf.
+    Under the NaN guard (a query whose keys are all -inf gets zeros) one more key is appended: score -2L
+    (below every raised mask), value 0, which takes no weight while any key is above -L (a finite fill, as the
+    graph's softmax gives it no NaN) and all of it when every key is -inf (kept so under the guard)."""
     bq, m, cq = static_shape(q)  # type: ignore[misc]
     n = static_shape(k)[1]  # type: ignore[index]
     h = p.heads
@@ -246,14 +297,16 @@ def key_channel_operands(b: Builder, p: MHAParams, q: ir.Value, k: ir.Value, v: 
     e = _extra_channel(d)
     dtype = q.dtype
     np_dtype = dtype.numpy()  # type: ignore[union-attr]
+    floor = _mask_floor(np_dtype, d)
     assert p.bias is not None
     fixed, key = const(p.bias), None
     if fixed is not None:  # a constant row per batch (a padding mask the export baked in): a constant channel
-        rows = np.broadcast_to(fixed.reshape(-1, 1, 1, n).transpose(0, 3, 1, 2), (bq, n, h, 1))
+        rows = np.broadcast_to(fixed.reshape(-1, 1, 1, n).transpose(0, 3, 1, 2), (bq, n, h, 1)).astype(np_dtype)
+        rows = np.where(np.isneginf(rows), rows, np.maximum(rows, np_dtype.type(-floor)))  # -inf kept: exact
         row = b.const(np.ascontiguousarray(rows, dtype=np_dtype), "key_mask")
     else:
         sig = _signature(p.bias, {}, [32])
-        key = f"{sig}|{bq}|{n}|{h}" if sig is not None else None
+        key = f"{sig}|{bq}|{n}|{h}|{d}|{bool(p.guard)}" if sig is not None else None
         row = made.get(key) if key is not None else None
     if row is None:
         full = _scores_shape(p.bias)
@@ -262,10 +315,23 @@ def key_channel_operands(b: Builder, p: MHAParams, q: ir.Value, k: ir.Value, v: 
         row = _reshape(b, p.bias, [bb, n, 1, 1])
         if row.dtype != dtype:
             row = b.op("Cast", [row], {"to": int(dtype)}, dtype=dtype, shape=[bb, n, 1, 1]).outputs[0]
-        row = b.op("Expand", [row, b.const(np.asarray([bq, n, h, 1], np.int64), "shape")], dtype=dtype,
-                   shape=[bq, n, h, 1]).outputs[0]
-        row.producer().metadata_props[DECLINED_TAG] = (  # type: ignore[union-attr]
-            "AttentionFusion: spreads the computed key mask over the heads (the channel it rides in Q and K)")
+        values = mask_values(p.bias)
+        low = b.shared_const(np.full((bq, n, h, 1), -floor, np_dtype), f"sdnpu_key_mask_floor_{bq}_{n}_{h}_{d}")
+        if values is not None and all(x >= -floor or x == -np.inf for x in values):  # 0 / -inf: nothing to raise
+            nodes = [b.op("Expand", [row, b.const(np.asarray([bq, n, h, 1], np.int64), "shape")], dtype=dtype,
+                          shape=[bq, n, h, 1])]
+        else:
+            nodes = [b.op("Max", [row, low], dtype=dtype, shape=[bq, n, h, 1])]  # the Expand and the floor in one
+            if p.guard and (values is None or -np.inf in values):  # -inf kept: the guard's zeros are for a query
+                minus_inf = b.op("IsInf", [row], {"detect_positive": 0}, dtype=ir.DataType.BOOL,  # whose keys are
+                                 shape=[bb, n, 1, 1])  # all -inf, not all finfo.min
+                nodes += [minus_inf, b.op("Where", [minus_inf.outputs[0], row, nodes[0].outputs[0]], dtype=dtype,
+                                          shape=[bq, n, h, 1])]
+        row = nodes[-1].outputs[0]
+        for node in nodes:
+            node.metadata_props[DECLINED_TAG] = (
+                "AttentionFusion: spreads the computed key mask over the heads (the channel it rides in Q and K), "
+                "raised to what the channel holds")
         if key is not None:
             made[key] = row
     q_extra = np.zeros((bq, m, h, 3 * d), np_dtype)
@@ -289,7 +355,7 @@ def key_channel_operands(b: Builder, p: MHAParams, q: ir.Value, k: ir.Value, v: 
                          b.shared_const(np.zeros((bq, n, h, 3 * d), np_dtype), f"sdnpu_zeros_{bq}_{n}_{h}_{3 * d}")], 3)
     if p.guard:
         sentinel = np.zeros((bq, 1, h, 4 * d), np_dtype)
-        sentinel[..., e] = SENTINEL
+        sentinel[..., e] = -2.0 * floor
         k_wide = _concat(b, [k_wide, b.shared_const(sentinel, f"sdnpu_key_channel_sentinel_{bq}_{h}_{d}")], 1)
         v_wide = _concat(b, [v_wide, b.shared_const(np.zeros((bq, 1, h, 4 * d), np_dtype),
                                                     f"sdnpu_zeros_{bq}_1_{h}_{4 * d}")], 1)
