@@ -12,6 +12,9 @@ region is not cut by an Add, a SiLU or a Concat.
     Concat(a, b, ...)              ==> SDConcat pairs (2-D operands along their last axis read as
                                        [B, 1, 1, C]: the NHWC channel concatenation the kernel takes)
     Split(view of SDConv, last)    ==> one SDConv per part (its rows of the weight; the VAE attention's q, k, v)
+    x * (s + 1)                    ==> x + x * s, before the rest (a modulation's scale: bf16 would round
+                                       1 + s at 1's spacing, 2^-8, where x * s rounds at its own scale;
+                                       the same two ops)
 
 Runs after the layout pass, which moves the NHWC Transposes through the plain ONNX forms. An op is lowered
 only where it touches the NPU (an input written by a dispatch op, or a dispatch op reading its output), to a
@@ -332,9 +335,50 @@ def _frames_folded(shape: list[int]) -> list[int]:
     return [shape[0] * shape[1], *shape[2:]] if len(shape) == 5 else shape
 
 
+def _ones(v: ir.Value | None) -> bool:
+    k = const(v)
+    return k is not None and k.size > 0 and bool(np.all(k == 1))
+
+
+def distribute_one_plus(graph: ir.Graph, glue: _Glue) -> int:
+    """``x * (s + 1)`` as ``x + x * s`` where x comes from the NPU and s is computed (AdaLN's
+    ``norm(x) * (1 + scale)``, where the ``1 +`` has not folded into a layer's bias: Wan's scale is a learned
+    table plus the timestep's projection, then 1 +). In bf16 the sum 1 + s keeps s only to 1's spacing, a
+    per-channel error every later op carries; x * s rounds at its own, smaller scale and the one rounding at
+    x's scale is the final sum's. The same two element-wise ops (an SDMul and an SDAdd), so only where the sum
+    has that one product for its reader (Flux.1's single blocks scale the text's and the image's parts by one
+    sum: two products, which would cost an op more); x of the product's own shape (the wide operand), s not
+    widened by the 1."""
+    done = 0
+    for add in list(graph):
+        if add.graph is None or not _onnx(add, "Add") or len(add.inputs) != 2 or add.outputs[0].is_graph_output():
+            continue
+        s, one = add.inputs if _ones(add.inputs[1]) else (add.inputs[1], add.inputs[0])
+        if not _ones(one) or s is None or s.const_value is not None or not is_float(s) \
+                or static_shape(s) is None or static_shape(add.outputs[0]) != static_shape(s):
+            continue
+        uses = add.outputs[0].uses()
+        mul = uses[0].node if len(uses) == 1 else None  # one product: more would each add an op
+        if not _onnx(mul, "Mul") or len(mul.inputs) != 2 or mul.inputs[0] is mul.inputs[1]:  # type: ignore[union-attr]
+            continue
+        x = mul.inputs[1] if mul.inputs[0] is add.outputs[0] else mul.inputs[0]  # type: ignore[union-attr]
+        if x is None or x.const_value is not None or static_shape(x) is None \
+                or static_shape(x) != static_shape(mul.outputs[0]) \
+                or not glue.touches_npu(mul, [x]):  # type: ignore[union-attr, arg-type]
+            continue
+        b = Builder(graph, RULE)
+        shape = list(static_shape(x))  # type: ignore[arg-type]
+        xs = b.op("Mul", [x, s], dtype=x.dtype, shape=shape).outputs[0]
+        y = b.op("Add", [x, xs], dtype=x.dtype, shape=shape).outputs[0]
+        replace(graph, mul, [mul, add], b.nodes, [mul.outputs[0]], [y])  # type: ignore[list-item]
+        done += 1
+    return done
+
+
 def lower_glue(model: ir.Model, target: DispatchTarget) -> PassResult:
     graph = model.graph
     glue = _Glue(graph, target)
+    distributed = distribute_one_plus(graph, glue)
     families: list[tuple[str, Callable[..., object]]] = [("SiLU", glue.silu), ("GELU", glue.gelu),
                                                          ("arithmetic", glue.arithmetic), ("Concat", glue.concat),
                                                          ("conv Split", glue.conv_split)]
@@ -372,4 +416,6 @@ def lower_glue(model: ir.Model, target: DispatchTarget) -> PassResult:
         if _onnx(node) and node.op_type in lowerable and DECLINED_TAG not in node.metadata_props:
             glue.decline(node, "computes on CPU values only (no dispatch op writes its inputs or reads its "
                                "output): on the NPU it would cost a cast each way")
+    if distributed:
+        counts["x * (s + 1) -> x + x * s"] = distributed
     return PassResult(modified=bool(counts), counts=dict(counts))
