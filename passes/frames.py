@@ -21,7 +21,10 @@ order [B, F, S, C] instead, the region needs the transposes only for its attenti
                                  (e repeated over the frames instead of the pixels, SDConcats on the
                                  NPU; the SDGemm on that)
 
-Both are exact (the same products and sums, in another order of the batch). The region's exits, the movement
+An SDAdd or SDMul whose other operand is one row per frame broadcast over the pixels ([1, F, C] against
+[B*S, F, C]: AnimateDiff's motion modules add a sinusoidal position embedding over the frames) reads it as
+[1, F, 1, C] against the spatial [B, F, S, C]. All are exact (the same products and sums, in another order of
+the batch). The region's exits, the movement
 chains that bring its tokens back to [B, F, S, C], become views. The pass changes nothing unless every reader in
 the region is one of these; otherwise it says why in the log and the counts, and the transposes stay. The
 pixels as heads rely on a capability no public source states (the table's limit "pixels as heads"): the
@@ -76,6 +79,7 @@ class Region:
     c: int
     values: set[ir.Value] = field(default_factory=set)
     binaries: list[ir.Node] = field(default_factory=list)
+    per_frame: list[tuple[ir.Node, int]] = field(default_factory=list)  # (op, its frame tokens' input)
     attentions: list[ir.Node] = field(default_factory=list)
     exits: list[list[ir.Node]] = field(default_factory=list)
 
@@ -137,6 +141,9 @@ def _binary_ok(region: Region, node: ir.Node, i: int, target: DispatchTarget) ->
         return None
     if all(d == 1 for d in other[:-1]):
         return None  # broadcast over every token
+    if len(out) >= 2 and other[-2:] == out[-2:] == [region.f, region.c] and all(d == 1 for d in other[:-2]):
+        region.per_frame.append((node, i))  # one row per frame, broadcast over the pixels (a position embedding)
+        return None
     return f"{node.op_type} with an operand {other} that varies by token but is not a frame token"
 
 
@@ -329,6 +336,14 @@ def _rewrite(graph: ir.Graph, t: ir.Node, region: Region, plans: list[Attention]
         graph.remove(chain[::-1], safe=True)
         counts["exits -> views"] += 1
     graph.remove(t, safe=True)
+    b, f, s, c = region.b, region.f, region.s, region.c
+    for node, i in region.per_frame:  # the frame rows read as [1, F, 1, C] against the spatial [B, F, S, C]
+        names = ("a_shape", "b_shape")
+        node.attributes[names[i]] = ir.AttrInt64s(names[i], [b, f, s, c])
+        node.attributes[names[1 - i]] = ir.AttrInt64s(names[1 - i], [1, f, 1, c])
+        node.attributes["c_shape"] = ir.AttrInt64s("c_shape", [b, f, s, c])
+        node.outputs[0].shape = ir.Shape([b, f, s, c])
+        counts["per-frame operands -> [1, F, 1, C]"] += 1
     for plan in plans:
         node = plan.node
         b = Builder(graph, RULE, target)

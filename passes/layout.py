@@ -145,9 +145,70 @@ def _simplify_chain(graph: ir.Graph, chain: list[ir.Node], shared: int = 0) -> b
                  shape=_permute(s_shape, last)).outputs[0]
         new = [t if tuple(_permute(s_shape, last)) == d_shape else _reshape(b, t, d_shape)]
     else:
-        return False
+        planned = _frame_swap_chain(s_shape, d_shape, got)
+        if planned is None or [(n.op_type, static_shape(n.outputs[0])) for n in chain] == planned[1]:
+            return False  # not a frame swap, or in its form already
+        v = src
+        for (op, shape), perm in zip(planned[1], planned[0], strict=True):
+            v = _reshape(b, v, shape) if op == "Reshape" else b.op("Transpose", [v], {"perm": list(perm)}, domain="",
+                                                                   dtype=src.dtype, shape=list(shape)).outputs[0]
+        new = [v]
     replace(graph, chain[-1], chain[shared:], b.nodes, [dst], new)
     return True
+
+
+SWAP = (0, 2, 1, 3)
+
+
+def frame_swap(shape: tuple[int, ...], got: np.ndarray) -> tuple[int, int, int, int] | None:
+    """(B, F, S, C) where ``got`` (a movement's output as flat indices into its source of ``shape``) is the source
+    viewed [B, F, S, C] with F and S swapped, C its last axis and F, S > 1: a video's tokens read per pixel
+    over the frames, or back. None for any other movement. One pass over ``got``: its element at C is the
+    first token of frame 1, at F * C the second pixel of frame 0."""
+    c, n = shape[-1], got.size
+    if n < 4 * c or not np.array_equal(got[:c], np.arange(c)) or got[c] % c or got[c] < 2 * c:
+        return None
+    s = int(got[c]) // c
+    hits = np.nonzero(got[::c] == c)[0]
+    f = int(hits[0]) if hits.size else 0
+    if f < 2 or n % (f * s * c):
+        return None
+    dims = (n // (f * s * c), f, s, c)
+    want = np.arange(n, dtype=got.dtype).reshape(dims).transpose(SWAP).reshape(-1)
+    return dims if np.array_equal(got, want) else None
+
+
+def _frame_swap_chain(s_shape: tuple[int, ...], d_shape: tuple[int, ...], got: np.ndarray
+                      ) -> tuple[list[tuple[int, ...] | None], list[tuple[str, tuple[int, ...]]]] | None:
+    """A chain that is a frame swap (``frame_swap``), or one followed by channels last -> first at a 4-D or
+    5-D destination (a video UNet's temporal layers hand their tokens back to an NCHW residual Add), as its
+    plain form: Reshape to [B, F, S, C], Transpose(0, 2, 1, 3), Reshape, and that Transpose to channels first
+    (which the push rewrite then carries down to cancel): (perms, [(op, output shape)]), None otherwise. The
+    frames pass reads the swap's region in the spatial order (``passes/frames.py``)."""
+    dims = frame_swap(s_shape, got)
+    last: tuple[int, ...] | None = None
+    if dims is None and len(d_shape) in RANKS:
+        nhwc = tuple(_permute(d_shape, to_last(len(d_shape))))
+        dims = frame_swap(s_shape, np.transpose(got.reshape(d_shape), to_last(len(d_shape))).reshape(-1))
+        last = nhwc if dims is not None else None
+    if dims is None:
+        return None
+    b, f, s, c = dims
+    plan: list[tuple[str, tuple[int, ...]]] = []
+    perms: list[tuple[int, ...] | None] = []
+    if s_shape != dims:
+        plan.append(("Reshape", dims))
+        perms.append(None)
+    plan.append(("Transpose", (b, s, f, c)))
+    perms.append(SWAP)
+    end = last if last is not None else d_shape
+    if end != (b, s, f, c):
+        plan.append(("Reshape", end))
+        perms.append(None)
+    if last is not None:
+        plan.append(("Transpose", d_shape))
+        perms.append(to_first(len(d_shape)))
+    return perms, plan
 
 
 def _reshape(b: Builder, x: ir.Value, shape: tuple[int, ...] | list[int]) -> ir.Value:

@@ -169,3 +169,66 @@ def test_near_misses_keep_their_transposes_and_say_why(name):
     assert any(why in k for k in result.counts), result.counts
     assert_same(m, irm)
     assert np.isfinite(before)
+
+
+# --- video UNets' temporal layers: [B*F, C, H, W] read as [B, C, F, H, W] and per pixel over the frames -----------
+
+class _TemporalBlock(torch.nn.Module):
+    """A per-frame conv, a video UNet's temporal transformer on its NCHW output, a conv after: ModelScope's
+    ``TransformerTemporalModel`` (UNet3DConditionModel) or AnimateDiff's motion module
+    (``AnimateDiffTransformer3D``: a sinusoidal position embedding over the frames), configured as their UNets
+    build them. Each views [B*F, C, H, W] as [B, C, F, H, W], group-norms it, and permutes it to one sequence of
+    F frames per pixel; its output comes back the same way to a residual Add."""
+
+    def __init__(self, kind: str, channels: int = 16, heads: int = 2) -> None:
+        from diffusers.models.transformers.transformer_temporal import TransformerTemporalModel
+        from diffusers.models.unets.unet_motion_model import AnimateDiffTransformer3D
+
+        super().__init__()
+        self.conv_in = torch.nn.Conv2d(4, channels, 3, padding=1)
+        if kind == "modelscope":
+            self.temporal = TransformerTemporalModel(channels // heads, heads, in_channels=channels, num_layers=1,
+                                                     norm_num_groups=8)
+        else:
+            self.temporal = AnimateDiffTransformer3D(num_attention_heads=heads, in_channels=channels, num_layers=1,
+                                                     norm_num_groups=8, activation_fn="geglu",
+                                                     positional_embeddings="sinusoidal", num_positional_embeddings=32,
+                                                     attention_head_dim=channels // heads)
+        self.conv_out = torch.nn.Conv2d(channels, 4, 3, padding=1)
+        self.kind = kind
+
+    def forward(self, x):
+        h = self.conv_in(x)
+        out = self.temporal(h, num_frames=2)
+        h = out.sample if self.kind == "modelscope" else out
+        return self.conv_out(h)
+
+
+@pytest.mark.parametrize("kind", ["modelscope", "animatediff"])
+def test_a_video_unets_temporal_transformer_runs_without_its_transposes(kind, tmp_path):
+    """Exported by dynamo: the layout pass writes each temporal transformer's movement chains (NCHW ->
+    [B, C, F, H, W] -> [B*H*W, F, C], and back to the NCHW residual Add) as the frame swap they are, with the
+    channels-first Transpose after it exposed and carried down to cancel (``layout.frame_swap``); the frames
+    pass then reads the region in the spatial order, AnimateDiff's position embedding as [1, F, 1, C] rows.
+    What stays on the CPU is the NCHW edges; the numbers are the graph's (fp32 before precision)."""
+    torch.manual_seed(0)
+    module = _TemporalBlock(kind).eval()
+    with torch.no_grad():
+        for p in module.parameters():  # torch starts norms at ones and zeros, which would hide a lost weight
+            p.add_(0.2 * torch.randn(p.shape))
+    x = torch.randn(2, 4, 6, 6, generator=torch.Generator().manual_seed(1))
+    path = tmp_path / "m.onnx"
+    with torch.no_grad():
+        torch.onnx.export(module, (x,), dynamo=True, opset_version=20, input_names=["x"], output_names=["y"],
+                          verbose=False, report=False).save(str(path))
+    m = onnx.load(str(path))
+    irm = lowered(m)
+    assert _frame_transposes(irm) == 2, ops(irm)
+    result = absorb_frame_transposes(irm, TARGET)
+    assert result.counts.get("frame transposes -> views") == 1, result.counts
+    assert result.counts.get("attentions over frames -> pixels as heads") == 2, result.counts
+    # the embedding is added before each of the block's two self-attentions
+    assert result.counts.get("per-frame operands -> [1, F, 1, C]", 0) == 2 * (kind == "animatediff"), result.counts
+    cpu = {k: v for k, v in ops(irm).items() if not TARGET.is_dispatch(TARGET.domain, k)}
+    assert cpu.get("Transpose", 0) <= 2 and "Add" not in cpu, ops(irm)  # the input's and the output's
+    assert_same(m, irm, atol=1e-4)

@@ -115,3 +115,37 @@ def test_nothing_to_do_is_reported_as_no_change():
     m = model([n("Relu", ["x"], ["y"])], {"x": [1, 8, 6, 6]}, {"y": [1, 8, 6, 6]})
     result = lay_out_nhwc(to_ir(m))
     assert not result.modified and not any(result.counts.values())
+
+
+@pytest.mark.parametrize("chain", ["frame_swap", "head_split", "channels_split"])
+def test_a_chain_that_swaps_frames_and_pixels_is_written_as_the_swap(chain):
+    """ModelScope's temporal transformer reads NHWC frames [B, F*H, W, C] as NCHW, views them [B, C, F, H, W]
+    and permutes them to [B, H, W, F, C]: three nodes whose movement is the frame swap of [B, F, H*W, C]
+    (``layout.frame_swap``), written as a Reshape, Transpose(0, 2, 1, 3) and a Reshape. Near misses keep their
+    chains: a head split (the channels cut: not a swap of whole tokens) and a Transpose of the channels."""
+    b, f, h, wd, c = 1, 2, 3, 4, 8
+    if chain == "frame_swap":
+        nodes = [n("Transpose", ["x"], ["a"], perm=[0, 3, 1, 2]), n("Reshape", ["a", "s"], ["r"]),
+                 n("Transpose", ["r"], ["t"], perm=[0, 3, 4, 2, 1]), n("Relu", ["t"], ["y"])]
+        shape, out = [b, c, f, h, wd], [b, h, wd, f, c]
+    elif chain == "head_split":
+        nodes = [n("Reshape", ["x", "s"], ["r"]), n("Transpose", ["r"], ["t"], perm=[0, 2, 1, 3]),
+                 n("Relu", ["t"], ["y"])]
+        shape, out = [b, f * h * wd, 2, c // 2], [b, 2, f * h * wd, c // 2]
+    else:
+        nodes = [n("Reshape", ["x", "s"], ["r"]), n("Transpose", ["r"], ["t"], perm=[0, 1, 3, 2]),
+                 n("Relu", ["t"], ["y"])]
+        shape, out = [b, f * h, wd, c], [b, f * h, c, wd]
+    m = model(nodes, {"x": [b, f * h, wd, c]}, {"y": out}, {"s": np.array(shape)})
+    irm = to_ir(m)
+    lay_out_nhwc(irm)
+    swaps = [node for node in irm.graph if node.op_type == "Transpose"
+             and tuple(node.attributes["perm"].value) == (0, 2, 1, 3)]
+    if chain == "frame_swap":
+        assert len(swaps) == 1 and ops(irm)["Transpose"] == 1 and list(swaps[0].inputs[0].shape) == [b, f, h * wd, c]
+    else:
+        assert ops(irm)["Transpose"] == 1 and [list(node.attributes["perm"].value) for node in irm.graph
+                                               if node.op_type == "Transpose"] == [[0, 2, 1, 3] if chain ==
+                                                                                   "head_split" else [0, 1, 3, 2]]
+        assert not swaps or list(swaps[0].inputs[0].shape) == shape
+    assert_same(m, irm)

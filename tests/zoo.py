@@ -166,6 +166,36 @@ def _svd() -> Built:
                  ("sample", "timestep", "encoder_hidden_states", "added_time_ids"))
 
 
+@member("modelscope-unet", "unet", "ModelScope text-to-video UNet3DConditionModel (2 frames: temporal convs and "
+        "temporal transformers over [B, C, F, H, W])")
+def _modelscope() -> Built:
+    import torch
+
+    m = _diffusers("UNet3DConditionModel", sample_size=16, in_channels=4, out_channels=4,
+                   down_block_types=["CrossAttnDownBlock3D", "DownBlock3D"],
+                   up_block_types=["UpBlock3D", "CrossAttnUpBlock3D"], block_out_channels=[32, 64],
+                   layers_per_block=1, norm_num_groups=8, cross_attention_dim=48, attention_head_dim=8)
+    return Built(m, lambda m, s, t, e: m(s, t, e).sample,
+                 (_randn(1, 4, 2, 16, 16), torch.tensor([500]), _randn(1, 8, 48, seed=2)),
+                 ("sample", "timestep", "encoder_hidden_states"))
+
+
+@member("animatediff-unet", "unet", "AnimateDiff UNetMotionModel (2 frames: an SD UNet with motion modules, "
+        "attention over frames with a sinusoidal position embedding)")
+def _animatediff() -> Built:
+    import torch
+
+    m = _diffusers("UNetMotionModel", sample_size=16, in_channels=4, out_channels=4,
+                   down_block_types=["CrossAttnDownBlockMotion", "DownBlockMotion"],
+                   up_block_types=["UpBlockMotion", "CrossAttnUpBlockMotion"], block_out_channels=[32, 64],
+                   layers_per_block=1, norm_num_groups=8, cross_attention_dim=48, num_attention_heads=2,
+                   motion_num_attention_heads=2, motion_max_seq_length=32, use_motion_mid_block=True)
+    # AnimateDiff's pipeline repeats the prompt's embeddings for every frame
+    return Built(m, lambda m, s, t, e: m(s, t, e).sample,
+                 (_randn(1, 4, 2, 16, 16), torch.tensor([500]), _randn(1, 8, 48, seed=2).repeat_interleave(2, dim=0)),
+                 ("sample", "timestep", "encoder_hidden_states"))
+
+
 @member("stable-cascade-prior", "unet", "Stable Cascade stage C prior (StableCascadeUNet: ResBlock / TimestepBlock / "
         "AttnBlock, CLIP text and image conditions)")
 def _stable_cascade() -> Built:
