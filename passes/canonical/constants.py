@@ -26,7 +26,6 @@
 from __future__ import annotations
 
 import logging
-from typing import Any
 
 import numpy as np
 import onnx
@@ -34,12 +33,11 @@ import onnx.version_converter
 import onnx_ir as ir
 import onnxscript.optimizer
 import onnxscript.version_converter
-from onnx import helper
-from onnx.reference import ReferenceEvaluator
 from onnx_ir.passes import common
 
 from sdnpu.errors import SdnpuError
 from sdnpu.formats.keys import SIZED_CONSTANTS_KEY
+from sdnpu.nodeeval import run_node, run_node_ort
 from sdnpu.passes import provenance
 from sdnpu.passes.canonical.driver import RULE, graph_of, node_rewrite
 from sdnpu.passes.irutil import Builder, const, remove_dead_nodes, static_shape
@@ -170,20 +168,17 @@ def fold_small(model: ir.Model) -> PassResult:
             sizes = [v.const_value.size for v in node.inputs if v is not None]  # type: ignore[union-attr]
             if max(sizes, default=0) > _FOLD_LIMIT:
                 continue
-            names = [v.name if v is not None else "" for v in node.inputs]
             proto = ir.serde.serialize_node(node)
-            feeds = {v.name: v.const_value.numpy() for v in node.inputs if v is not None}  # type: ignore
-            g = helper.make_graph([proto], "fold", [helper.make_tensor_value_info(n, ir.serde.serialize_type(  # type: ignore
-                v.type).tensor_type.elem_type, None) for n, v in zip(names, node.inputs) if v is not None], [
-                helper.make_tensor_value_info(o.name, 0, None) for o in outs])
-            one = helper.make_model(g, opset_imports=[helper.make_opsetid("", TARGET_OPSET)])
-            try:  # the graph's own arithmetic: T5's position buckets take Log(0) = -inf in a branch Where drops
-                with np.errstate(all="ignore"):
-                    values = ReferenceEvaluator(one).run(None, feeds)
+            arrays = [v.const_value.numpy() if v is not None else None for v in node.inputs]  # type: ignore[union-attr]
+            types = [_elem(v) for v in node.inputs]
+            try:  # the graph's own arithmetic, warnings off (T5's Log(0) = -inf in a branch Where drops)
+                values = run_node(proto, arrays, TARGET_OPSET, types)
             except Exception:  # an op the reference evaluator lacks or limits (its GatherElements takes <= 64 rows)
-                values = _fold_with_onnxruntime(one, outs, feeds)
-                if values is None:  # onnxruntime cannot either: leave it to the rules
+                out_types = [_elem(o) for o in outs]
+                found = None if 0 in out_types else run_node_ort(proto, arrays, out_types, TARGET_OPSET, types)
+                if found is None:  # onnxruntime cannot either: leave it to the rules
                     continue
+                values = found
             if any(np.asarray(v).size > _FOLD_LIMIT for v in values):
                 continue
         else:
@@ -200,23 +195,11 @@ def fold_small(model: ir.Model) -> PassResult:
     return PassResult(modified=bool(folded), counts={"small constants folded": folded})
 
 
-def _fold_with_onnxruntime(model: Any, outs: list[ir.Value], feeds: dict[str, np.ndarray]) -> list[np.ndarray] | None:
-    """One node's model run in onnxruntime (its optimizations off; the outputs typed, as it needs them); None
-    where it cannot."""
-    import onnxruntime as ort  # where it is used: the passes import without it (docs/design.md, Layers)
-
-    if any(o.type is None for o in outs):
-        return None
-    for vi, o in zip(model.graph.output, outs, strict=True):
-        vi.type.tensor_type.elem_type = ir.serde.serialize_type(o.type).tensor_type.elem_type  # type: ignore[arg-type]
-    opts = ort.SessionOptions()
-    opts.graph_optimization_level = ort.GraphOptimizationLevel.ORT_DISABLE_ALL
-    opts.log_severity_level = 3
-    try:
-        session = ort.InferenceSession(model.SerializeToString(), opts, providers=["CPUExecutionProvider"])
-        return list(session.run(None, feeds))
-    except Exception:  # noqa: BLE001 - a node onnxruntime refuses is left as it is
-        return None
+def _elem(v: ir.Value | None) -> int:
+    """``v``'s ONNX element type (0: absent or unknown)."""
+    if v is None or v.type is None:
+        return 0
+    return ir.serde.serialize_type(v.type).tensor_type.elem_type  # type: ignore[arg-type]
 
 
 def name_nodes(model: ir.Model) -> PassResult:

@@ -29,10 +29,8 @@ from __future__ import annotations
 
 import numpy as np
 import onnx_ir as ir
-from onnx import helper
-from onnx.reference import ReferenceEvaluator
 
-from sdnpu.passes.canonical.constants import TARGET_OPSET
+from sdnpu.nodeeval import run_node
 from sdnpu.passes.canonical.driver import RULE
 from sdnpu.passes.canonical.tables import edge_values
 from sdnpu.passes.irutil import Builder, attr, remove_dead_nodes, reroute, static_shape
@@ -280,19 +278,8 @@ def _dominator(y: ir.Value, order: dict[int, int], consts: _Constants) -> tuple[
 def _run_node(node: ir.Node, arrays: list[np.ndarray | None]) -> list[np.ndarray]:
     """``node`` run on ``arrays`` in place of its inputs (None: the input's constant; an absent optional input
     stays absent) by the reference evaluator. Raises where it cannot."""
-    proto = ir.serde.serialize_node(node)
-    names = [f"in{i}" if w is not None else "" for i, w in enumerate(node.inputs)]
-    del proto.input[:]
-    proto.input.extend(names)
-    del proto.output[:]
-    proto.output.extend(f"out{i}" for i in range(len(node.outputs)))
-    feeds = {n: (a if a is not None else w.const_value.numpy())  # type: ignore[union-attr]
-             for n, a, w in zip(names, arrays, node.inputs) if w is not None}
-    g = helper.make_graph([proto], "term", [helper.make_tensor_value_info(n, helper.np_dtype_to_tensor_dtype(
-        np.asarray(a).dtype), np.asarray(a).shape) for n, a in feeds.items()],
-        [helper.make_tensor_value_info(o, 0, None) for o in proto.output])
-    model = helper.make_model(g, opset_imports=[helper.make_opsetid("", TARGET_OPSET)])
-    return [np.asarray(o) for o in ReferenceEvaluator(model).run(None, feeds)]
+    return run_node(ir.serde.serialize_node(node), [  # type: ignore[union-attr]
+        None if w is None else a if a is not None else w.const_value.numpy() for a, w in zip(arrays, node.inputs)])
 
 
 def _linear_terms(x: ir.Value, y: ir.Value, nodes: list[ir.Node],

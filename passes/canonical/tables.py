@@ -32,9 +32,8 @@ from __future__ import annotations
 
 import numpy as np
 import onnx_ir as ir
-from onnx import helper
-from onnx.reference import ReferenceEvaluator
 
+from sdnpu.nodeeval import run_node
 from sdnpu.passes.canonical.noops import BROADCASTING
 from sdnpu.passes.irutil import Builder, attr, reroute, static_shape
 from sdnpu.passes.manager import PassResult
@@ -210,23 +209,18 @@ def _linear_source(v: ir.Value, edge: set[ir.Value]) -> tuple[ir.Value, list[ir.
 
 
 def _run(u: ir.Value, v: ir.Value, nodes: list[ir.Node], probe: np.ndarray) -> np.ndarray | None:
+    """``v`` computed by ``nodes`` (in the graph's order) from ``probe`` in place of ``u``, node by node; None
+    where a node reads a value that is neither u, a constant nor another's output, or the evaluator cannot run
+    it (leave the subgraph as it is)."""
     order = {id(n): i for i, n in enumerate(u.graph or [])} if u.graph is not None else {}
-    protos = [ir.serde.serialize_node(n) for n in sorted(nodes, key=lambda n: order.get(id(n), 0))]
-    inits = []
-    for n in nodes:
-        for w in n.inputs:
-            if w is not None and w.const_value is not None and w.name not in {i.name for i in inits}:
-                a = w.const_value.numpy()
-                inits.append(helper.make_tensor(w.name, helper.np_dtype_to_tensor_dtype(a.dtype), a.shape,
-                                                a.reshape(-1).tolist()))
-    probe = probe.astype(np.float32 if u.dtype == ir.DataType.FLOAT else np.float64)  # exact: n <= 2^24
-    g = helper.make_graph(protos, "probe", [helper.make_tensor_value_info(  # type: ignore[arg-type]
-        u.name, helper.np_dtype_to_tensor_dtype(probe.dtype), probe.shape)],
-                          [helper.make_tensor_value_info(v.name, 0, None)], inits)  # type: ignore[arg-type]
+    values = {id(u): probe.astype(np.float32 if u.dtype == ir.DataType.FLOAT else np.float64)}  # exact: n <= 2^24
     try:
-        return np.asarray(ReferenceEvaluator(helper.make_model(g, opset_imports=[helper.make_opsetid("", 20)])).run(
-            None, {u.name: probe})[0], np.float64)
-    except Exception:  # an op the evaluator takes otherwise: leave the subgraph as it is
+        for n in sorted(nodes, key=lambda n: order.get(id(n), 0)):
+            ins = [None if w is None else values[id(w)] if id(w) in values
+                   else w.const_value.numpy() for w in n.inputs]  # type: ignore[union-attr]
+            values.update((id(o), a) for o, a in zip(n.outputs, run_node(ir.serde.serialize_node(n), ins), strict=True))
+        return np.asarray(values[id(v)], np.float64)
+    except Exception:  # noqa: BLE001 - an op the evaluator takes otherwise, a value from elsewhere: left as it is
         return None
 
 

@@ -44,10 +44,8 @@ import ml_dtypes
 import numpy as np
 import onnx
 import onnx_ir as ir
-from onnx import helper
-from onnx.reference import ReferenceEvaluator
-
 from sdnpu.errors import SdnpuError
+from sdnpu.nodeeval import run_node
 from sdnpu.ops.bfp import BLOCK, round_bfp16
 
 FORMAT, VERSION = "sdnpu-weights", 1
@@ -217,17 +215,7 @@ def evaluate(expr: Expr, read: Callable[[str], np.ndarray]) -> np.ndarray:
 def _run_node(expr: Expr, arrays: list[np.ndarray | None]) -> np.ndarray:
     node = onnx.NodeProto()
     node.ParseFromString(base64.b64decode(expr["node"]))
-    inputs = ["" if a is None else f"x{i}" for i, a in enumerate(arrays)]
-    feeds = {name: a for name, a in zip(inputs, arrays, strict=True) if a is not None}
-    outputs = [f"y{i}" for i in range(len(node.output))]
-    del node.input[:], node.output[:]
-    node.input.extend(inputs)
-    node.output.extend(outputs)
-    graph = helper.make_graph([node], "replay", [helper.make_tensor_value_info(n, helper.np_dtype_to_tensor_dtype(
-        a.dtype), None) for n, a in feeds.items()], [helper.make_tensor_value_info(o, 0, None) for o in outputs])
-    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 20)])
-    with np.errstate(all="ignore"):  # the graph's own arithmetic (T5's Log(0) = -inf in a branch Where drops)
-        return np.asarray(ReferenceEvaluator(model).run(None, feeds)[expr["output"]])
+    return run_node(node, arrays)[expr["output"]]
 
 
 def tensor_values(tensor: Any) -> np.ndarray:
