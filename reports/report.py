@@ -35,10 +35,12 @@ def _meta(node: onnx.NodeProto) -> dict[str, str]:
 
 
 def _shapes(model: onnx.ModelProto) -> dict[str, list[int]]:
+    """Each value's static shape; [] where a dimension is symbolic or unknown (a text length that depends on a
+    mask's values), as for a value without a shape: its ops' MACs are not known, never counted as 0."""
     shapes = {}
     for vi in [*model.graph.input, *model.graph.output, *model.graph.value_info]:
         dims = vi.type.tensor_type.shape.dim
-        shapes[vi.name] = [d.dim_value for d in dims]
+        shapes[vi.name] = [d.dim_value for d in dims] if all(d.HasField("dim_value") for d in dims) else []
     for init in model.graph.initializer:
         shapes[init.name] = list(init.dims)
     return shapes
@@ -86,7 +88,12 @@ def macs(node: onnx.NodeProto, shapes: dict[str, list[int]], target: Target) -> 
             return 0
         sizes = {c: d for term, s in zip(lhs, ins, strict=False) for c, d in zip(term.strip(), s, strict=False)}
         return _prod(list(sizes.values()))
-    if op in ("Attention", "MultiHeadAttention") and ins and len(ins[0]) == 3:
+    if op in ("Attention", "MultiHeadAttention"):
+        if len(ins) > 2 and len(ins[0]) == 4 and len(ins[1]) == 4 and len(ins[2]) == 4:  # ONNX's [B, H, S, D]
+            b, h, m, dq = ins[0]
+            return b * h * m * ins[1][2] * (dq + ins[2][3])
+        if not ins or len(ins[0]) != 3:
+            return None
         b, m, c = ins[0]
         n = ins[1][1] if len(ins) > 1 and len(ins[1]) == 3 else m
         return 2 * b * m * n * c

@@ -279,3 +279,22 @@ def test_a_decoder_only_encoder_leaves_only_its_causal_attention_on_the_cpu(expo
     assert ops.get("SDGemm") == 9, ops  # q, k, v, o, the rotary's two signed permutations, the SwiGLU's three
     assert report["summary"]["cpu_islands"]["around ops the registry lacks"] <= 1, report["summary"]
     assert report["fidelity"]["min_cosine"] > 0.999, report["fidelity"]
+
+
+@pytest.mark.parametrize("length", [6, "n"])
+def test_a_matmul_of_a_symbolic_length_has_unknown_macs(length):
+    """A MatMul whose rows depend on a mask's values (HunyuanImage picks its text tokens with NonZero; its
+    length stays symbolic) has multiply-accumulates nobody knows: not counted as 0, which made a report say
+    99.98% with the whole transformer body on the CPU. With the length static they are counted."""
+    import numpy as np
+    from onnx import helper
+
+    from sdnpu.ops.target import get_target
+    from sdnpu.reports.report import _shapes, macs
+
+    x = helper.make_tensor_value_info("x", onnx.TensorProto.FLOAT, [1, length, 8])
+    y = helper.make_tensor_value_info("y", onnx.TensorProto.FLOAT, [1, length, 4])
+    w = onnx.numpy_helper.from_array(np.zeros((8, 4), np.float32), "w")
+    node = helper.make_node("MatMul", ["x", "w"], ["y"])
+    model = helper.make_model(helper.make_graph([node], "g", [x], [y], [w]))
+    assert macs(node, _shapes(model), get_target()) == (None if length == "n" else 6 * 4 * 8)
