@@ -85,7 +85,11 @@ def main(argv: list[str]) -> int:
             low = copy.deepcopy(wrapper).to(torch.bfloat16)(*[a.to(torch.bfloat16) if a.is_floating_point() else a
                                                               for a in drawn]).float().numpy()
         m_pt, c_pt = errors(low, ref)
-        m_op, c_op = errors(_rounded_op_by_op(folder / "model.onnx", feeds), ref)
+        try:
+            m_op, c_op = errors(_rounded_op_by_op(folder / "model.onnx", feeds), ref)
+        except Exception as e:  # noqa: BLE001 - onnxruntime refuses the export itself (HunyuanVideo's bool Where)
+            print(f"op by op: onnxruntime cannot run the export: {str(e).splitlines()[0][:160]}", file=sys.stderr)
+            m_op = c_op = None
         for dd in dds:
             got = next(iter(run_onnx(dd / "replaced.onnx", feeds).values()))
             m_ours, c_ours = errors(got, ref)

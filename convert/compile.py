@@ -37,6 +37,8 @@ from sdnpu.onnxrun import is_ort_error, ort_message, run_onnx
 from sdnpu.ops.target import get_target
 from sdnpu.passes import provenance
 from sdnpu.passes.canonical.constants import bind_input_shapes
+from sdnpu.passes.canonical.driver import apply as apply_rewrite
+from sdnpu.passes.canonical.noops import rewrite_bool_where
 from sdnpu.passes.manager import records_json
 from sdnpu.passes.modelfile import load, save
 from sdnpu.passes.pipeline import CompileOptions, compile_model, pass_names
@@ -164,16 +166,55 @@ def fidelity_run(name: str, source: Path, out: Path, check: FidelityCheck,
         log.warning("[%s] no fidelity check: %s (give the model's test inputs in test_data_set_0/, or "
                     "compile it with --no-verify)", name, e)
         return None, str(e)
-    if reference is None:
-        with step(log, f"[{name}] running the fp32 graph for the fidelity check"):
-            try:
-                reference = run_onnx(source, feeds, optimize=True)
-            except Exception as e:  # onnxruntime's Fail, InvalidGraph, InvalidArgument, RuntimeException
-                if not is_ort_error(e):
-                    raise
-                raise SdnpuError(f"onnxruntime cannot run {source} for the fidelity check: {ort_message(e)}",
-                                 hint="the graph itself is what onnxruntime refuses (often an exporter bug: try "
-                                 "the other exporter); `--no-verify` compiles it without the check") from None
+    runnable = None
+    try:
+        if reference is None:
+            reference, runnable = _reference_run(name, source, out, feeds)
+        return _fidelity_of(name, runnable or source, out, feeds, reference), None
+    finally:
+        if runnable is not None:
+            for path in (runnable, runnable.with_name(runnable.name + ".data")):
+                path.unlink(missing_ok=True)
+
+
+def _reference_run(name: str, source: Path, out: Path, feeds: dict[str, np.ndarray]
+                   ) -> tuple[dict[str, np.ndarray], Path | None]:
+    """The fp32 graph's outputs on ``feeds``, and the copy of it that ran where onnxruntime refuses the graph for
+    its boolean Wheres alone (it has no such kernel: dynamo's ``masked_fill`` of a bool mask, HunyuanVideo's):
+    that copy has them as And / Or / Not (``canonical.noops.rewrite_bool_where``, the same values), written
+    beside ``out`` for the check and deleted after it. Anything else onnxruntime refuses is one line."""
+    with step(log, f"[{name}] running the fp32 graph for the fidelity check"):
+        try:
+            return run_onnx(source, feeds, optimize=True), None
+        except Exception as e:  # onnxruntime's Fail, InvalidGraph, InvalidArgument, RuntimeException
+            if not is_ort_error(e):
+                raise
+            error = SdnpuError(f"onnxruntime cannot run {source} for the fidelity check: {ort_message(e)}",
+                               hint="the graph itself is what onnxruntime refuses (often an exporter bug: try "
+                               "the other exporter); `--no-verify` compiles it without the check")
+            if "Where" not in ort_message(e):
+                raise error from None
+    model = load(source)
+    if not apply_rewrite(model.graph, rewrite_bool_where):
+        raise error from None
+    runnable = out.with_name(f"{source.stem}.fp32_bool_where.onnx")
+    save(model, runnable)
+    del model
+    log.info("[%s] onnxruntime has no boolean Where: the fp32 graph runs with its Wheres of booleans as And, Or "
+             "and Not (the same values)", name)
+    try:
+        with step(log, f"[{name}] running the fp32 graph, its boolean Wheres rewritten, for the fidelity check"):
+            return run_onnx(runnable, feeds, optimize=True), runnable
+    except Exception as e:
+        for path in (runnable, runnable.with_name(runnable.name + ".data")):
+            path.unlink(missing_ok=True)
+        if not is_ort_error(e):
+            raise
+        raise error from None
+
+
+def _fidelity_of(name: str, source: Path, out: Path, feeds: dict[str, np.ndarray],
+                 reference: dict[str, np.ndarray]) -> dict[str, Any]:
     with step(log, f"[{name}] running {out.name} (reference bodies) for the fidelity check"):
         try:
             actual = run_onnx(out, feeds)
@@ -193,7 +234,7 @@ def fidelity_run(name: str, source: Path, out: Path, check: FidelityCheck,
         log.warning("[%s] the fp32 graph's own outputs are not finite on the check's inputs (%s values): the "
                     "fidelity is measured over the finite ones", name,
                     ", ".join(f"{k}: {v}" for k, v in bad.items()))
-    return fid, None
+    return fid
 
 
 # A dispatch model whose 1 - cosine passes this many times its graph's own op-by-op bf16 rounding's is broken by a

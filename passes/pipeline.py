@@ -186,6 +186,7 @@ CANONICAL = Group("canonical", [
     ("fold", constants.fold_constants),
     ("shapes", constants.infer_shapes),
     ("where_rows", noops.rewrite_where_as_arithmetic),  # before the small folder, which folds its fill * mask
+    ("bool_where", noops.rewrite_bool_where),  # onnxruntime runs no boolean Where
     Group("fold_rounds", [  # folding one node can make the next one's inputs constant, or its shapes known
         ("shapes", constants.infer_shapes),
         ("fold_small", constants.fold_small),

@@ -9,9 +9,10 @@ import onnx
 import pytest
 from onnx import TensorProto as T
 from onnx import helper
+from onnx.reference import ReferenceEvaluator
 
 from sdnpu.passes.canonical import noops
-from sdnpu.passes.canonical.driver import sweep
+from sdnpu.passes.canonical.driver import apply, sweep
 from sdnpu.passes.pipeline import canonicalize
 
 from .graphs import feeds_for, model, ops, rewritten, run, to_ir, to_proto
@@ -286,3 +287,26 @@ def test_a_softmax_guard_behind_a_computed_mask_stays():
     assert not np.isnan(y).any() and not y[0].any()  # batch row 0 has no key: the guard gives it zeros
     irm, counts = rewritten(m, noops.drop_softmax_guards, feeds=feeds)
     assert counts["softmax NaN guards without a mask dropped"] == 0 and ops(irm)["IsNaN"] == 1
+
+
+@pytest.mark.parametrize("branches", [("c", "a", "b"), ("c", "False", "b"), ("c", "a", "True"), ("c", "True", "b")])
+def test_a_where_of_booleans_is_and_or_not(branches):
+    """onnxruntime has no boolean Where kernel (dynamo writes ``mask.masked_fill(idx, False)`` so, HunyuanVideo's
+    token mask): ``Where(c, a, b)`` becomes ``Or(And(c, a), And(Not(c), b))``, a scalar constant branch its
+    shorter form, broadcast as the Where was; the values are the reference evaluator's run of the graph."""
+    consts = {"False": np.array(False), "True": np.array(True)}
+    inputs = [helper.make_tensor_value_info(k, T.BOOL, shape) for k, shape in
+              (("c", [2, 1, 4]), ("a", [2, 3, 4]), ("b", [1, 3, 4]))]
+    inputs = [i for i in inputs if i.name in branches]
+    g = helper.make_graph([n("Where", list(branches), ["y"])], "g", inputs,
+                          [helper.make_tensor_value_info("y", T.BOOL, [2, 3, 4])],
+                          [onnx.numpy_helper.from_array(v, k) for k, v in consts.items() if k in branches])
+    m = helper.make_model(g, opset_imports=[helper.make_opsetid("", 20)])
+    rng = np.random.default_rng(0)
+    feeds = {i.name: rng.random([d.dim_value for d in i.type.tensor_type.shape.dim]) > 0.5 for i in inputs}
+    irm = to_ir(m)
+    assert apply(irm.graph, noops.rewrite_bool_where) == 1
+    out = to_proto(irm)
+    onnx.checker.check_model(out, full_check=True)
+    assert "Where" not in ops(irm), ops(irm)
+    np.testing.assert_array_equal(run(out, feeds)[0], ReferenceEvaluator(m).run(None, feeds)[0])

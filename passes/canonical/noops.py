@@ -296,6 +296,44 @@ def rewrite_where_as_arithmetic(node: ir.Node) -> bool:
     return True
 
 
+@node_rewrite("Where of booleans -> And, Or, Not", "Where")
+def rewrite_bool_where(node: ir.Node) -> bool:
+    """``Where(c, a, b)`` of booleans (dynamo's ``mask.masked_fill(idx, False)``: HunyuanVideo's token mask) is
+    ``Or(And(c, a), And(Not(c), b))``; a scalar constant branch drops its term or its And (``Where(c, False, b)``
+    is ``And(Not(c), b)``). onnxruntime has no boolean Where kernel, so a dispatch model keeping it could not
+    run; the same values, an Expand where the terms broadcast narrower than the Where's output."""
+    cond, a, b_ = node.inputs
+    y = node.outputs[0]
+    shape = static_shape(y)
+    if cond is None or a is None or b_ is None or y.dtype != ir.DataType.BOOL or shape is None:
+        return False
+    graph = graph_of(node)
+    bld = Builder(graph, RULE)
+
+    def op(kind: str, *xs: ir.Value) -> ir.Value:
+        shapes = [static_shape(x) for x in xs]
+        out = None if any(sh is None for sh in shapes) else list(np.broadcast_shapes(*shapes))  # type: ignore[misc]
+        return bld.op(kind, list(xs), dtype=ir.DataType.BOOL, shape=out).outputs[0]
+
+    terms: list[ir.Value] = []
+    for pick, value in ((cond, a), (None, b_)):
+        k = const(value)
+        if k is not None and k.size == 1 and not bool(k.reshape(())):
+            continue  # this side gives False: no term
+        pick = pick if pick is not None else op("Not", cond)
+        terms.append(pick if k is not None and k.size == 1 else op("And", pick, value))
+    if not terms:
+        return False  # Where(c, False, False): left as written
+    out = terms[0] if len(terms) == 1 else op("Or", *terms)
+    if static_shape(out) != shape:
+        out = bld.op("Expand", [out, bld.const(np.asarray(shape, np.int64), "shape")], dtype=ir.DataType.BOOL,
+                     shape=list(shape)).outputs[0]
+    graph.insert_before(node, bld.nodes)
+    reroute(graph, y, out)
+    graph.remove(node, safe=True)
+    return True
+
+
 @node_rewrite("softmax NaN guards without a mask dropped", "Where", sweep_after=True)
 def drop_softmax_guards(node: ir.Node) -> bool:
     """``Where(IsNaN(p), 0, p)`` after ``p = Softmax(s)`` (TorchScript's scaled_dot_product_attention guards a
