@@ -89,8 +89,8 @@ def gemm_checked(rule: Rule, nodes: list[ir.Node], last: ir.Node, x: ir.Value | 
     x_shape, w_shape = static_shape(x), static_shape(w)
     if x is None or w is None or x_shape is None or w_shape is None or not is_float(x):
         return "the input is not a float tensor of static shape"
-    if not 1 <= len(x_shape) <= 4:
-        return f"input rank {len(x_shape)}: SDGemm views its input as [B, M, K]"
+    if not x_shape:
+        return "a scalar input: SDGemm views its input as [B, M, K]"  # any rank >= 1 views so (a video's 5-D too)
     k, n = (w_shape[1], w_shape[0]) if trans else w_shape
     view = bmk_view(x_shape)
     reason, assumed = rule.target.op("gemm").check({"x": view})
