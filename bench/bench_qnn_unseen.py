@@ -292,6 +292,139 @@ def wan_t():
             ("hidden_states", "timestep", "encoder_hidden_states"))
 
 
+def _padded_mask(n=8, keep=6, dtype=torch.float32):
+    mask = torch.ones(1, n, dtype=dtype)
+    mask[:, keep:] = 0  # padded caption tokens
+    return mask
+
+
+@entry("cogvideox-transformer", "CogVideoX-5B video DiT (CogVideoXTransformer3DModel: joint text+video attention, 3-D RoPE table, 2 frames)")
+def cogvideox_t():
+    from diffusers.models.embeddings import get_3d_rotary_pos_embed
+    from diffusers.pipelines.cogvideo.pipeline_cogvideox import get_resize_crop_region_for_grid
+    m = D("CogVideoXTransformer3DModel", num_attention_heads=2, attention_head_dim=32, in_channels=4, out_channels=4,
+          time_embed_dim=32, text_embed_dim=48, num_layers=1, sample_width=16, sample_height=16, sample_frames=5,
+          patch_size=2, max_text_seq_length=8, use_rotary_positional_embeddings=True)
+    grid = 8  # the pipeline's CogVideoX 1.0 table: crop region of the 8x8 grid, 2 latent frames
+    crops = get_resize_crop_region_for_grid((grid, grid), 16 // 2, 16 // 2)
+    m._unseen_rope = get_3d_rotary_pos_embed(32, crops, (grid, grid), 2)
+    return (m, lambda m, h, e, t: m(h, e, t, image_rotary_emb=m._unseen_rope).sample,
+            (randn(1, 2, 4, 16, 16), randn(1, 8, 48, seed=2), torch.tensor([500])),
+            ("hidden_states", "encoder_hidden_states", "timestep"))
+
+
+@entry("mochi-transformer", "Mochi 1 video DiT (MochiTransformer3DModel: asymmetric joint attention, learned 3-D RoPE, bool text mask)")
+def mochi_t():
+    m = D("MochiTransformer3DModel", patch_size=2, num_attention_heads=2, attention_head_dim=32, num_layers=1,
+          pooled_projection_dim=32, in_channels=4, text_embed_dim=48, time_embed_dim=32, max_sequence_length=8)
+    return (m, lambda m, h, e, t, mk: m(h, e, t, mk).sample,
+            (randn(1, 4, 2, 16, 16), randn(1, 8, 48, seed=2), torch.tensor([700.0]), _padded_mask(dtype=torch.bool)),
+            ("hidden_states", "encoder_hidden_states", "timestep", "encoder_attention_mask"))
+
+
+@entry("hunyuanvideo-transformer", "HunyuanVideo DiT (HunyuanVideoTransformer3DModel: token refiner, dual+single stream, 3-D RoPE, guidance embed)")
+def hunyuanvideo_t():
+    m = D("HunyuanVideoTransformer3DModel", in_channels=4, out_channels=4, num_attention_heads=2, attention_head_dim=32,
+          num_layers=1, num_single_layers=1, num_refiner_layers=1, patch_size=2, patch_size_t=1, text_embed_dim=48,
+          pooled_projection_dim=32, rope_axes_dim=(8, 12, 12), guidance_embeds=True)
+    return (m, lambda m, h, t, e, mk, p, g: m(h, t, e, mk, p, g).sample,
+            (randn(1, 4, 2, 16, 16), torch.tensor([700.0]), randn(1, 8, 48, seed=2), _padded_mask(),
+             randn(1, 32, seed=3), torch.tensor([6000.0])),
+            ("hidden_states", "timestep", "encoder_hidden_states", "encoder_attention_mask", "pooled_projections",
+             "guidance"))
+
+
+@entry("latte", "Latte video DiT (LatteTransformer3DModel: alternating spatial/temporal blocks, AdaLN-single, 2 frames)")
+def latte():
+    m = D("LatteTransformer3DModel", num_attention_heads=2, attention_head_dim=32, in_channels=4, out_channels=8,
+          num_layers=1, sample_size=16, patch_size=2, norm_type="ada_norm_single", num_embeds_ada_norm=1000,
+          activation_fn="gelu-approximate", caption_channels=48, cross_attention_dim=64, video_length=2,
+          attention_bias=True, norm_elementwise_affine=False, norm_eps=1e-6)
+    return (m, lambda m, h, t, e: m(h, t, e).sample,
+            (randn(1, 4, 2, 16, 16), torch.tensor([500]), randn(1, 8, 48, seed=2)),
+            ("hidden_states", "timestep", "encoder_hidden_states"))
+
+
+@entry("easyanimate", "EasyAnimate V5.1 DiT (EasyAnimateTransformer3DModel: MMDiT-style joint blocks, 3-D RoPE, 2 frames)")
+def easyanimate():
+    m = D("EasyAnimateTransformer3DModel", num_attention_heads=2, attention_head_dim=32, in_channels=4, out_channels=4,
+          patch_size=2, sample_width=16, sample_height=16, num_layers=1, mmdit_layers=1, time_embed_dim=32,
+          text_embed_dim=48, add_norm_text_encoder=True, after_norm=False)
+    return (m, lambda m, h, t, e: m(h, t, encoder_hidden_states=e).sample,
+            (randn(1, 4, 2, 16, 16), torch.tensor([500.0]), randn(1, 8, 48, seed=2)),
+            ("hidden_states", "timestep", "encoder_hidden_states"))
+
+
+@entry("cosmos-transformer", "Cosmos-1.0 video DiT (CosmosTransformer3DModel: AdaLN-LoRA, 3-D RoPE by fps, learnable pos, padding mask)")
+def cosmos_t():
+    import types
+    import diffusers.models.transformers.transformer_cosmos as tc
+    if not hasattr(tc, "transforms"):  # torchvision is not installed: its tensor NEAREST resize is interpolate's
+        tc.transforms = types.SimpleNamespace(
+            InterpolationMode=types.SimpleNamespace(NEAREST="nearest"),
+            functional=types.SimpleNamespace(resize=lambda x, size, interpolation: torch.nn.functional.interpolate(
+                x, size=size, mode=interpolation)))
+    m = D("CosmosTransformer3DModel", in_channels=4, out_channels=4, num_attention_heads=2, attention_head_dim=32,
+          num_layers=1, mlp_ratio=2.0, text_embed_dim=48, adaln_lora_dim=16, max_size=(8, 32, 32),
+          patch_size=(1, 2, 2), rope_scale=(2.0, 1.0, 1.0), concat_padding_mask=True,
+          extra_pos_embed_type="learnable")
+    # EDM preconditioning: timestep = 0.25 log(sigma); the pipeline's padding mask is zeros at pixel size
+    return (m, lambda m, h, t, e, pm: m(h, t, e, fps=30, padding_mask=pm).sample,
+            (randn(1, 4, 2, 16, 16), torch.tensor([0.7]), randn(1, 8, 48, seed=2), torch.zeros(1, 1, 128, 128)),
+            ("hidden_states", "timestep", "encoder_hidden_states", "padding_mask"))
+
+
+@entry("unet3d", "ModelScope text-to-video UNet3DConditionModel (temporal convs + temporal transformers, 2 frames)")
+def unet3d():
+    m = D("UNet3DConditionModel", sample_size=16, in_channels=4, out_channels=4,
+          down_block_types=("CrossAttnDownBlock3D", "DownBlock3D"), up_block_types=("UpBlock3D", "CrossAttnUpBlock3D"),
+          block_out_channels=(32, 64), layers_per_block=1, norm_num_groups=8, cross_attention_dim=48,
+          attention_head_dim=8)
+    return (m, lambda m, s, t, e: m(s, t, e).sample,
+            (randn(1, 4, 2, 16, 16), torch.tensor([500]), randn(1, 8, 48, seed=2)),
+            ("sample", "timestep", "encoder_hidden_states"))
+
+
+@entry("animatediff-unet", "AnimateDiff UNetMotionModel (SD UNet + motion modules: temporal attention with sinusoidal pos, 2 frames)")
+def unet_motion():
+    m = D("UNetMotionModel", sample_size=16, in_channels=4, out_channels=4,
+          down_block_types=("CrossAttnDownBlockMotion", "DownBlockMotion"),
+          up_block_types=("UpBlockMotion", "CrossAttnUpBlockMotion"), block_out_channels=(32, 64), layers_per_block=1,
+          norm_num_groups=8, cross_attention_dim=48, num_attention_heads=2, motion_num_attention_heads=2,
+          motion_max_seq_length=32, use_motion_mid_block=True)
+    # AnimateDiff's pipeline repeats the prompt embeddings per frame
+    return (m, lambda m, s, t, e: m(s, t, e).sample,
+            (randn(1, 4, 2, 16, 16), torch.tensor([500]), randn(1, 8, 48, seed=2).repeat_interleave(2, dim=0)),
+            ("sample", "timestep", "encoder_hidden_states"))
+
+
+@entry("ltx-vae-decoder", "AutoencoderKLLTXVideo decoder, LTX-Video 0.9.1 style (timestep-conditioned causal 3-D convs, depth-to-space)")
+def ltx_vae():
+    m = D("AutoencoderKLLTXVideo", in_channels=3, out_channels=3, latent_channels=8, block_out_channels=(16, 32),
+          decoder_block_out_channels=(32, 32), down_block_types=("LTXVideoDownBlock3D",) * 2,
+          layers_per_block=(1, 1, 1), decoder_layers_per_block=(1, 1, 1), spatio_temporal_scaling=(True, False),
+          decoder_spatio_temporal_scaling=(True, False), decoder_inject_noise=(False, False, False),
+          downsample_type=("conv", "conv"), upsample_residual=(False, False), upsample_factor=(1, 1),
+          timestep_conditioning=True, patch_size=4, patch_size_t=1)
+    # equal decoder widths: diffusers 0.39 passes the raw timestep to an up block's channel-changing conv_in
+    # resnet when timestep-conditioned (IndexError in unflatten). LTX 0.9.1's pipeline decodes at timestep 0.05
+    return (m, lambda m, z, t: m.decode(z, t).sample, (randn(1, 8, 2, 8, 8), torch.tensor([0.05])),
+            ("latent_sample", "timestep"))
+
+
+@entry("hunyuanimage-transformer", "HunyuanImage 2.1 DiT (HunyuanImageTransformer2DModel: token refiner, byT5 glyph text, 2-D RoPE)")
+def hunyuanimage_t():
+    m = D("HunyuanImageTransformer2DModel", in_channels=8, out_channels=8, num_attention_heads=2, attention_head_dim=32,
+          num_layers=1, num_single_layers=1, num_refiner_layers=1, patch_size=(1, 1), text_embed_dim=48,
+          text_embed_2_dim=40, rope_axes_dim=(16, 16), guidance_embeds=False)
+    return (m, lambda m, h, t, e, mk, e2, mk2: m(h, t, e, mk, encoder_hidden_states_2=e2,
+                                                 encoder_attention_mask_2=mk2).sample,
+            (randn(1, 8, 8, 8), torch.tensor([700.0]), randn(1, 8, 48, seed=2), _padded_mask(dtype=torch.long),
+             randn(1, 8, 40, seed=3), _padded_mask(keep=5, dtype=torch.long)),
+            ("hidden_states", "timestep", "encoder_hidden_states", "encoder_attention_mask",
+             "encoder_hidden_states_2", "encoder_attention_mask_2"))
+
+
 # --- machinery -----------------------------------------------------------------------------------------------
 
 class Wrapper(torch.nn.Module):
