@@ -310,3 +310,38 @@ def test_a_where_of_booleans_is_and_or_not(branches):
     onnx.checker.check_model(out, full_check=True)
     assert "Where" not in ops(irm), ops(irm)
     np.testing.assert_array_equal(run(out, feeds)[0], ReferenceEvaluator(m).run(None, feeds)[0])
+
+
+@pytest.mark.parametrize("case", ["latte", "mixed", "matmul", "sinusoid"])
+def test_an_expand_of_leading_axes_moves_below_a_reshape_and_a_split(case):
+    """Latte repeats its timestep's modulation [1, 6C] for each of the S pixels ([S, 6C]), views it [S, 6, C],
+    adds its table and chunks it: the Expand moves below the Reshape, the Add and the Split, and each chunk's
+    then goes into the product with the tokens, which broadcasts it anyway: no Expand left, bit for bit. Near
+    misses keep it above the Reshape: a Reshape that mixes the repeated axis with the others ([S, 6C] ->
+    [2S, 3C]), one a MatMul reads (SVD's context repeated over the pixels for K and V, which the frames pass
+    reads as that Expand), and one whose product ends in a Sin and a Cos (a UNet's timestep over the batch
+    before its sinusoid: the Expand would stop between them, where the sinusoid step no longer reads it)."""
+    s, c = 4, 3
+    shape = [2 * s, 3 * c] if case == "mixed" else [s, 6, c]
+    nodes = [n("Expand", ["e", "wide"], ["ew"]), n("Reshape", ["ew", "view"], ["v"])]
+    if case == "latte":
+        nodes += [n("Add", ["v", "table"], ["t"]), n("Split", ["t", "sizes"], [f"p{i}" for i in range(6)], axis=1),
+                  *[n("Mul", ["x", f"p{i}"], [f"m{i}"]) for i in range(6)], n("Sum", [f"m{i}" for i in range(6)], ["y"])]
+        out = [s, 2, c]
+    elif case == "mixed":
+        nodes += [n("Relu", ["v"], ["y"])]
+        out = shape
+    elif case == "matmul":
+        nodes += [n("MatMul", ["v", "k"], ["y"])]
+        out = [s, 6, 2]
+    else:
+        nodes += [n("Mul", ["v", "table"], ["a"]), n("Sin", ["a"], ["sa"]), n("Cos", ["a"], ["ca"]),
+                  n("Concat", ["sa", "ca"], ["y"], axis=2)]
+        out = [s, 6, 2 * c]
+    m = model(nodes, {"e": [1, 6 * c], "x": [s, 2, c]} if case == "latte" else {"e": [1, 6 * c]}, {"y": out},
+              {"wide": np.array([s, 6 * c]), "view": np.array(shape), "table": w(1, 6, c),
+               "sizes": np.ones(6, np.int64), "k": w(c, 2)})
+    irm, counts = rewritten(m, noops.sink_expands, noops.drop_broadcast_expands)
+    assert ops(irm)["Expand"] == (0 if case == "latte" else 1), (ops(irm), counts)
+    if case != "latte":  # where it was: the Reshape reads it
+        assert next(x for x in irm.graph if x.op_type == "Reshape").inputs[0].producer().op_type == "Expand"

@@ -128,8 +128,9 @@ def sink_expands(node: ir.Node) -> bool:
     """An Expand read by one element-wise op alone whose output the Expand widens (a key-padding mask
     expanded over the heads and queries before its ``Where(mask, 0, -inf)``: Lumina-Next's) moves below it:
     the op on the unexpanded input, then the Expand; the same elements, each computed once. It goes on down
-    while that holds; an Expand every reader of which broadcasts anyway then goes (``drop_broadcast_expands``,
-    the next step), and the scores' addend is the key row it is."""
+    while that holds, and below a Reshape or a Split that keeps its widened leading axes apart
+    (``_expand_below_movement``); an Expand every reader of which broadcasts anyway then goes
+    (``drop_broadcast_expands``, the next step), and the scores' addend is the key row it is."""
     graph = graph_of(node)
     moved = False
     while True:
@@ -138,6 +139,18 @@ def sink_expands(node: ir.Node) -> bool:
         if x is None or y.is_graph_output() or len(uses) != 1 or static_shape(x) is None:
             return moved
         r = uses[0].node
+        if r.domain in ("", "ai.onnx") and r.op_type in ("Reshape", "Split"):
+            if not _goes_on(r):
+                return moved
+            wide = _expand_below_movement(graph, node, r)
+            if not wide:
+                return moved
+            if len(wide) > 1:  # a Split's parts: each Expand goes on down on its own
+                for part in wide:
+                    sink_expands.rewrite(part)
+                return True
+            node, moved = wide[0], True
+            continue
         shapes = _without_expand(r, x, y)
         if shapes is None or len(r.outputs) != 1 or r.outputs[0].is_graph_output():
             return moved
@@ -152,6 +165,91 @@ def sink_expands(node: ir.Node) -> bool:
         graph.insert_before(r, b.nodes)
         r.outputs[0].replace_all_uses_with(wide.outputs[0])
         node, moved = wide, True
+
+
+def _broadcasting(node: ir.Node) -> bool:
+    return node.op_type in BROADCASTING and node.domain in ("", "ai.onnx")
+
+
+def _goes_on(r: ir.Node) -> bool:
+    """Whether an Expand moved below the Reshape or Split ``r`` then goes (``_drops_below``), rather than stop at a
+    reader that needs it where it was: SVD's context repeated over the pixels for the K and V of its frames'
+    cross-attention (``passes/frames.py`` reads it as that Expand), a UNet's timestep expanded over the batch
+    before its sinusoid (``canonical/sinusoids`` reads that)."""
+    return all(_drops_below(o) for o in r.outputs)
+
+
+def _drops_below(v: ir.Value, depth: int = 8) -> bool:
+    """Whether an Expand writing ``v`` would go: every reader is element-wise and either broadcasts it anyway
+    (another operand has the reader's output shape) or, read alone, passes it on to readers that do; a Split's
+    every part likewise."""
+    uses = list(v.uses())
+    if not uses or v.is_graph_output() or depth < 0:
+        return False
+    for use in uses:
+        r = use.node
+        if r.op_type == "Split" and r.domain in ("", "ai.onnx") and use.idx == 0:
+            if not all(_drops_below(o, depth - 1) for o in r.outputs):
+                return False
+            continue
+        if not _broadcasting(r) or len(r.outputs) != 1:
+            return False
+        out = static_shape(r.outputs[0])
+        if out is not None and any(x is not None and x is not v and static_shape(x) == out for x in r.inputs):
+            continue  # it broadcasts the Expand's input anyway: the Expand goes here
+        if len(uses) != 1 or not _drops_below(r.outputs[0], depth - 1):
+            return False
+    return True
+
+
+def _expand_below_movement(graph: ir.Graph, expand: ir.Node, r: ir.Node) -> list[ir.Node]:
+    """``r`` (a Reshape or a Split, the Expand's one reader) on the Expand's input, then Expands: where the
+    Expand widens only leading axes ([1, .., 1, rest] -> [n1, .., nk, rest]) and the Reshape keeps that block
+    apart (its output [m1, .., mj, rest'] with m1 * .. * mj = n1 * .. * nk), or the Split cuts an axis the
+    Expand leaves. Latte repeats its timestep's modulation for every pixel before it views and chunks it: the
+    chunks are then the [1, 1, C] rows every token broadcasts. The new Expands (one per output; none: no move)."""
+    x, y = expand.inputs[0], expand.outputs[0]
+    sx, sy = static_shape(x), static_shape(y)
+    outs = [static_shape(o) for o in r.outputs]
+    if x is None or sx is None or sy is None or any(o is None or v.is_graph_output() for o, v in zip(outs, r.outputs)):
+        return []
+    full = (1,) * (len(sy) - len(sx)) + tuple(sx)
+    if len(full) != len(sy):
+        return []
+    wide = [i for i, (a, b) in enumerate(zip(full, sy)) if a != b]
+    k = max(wide) + 1 if wide else 0
+    if not wide or any(full[i] != 1 for i in range(k)):
+        return []  # not a block of leading axes from 1
+    b = Builder(graph, RULE)
+    if r.op_type == "Reshape":
+        so = outs[0]
+        lead = int(np.prod(sy[:k]))
+        j = next((j for j in range(len(so) + 1) if int(np.prod(so[:j])) == lead), None)  # type: ignore[index]
+        if j is None or int(np.prod(so[j:])) != int(np.prod(sy[k:])):  # type: ignore[index]
+            return []
+        small = [1] * j + list(so[j:])  # type: ignore[index]
+        inner = b.op("Reshape", [x, b.const(np.asarray(small, np.int64), "shape")], dtype=y.dtype, shape=small)
+        new = b.op("Expand", [inner.outputs[0], b.const(np.asarray(so, np.int64), "shape")], dtype=y.dtype,
+                   shape=list(so))  # type: ignore[arg-type]
+        graph.insert_before(r, b.nodes)
+        r.outputs[0].replace_all_uses_with(new.outputs[0])
+        return [new]
+    axis = int(r.attributes["axis"].value) if "axis" in r.attributes else 0
+    axis %= len(sy)
+    if axis < k or len(sx) != len(sy):
+        return []  # a cut of a widened axis; or x of a lower rank (a Reshape first)
+    attrs = {key: a.value for key, a in r.attributes.items()}
+    parts = b.op("Split", [x, *r.inputs[1:]], attrs, n_out=len(r.outputs))
+    news = []
+    for part, old, shape in zip(parts.outputs, r.outputs, outs, strict=True):
+        small = [1] * k + list(shape[k:])  # type: ignore[index]
+        part.dtype, part.shape = y.dtype, ir.Shape(small)
+        news.append(b.op("Expand", [part, b.const(np.asarray(shape, np.int64), "shape")], dtype=y.dtype,
+                         shape=list(shape)))  # type: ignore[arg-type]
+    graph.insert_before(r, b.nodes)
+    for old, new in zip(r.outputs, news, strict=True):
+        old.replace_all_uses_with(new.outputs[0])
+    return news
 
 
 @node_rewrite("expands and reshapes to the same shape dropped", "Expand", "Reshape", sweep_after=True)
