@@ -141,8 +141,8 @@ def _binary_ok(region: Region, node: ir.Node, i: int, target: DispatchTarget) ->
         return None
     if all(d == 1 for d in other[:-1]):
         return None  # broadcast over every token
-    if len(out) >= 2 and other[-2:] == out[-2:] == [region.f, region.c] and all(d == 1 for d in other[:-2]):
-        region.per_frame.append((node, i))  # one row per frame, broadcast over the pixels (a position embedding)
+    if i == 0 and len(out) >= 2 and other[-2:] == out[-2:] == [region.f, region.c] and all(d == 1 for d in other[:-2]):
+        region.per_frame.append((node, i))  # one row per frame over the pixels (a position embedding), B its second
         return None
     return f"{node.op_type} with an operand {other} that varies by token but is not a frame token"
 
