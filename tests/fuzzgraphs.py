@@ -353,17 +353,30 @@ def step_video_conv(g: G, x: str) -> str:
 
 def step_frame_tokens(g: G, x: str) -> str:
     """A video transformer's temporal layers (SVD's temporal transformer blocks, issue 42): tokens [B, F*S, C]
-    read per pixel as [B*S, F, C] (Reshape, Transpose, Reshape), a body that is token-wise (a linear layer and a
-    residual Add) or holds an attention over the frames, or a per-frame scale or a linear layer across the frames
-    (neither token-wise: the transposes stay), then back to [B, F*S, C]."""
+    read per pixel as [B*S, F, C], a body that is token-wise (a linear layer and a residual Add), holds an
+    attention over the frames or adds a row per frame (AnimateDiff's position embedding [1, F, C]), or a
+    per-frame scale or a linear layer across the frames (neither token-wise: the transposes stay), then back to
+    [B, F*S, C]. Spelled as SVD writes it (Reshape, Transpose, Reshape) or as a video UNet's temporal transformer
+    does (ModelScope's, AnimateDiff's: the frames as NCHW [B*F, C, H, W], viewed [B, F, C, H, W], permuted to
+    [B, C, F, H, W] and then to [B, H, W, F, C]; back the same way through NCHW)."""
     b, s, c = g.shape[x]
     frames = [f for f in _divisors(s) if f >= 2]
     f = g.pick(frames) if frames else 1
     p = s // f
-    x4 = g.op("Reshape", [x, g.ints([b, f, p, c])], (b, f, p, c))
-    t = g.op("Transpose", [x4], (b, p, f, c), perm=[0, 2, 1, 3])
+    unet = g.flag()
+    h_ = next(d for d in sorted(_divisors(p)) if d * d >= p)  # the pixels as H x W, for the UNet's spelling
+    w_ = p // h_
+    if unet:  # NCHW frames, then [B, C, F, H, W], then per pixel over the frames
+        nchw = g.op("Transpose", [g.op("Reshape", [x, g.ints([b * f, h_, w_, c])], (b * f, h_, w_, c))],
+                    (b * f, c, h_, w_), perm=[0, 3, 1, 2])
+        v5 = g.op("Reshape", [nchw, g.ints([b, f, c, h_, w_])], (b, f, c, h_, w_))
+        cf = g.op("Transpose", [v5], (b, c, f, h_, w_), perm=[0, 2, 1, 3, 4])
+        t = g.op("Transpose", [cf], (b, h_, w_, f, c), perm=[0, 3, 4, 2, 1])
+    else:
+        x4 = g.op("Reshape", [x, g.ints([b, f, p, c])], (b, f, p, c))
+        t = g.op("Transpose", [x4], (b, p, f, c), perm=[0, 2, 1, 3])
     t3 = g.op("Reshape", [t, g.ints([b * p, f, c])], (b * p, f, c))
-    body = g.pick(["linear", "attention", "per_frame", "across"])
+    body = g.pick(["linear", "attention", "per_frame", "across", "frame_rows"])
     if body == "across":  # a linear layer over the frames of a pixel: it mixes the tokens (the transposes stay)
         r = g.op("Reshape", [t3, g.ints([b * p, f * c])], (b * p, f * c))
         h = g.op("Reshape", [_project(g, r, f * c), g.ints([b * p, f, c])], (b * p, f, c))
@@ -374,12 +387,20 @@ def step_frame_tokens(g: G, x: str) -> str:
     elif body == "per_frame":
         scale = g.tensor(g.rng.uniform(0.5, 1.5, (1, f, 1)).astype(g.np_dtype), "per_frame")
         h = g.bin("Mul", _project(g, t3, c), scale)
+    elif body == "frame_rows":  # a row per frame over every pixel: [1, F, C]
+        h = _project(g, g.bin("Add", t3, g.weight((1, f, c), 0.5, "frame_rows")), c)
     else:
         h = _project(g, t3, c)
     u = g.bin("Add", h, t3)
-    u4 = g.op("Reshape", [u, g.ints([b, p, f, c])], (b, p, f, c))
-    ut = g.op("Transpose", [u4], (b, f, p, c), perm=[0, 2, 1, 3])
-    g.desc.append(f"FrameTokens(frames={f}, pixels={p}, body={body})")
+    if unet:  # back through [B, F, C, H, W] to NCHW frames, a residual Add there, then the tokens
+        u5 = g.op("Reshape", [u, g.ints([b, h_, w_, f, c])], (b, h_, w_, f, c))
+        back = g.op("Transpose", [u5], (b, f, c, h_, w_), perm=[0, 3, 4, 1, 2])
+        frames_nchw = g.bin("Add", g.op("Reshape", [back, g.ints([b * f, c, h_, w_])], (b * f, c, h_, w_)), nchw)
+        ut = g.op("Transpose", [frames_nchw], (b * f, h_, w_, c), perm=[0, 2, 3, 1])
+    else:
+        u4 = g.op("Reshape", [u, g.ints([b, p, f, c])], (b, p, f, c))
+        ut = g.op("Transpose", [u4], (b, f, p, c), perm=[0, 2, 1, 3])
+    g.desc.append(f"FrameTokens(frames={f}, pixels={p}, body={body}, spelling={'unet' if unet else 'svd'})")
     return g.op("Reshape", [ut, g.ints([b, s, c])], (b, s, c))
 
 
