@@ -298,3 +298,36 @@ def test_a_matmul_of_a_symbolic_length_has_unknown_macs(length):
     node = helper.make_node("MatMul", ["x", "w"], ["y"])
     model = helper.make_model(helper.make_graph([node], "g", [x], [y], [w]))
     assert macs(node, _shapes(model), get_target()) == (None if length == "n" else 6 * 4 * 8)
+
+
+def test_an_export_onnxruntime_refuses_for_its_boolean_where_is_checked_with_it_rewritten(tmp_path, caplog):
+    """dynamo writes ``mask.masked_fill(idx, False)`` as a Where of booleans, which onnxruntime has no kernel for
+    (HunyuanVideo's export): the compile's check runs a copy of the export with only those Wheres as And / Or / Not,
+    says so, compiles with exit 0 (it exited 2), and leaves no copy behind; the dispatch model has none either."""
+    import logging
+
+    import numpy as np
+    from onnx import TensorProto as T
+    from onnx import helper
+
+    from sdnpu.cli import main
+
+    rng = np.random.default_rng(0)
+    nodes = [helper.make_node("Where", ["keep", "drop", "keep"], ["kept"]),  # keep, unless drop: keep & ~drop
+             helper.make_node("Cast", ["kept"], ["m"], to=T.FLOAT), helper.make_node("MatMul", ["x", "w"], ["a"]),
+             helper.make_node("Mul", ["a", "m"], ["y"])]
+    g = helper.make_graph(nodes, "g", [helper.make_tensor_value_info("x", T.FLOAT, [1, 16, 64]),
+                                       helper.make_tensor_value_info("keep", T.BOOL, [1, 16, 1])],
+                          [helper.make_tensor_value_info("y", T.FLOAT, [1, 16, 64])],
+                          [onnx.numpy_helper.from_array(rng.standard_normal((64, 64)).astype(np.float32), "w"),
+                           onnx.numpy_helper.from_array(np.array(False), "drop")])
+    (tmp_path / "m").mkdir()
+    onnx.save(helper.make_model(g, opset_imports=[helper.make_opsetid("", 17)]), str(tmp_path / "m" / "model.onnx"))
+    with caplog.at_level(logging.INFO):
+        assert main(["compile", str(tmp_path / "m" / "model.onnx"), "--out", str(tmp_path / "dd")]) == 0
+    assert "onnxruntime has no boolean Where" in caplog.text
+    assert sorted(p.name for p in (tmp_path / "dd").iterdir() if "bool_where" in p.name) == []
+    compiled = onnx.load(str(tmp_path / "dd" / "replaced.onnx"), load_external_data=False)
+    assert not any(n.op_type == "Where" for n in compiled.graph.node)
+    fidelity = json.loads((tmp_path / "dd" / "report.json").read_text())["fidelity"]
+    assert fidelity["min_cosine"] > 0.999, fidelity

@@ -398,13 +398,13 @@ def rewrite_where_as_arithmetic(node: ir.Node) -> bool:
 def rewrite_bool_where(node: ir.Node) -> bool:
     """``Where(c, a, b)`` of booleans (dynamo's ``mask.masked_fill(idx, False)``: HunyuanVideo's token mask) is
     ``Or(And(c, a), And(Not(c), b))``; a scalar constant branch drops its term or its And (``Where(c, False, b)``
-    is ``And(Not(c), b)``). onnxruntime has no boolean Where kernel, so a dispatch model keeping it could not
-    run; the same values, an Expand where the terms broadcast narrower than the Where's output."""
+    is ``And(Not(c), b)``: a dropped branch is a scalar, so the terms broadcast to the Where's shape).
+    onnxruntime has no boolean Where kernel, so a dispatch model keeping it could not run; the same values."""
     cond, a, b_ = node.inputs
     y = node.outputs[0]
-    shape = static_shape(y)
-    if cond is None or a is None or b_ is None or y.dtype != ir.DataType.BOOL or shape is None:
-        return False
+    if cond is None or a is None or b_ is None or ir.DataType.BOOL not in (y.dtype, a.dtype) \
+            or a.dtype not in (None, ir.DataType.BOOL) or b_.dtype not in (None, ir.DataType.BOOL):
+        return False  # the branches' type is the output's (an export without its shapes may not say it)
     graph = graph_of(node)
     bld = Builder(graph, RULE)
 
@@ -422,10 +422,7 @@ def rewrite_bool_where(node: ir.Node) -> bool:
         terms.append(pick if k is not None and k.size == 1 else op("And", pick, value))
     if not terms:
         return False  # Where(c, False, False): left as written
-    out = terms[0] if len(terms) == 1 else op("Or", *terms)
-    if static_shape(out) != shape:
-        out = bld.op("Expand", [out, bld.const(np.asarray(shape, np.int64), "shape")], dtype=ir.DataType.BOOL,
-                     shape=list(shape)).outputs[0]
+    out = terms[0] if len(terms) == 1 else op("Or", *terms)  # the broadcast of c, a, b: the Where's shape
     graph.insert_before(node, bld.nodes)
     reroute(graph, y, out)
     graph.remove(node, safe=True)
