@@ -173,8 +173,7 @@ def fidelity_run(name: str, source: Path, out: Path, check: FidelityCheck,
         return _fidelity_of(name, runnable or source, out, feeds, reference), None
     finally:
         if runnable is not None:
-            for path in (runnable, runnable.with_name(runnable.name + ".data")):
-                path.unlink(missing_ok=True)
+            _remove_model(runnable)
 
 
 def _reference_run(name: str, source: Path, out: Path, feeds: dict[str, np.ndarray]
@@ -206,11 +205,16 @@ def _reference_run(name: str, source: Path, out: Path, feeds: dict[str, np.ndarr
         with step(log, f"[{name}] running the fp32 graph, its boolean Wheres rewritten, for the fidelity check"):
             return run_onnx(runnable, feeds, optimize=True), runnable
     except Exception as e:
-        for path in (runnable, runnable.with_name(runnable.name + ".data")):
-            path.unlink(missing_ok=True)
+        _remove_model(runnable)
         if not is_ort_error(e):
             raise
         raise error from None
+
+
+def _remove_model(path: Path) -> None:
+    """A model file ``save`` wrote, and its external data file if it has one."""
+    for file in (path, path.with_name(path.name + ".data")):
+        file.unlink(missing_ok=True)
 
 
 def _fidelity_of(name: str, source: Path, out: Path, feeds: dict[str, np.ndarray],

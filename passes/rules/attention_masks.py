@@ -23,6 +23,7 @@ import numpy as np
 import onnx_ir as ir
 
 from sdnpu.formats.keys import DECLINED_TAG
+from sdnpu.passes.movement import MOVEMENT_OPS
 from sdnpu.passes.irutil import Builder, const, is_float, producer, scalar, static_shape
 
 if TYPE_CHECKING:  # the rule's params: the rule builds on this module
@@ -230,7 +231,7 @@ def _mask_floor(np_dtype: np.dtype, d: int) -> float:
     return float(2.0 ** (top - int(np.ceil(np.log2(2.0 * np.sqrt(d)))) - 2))
 
 
-_MOVES = frozenset({"Reshape", "Unsqueeze", "Squeeze", "Flatten", "Expand", "Transpose", "Identity", "Tile"})
+_MOVES = MOVEMENT_OPS | {"Expand", "Identity", "Tile"}  # ops that keep the values a mask holds
 
 
 def mask_values(v: ir.Value | None, depth: int = 12) -> set[float] | None:
